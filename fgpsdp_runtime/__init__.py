@@ -1,0 +1,10 @@
+"""fgpsdp_runtime: fine-grained partially sharded data parallel training.
+
+    model = fgp.DistributedDataParallel(module, bucket_cap_mb=25.0)
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=3e-4, max_grad_norm=1.0)
+"""
+from .ddp import DistributedDataParallel
+from .optim import ShardedOptimizer
+
+__all__ = ["DistributedDataParallel", "ShardedOptimizer"]
+__version__ = "0.1.0"

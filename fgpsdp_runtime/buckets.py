@@ -1,0 +1,73 @@
+"""The tensors behind one bucket: flat parameters, gradient slice, send buffer.
+
+[Note: parameters are views of the bucket]
+At construction every trainable parameter's storage is moved into its
+bucket's flat buffer (``param.data`` becomes a view). The all-gather of
+updated slices therefore writes straight into the model's parameters and no
+unpack copy is needed; the optimizer's slice tensors are views of the same
+buffer, so the inner ``torch.optim`` optimizer updates this rank's slice in
+place.
+
+[Note: gradient memory]
+Only this rank's reduced slice of the gradient (``grad_shard``, 1/N of the
+bucket) lives from one step to the next. The full-size send buffer exists
+from the first gradient of the bucket until its reduce-scatter has landed,
+and each parameter's own ``.grad`` is released as soon as it is packed, so
+gradient memory per rank is one slice plus the buckets in flight (ZeRO-2).
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from .layout import BucketLayout, ParamSpan
+
+
+class BucketStorage:
+    """Flat parameter buffer, persistent gradient slice and transient send buffer."""
+
+    def __init__(self, layout: BucketLayout, params: Sequence[torch.nn.Parameter], rank: int):
+        # params[i] is the parameter of layout.spans[i].
+        self.layout = layout
+        first = params[0]
+        self.dtype = first.dtype
+        self.device = first.device
+        self.flat_param = torch.zeros(layout.padded_numel, dtype=self.dtype, device=self.device)
+        with torch.no_grad():
+            for span, param in zip(layout.spans, params):
+                view = self.span_view(self.flat_param, span)
+                view.copy_(param.detach().reshape(-1))
+                param.data = view.view(param.shape)
+        self.shard_start, self.shard_end = layout.shard_range(rank)
+        # This rank's slice of the parameters: what its optimizer updates and
+        # what it contributes to the all-gather.
+        self.param_shard = self.flat_param[self.shard_start:self.shard_end]
+        # The reduced, averaged gradient of this rank's slice.
+        self.grad_shard = torch.zeros(layout.shard_numel, dtype=self.dtype, device=self.device)
+        # False while grad_shard holds nothing: the next reduce-scatter writes
+        # into it instead of adding (zero_grad(set_to_none=True) semantics).
+        self.grad_shard_valid = False
+        self.send_buffer: Optional[torch.Tensor] = None
+
+    @staticmethod
+    def span_view(flat: torch.Tensor, span: ParamSpan) -> torch.Tensor:
+        return flat[span.bucket_offset:span.bucket_end]
+
+    def acquire_send_buffer(self) -> torch.Tensor:
+        """The bucket-sized buffer that gradients are packed into."""
+        if self.send_buffer is None:
+            buf = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+            buf[self.layout.numel:].zero_()  # padding takes part in the sum
+            self.send_buffer = buf
+        return self.send_buffer
+
+    def release_send_buffer(self) -> None:
+        self.send_buffer = None
+
+    def invalidate_grad_shard(self) -> None:
+        self.grad_shard_valid = False
+
+    def zero_grad_shard(self) -> None:
+        self.grad_shard.zero_()
+        self.grad_shard_valid = True

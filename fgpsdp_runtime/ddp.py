@@ -1,0 +1,212 @@
+"""DistributedDataParallel: the drop-in wrapper that owns buckets and hooks.
+
+It composes the pure layout (layout.py), the bucket tensors (buckets.py), the
+gradient reducer (reducer.py) and the communicator (comm.py). The optimizer
+(optim.py) drives the per-step exchange through the ``start_*`` / ``finish_*``
+methods below.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .buckets import BucketStorage
+from .comm import CommStats, FlatCommunicator, PendingOp
+from .layout import BucketLayout, ParamInfo, owned_numel, plan_buckets
+from .reducer import GradientReducer
+from .validation import agree_or_raise, describe, local_problems
+
+class DistributedDataParallel(nn.Module):
+    """Partially sharded (ZeRO-2) data parallelism with torch DDP's interface.
+
+    Gradients are averaged over ranks like DDP's, but each rank keeps only its
+    slice of the reduced gradient and (through :class:`ShardedOptimizer`) of
+    the optimizer state; updated parameters are all-gathered back into every
+    rank's full replica.
+    """
+
+    def __init__(self, module: nn.Module, device_ids: Optional[Sequence[Any]] = None,
+                 output_device: Any = None, dim: int = 0, broadcast_buffers: bool = True,
+                 process_group: Optional[dist.ProcessGroup] = None, bucket_cap_mb: float = 25.0,
+                 find_unused_parameters: bool = False, check_reduction: bool = False,
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False):
+        super().__init__()
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("fgpsdp: call torch.distributed.init_process_group() first")
+        if bucket_cap_mb is None or bucket_cap_mb <= 0:
+            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        # output_device, dim, check_reduction, gradient_as_bucket_view and
+        # static_graph are accepted for drop-in compatibility and change nothing:
+        # outputs stay where the single-device module puts them, gradients are
+        # released into the send buffer as soon as they are ready, and
+        # unused parameters are handled without knowing the graph.
+        if device_ids is not None and len(device_ids) != 1:
+            raise ValueError("device_ids must name exactly one device (single-device modules)")
+        self.module = module
+        self.process_group = process_group
+        self.broadcast_buffers = broadcast_buffers
+        self.find_unused_parameters = find_unused_parameters
+        self.bucket_cap_mb = float(bucket_cap_mb)
+        self.device_ids = list(device_ids) if device_ids is not None else None
+        self.output_device = output_device
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+
+        named = list(module.named_parameters())  # tied parameters appear once
+        trainable = [(n, p) for n, p in named if p.requires_grad]
+        agree_or_raise(process_group, local_problems(module, trainable), describe(named))
+
+        self._params = [p for _, p in trainable]
+        self._param_names = [n for n, _ in trainable]
+        self._param_index = {id(p): i for i, p in enumerate(self._params)}
+        self.comm_stats_counter = CommStats()
+        self._comm = FlatCommunicator(process_group, stats=self.comm_stats_counter)
+
+        infos = [ParamInfo(p.numel(), str(p.dtype).replace("torch.", ""), p.element_size())
+                 for p in self._params]
+        self.bucket_layouts: tuple[BucketLayout, ...] = plan_buckets(
+            infos, bucket_cap_bytes=int(self.bucket_cap_mb * 1024 * 1024),
+            world_size=self.world_size)
+        self._buckets = [
+            BucketStorage(layout, [self._params[s.param_index] for s in layout.spans], self.rank)
+            for layout in self.bucket_layouts]
+        self._broadcast_initial_state(named)
+
+        self.reducer = GradientReducer(self._params, self._param_names, self._buckets, self._comm)
+        self.reducer.register_hooks()
+        self._param_gathers: dict[int, PendingOp] = {}
+        # As torch DDP: buffers are broadcast before a forward that follows a
+        # synchronised, grad-enabled forward (and before the first one).
+        self._sync_buffers_before_forward = True
+
+    # -- set-up --------------------------------------------------------------
+
+    def _authoritative_rank(self) -> int:
+        return dist.get_global_rank(self.process_group, 0) if self.process_group else 0
+
+    @torch.no_grad()
+    def _broadcast_initial_state(self, named_params) -> None:
+        """Rank 0's parameters and buffers everywhere, as DDP does at construction."""
+        if self.world_size == 1:
+            return
+        src = self._authoritative_rank()
+        for storage in self._buckets:
+            dist.broadcast(storage.flat_param, src=src, group=self.process_group)
+        frozen = [p for _, p in named_params if not p.requires_grad]
+        _broadcast_coalesced(frozen + list(self.module.buffers()), src, self.process_group)
+
+    @torch.no_grad()
+    def _broadcast_buffers(self) -> None:
+        buffers = list(self.module.buffers())
+        if buffers and self.world_size > 1:
+            with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+                _broadcast_coalesced(buffers, self._authoritative_rank(), self.process_group)
+
+    # -- forward -------------------------------------------------------------
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self.finish_param_all_gathers()
+        if self._sync_buffers_before_forward and self.broadcast_buffers:
+            self._broadcast_buffers()
+        if self.device_ids is not None:
+            device = torch.device(self.device_ids[0]) if not isinstance(self.device_ids[0], int) \
+                else torch.device("cuda", self.device_ids[0])
+            inputs, kwargs = _move_to(inputs, device), _move_to(kwargs, device)
+        output = self.module(*inputs, **kwargs)
+        self._sync_buffers_before_forward = torch.is_grad_enabled() and self.reducer.sync_enabled
+        return output
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate gradients locally; the next synchronised backward reduces them."""
+        previous = self.reducer.sync_enabled
+        self.reducer.sync_enabled = False
+        try:
+            yield
+        finally:
+            self.reducer.sync_enabled = previous
+
+    # -- parameter exchange (driven by the optimizer) -------------------------
+
+    def start_param_all_gather(self, bucket: int) -> None:
+        """Send this rank's updated slice of ``bucket``; receive everyone else's."""
+        storage = self._buckets[bucket]
+        previous = self._param_gathers.pop(bucket, None)
+        if previous is not None:
+            previous.wait()
+        self._param_gathers[bucket] = self._comm.start_all_gather(storage.flat_param,
+                                                                  storage.param_shard)
+
+    def finish_param_all_gather(self, bucket: int) -> None:
+        op = self._param_gathers.pop(bucket, None)
+        if op is not None:
+            op.wait()
+
+    def finish_param_all_gathers(self) -> None:
+        for bucket in sorted(self._param_gathers):
+            self.finish_param_all_gather(bucket)
+
+    def synchronize(self) -> None:
+        """Block until every parameter of ``module`` holds its updated value."""
+        self.finish_param_all_gathers()
+
+    # -- introspection ---------------------------------------------------------
+
+    @property
+    def local_numel(self) -> int:
+        return owned_numel(self.bucket_layouts, self.rank)
+
+    def comm_stats(self) -> dict[str, dict[str, int]]:
+        """Bytes this rank sent since the last reset, ``{link: {phase: bytes}}``."""
+        return self.comm_stats_counter.as_dict()
+
+    def reset_comm_stats(self) -> None:
+        self.comm_stats_counter.reset()
+
+    def state_dict(self, *args: Any, **kwargs: Any):
+        self.synchronize()
+        return super().state_dict(*args, **kwargs)
+
+    def named_trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        return list(zip(self._param_names, self._params))
+
+    # -- internals shared with the optimizer ----------------------------------
+
+    @property
+    def buckets(self) -> Sequence[BucketStorage]:
+        return self._buckets
+
+    def param_index(self, param: torch.Tensor) -> Optional[int]:
+        return self._param_index.get(id(param))
+
+
+def _broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int,
+                         group: Optional[dist.ProcessGroup]) -> None:
+    """Broadcast many small tensors as one flat tensor per (device, dtype)."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    for members in groups.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in members])
+        dist.broadcast(flat, src=src, group=group)
+        offset = 0
+        for t in members:
+            n = t.numel()
+            t.detach().copy_(flat[offset:offset + n].view_as(t))
+            offset += n
+
+
+def _move_to(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=True)
+    if isinstance(obj, tuple):
+        return tuple(_move_to(o, device) for o in obj)
+    if isinstance(obj, list):
+        return [_move_to(o, device) for o in obj]
+    if isinstance(obj, dict):
+        return {k: _move_to(v, device) for k, v in obj.items()}
+    return obj

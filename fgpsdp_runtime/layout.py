@@ -1,0 +1,193 @@
+"""Bucket layout: which parameter lives where, and which slice each rank owns.
+
+Pure arithmetic, no communication and no tensors, so it can be unit-tested and
+property-tested without processes.
+
+[Note: fine-grained slices]
+Every bucket is one flat buffer holding several parameters back to back. The
+buffer is padded so that it splits into ``world_size`` equal, aligned,
+contiguous slices; rank ``r`` owns slice ``r`` of every bucket. Ownership is
+at element granularity: a parameter may straddle two or more slices, so every
+rank owns (and sends, and receives) the same number of bytes whatever the mix
+of tensor sizes. Per-parameter partitioning (ZeroRedundancyOptimizer,
+DeepSpeed's group partition) instead hands whole tensors to owners and can be
+off by orders of magnitude on a model with one large tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+# Slice starts are aligned to this many bytes so that vectorised kernels and
+# NCCL see aligned pointers; padding stays below world_size * SLICE_ALIGN_BYTES.
+SLICE_ALIGN_BYTES = 128
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+@dataclass(frozen=True)
+class ParamSpan:
+    """One parameter's place in its bucket."""
+
+    param_index: int  # index into the wrapper's list of trainable parameters
+    bucket_offset: int  # first element in the bucket's flat buffer
+    numel: int
+
+    @property
+    def bucket_end(self) -> int:
+        return self.bucket_offset + self.numel
+
+
+@dataclass(frozen=True)
+class ShardPiece:
+    """The part of one parameter that falls into one rank's slice."""
+
+    param_index: int
+    param_offset: int  # first element within the flattened parameter
+    bucket_offset: int  # first element within the bucket's flat buffer
+    numel: int
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    """A flat bucket of same-dtype parameters cut into equal slices."""
+
+    index: int
+    dtype_name: str  # e.g. "float32"; a string keeps the layout torch-free
+    element_size: int
+    spans: tuple[ParamSpan, ...]
+    world_size: int
+    padded_numel: int
+
+    @property
+    def numel(self) -> int:
+        """Elements that hold parameter data (padding excluded)."""
+        return self.spans[-1].bucket_end if self.spans else 0
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world_size
+
+    @property
+    def nbytes(self) -> int:
+        return self.padded_numel * self.element_size
+
+    def shard_range(self, rank: int) -> tuple[int, int]:
+        """[start, end) of rank's slice in the bucket's flat buffer."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} outside world of {self.world_size}")
+        start = rank * self.shard_numel
+        return start, start + self.shard_numel
+
+    def owned_numel(self, rank: int) -> int:
+        """Parameter elements (not padding) in rank's slice."""
+        start, end = self.shard_range(rank)
+        return max(0, min(end, self.numel) - start)
+
+    def shard_pieces(self, rank: int) -> tuple[ShardPiece, ...]:
+        """The parameter pieces inside rank's slice, in bucket order."""
+        start, end = self.shard_range(rank)
+        pieces = []
+        for span in self.spans:
+            lo = max(start, span.bucket_offset)
+            hi = min(end, span.bucket_end)
+            if lo < hi:
+                pieces.append(
+                    ShardPiece(
+                        param_index=span.param_index,
+                        param_offset=lo - span.bucket_offset,
+                        bucket_offset=lo,
+                        numel=hi - lo,
+                    )
+                )
+        return tuple(pieces)
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """What the layout needs to know of a parameter."""
+
+    numel: int
+    dtype_name: str
+    element_size: int
+
+
+def plan_buckets(
+    params: Sequence[ParamInfo],
+    *,
+    bucket_cap_bytes: int,
+    world_size: int,
+    order: Iterable[int] | None = None,
+    align_bytes: int = SLICE_ALIGN_BYTES,
+) -> tuple[BucketLayout, ...]:
+    """Group parameters into buckets of at most ``bucket_cap_bytes`` each.
+
+    ``order`` is the order gradients are expected to become ready (by default
+    reverse registration order, as backward usually produces them). A bucket
+    holds one dtype; a parameter larger than the cap gets a bucket of its own.
+    A new dtype closes the open bucket of another dtype only for that dtype:
+    each dtype fills its own open bucket so interleaved dtypes do not produce
+    a flood of tiny buckets.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if bucket_cap_bytes <= 0:
+        raise ValueError(f"bucket_cap_bytes must be > 0, got {bucket_cap_bytes}")
+    order = list(range(len(params)))[::-1] if order is None else list(order)
+    if sorted(order) != list(range(len(params))):
+        raise ValueError("order must be a permutation of the parameter indices")
+
+    # Per dtype: the spans of the bucket being filled and its byte count.
+    open_buckets: dict[str, list[ParamSpan]] = {}
+    open_bytes: dict[str, int] = {}
+    closed: list[tuple[str, int, list[ParamSpan]]] = []  # (dtype, elsize, spans)
+    elsize_of: dict[str, int] = {}
+
+    def close(dtype_name: str) -> None:
+        spans = open_buckets.pop(dtype_name, None)
+        open_bytes.pop(dtype_name, None)
+        if spans:
+            closed.append((dtype_name, elsize_of[dtype_name], spans))
+
+    for index in order:
+        info = params[index]
+        if info.numel <= 0:
+            continue  # an empty parameter has nothing to reduce or own
+        dtype_name = info.dtype_name
+        elsize_of[dtype_name] = info.element_size
+        nbytes = info.numel * info.element_size
+        spans = open_buckets.setdefault(dtype_name, [])
+        used = open_bytes.get(dtype_name, 0)
+        if spans and used + nbytes > bucket_cap_bytes:
+            close(dtype_name)
+            spans = open_buckets.setdefault(dtype_name, [])
+            used = 0
+        offset = spans[-1].bucket_end if spans else 0
+        spans.append(ParamSpan(param_index=index, bucket_offset=offset, numel=info.numel))
+        open_bytes[dtype_name] = used + nbytes
+    for dtype_name in list(open_buckets):
+        close(dtype_name)
+
+    layouts = []
+    for bucket_index, (dtype_name, elsize, spans) in enumerate(closed):
+        numel = spans[-1].bucket_end
+        align_elems = max(1, align_bytes // elsize)
+        padded = _round_up(numel, world_size * align_elems)
+        layouts.append(
+            BucketLayout(
+                index=bucket_index,
+                dtype_name=dtype_name,
+                element_size=elsize,
+                spans=tuple(spans),
+                world_size=world_size,
+                padded_numel=padded,
+            )
+        )
+    return tuple(layouts)
+
+
+def owned_numel(layouts: Iterable[BucketLayout], rank: int) -> int:
+    """Parameter elements (padding excluded) whose state ``rank`` owns."""
+    return sum(layout.owned_numel(rank) for layout in layouts)

@@ -1,0 +1,260 @@
+"""ShardedOptimizer: any torch.optim optimizer on this rank's slices.
+
+Per step (``serial`` exchange; the overlap scheduler reorders these)::
+
+    finish reduce-scatters -> local sum of squares + used mask
+    -> one all-reduce [sum, non-finite flag, used mask] -> clip coefficient
+    -> inner optimizer step on the slices -> all-gather updated slices
+
+[Note: slices as optimizer parameters]
+For every parameter piece inside this rank's slice of a bucket the inner
+optimizer gets a 1-D view of the bucket's flat parameter buffer (a leaf
+tensor) whose ``.grad`` is the matching view of the reduced gradient slice.
+The optimizer's state is thus allocated for owned elements only, and
+updates land in place in the model's storage. This is exact for
+element-wise optimizers (SGD, Adam, AdamW, RMSprop, Adagrad, ...); those whose
+update depends on a parameter's shape (LBFGS, Adafactor, SparseAdam) are
+refused.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .ddp import DistributedDataParallel
+from .ops import multi_tensor_sq_norm
+
+# Optimizers whose update is not element-wise: slicing would change the result.
+_NOT_ELEMENTWISE = {"LBFGS", "Adafactor", "SparseAdam"}
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Runs ``optimizer_class`` on this rank's slices of every bucket."""
+
+    def __init__(self, model: DistributedDataParallel, optimizer_class: type, *,
+                 param_groups: Optional[Sequence[dict[str, Any]]] = None,
+                 max_grad_norm: Optional[float] = None, **defaults: Any):
+        if not isinstance(model, DistributedDataParallel):
+            raise TypeError("ShardedOptimizer needs the fgpsdp_runtime.DistributedDataParallel "
+                            f"wrapper, got {type(model).__name__}")
+        if not (isinstance(optimizer_class, type)
+                and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise TypeError("optimizer_class must be a torch.optim.Optimizer subclass "
+                            f"(for example torch.optim.AdamW), got {optimizer_class!r}")
+        if optimizer_class.__name__ in _NOT_ELEMENTWISE:
+            raise TypeError(f"{optimizer_class.__name__} is not element-wise (or needs a closure "
+                            "or sparse gradients); it cannot run on flat slices")
+        if max_grad_norm is not None and not (max_grad_norm > 0):
+            raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
+        self.model = model
+        self.max_grad_norm = max_grad_norm
+        self.skipped_steps = 0  # steps skipped because the gradient norm was inf/NaN
+        self.last_step_skipped = False
+
+        groups = self._normalise_groups(param_groups)
+        self._pieces = self._build_pieces()  # param index -> [(piece tensor, bucket, start, end)]
+        slice_groups = []
+        for group in groups:
+            pieces = [piece for p in group["params"]
+                      for piece, *_ in self._pieces.get(model.param_index(p), ())]
+            if not pieces:
+                # Keep the group (schedulers index groups by position) with a
+                # placeholder that never gets a gradient, so the inner
+                # optimizer skips it.
+                pieces = [self._placeholder(group["params"])]
+            slice_groups.append({**{k: v for k, v in group.items() if k != "params"},
+                                 "params": pieces})
+        self.optim = optimizer_class(slice_groups, **defaults)
+        super().__init__(slice_groups, self.optim.defaults)
+        # One set of groups and state: lr schedulers edit what the inner optimizer reads.
+        self.param_groups = self.optim.param_groups
+        self.state = self.optim.state
+        self._reduced = False  # reduce-scatters finished and clipping applied this step
+        self._last_total_norm: Optional[torch.Tensor] = None
+
+    # -- construction helpers ------------------------------------------------
+
+    def _normalise_groups(self, param_groups) -> list[dict[str, Any]]:
+        trainable = [p for _, p in self.model.named_trainable_parameters()]
+        if param_groups is None:
+            return [{"params": trainable}]
+        if isinstance(param_groups, dict):
+            param_groups = [param_groups]
+        groups, seen = [], set()
+        for i, group in enumerate(param_groups):
+            if not isinstance(group, dict) or "params" not in group:
+                raise TypeError(f"param_groups[{i}] must be a dict with a 'params' entry")
+            params = group["params"]
+            params = [params] if isinstance(params, torch.Tensor) else list(params)
+            kept = []
+            for p in params:
+                if id(p) in seen:
+                    raise ValueError(f"param_groups[{i}]: a parameter appears in two groups")
+                seen.add(id(p))
+                if self.model.param_index(p) is None:
+                    if isinstance(p, torch.nn.Parameter) and not p.requires_grad:
+                        continue  # frozen: never stepped, as with torch.optim
+                    raise ValueError(f"param_groups[{i}]: a tensor of shape {tuple(p.shape)} "
+                                     "is not a trainable parameter of the wrapped module")
+                kept.append(p)
+            groups.append({**group, "params": kept})
+        return groups
+
+    def _build_pieces(self):
+        pieces: dict[int, list] = {}
+        rank = self.model.rank
+        for b, storage in enumerate(self.model.buckets):
+            for piece in storage.layout.shard_pieces(rank):
+                start = piece.bucket_offset
+                end = start + piece.numel
+                tensor = storage.flat_param[start:end]  # a leaf view: updates land in place
+                pieces.setdefault(piece.param_index, []).append((tensor, b, start, end))
+        return pieces
+
+    def _placeholder(self, params) -> torch.Tensor:
+        candidates = list(params) + [p for _, p in self.model.named_trainable_parameters()]
+        any_param = candidates[0] if candidates else None
+        if any_param is None:
+            return torch.empty(0)
+        return torch.empty(0, dtype=any_param.dtype, device=any_param.device)
+
+    # -- public API ---------------------------------------------------------
+
+    @property
+    def local_numel(self) -> int:
+        """Parameter elements whose optimizer state this rank owns (padding excluded)."""
+        return self.model.local_numel
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        reducer = self.model.reducer
+        reducer.wait_all()
+        for _, param in self.model.named_trainable_parameters():
+            if param.grad is not None:  # left by no_sync() backwards
+                if set_to_none:
+                    param.grad = None
+                else:
+                    param.grad.zero_()
+        for storage in self.model.buckets:
+            if set_to_none:
+                storage.invalidate_grad_shard()
+            else:
+                storage.zero_grad_shard()
+        for group in self.optim.param_groups:
+            for piece in group["params"]:
+                if set_to_none:
+                    piece.grad = None
+                elif piece.grad is not None:
+                    piece.grad.zero_()
+        if set_to_none:
+            reducer.reset_used()
+
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the reduced gradient as torch.nn.utils.clip_grad_norm_ would on DDP.
+
+        Returns the total norm before clipping, the same value on every rank.
+        """
+        if float(norm_type) != 2.0:
+            raise ValueError("only the L2 norm (norm_type=2) is supported")
+        total = self._reduce_and_measure()
+        self._apply_clip(total, float(max_norm))
+        return self._norm_tensor(total)
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        total = self._reduce_and_measure()
+        if self.max_grad_norm is not None:
+            self._apply_clip(total, self.max_grad_norm)
+        self.last_step_skipped = not math.isfinite(total)
+        if self.last_step_skipped:
+            # Same decision on every rank: the total is all-reduced.
+            self.skipped_steps += 1
+            warnings.warn(f"fgpsdp: gradient norm is {total}; step skipped "
+                          f"({self.skipped_steps} so far)", RuntimeWarning)
+            self._reduced = False
+            return loss  # parameters unchanged everywhere: nothing to exchange
+        self.optim.step()
+        self._reduced = False
+        for b in range(len(self.model.buckets)):
+            self.model.start_param_all_gather(b)
+        self.model.finish_param_all_gathers()
+        return loss
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard of the optimizer state, with the layout it belongs to."""
+        return {"shard": self.optim.state_dict(), "rank": self.model.rank,
+                "world_size": self.model.world_size,
+                "layout": [(l.dtype_name, l.padded_numel, len(l.spans))
+                           for l in self.model.bucket_layouts]}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        expected = (self.model.rank, self.model.world_size)
+        got = (state_dict.get("rank"), state_dict.get("world_size"))
+        if got != expected:
+            raise ValueError(f"optimizer shard saved by rank/world {got}, loading on {expected}")
+        layout = [(l.dtype_name, l.padded_numel, len(l.spans)) for l in self.model.bucket_layouts]
+        if [tuple(x) for x in state_dict["layout"]] != layout:
+            raise ValueError("optimizer shard was saved with another bucket layout "
+                             "(bucket_cap_mb or model changed)")
+        self.optim.load_state_dict(state_dict["shard"])
+
+    # -- internals -----------------------------------------------------------
+
+    def _reduce_and_measure(self) -> float:
+        """Finish the reduce-scatters once per step; return the global L2 norm.
+
+        One float64 all-reduce carries [sum of squares, non-finite flag,
+        per-parameter used count], so clipping and unused-parameter detection
+        cost one small collective together.
+        """
+        if self._reduced:
+            return self._total_norm
+        model = self.model
+        model.reducer.finish_gradient_sync()
+        shards = [s.grad_shard for s in model.buckets]
+        local = multi_tensor_sq_norm(shards)
+        used = model.reducer.locally_used.to(device=local.device, dtype=torch.float64)
+        packet = torch.cat([local, used])
+        model._comm.all_reduce_sum(packet)
+        packet = packet.cpu()
+        sq_sum, nonfinite = float(packet[0]), float(packet[1])
+        globally_used = (packet[2:] > 0).tolist()
+        self._assign_slice_grads(globally_used)
+        self._total_norm = math.inf if nonfinite else math.sqrt(sq_sum)
+        if math.isnan(sq_sum):
+            self._total_norm = math.nan
+        self._reduced = True
+        return self._total_norm
+
+    def _assign_slice_grads(self, globally_used: Sequence[bool]) -> None:
+        """Slice gradients are views of the reduced shard; None where no rank had one."""
+        buckets = self.model.buckets
+        for index, pieces in self._pieces.items():
+            for tensor, b, start, end in pieces:
+                storage = buckets[b]
+                if globally_used[index] and storage.grad_shard_valid:
+                    lo = start - storage.shard_start
+                    tensor.grad = storage.grad_shard[lo:lo + (end - start)]
+                else:
+                    tensor.grad = None
+
+    def _apply_clip(self, total: float, max_norm: float) -> None:
+        # torch: coefficient max_norm / (total + 1e-6), applied when below 1.
+        if not math.isfinite(total):
+            return
+        coefficient = max_norm / (total + 1e-6)
+        if coefficient < 1.0:
+            torch._foreach_mul_([s.grad_shard for s in self.model.buckets], coefficient)
+
+    def _norm_tensor(self, total: float) -> torch.Tensor:
+        dtypes = {s.dtype for s in self.model.buckets} or {torch.float32}
+        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        device = self.model.buckets[0].device if self.model.buckets else torch.device("cpu")
+        return torch.tensor(total, dtype=dtype, device=device)

@@ -1,0 +1,220 @@
+"""Gradient reduction: backward hooks, bucket readiness, ordered reduce-scatters.
+
+Timeline of one synchronised backward (one process group, ``flat``)::
+
+    backward compute : [grads of bucket 0][grads of bucket 1][grads of bucket 2]
+    reduce-scatter   :                   [RS 0]             [RS 1]      [RS 2]
+                                          ^ bucket 0 full, launched async
+    end of backward  :  callback flushes buckets holding unused parameters
+
+[Note: launch order]
+Collectives on a process group must be issued in the same order on every
+rank. A bucket is therefore launched only after every bucket before it has
+been launched (as torch DDP does): a rank whose bucket 1 fills before bucket 0
+waits with bucket 1. Buckets with parameters that got no gradient on this rank
+are launched by the end-of-backward callback, or at the latest by
+``finish_gradient_sync`` (called from the optimizer step on every rank), with
+zeros for the missing gradients. Every rank thus issues the same sequence of
+reduce-scatters whatever its data-dependent control flow, and an unused
+parameter can never hang a step.
+"""
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from .buckets import BucketStorage
+from .comm import FlatCommunicator, PendingOp
+
+
+class GradientReducer:
+    """Packs gradients into buckets and reduce-scatters them during backward."""
+
+    def __init__(self, params: Sequence[torch.nn.Parameter], param_names: Sequence[str],
+                 buckets: Sequence[BucketStorage], comm: FlatCommunicator):
+        self.params = list(params)
+        self.param_names = list(param_names)
+        self.buckets = list(buckets)
+        self.comm = comm
+        # DDP averages: every rank's gradient is pre-scaled by 1/N and summed.
+        self.grad_scale = 1.0 / comm.world_size
+        # param index -> (bucket index, span)
+        self.slot = {}
+        for b, storage in enumerate(self.buckets):
+            for span in storage.layout.spans:
+                self.slot[span.param_index] = (b, span)
+        self.sync_enabled = True  # False inside no_sync()
+        self._hook_handles = []
+        self._in_flight: dict[int, PendingOp] = {}
+        self._callback_queued = False
+        self._round_launched = False  # a full round of reduce-scatters since the last step
+        self._reset_backward_state()
+        # Parameters that received a gradient on this rank since the last
+        # reset_used(); summed over ranks to tell globally unused ones apart.
+        self.locally_used = torch.zeros(len(self.params), dtype=torch.bool)
+
+    # -- per-backward state -------------------------------------------------
+
+    def _reset_backward_state(self) -> None:
+        self._missing = [len(s.layout.spans) for s in self.buckets]
+        self._packed = [False] * len(self.params)
+        self._next_to_launch = 0
+
+    def reset_used(self) -> None:
+        self.locally_used.zero_()
+
+    # -- hooks -------------------------------------------------------------
+
+    def register_hooks(self) -> None:
+        for index, param in enumerate(self.params):
+            if index not in self.slot:
+                continue  # empty parameter: nothing to reduce
+            handle = param.register_post_accumulate_grad_hook(self._make_hook(index))
+            self._hook_handles.append(handle)
+
+    def remove_hooks(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+
+    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad_accumulated(index, param)
+        return hook
+
+    def _on_grad_accumulated(self, index: int, param: torch.Tensor) -> None:
+        if not self.sync_enabled:
+            return  # no_sync(): the gradient stays in param.grad, accumulating
+        grad = param.grad
+        if grad is None:
+            return
+        if grad.is_sparse:
+            raise RuntimeError(
+                f"fgpsdp: parameter '{self.param_names[index]}' received a sparse gradient; "
+                "sparse gradients are not supported (use nn.Embedding(sparse=False))")
+        if not self._callback_queued:
+            # Runs once the whole backward has finished: flushes buckets whose
+            # parameters got no gradient on this rank.
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+            self._callback_queued = True
+        b, span = self.slot[index]
+        if self._packed[index]:
+            if b < self._next_to_launch:
+                raise RuntimeError(
+                    f"fgpsdp: parameter '{self.param_names[index]}' received a second gradient "
+                    "after its bucket was reduced in this backward (reentrant checkpointing "
+                    "or a module run twice across a backward boundary); not supported")
+            self._pack(b, span, grad, accumulate=True)
+        else:
+            self._pack(b, span, grad, accumulate=False)
+            self._packed[index] = True
+            self._missing[b] -= 1
+        param.grad = None  # its data now lives in the send buffer
+        self.locally_used[index] = True
+        if self._missing[b] == 0:
+            self._launch_ready_in_order()
+
+    def _pack(self, b: int, span, grad: torch.Tensor, *, accumulate: bool) -> None:
+        storage = self.buckets[b]
+        pending = self._in_flight.pop(b, None)
+        if pending is not None:  # a previous backward's reduce-scatter still uses it
+            pending.wait()
+        dst = BucketStorage.span_view(storage.acquire_send_buffer(), span)
+        src = grad.reshape(-1)
+        if accumulate:
+            dst.add_(src, alpha=self.grad_scale)
+        else:
+            torch.mul(src, self.grad_scale, out=dst)
+
+    def _on_backward_end(self) -> None:
+        self._callback_queued = False
+        if self.sync_enabled:
+            self.flush()
+
+    # -- launching ---------------------------------------------------------
+
+    def _launch_ready_in_order(self) -> None:
+        while (self._next_to_launch < len(self.buckets)
+               and self._missing[self._next_to_launch] == 0):
+            self._start_reduce_scatter(self._next_to_launch)
+            self._next_to_launch += 1
+        if self._next_to_launch == len(self.buckets):
+            self._reset_backward_state()
+            self._round_launched = True
+
+    def _round_in_progress(self) -> bool:
+        return self._next_to_launch > 0 or any(self._packed)
+
+    def flush(self) -> None:
+        """Launch every bucket not launched yet in this backward, in order.
+
+        Parameters without a gradient in this backward contribute what their
+        ``.grad`` holds (left there by no_sync() iterations), or zeros.
+        """
+        if self._round_in_progress():
+            self._fill_missing_and_launch()
+
+    def _fill_missing_and_launch(self) -> None:
+        for b in range(self._next_to_launch, len(self.buckets)):
+            storage = self.buckets[b]
+            for span in storage.layout.spans:
+                index = span.param_index
+                if self._packed[index]:
+                    continue
+                param = self.params[index]
+                if param.grad is not None:
+                    self._pack(b, span, param.grad, accumulate=False)
+                    param.grad = None
+                    self.locally_used[index] = True
+                else:
+                    pending = self._in_flight.pop(b, None)
+                    if pending is not None:
+                        pending.wait()
+                    BucketStorage.span_view(storage.acquire_send_buffer(), span).zero_()
+                self._packed[index] = True
+            self._missing[b] = 0
+        self._launch_ready_in_order()
+
+    def _start_reduce_scatter(self, b: int) -> None:
+        storage = self.buckets[b]
+        send = storage.acquire_send_buffer()
+        if storage.grad_shard_valid:
+            # Gradients accumulate across backwards until zero_grad().
+            received = torch.empty_like(storage.grad_shard)
+
+            def on_done(storage=storage, received=received):
+                storage.grad_shard.add_(received)
+                storage.release_send_buffer()
+        else:
+            received = storage.grad_shard
+            storage.grad_shard_valid = True
+
+            def on_done(storage=storage):
+                storage.release_send_buffer()
+        op = self.comm.start_reduce_scatter(received, send)
+        op.on_done = on_done
+        self._in_flight[b] = op
+
+    # -- finishing ---------------------------------------------------------
+
+    def finish_gradient_sync(self) -> None:
+        """Make every bucket's grad_shard hold the reduced gradient.
+
+        Called on every rank by the optimizer step. A rank whose backward
+        reached no hook since the last step (its loss did not depend on any
+        parameter, or every backward ran under no_sync()) still launches a
+        full round, with zeros or its no_sync() leftovers, so that the
+        sequence of collectives matches the other ranks'.
+        """
+        if self._round_in_progress() or not self._round_launched:
+            self._fill_missing_and_launch()
+        self.wait_all()
+        self._round_launched = False
+
+    def wait_all(self) -> None:
+        for b in sorted(self._in_flight):
+            self._in_flight.pop(b).wait()
+
+    def pending_bucket_count(self) -> int:
+        return len(self._in_flight)

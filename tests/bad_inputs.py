@@ -1,0 +1,66 @@
+"""Rank functions that feed fgpsdp bad input (imported by spawned ranks)."""
+import torch
+from torch import nn
+
+import fgpsdp_runtime as fgp
+
+from .scenarios import MLP
+
+
+def models_differ(rank, world_size):
+    model = MLP()
+    if rank == 1:
+        model.net[0] = nn.Linear(13, 38)  # rank 1 built another model
+        model.net[2] = nn.Linear(38, 29)
+    fgp.DistributedDataParallel(model)
+
+
+def sparse_module(rank, world_size):
+    fgp.DistributedDataParallel(nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 2)))
+
+
+class FunctionalSparse(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(10, 4))
+
+    def forward(self, idx):
+        return nn.functional.embedding(idx, self.weight, sparse=True)
+
+
+def sparse_gradient_at_runtime(rank, world_size):
+    model = fgp.DistributedDataParallel(FunctionalSparse())
+    model(torch.tensor([1, 2, 3])).sum().backward()
+
+
+def mixed_devices(rank, world_size):
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    if rank == world_size - 1:  # only one rank is broken: all must still raise
+        model[1].to("meta")
+    fgp.DistributedDataParallel(model)
+
+
+def complex_dtype(rank, world_size):
+    model = nn.Linear(4, 4).to(torch.complex64)
+    fgp.DistributedDataParallel(model)
+
+
+class NotATorchOptimizer:
+    def __init__(self, params, lr=0.1):
+        self.params = list(params)
+
+
+def non_torch_optimizer(rank, world_size):
+    model = fgp.DistributedDataParallel(MLP())
+    fgp.ShardedOptimizer(model, NotATorchOptimizer, lr=0.1)
+
+
+def non_elementwise_optimizer(rank, world_size):
+    model = fgp.DistributedDataParallel(MLP())
+    fgp.ShardedOptimizer(model, torch.optim.LBFGS, lr=0.1)
+
+
+def foreign_param_in_groups(rank, world_size):
+    model = fgp.DistributedDataParallel(MLP())
+    fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1,
+                         param_groups=[{"params": [nn.Parameter(torch.zeros(3))]}])

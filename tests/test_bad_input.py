@@ -1,0 +1,31 @@
+"""Bad input raises a clear exception on every rank, never a hang."""
+import re
+
+import pytest
+
+from . import bad_inputs
+from .dist_harness import run_distributed
+
+CASES = [
+    (bad_inputs.models_differ, "ValueError",
+     [r"model differs from rank 0", r"net\.0\.weight", r"\[37, 13\]", r"\[38, 13\]"]),
+    (bad_inputs.sparse_module, "ValueError", [r"sparse gradients are not supported", r"'0'"]),
+    (bad_inputs.sparse_gradient_at_runtime, "RuntimeError", [r"'weight' received a sparse gradient"]),
+    (bad_inputs.mixed_devices, "ValueError", [r"rank \d: trainable parameters are on several devices"]),
+    (bad_inputs.complex_dtype, "ValueError", [r"dtype torch.complex64"]),
+    (bad_inputs.non_torch_optimizer, "TypeError", [r"torch.optim.Optimizer subclass"]),
+    (bad_inputs.non_elementwise_optimizer, "TypeError", [r"LBFGS is not element-wise"]),
+    (bad_inputs.foreign_param_in_groups, "ValueError", [r"not a trainable parameter"]),
+]
+
+
+@pytest.mark.parametrize("fn, error_type, patterns", CASES, ids=[c[0].__name__ for c in CASES])
+def test_every_rank_raises(fn, error_type, patterns):
+    world_size = 3
+    results = run_distributed(world_size, fn, allow_errors=True, timeout_s=90, pg_timeout_s=30)
+    for rank in range(world_size):
+        res = results[rank]
+        assert not res["ok"], f"rank {rank} accepted bad input"
+        assert res["type"] == error_type, f"rank {rank}: {res['type']}: {res['message']}"
+        for pattern in patterns:
+            assert re.search(pattern, res["message"]), (rank, pattern, res["message"])

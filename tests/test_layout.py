@@ -1,0 +1,92 @@
+"""Bucket layout: pure arithmetic, no processes."""
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fgpsdp_runtime.layout import SLICE_ALIGN_BYTES, ParamInfo, owned_numel, plan_buckets
+
+
+def fp32(n):
+    return ParamInfo(n, "float32", 4)
+
+
+def check_layout(infos, layouts, world):
+    owners = {}  # (param, element) -> owning rank
+    for layout in layouts:
+        assert layout.padded_numel % world == 0
+        align = max(1, SLICE_ALIGN_BYTES // layout.element_size)
+        assert layout.shard_numel % align == 0
+        # Minimal padding: less than one aligned element per rank.
+        assert 0 <= layout.padded_numel - layout.numel < world * align
+        sizes = {layout.shard_range(r)[1] - layout.shard_range(r)[0] for r in range(world)}
+        assert sizes == {layout.shard_numel}
+        for rank in range(world):
+            for piece in layout.shard_pieces(rank):
+                for e in range(piece.param_offset, piece.param_offset + piece.numel):
+                    key = (piece.param_index, e)
+                    assert key not in owners, f"element {key} owned twice"
+                    owners[key] = rank
+    expected = {(i, e) for i, info in enumerate(infos) for e in range(info.numel)}
+    assert set(owners) == expected, "every element owned exactly once"
+    assert sum(owned_numel(layouts, r) for r in range(world)) == sum(i.numel for i in infos)
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes=st.lists(st.integers(0, 300), min_size=1, max_size=12),
+       world=st.integers(1, 7), cap=st.integers(4, 2000))
+def test_every_element_owned_once(sizes, world, cap):
+    infos = [fp32(n) for n in sizes]
+    layouts = plan_buckets(infos, bucket_cap_bytes=cap, world_size=world)
+    check_layout(infos, layouts, world)
+    for layout in layouts:  # a bucket exceeds the cap only to hold one large parameter
+        assert layout.numel * 4 <= cap or len(layout.spans) == 1
+
+
+@settings(max_examples=30, deadline=None)
+@given(sizes=st.lists(st.tuples(st.integers(1, 200), st.sampled_from(["f32", "bf16"])),
+                      min_size=1, max_size=10), world=st.integers(1, 5))
+def test_one_dtype_per_bucket(sizes, world):
+    infos = [fp32(n) if d == "f32" else ParamInfo(n, "bfloat16", 2) for n, d in sizes]
+    layouts = plan_buckets(infos, bucket_cap_bytes=400, world_size=world)
+    check_layout(infos, layouts, world)
+    for layout in layouts:
+        assert {infos[s.param_index].dtype_name for s in layout.spans} == {layout.dtype_name}
+
+
+def test_balanced_with_one_large_tensor():
+    # One 512x1000 Linear beside six 8x8 Linears, 4 ranks, registration order.
+    infos = [fp32(512 * 1000), fp32(512)] + [fp32(n) for _ in range(6) for n in (64, 8)]
+    world = 4
+    layouts = plan_buckets(infos, bucket_cap_bytes=25 * 2**20, world_size=world)
+    owned = [owned_numel(layouts, r) for r in range(world)]
+    assert sum(owned) == sum(i.numel for i in infos)
+    assert max(owned) / min(owned) <= 1.02
+
+
+def test_balanced_with_small_buckets_too():
+    infos = [fp32(512 * 1000), fp32(512)] + [fp32(n) for _ in range(6) for n in (64, 8)]
+    layouts = plan_buckets(infos, bucket_cap_bytes=2**16, world_size=4)
+    owned = [owned_numel(layouts, r) for r in range(4)]
+    assert max(owned) / min(owned) <= 1.02
+
+
+def test_reverse_registration_order_by_default():
+    layouts = plan_buckets([fp32(10), fp32(20), fp32(30)], bucket_cap_bytes=10**6, world_size=2)
+    assert [s.param_index for s in layouts[0].spans] == [2, 1, 0]
+
+
+def test_parameter_straddles_slices():
+    layouts = plan_buckets([fp32(1000)], bucket_cap_bytes=10**6, world_size=3)
+    pieces = [layouts[0].shard_pieces(r) for r in range(3)]
+    assert all(len(p) == 1 and p[0].param_index == 0 for p in pieces)
+    assert [p[0].param_offset for p in pieces] == [0, pieces[0][0].numel, 2 * pieces[0][0].numel]
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"bucket_cap_bytes": 0, "world_size": 2}, "bucket_cap_bytes"),
+    ({"bucket_cap_bytes": 100, "world_size": 0}, "world_size"),
+    ({"bucket_cap_bytes": 100, "world_size": 2, "order": [0, 0]}, "permutation"),
+])
+def test_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        plan_buckets([fp32(3), fp32(4)], **kwargs)

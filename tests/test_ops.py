@@ -1,0 +1,71 @@
+"""Kernels against their torch reference and float64, on fresh random data."""
+import pytest
+import torch
+
+from fgpsdp_runtime import ops
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def random_tensors(dtype, device, sizes):
+    # Fresh data every run (no fixed seed): the kernels must hold on any input.
+    return [torch.randn(n, dtype=torch.float64).mul_(3).to(dtype=dtype, device=device)
+            for n in sizes]
+
+
+def float64_sum_squares(tensors):
+    return sum(float(t.double().square().sum()) for t in tensors)
+
+
+def test_extension_is_built():
+    assert ops.extension_available(), "fgpsdp_runtime._C did not load"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sizes", [[1], [0], [0, 7, 0], [3, 1000, 17, 65537], [1_000_003]])
+def test_sq_norm_matches_float64(dtype, device, sizes):
+    tensors = random_tensors(dtype, device, sizes)
+    out = ops.multi_tensor_sq_norm(tensors)
+    ref = ops.reference_multi_tensor_sq_norm(tensors)
+    assert out.dtype == torch.float64 and out.shape == (2,) and out.device.type == device
+    exact = float64_sum_squares(tensors)
+    # Both accumulate in float64: only summation order differs.
+    assert float(out[0]) == pytest.approx(exact, rel=1e-12, abs=1e-300)
+    assert float(ref[0]) == pytest.approx(exact, rel=1e-12, abs=1e-300)
+    assert float(out[1]) == 0.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sq_norm_closer_than_torch_fp32_norm(device):
+    tensors = random_tensors(torch.float32, device, [1 << 20])
+    exact = float64_sum_squares(tensors) ** 0.5
+    ours = float(ops.multi_tensor_sq_norm(tensors)[0]) ** 0.5
+    torch_fp32 = float(torch.linalg.vector_norm(tensors[0]))
+    assert abs(ours - exact) <= abs(torch_fp32 - exact)
+    assert abs(ours - exact) / exact < 1e-12
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+def test_sq_norm_flags_non_finite(bad, device):
+    tensors = random_tensors(torch.float32, device, [100, 5000])
+    tensors[1][1234] = bad
+    out = ops.multi_tensor_sq_norm(tensors)
+    assert float(out[1]) == 1.0
+    assert float(ops.reference_multi_tensor_sq_norm(tensors)[1]) == 1.0
+
+
+def test_sq_norm_empty_list():
+    out = ops.multi_tensor_sq_norm([])
+    assert out.tolist() == [0.0, 0.0]
+
+
+def test_sq_norm_rejects_bad_input():
+    with pytest.raises(RuntimeError, match="not contiguous"):
+        ops.multi_tensor_sq_norm([torch.randn(4, 6).t()])
+    with pytest.raises(RuntimeError, match="unsupported dtype"):
+        ops.multi_tensor_sq_norm([torch.arange(5)])
+    with pytest.raises(RuntimeError, match="on meta"):
+        ops.multi_tensor_sq_norm([torch.randn(3), torch.empty(3, device="meta")])

@@ -135,8 +135,10 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
     ref_module = copy.deepcopy(base)
     find_unused = model_name == "unused"
     ref = nn.parallel.DistributedDataParallel(ref_module, find_unused_parameters=find_unused)
+    # fgpsdp needs no flag to survive unused parameters; "unused_no_flag" checks that.
+    ours_find_unused = cfg.get("find_unused_parameters", find_unused)
     ours = fgp.DistributedDataParallel(base, bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0),
-                                       find_unused_parameters=find_unused, **schedule_kw)
+                                       find_unused_parameters=ours_find_unused, **schedule_kw)
 
     cls, defaults = optimizer_class_and_defaults(optimizer)
     ref_named = [(n, p) for n, p in ref.module.named_parameters() if p.requires_grad]
@@ -176,6 +178,9 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
             sched.step()
             ref_sched.step()
     ours.synchronize()
+    ours_sd, ref_sd = ours.state_dict(), ref.state_dict()
+    state_dict_diff = max(float((ours_sd[k].double() - ref_sd[k].double()).abs().max())
+                          for k in ref_sd) if list(ours_sd) == list(ref_sd) else float("inf")
 
     param_diff = max(float((a - b).abs().max())
                      for a, b in zip(ours.module.parameters(), ref.module.parameters()))
@@ -188,6 +193,7 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
     return {
         "param_diff": param_diff,
         "buffer_diff": buffer_diff,
+        "state_dict_diff": state_dict_diff,
         "local_numel": opt.local_numel,
         "state_numel": state_numel,
         "state_kinds": len(per_param_state),

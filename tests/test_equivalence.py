@@ -23,6 +23,7 @@ SCENARIOS = {
     "tied": {"model": "tied"},
     "bn_frozen": {"model": "bn_frozen"},
     "unused": {"model": "unused"},
+    "unused_no_flag": {"model": "unused", "find_unused_parameters": False},
     "small_buckets": {"bucket_cap_mb": 0.0005, "optimizer": "sgd_momentum"},
     "lr_scheduler": {"lr_scheduler": True},
 }
@@ -42,6 +43,8 @@ def test_matches_torch_ddp(world_size, scenario):
     for rank, res in enumerate(per_rank):
         assert res["param_diff"] <= TOL, f"rank {rank}: params differ by {res['param_diff']}"
         assert res["buffer_diff"] <= TOL, f"rank {rank}: buffers differ by {res['buffer_diff']}"
+        # Same keys ("module." prefix) and values as torch DDP's state_dict.
+        assert res["state_dict_diff"] <= TOL
         first_loss, first_ref = res["losses"][0]
         assert first_loss == pytest.approx(first_ref, rel=1e-6), "broadcast at construction"
     # Every element is owned exactly once.

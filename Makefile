@@ -6,7 +6,11 @@ PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
 STAMP := $(VENV)/.fgpsdp-installed
 
-.PHONY: demo test setup clean
+BENCH_STAMP := $(VENV)/.fgpsdp-bench-installed
+# make bench BENCH_ARGS="--workloads gpt2,vgg16 --systems ddp,fgpsdp --rate 1gbit"
+BENCH_ARGS ?=
+
+.PHONY: demo test setup bench bench-setup clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -24,6 +28,16 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet deepspeed matplotlib
+	touch $(BENCH_STAMP)
+
+bench-setup: $(BENCH_STAMP)
+
+# Needs root (network namespaces, tc): see bench/cluster.sh.
+bench: $(BENCH_STAMP)
+	$(PY) bench/emulated.py $(BENCH_ARGS)
 
 clean:
 	rm -rf build *.egg-info fgpsdp_runtime/_C*.so

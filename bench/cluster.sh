@@ -7,6 +7,7 @@
 #   bench/cluster.sh up [RATE]          create (RATE default 1gbit, any tc rate)
 #   bench/cluster.sh down               remove
 #   bench/cluster.sh run [RATE] -- CMD  up, run CMD once per node, down (also on Ctrl-C)
+#   bench/cluster.sh exec -- CMD        run CMD once per node on a cluster that is up
 #   bench/cluster.sh bytes              bytes sent by each node over the veth pair
 #
 # CMD runs inside each namespace with NODE_RANK, NNODES, MASTER_ADDR and
@@ -61,6 +62,19 @@ bytes() {
   done
 }
 
+on_nodes() {
+  # Runs "$*" in both namespaces at once; fails if either fails.
+  local pids=() rc=0
+  for i in 0 1; do
+    ip netns exec "${NS[$i]}" env NODE_RANK="$i" NNODES=2 MASTER_ADDR="${ADDR[0]}" \
+      GLOO_SOCKET_IFNAME="${VETH[$i]}" bash -c "$*" &
+    pids+=($!)
+  done
+  trap 'kill "${pids[@]}" 2>/dev/null || true' INT TERM
+  for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+  return $rc
+}
+
 run() {
   local rate="1gbit"
   if [ "${1:-}" != "--" ]; then rate="$1"; shift; fi
@@ -68,23 +82,26 @@ run() {
   shift
   [ $# -gt 0 ] || die "no command given"
   up "$rate"
-  trap 'kill $(jobs -p) 2>/dev/null || true; down' EXIT INT TERM
-  local pids=()
-  for i in 0 1; do
-    ip netns exec "${NS[$i]}" env NODE_RANK="$i" NNODES=2 MASTER_ADDR="${ADDR[0]}" \
-      GLOO_SOCKET_IFNAME="${VETH[$i]}" bash -c "$*" &
-    pids+=($!)
-  done
+  trap 'down' EXIT
+  trap 'down; exit 130' INT TERM
   local rc=0
-  for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+  on_nodes "$@" || rc=$?
   bytes
   return $rc
+}
+
+exec_on_up() {
+  [ "${1:-}" = "--" ] || die "usage: cluster.sh exec -- CMD"
+  shift
+  ip netns list | grep -q "${NS[0]}" || die "cluster is not up (bench/cluster.sh up)"
+  on_nodes "$@"
 }
 
 case "${1:-}" in
   up) shift; up "$@" ;;
   down) down; echo "cluster down" ;;
   run) shift; run "$@" ;;
+  exec) shift; exec_on_up "$@" ;;
   bytes) bytes ;;
-  *) sed -n '2,18p' "$0"; exit 2 ;;
+  *) sed -n '2,19p' "$0"; exit 2 ;;
 esac

@@ -1,0 +1,280 @@
+"""Benchmark every system on the emulated two-node cluster and write the report.
+
+    sudo .venv/bin/python bench/emulated.py --workloads gpt2,vgg16 --rate 1gbit
+
+For each workload, rounds of runs go through every system in turn (the order
+rotates each round), each run a fresh torchrun on both namespaces. Figures
+are medians over rounds. The report goes to docs/benchmarks/<date>-emulated-2x2.md
+with a PNG chart beside it, and raw results to JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+CLUSTER = os.path.join(HERE, "cluster.sh")
+sys.path.insert(0, HERE)
+from systems import SYSTEMS  # noqa: E402
+from workloads import CONFIGS, WORKLOADS  # noqa: E402
+
+PEERS = ("ddp", "ddp_zero1", "fsdp_grad_op", "fsdp_hybrid_zero2", "deepspeed_zero2")
+
+
+def rate_bits_per_s(rate: str) -> float:
+    m = re.fullmatch(r"([\d.]+)\s*([kmg]?)bit", rate.lower())
+    if not m:
+        raise ValueError(f"rate {rate!r}: use a tc rate such as 1gbit or 500mbit")
+    return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
+
+
+def run_once(workload, size, system, steps, warmup, out_dir, save_params, port, log):
+    python = sys.executable
+    cmd = (f"OMP_NUM_THREADS=1 {shlex.quote(python)} -m torch.distributed.run --nnodes=2 "
+           f"--nproc_per_node=2 --node_rank=$NODE_RANK --master_addr=$MASTER_ADDR "
+           f"--master_port={port} {shlex.quote(os.path.join(HERE, 'train_rank.py'))} "
+           f"--workload {workload} --size {size} --system {system} --steps {steps} "
+           f"--warmup {warmup} --out {shlex.quote(out_dir)}" + (" --save-params" if save_params else ""))
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=os.environ.get(
+        "TORCH_EXTENSIONS_DIR", os.path.join(tempfile.gettempdir(), "fgpsdp-torch-ext")),
+        PYTHONWARNINGS="ignore")
+    started = time.time()
+    proc = subprocess.run(["bash", CLUSTER, "exec", "--", cmd], env=env, cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    with open(log, "a") as f:
+        f.write(f"\n==== {workload} {system} rc={proc.returncode} ({time.time() - started:.0f}s)\n")
+        f.write(proc.stdout[-20000:])
+    results = []
+    for rank in range(4):
+        path = os.path.join(out_dir, f"{system}-rank{rank}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                results.append(json.load(f))
+            os.remove(path)
+    return proc.returncode, results
+
+
+def param_diff(out_dir, system):
+    import torch
+    ref_path = os.path.join(out_dir, "params-ddp.pt")
+    path = os.path.join(out_dir, f"params-{system}.pt")
+    if not (os.path.exists(ref_path) and os.path.exists(path)):
+        return None
+    ref, ours = torch.load(ref_path), torch.load(path)
+    if len(ref) != len(ours):
+        return float("inf")
+    return max(float((a.double() - b.double()).abs().max()) for a, b in zip(ref, ours))
+
+
+def machine() -> str:
+    model = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return f"{model}, {os.cpu_count()} cores, {mem:.0f} GiB, {platform.platform()}"
+
+
+def versions() -> str:
+    import torch
+    parts = [f"python {platform.python_version()}", f"torch {torch.__version__}"]
+    try:
+        import deepspeed
+        parts.append(f"deepspeed {deepspeed.__version__}")
+    except Exception:  # noqa: BLE001 - report what is there
+        parts.append("deepspeed not installed")
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                            stdout=subprocess.PIPE, text=True).stdout.strip()
+    parts.append(f"fgpsdp_runtime {commit or '?'}")
+    return ", ".join(parts)
+
+
+def summarise(workload, runs, rate_bps, out_dir, systems):
+    """runs: {system: [per-round list of rank results]} -> table rows."""
+    rows = {}
+    for system in systems:
+        rounds = [r for r in runs.get(system, []) if len(r) == 4]
+        if not rounds:
+            rows[system] = None
+            continue
+        step = statistics.median(max(x["step_time_s"] for x in r) for r in rounds)
+        tx = [x["node_tx_bytes_per_step"] for r in rounds for x in r
+              if x["local_rank"] == 0 and x["node_tx_bytes_per_step"] is not None]
+        rows[system] = {
+            "step_time_s": step,
+            "rounds": [max(x["step_time_s"] for x in r) for r in rounds],
+            "peak_rss_bytes": max(x["peak_rss_bytes"] for r in rounds for x in r),
+            "opt_state_bytes": max(x["opt_state_bytes"] for x in rounds[0]),
+            "node_tx_bytes_per_step": statistics.median(tx) if tx else None,
+            "final_loss": rounds[0][0]["final_loss"],
+            "param_diff_to_ddp": param_diff(out_dir, system),
+            "workload": rounds[0][0]["workload"],
+        }
+    info = next((r["workload"] for r in rows.values() if r), None)
+    param_bytes = 4 * info["parameters"] if info else 0
+    nodes = 2
+    # Each node must send (nodes-1)/nodes of the gradient (reduce-scatter) and of
+    # the parameters (all-gather) over its inter-node link.
+    floor_comm = 2 * (nodes - 1) / nodes * param_bytes * 8 / rate_bps
+    compute = rows.get("compute")
+    floor = max(compute["step_time_s"] if compute else 0.0, floor_comm)
+    return rows, {"floor_s": floor, "comm_floor_s": floor_comm,
+                  "compute_s": compute["step_time_s"] if compute else None, "workload": info}
+
+
+def markdown(all_rows, meta, command, rate):
+    lines = [f"# Emulated 2x2 cluster benchmark ({meta['date']})", "",
+             f"Command: `{command}`", "",
+             f"Machine: {meta['machine']}. Versions: {meta['versions']}.", "",
+             f"Emulated cluster: 2 network namespaces x 2 CPU processes (gloo), inter-node "
+             f"veth shaped with tbf at {rate}; intra-node traffic over loopback, unshaped. "
+             f"All 4 ranks share this machine's cores, so compute is slower than on real nodes. "
+             f"Step time = wall time of back-to-back steps / steps, the slowest rank, median "
+             f"over {meta['rounds']} rounds ({meta['warmup']} warm-up + {meta['steps']} timed "
+             f"steps each). Floor = max(compute-only step, 2 x (nodes-1)/nodes x parameter bytes "
+             f"/ link rate). Inter-node MiB = bytes node 0 sent over the veth per step. "
+             f"|Δ| = largest parameter difference to torch DDP after the run (AdamW, clip 1.0).", ""]
+    for workload, (rows, floor) in all_rows.items():
+        info = floor["workload"] or {}
+        peers = [rows[s]["step_time_s"] for s in PEERS if s != "ddp" and rows.get(s)]
+        best_peer = min(peers) if peers else None
+        lines += [f"## {workload}", "",
+                  f"Configuration: `{json.dumps({k: v for k, v in info.items() if k not in ('name',)})}`; "
+                  f"floor {floor['floor_s']:.3f} s (compute {floor['compute_s'] or 0:.3f} s, "
+                  f"network {floor['comm_floor_s']:.3f} s).", "",
+                  "| system | step s | x best sharded peer | x floor | peak RSS/rank MiB | "
+                  "opt state/rank MiB | inter-node MiB/step | max abs Δ vs DDP |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+        for system, row in rows.items():
+            if row is None:
+                lines.append(f"| {system} | failed (see log) | | | | | | |")
+                continue
+            ratio = f"{row['step_time_s'] / best_peer:.2f}" if best_peer else "-"
+            tx = row["node_tx_bytes_per_step"]
+            diff = row["param_diff_to_ddp"]
+            lines.append(
+                f"| {system} | {row['step_time_s']:.3f} | {ratio} | "
+                f"{row['step_time_s'] / floor['floor_s']:.2f} | {row['peak_rss_bytes'] / 2**20:.0f} | "
+                f"{row['opt_state_bytes'] / 2**20:.1f} | {'-' if tx is None else f'{tx / 2**20:.1f}'} | "
+                f"{'-' if diff is None else f'{diff:.2g}'} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def chart(all_rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    workloads = list(all_rows)
+    systems = [s for s in next(iter(all_rows.values()))[0]]
+    fig, axes = plt.subplots(1, len(workloads), figsize=(4 * len(workloads), 4), squeeze=False)
+    for ax, workload in zip(axes[0], workloads):
+        rows, floor = all_rows[workload]
+        names = [s for s in systems if rows.get(s)]
+        values = [rows[s]["step_time_s"] for s in names]
+        colors = ["tab:red" if s.startswith("fgpsdp") else "tab:gray" if s == "compute"
+                  else "tab:blue" for s in names]
+        ax.bar(range(len(names)), values, color=colors)
+        ax.axhline(floor["floor_s"], color="black", linestyle="--", linewidth=1, label="floor")
+        ax.set_xticks(range(len(names)))
+        ax.set_xticklabels(names, rotation=60, ha="right", fontsize=8)
+        ax.set_title(workload)
+        ax.set_ylabel("step time (s)")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--size", default="cpu", choices=["cpu", "full"])
+    parser.add_argument("--rate", default="1gbit")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks"))
+    parser.add_argument("--tag", default="emulated-2x2")
+    args = parser.parse_args()
+    workloads = [w for w in args.workloads.split(",") if w]
+    systems = [s for s in args.systems.split(",") if s]
+    for w in workloads:
+        if (w, args.size) not in CONFIGS:
+            parser.error(f"unknown workload {w}")
+    for s in systems:
+        if s not in SYSTEMS:
+            parser.error(f"unknown system {s}; choose from {', '.join(SYSTEMS)}")
+    if "ddp" not in systems:
+        systems.insert(0, "ddp")  # every system is compared with DDP
+    rate_bps = rate_bits_per_s(args.rate)
+    os.makedirs(args.out, exist_ok=True)
+    date = datetime.date.today().isoformat()
+    stem = os.path.join(args.out, f"{date}-{args.tag}")
+    log = stem + ".log"
+    open(log, "w").close()
+    command = "python bench/emulated.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+    subprocess.run(["bash", CLUSTER, "up", args.rate], check=True)
+    all_rows, raw = {}, {}
+    port = 29600
+    try:
+        with tempfile.TemporaryDirectory() as out_dir:
+            for workload in workloads:
+                runs: dict[str, list] = {}
+                for rnd in range(args.rounds):
+                    order = systems[rnd % len(systems):] + systems[:rnd % len(systems)]
+                    for system in order:
+                        port += 1
+                        t0 = time.time()
+                        rc, res = run_once(workload, args.size, system, args.steps, args.warmup,
+                                           out_dir, rnd == 0, port, log)
+                        if rc == 0 and len(res) == 4:
+                            runs.setdefault(system, []).append(res)
+                            step = max(x["step_time_s"] for x in res)
+                            status = f"{step:.3f} s/step"
+                        else:
+                            status = f"FAILED (rc {rc}; see {os.path.relpath(log, ROOT)})"
+                        print(f"[{workload} round {rnd + 1}/{args.rounds}] {system:<18} {status} "
+                              f"({time.time() - t0:.0f}s)", flush=True)
+                rows, floor = summarise(workload, runs, rate_bps, out_dir, systems)
+                all_rows[workload] = (rows, floor)
+                raw[workload] = {"rows": rows, "floor": floor, "runs": runs}
+    finally:
+        subprocess.run(["bash", CLUSTER, "down"])
+    meta = {"date": date, "machine": machine(), "versions": versions(), "rounds": args.rounds,
+            "steps": args.steps, "warmup": args.warmup}
+    text = markdown(all_rows, meta, command, args.rate)
+    if chart(all_rows, stem + ".png"):
+        text += f"\n![step time per system]({os.path.basename(stem)}.png)\n"
+    with open(stem + ".md", "w") as f:
+        f.write(text)
+    with open(stem + ".json", "w") as f:
+        json.dump({"meta": meta, "command": command, "results": raw}, f, indent=1)
+    print(text)
+    print(f"\nwrote {stem}.md")
+
+
+if __name__ == "__main__":
+    main()

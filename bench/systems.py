@@ -1,0 +1,242 @@
+"""The systems under comparison, each behind one small interface.
+
+Every system trains the same model on the same data with AdamW and gradient
+clipping at 1.0. ``final_params`` returns the full parameters (on every rank)
+so the driver can compare each system with torch DDP after the timed steps.
+"""
+from __future__ import annotations
+
+import os
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fgpsdp_runtime as fgp
+
+ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01)
+MAX_NORM = 1.0
+BUCKET_CAP_MB = 25.0
+
+
+def tensor_bytes(optimizer_state) -> int:
+    return sum(t.numel() * t.element_size() for s in optimizer_state.values()
+               for t in s.values() if isinstance(t, torch.Tensor))
+
+
+class System:
+    name = "?"
+
+    def train_step(self, x, y) -> torch.Tensor:
+        raise NotImplementedError
+
+    def finish_step(self) -> None:
+        """Block until the step's updates are visible (back-to-back steps skip it)."""
+
+    def opt_state_bytes(self) -> int:
+        raise NotImplementedError
+
+    def final_params(self) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+
+class TorchDDP(System):
+    name = "ddp"
+
+    def __init__(self, model, loss_fn, compute_only=False):
+        self.model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB)
+        self.opt = torch.optim.AdamW(self.model.parameters(), **ADAMW)
+        self.loss_fn = loss_fn
+        self.compute_only = compute_only
+        if compute_only:
+            self.name = "compute"
+
+    def train_step(self, x, y):
+        if self.compute_only:  # same compute, no communication: the floor's compute part
+            with self.model.no_sync():
+                loss = self.loss_fn(self.model(x), y)
+                loss.backward()
+        else:
+            loss = self.loss_fn(self.model(x), y)
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_NORM)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+    def opt_state_bytes(self):
+        return tensor_bytes(self.opt.state)
+
+    def final_params(self):
+        return [p.detach() for p in self.model.module.parameters()]
+
+
+class TorchZeRO(System):
+    """torch DDP + ZeroRedundancyOptimizer (per-parameter partitioning)."""
+
+    name = "ddp_zero1"
+
+    def __init__(self, model, loss_fn):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        self.model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB)
+        self.opt = ZeroRedundancyOptimizer(self.model.parameters(),
+                                           optimizer_class=torch.optim.AdamW, **ADAMW)
+        self.loss_fn = loss_fn
+
+    def train_step(self, x, y):
+        loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_NORM)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+    def opt_state_bytes(self):
+        return tensor_bytes(self.opt.optim.state)
+
+    def final_params(self):
+        return [p.detach() for p in self.model.module.parameters()]
+
+
+class TorchFSDP(System):
+    """FSDP1 with SHARD_GRAD_OP (ZeRO-2) or _HYBRID_SHARD_ZERO2 (per-node sharding)."""
+
+    def __init__(self, model, loss_fn, hybrid: bool):
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import ShardingStrategy
+        self.FSDP = FSDP
+        kwargs = {}
+        if hybrid:
+            self.name = "fsdp_hybrid_zero2"
+            kwargs["sharding_strategy"] = ShardingStrategy._HYBRID_SHARD_ZERO2
+            kwargs["process_group"] = node_groups()
+        else:
+            self.name = "fsdp_grad_op"
+            kwargs["sharding_strategy"] = ShardingStrategy.SHARD_GRAD_OP
+        self.model = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True,
+                          auto_wrap_policy=_size_wrap_policy(), **kwargs)
+        self.opt = torch.optim.AdamW(self.model.parameters(), **ADAMW)
+        self.loss_fn = loss_fn
+
+    def train_step(self, x, y):
+        loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        self.model.clip_grad_norm_(MAX_NORM)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+    def opt_state_bytes(self):
+        return tensor_bytes(self.opt.state)
+
+    def final_params(self):
+        with self.FSDP.summon_full_params(self.model, writeback=False):
+            return [p.detach().clone() for p in self.model.module.parameters()]
+
+
+class DeepSpeedZeRO2(System):
+    name = "deepspeed_zero2"
+
+    def __init__(self, model, loss_fn, batch: int):
+        import deepspeed
+        config = {
+            "train_micro_batch_size_per_gpu": batch,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": MAX_NORM,
+            "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
+                                  "reduce_bucket_size": int(BUCKET_CAP_MB * 2**20 / 4),
+                                  "allgather_bucket_size": int(BUCKET_CAP_MB * 2**20 / 4)},
+            "steps_per_print": 10**9,
+            "wall_clock_breakdown": False,
+        }
+        opt = torch.optim.AdamW(model.parameters(), **ADAMW)
+        self.engine, self.opt, _, _ = deepspeed.initialize(model=model, optimizer=opt,
+                                                           config=config)
+        self.loss_fn = loss_fn
+
+    def train_step(self, x, y):
+        loss = self.loss_fn(self.engine(x), y)
+        self.engine.backward(loss)
+        self.engine.step()
+        return loss
+
+    def opt_state_bytes(self):
+        inner = getattr(self.opt, "optimizer", self.opt)
+        return tensor_bytes(inner.state)
+
+    def final_params(self):
+        return [p.detach() for p in self.engine.module.parameters()]
+
+
+class FGPSDP(System):
+    name = "fgpsdp"
+
+    def __init__(self, model, loss_fn, **ddp_kwargs):
+        self.model = fgp.DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB, **ddp_kwargs)
+        self.opt = fgp.ShardedOptimizer(self.model, torch.optim.AdamW, max_grad_norm=MAX_NORM,
+                                        **ADAMW)
+        self.loss_fn = loss_fn
+
+    def train_step(self, x, y):
+        loss = self.loss_fn(self.model(x), y)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss
+
+    def finish_step(self):
+        self.model.synchronize()
+
+    def opt_state_bytes(self):
+        return tensor_bytes(self.opt.state)
+
+    def final_params(self):
+        self.model.synchronize()
+        return [p.detach() for p in self.model.module.parameters()]
+
+
+def node_groups():
+    """(intra-node group, inter-node group) for this rank, from torchrun's environment."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    intra = inter = None
+    for node in range(world // local):  # every rank creates every group, in the same order
+        g = dist.new_group(list(range(node * local, (node + 1) * local)))
+        if rank // local == node:
+            intra = g
+    for index in range(local):
+        g = dist.new_group(list(range(index, world, local)))
+        if rank % local == index:
+            inter = g
+    return intra, inter
+
+
+def _size_wrap_policy():
+    import functools
+    from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
+    # About one wrapped unit per 25 MB, like the other systems' buckets.
+    return functools.partial(size_based_auto_wrap_policy,
+                             min_num_params=int(BUCKET_CAP_MB * 2**20 / 4))
+
+
+SYSTEMS = ("ddp", "ddp_zero1", "fsdp_grad_op", "fsdp_hybrid_zero2", "deepspeed_zero2",
+           "fgpsdp", "compute")
+
+
+def build_system(name: str, model: nn.Module, loss_fn: Callable, batch: int) -> System:
+    if name == "ddp":
+        return TorchDDP(model, loss_fn)
+    if name == "compute":
+        return TorchDDP(model, loss_fn, compute_only=True)
+    if name == "ddp_zero1":
+        return TorchZeRO(model, loss_fn)
+    if name == "fsdp_grad_op":
+        return TorchFSDP(model, loss_fn, hybrid=False)
+    if name == "fsdp_hybrid_zero2":
+        return TorchFSDP(model, loss_fn, hybrid=True)
+    if name == "deepspeed_zero2":
+        return DeepSpeedZeRO2(model, loss_fn, batch)
+    if name == "fgpsdp":
+        return FGPSDP(model, loss_fn)
+    raise ValueError(f"unknown system {name!r}; choose from {SYSTEMS}")

@@ -1,0 +1,96 @@
+"""One rank of one benchmark run (launched by torchrun on each emulated node).
+
+Trains ``--system`` on ``--workload`` for warm-up plus timed steps, back to back
+(so that work a system defers into the next forward counts where it lands),
+and writes this rank's figures as JSON. Rank 0 also saves the final
+parameters so the orchestrator can compare every system with torch DDP.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from systems import build_system  # noqa: E402
+from workloads import CONFIGS, build_model, describe, loss_fn, make_batch  # noqa: E402
+
+
+def link_tx_bytes() -> int:
+    """Bytes this node has sent over the inter-node link (the veth), or -1."""
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    try:
+        with open(f"/sys/class/net/{ifname}/statistics/tx_bytes") as f:
+            return int(f.read())
+    except (OSError, ValueError, TypeError):
+        return -1
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--size", default="cpu")
+    parser.add_argument("--system", required=True)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--save-params", action="store_true")
+    args = parser.parse_args()
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=600))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cfg = CONFIGS[(args.workload, args.size)]
+    torch.manual_seed(0)
+    model = build_model(cfg)
+    info = describe(cfg, model)
+    system = build_system(args.system, model, loss_fn(cfg), cfg.batch)
+
+    step_times = []
+    total_steps = args.warmup + args.steps
+    dist.barrier()
+    tx_start = link_tx_bytes()
+    start = time.perf_counter()
+    for step in range(total_steps):
+        if step == args.warmup:
+            dist.barrier()
+            tx_start = link_tx_bytes()
+            start = time.perf_counter()
+        t0 = time.perf_counter()
+        x, y = make_batch(cfg, step, rank)
+        loss = system.train_step(x, y)
+        step_times.append(time.perf_counter() - t0)
+    system.finish_step()
+    dist.barrier()
+    elapsed = time.perf_counter() - start
+    tx_end = link_tx_bytes()
+    final_loss = float(loss.detach())
+
+    result = {
+        "rank": rank, "world_size": world, "system": system.name, "workload": info,
+        "step_time_s": elapsed / args.steps, "step_times_s": step_times[args.warmup:],
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "opt_state_bytes": system.opt_state_bytes(), "final_loss": final_loss,
+        "local_rank": int(os.environ.get("LOCAL_RANK", rank)),
+        "node_tx_bytes_per_step": (tx_end - tx_start) / args.steps if tx_start >= 0 else None,
+        "torch": torch.__version__,
+    }
+    params = system.final_params()
+    if rank == 0 and args.save_params:
+        torch.save([p.cpu() for p in params], os.path.join(args.out, f"params-{args.system}.pt"))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"{args.system}-rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

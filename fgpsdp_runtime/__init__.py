@@ -4,7 +4,8 @@
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=3e-4, max_grad_norm=1.0)
 """
 from .ddp import DistributedDataParallel
+from .topology import Topology
 from .optim import ShardedOptimizer
 
-__all__ = ["DistributedDataParallel", "ShardedOptimizer"]
+__all__ = ["DistributedDataParallel", "ShardedOptimizer", "Topology"]
 __version__ = "0.1.0"

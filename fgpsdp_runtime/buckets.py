@@ -27,8 +27,10 @@ from .layout import BucketLayout, ParamSpan
 class BucketStorage:
     """Flat parameter buffer, persistent gradient slice and transient send buffer."""
 
-    def __init__(self, layout: BucketLayout, params: Sequence[torch.nn.Parameter], rank: int):
-        # params[i] is the parameter of layout.spans[i].
+    def __init__(self, layout: BucketLayout, params: Sequence[torch.nn.Parameter],
+                 slice_index: int):
+        # params[i] is the parameter of layout.spans[i]; slice_index is the
+        # slice this rank owns (topology.NodeLayout.slice_index).
         self.layout = layout
         first = params[0]
         self.dtype = first.dtype
@@ -39,7 +41,7 @@ class BucketStorage:
                 view = self.span_view(self.flat_param, span)
                 view.copy_(param.detach().reshape(-1))
                 param.data = view.view(param.shape)
-        self.shard_start, self.shard_end = layout.shard_range(rank)
+        self.shard_start, self.shard_end = layout.shard_range(slice_index)
         # This rank's slice of the parameters: what its optimizer updates and
         # what it contributes to the all-gather.
         self.param_shard = self.flat_param[self.shard_start:self.shard_end]

@@ -15,9 +15,11 @@ import torch.distributed as dist
 from torch import nn
 
 from .buckets import BucketStorage
-from .comm import CommStats, FlatCommunicator, PendingOp
+from .comm import CommStats, FlatExchange, HierarchicalExchange, PendingOp
 from .layout import BucketLayout, ParamInfo, owned_numel, plan_buckets
 from .reducer import GradientReducer
+from .topology import (NodeLayout, TopologyArg, check_contiguous_nodes, create_link_groups,
+                       resolve)
 from .validation import agree_or_raise, describe, local_problems
 
 class DistributedDataParallel(nn.Module):
@@ -33,7 +35,8 @@ class DistributedDataParallel(nn.Module):
                  output_device: Any = None, dim: int = 0, broadcast_buffers: bool = True,
                  process_group: Optional[dist.ProcessGroup] = None, bucket_cap_mb: float = 25.0,
                  find_unused_parameters: bool = False, check_reduction: bool = False,
-                 gradient_as_bucket_view: bool = False, static_graph: bool = False):
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False, *,
+                 topology: TopologyArg = None):
         super().__init__()
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("fgpsdp: call torch.distributed.init_process_group() first")
@@ -56,15 +59,32 @@ class DistributedDataParallel(nn.Module):
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
 
+        self.topology: NodeLayout = resolve(topology, self.world_size)
+        # The slice of every bucket this rank owns (not always its rank: see topology.py).
+        self.slice_index = self.topology.slice_index(self.rank)
+
         named = list(module.named_parameters())  # tied parameters appear once
         trainable = [(n, p) for n, p in named if p.requires_grad]
-        agree_or_raise(process_group, local_problems(module, trainable), describe(named))
+        problems = local_problems(module, trainable)
+        placement = check_contiguous_nodes(self.topology, process_group) \
+            if self.topology.uses_hierarchy else None
+        agree_or_raise(process_group, problems + ([placement] if placement else []),
+                       describe(named))
 
         self._params = [p for _, p in trainable]
         self._param_names = [n for n, _ in trainable]
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
-        self.comm_stats_counter = CommStats()
-        self._comm = FlatCommunicator(process_group, stats=self.comm_stats_counter)
+        device = self._params[0].device if self._params else torch.device("cpu")
+        self._comm_stats = CommStats()
+        # Bucket traffic goes over groups of its own, driven by worker threads;
+        # the wrapper's group stays free for broadcasts and the norm all-reduce.
+        if self.topology.uses_hierarchy:
+            self._exchange = HierarchicalExchange(
+                self.topology, create_link_groups(self.topology, process_group), device,
+                self._comm_stats)
+        else:
+            ranks = dist.get_process_group_ranks(process_group) if process_group else None
+            self._exchange = FlatExchange(dist.new_group(ranks), device, self._comm_stats)
 
         infos = [ParamInfo(p.numel(), str(p.dtype).replace("torch.", ""), p.element_size())
                  for p in self._params]
@@ -72,11 +92,13 @@ class DistributedDataParallel(nn.Module):
             infos, bucket_cap_bytes=int(self.bucket_cap_mb * 1024 * 1024),
             world_size=self.world_size)
         self._buckets = [
-            BucketStorage(layout, [self._params[s.param_index] for s in layout.spans], self.rank)
+            BucketStorage(layout, [self._params[s.param_index] for s in layout.spans],
+                          self.slice_index)
             for layout in self.bucket_layouts]
         self._broadcast_initial_state(named)
 
-        self.reducer = GradientReducer(self._params, self._param_names, self._buckets, self._comm)
+        self.reducer = GradientReducer(self._params, self._param_names, self._buckets,
+                                       self._exchange, self.world_size)
         self.reducer.register_hooks()
         self._param_gathers: dict[int, PendingOp] = {}
         # As torch DDP: buffers are broadcast before a forward that follows a
@@ -138,8 +160,8 @@ class DistributedDataParallel(nn.Module):
         previous = self._param_gathers.pop(bucket, None)
         if previous is not None:
             previous.wait()
-        self._param_gathers[bucket] = self._comm.start_all_gather(storage.flat_param,
-                                                                  storage.param_shard)
+        self._param_gathers[bucket] = self._exchange.start_all_gather(storage.flat_param,
+                                                                      storage.param_shard)
 
     def finish_param_all_gather(self, bucket: int) -> None:
         op = self._param_gathers.pop(bucket, None)
@@ -158,14 +180,18 @@ class DistributedDataParallel(nn.Module):
 
     @property
     def local_numel(self) -> int:
-        return owned_numel(self.bucket_layouts, self.rank)
+        return owned_numel(self.bucket_layouts, self.slice_index)
 
     def comm_stats(self) -> dict[str, dict[str, int]]:
-        """Bytes this rank sent since the last reset, ``{link: {phase: bytes}}``."""
-        return self.comm_stats_counter.as_dict()
+        """Bytes this rank sent since the last reset: ``{link: {phase: bytes, "total": bytes}}``.
+
+        Links are ``intra`` and ``inter`` under the hierarchy, ``flat`` otherwise;
+        phases ``reduce_scatter`` and ``all_gather``.
+        """
+        return self._comm_stats.as_dict()
 
     def reset_comm_stats(self) -> None:
-        self.comm_stats_counter.reset()
+        self._comm_stats.reset()
 
     def state_dict(self, *args: Any, **kwargs: Any):
         self.synchronize()
@@ -182,6 +208,16 @@ class DistributedDataParallel(nn.Module):
 
     def param_index(self, param: torch.Tensor) -> Optional[int]:
         return self._param_index.get(id(param))
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> None:
+        """Blocking sum of a small tensor (norms, flags) over the wrapper's group."""
+        if self.world_size > 1:
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
+
+    def __del__(self):
+        exchange = self.__dict__.get("_exchange")
+        if exchange is not None:
+            exchange.close()
 
 
 def _broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int,

@@ -106,9 +106,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _build_pieces(self):
         pieces: dict[int, list] = {}
-        rank = self.model.rank
         for b, storage in enumerate(self.model.buckets):
-            for piece in storage.layout.shard_pieces(rank):
+            for piece in storage.layout.shard_pieces(self.model.slice_index):
                 start = piece.bucket_offset
                 end = start + piece.numel
                 tensor = storage.flat_param[start:end]  # a leaf view: updates land in place
@@ -222,7 +221,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         local = multi_tensor_sq_norm(shards)
         used = model.reducer.locally_used.to(device=local.device, dtype=torch.float64)
         packet = torch.cat([local, used])
-        model._comm.all_reduce_sum(packet)
+        model.all_reduce_sum(packet)
         packet = packet.cpu()
         sq_sum, nonfinite = float(packet[0]), float(packet[1])
         globally_used = (packet[2:] > 0).tolist()

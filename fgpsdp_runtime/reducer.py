@@ -25,20 +25,20 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from .buckets import BucketStorage
-from .comm import FlatCommunicator, PendingOp
+from .comm import PendingOp
 
 
 class GradientReducer:
     """Packs gradients into buckets and reduce-scatters them during backward."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], param_names: Sequence[str],
-                 buckets: Sequence[BucketStorage], comm: FlatCommunicator):
+                 buckets: Sequence[BucketStorage], exchange, world_size: int):
         self.params = list(params)
         self.param_names = list(param_names)
         self.buckets = list(buckets)
-        self.comm = comm
+        self.exchange = exchange  # comm.FlatExchange or comm.HierarchicalExchange
         # DDP averages: every rank's gradient is pre-scaled by 1/N and summed.
-        self.grad_scale = 1.0 / comm.world_size
+        self.grad_scale = 1.0 / world_size
         # param index -> (bucket index, span)
         self.slot = {}
         for b, storage in enumerate(self.buckets):
@@ -192,7 +192,7 @@ class GradientReducer:
 
             def on_done(storage=storage):
                 storage.release_send_buffer()
-        op = self.comm.start_reduce_scatter(received, send)
+        op = self.exchange.start_reduce_scatter(received, send)
         op.on_done = on_done
         self._in_flight[b] = op
 

@@ -128,6 +128,10 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
     micro = cfg.get("accumulate", 1)
     max_norm = cfg.get("max_grad_norm")
     schedule_kw = {}
+    if "local_size" in cfg:
+        schedule_kw["topology"] = fgp.Topology(local_size=cfg["local_size"])
+    elif cfg.get("flat"):
+        schedule_kw["topology"] = "flat"
 
     # Every rank initialises differently: the broadcast at construction must fix it.
     torch.manual_seed(1234 + rank)
@@ -204,6 +208,9 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
         "lrs": [g["lr"] for g in opt.param_groups],
         "ref_lrs": [g["lr"] for g in ref_opt.param_groups],
         "trainable": sum(p.numel() for _, p in ours_named),
+        "comm_stats": ours.comm_stats(),
+        "bucket_bytes": [l.padded_numel * l.element_size for l in ours.bucket_layouts],
+        "slice_index": ours.slice_index,
     }
 
 

@@ -1,0 +1,150 @@
+"""Nodes x local ranks, and the process groups of each link class.
+
+[Note: slice ownership under the hierarchy]
+A bucket of B elements is cut into N = nodes x local_size slices. The
+hierarchical reduce-scatter first reduce-scatters inside the node, so local
+rank l holds the node's sum of chunk l (B / local_size elements); then the
+ranks with local index l (one per node: the "rail") reduce-scatter that chunk,
+so node n's rank receives piece n of it. Rank r = n * local_size + l therefore
+owns slice ``l * nodes + n`` of every bucket: ``NodeLayout.slice_index(r)``.
+With ``flat`` (or one node) the mapping is the identity. The optimizer state
+stays sharded over all N ranks; nothing is replicated per node.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional, Union
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Topology:
+    """How ranks map to nodes. ``local_size=None`` reads torchrun's environment."""
+
+    local_size: Optional[int] = None
+    hierarchical: bool = True
+
+    @staticmethod
+    def flat() -> "Topology":
+        return Topology(local_size=None, hierarchical=False)
+
+
+TopologyArg = Union[Topology, str, None]
+
+
+@dataclass(frozen=True)
+class NodeLayout:
+    """A resolved topology: pure arithmetic over ranks of the wrapper's group."""
+
+    world_size: int
+    local_size: int
+    hierarchical: bool
+
+    @property
+    def nodes(self) -> int:
+        return self.world_size // self.local_size
+
+    @property
+    def uses_hierarchy(self) -> bool:
+        # One node or one rank per node: a single level already is the hierarchy.
+        return self.hierarchical and self.nodes > 1 and self.local_size > 1
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.local_size
+
+    def local_rank(self, rank: int) -> int:
+        return rank % self.local_size
+
+    def intra_ranks(self, node: int) -> list[int]:
+        return list(range(node * self.local_size, (node + 1) * self.local_size))
+
+    def rail_ranks(self, local_rank: int) -> list[int]:
+        return list(range(local_rank, self.world_size, self.local_size))
+
+    def slice_index(self, rank: int) -> int:
+        """Which slice of every bucket ``rank`` owns (see the note above)."""
+        if not self.uses_hierarchy:
+            return rank
+        return self.local_rank(rank) * self.nodes + self.node_of(rank)
+
+
+def resolve(topology: TopologyArg, world_size: int) -> NodeLayout:
+    """Validate and resolve ``topology`` for a group of ``world_size`` ranks."""
+    if topology is None:
+        topology = Topology()
+    elif isinstance(topology, str):
+        if topology == "flat":
+            topology = Topology.flat()
+        elif topology in ("auto", "hierarchical"):
+            topology = Topology()
+        else:
+            raise ValueError(f"topology must be a Topology, 'flat' or 'auto', got {topology!r}")
+    elif not isinstance(topology, Topology):
+        raise TypeError(f"topology must be a Topology, 'flat' or 'auto', got {type(topology).__name__}")
+    local = topology.local_size
+    if local is None:
+        local = _local_size_from_env(world_size)
+    if not isinstance(local, int) or local < 1:
+        raise ValueError(f"local_size must be a positive integer, got {local!r}")
+    if world_size % local != 0:
+        raise ValueError(f"world size {world_size} is not divisible by local_size {local}: "
+                         "every node must run the same number of ranks")
+    return NodeLayout(world_size=world_size, local_size=local, hierarchical=topology.hierarchical)
+
+
+def _local_size_from_env(world_size: int) -> int:
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    if value is None:
+        return world_size  # not launched by torchrun: assume one node
+    local = int(value)
+    if local < 1 or world_size % local:
+        raise ValueError(f"LOCAL_WORLD_SIZE={local} does not divide the world size {world_size}")
+    return local
+
+
+def check_contiguous_nodes(layout: NodeLayout, group: Optional[dist.ProcessGroup]) -> Optional[str]:
+    """A problem sentence if this rank's node does not hold contiguous ranks, else None.
+
+    torchrun numbers ranks node by node; GROUP_RANK (the node index it assigned)
+    must then equal rank // local_size.
+    """
+    group_rank = os.environ.get("GROUP_RANK")
+    local_rank = os.environ.get("LOCAL_RANK")
+    if group_rank is None or local_rank is None or group is not None:
+        return None
+    rank = dist.get_rank()
+    if (int(group_rank), int(local_rank)) != (layout.node_of(rank), layout.local_rank(rank)):
+        return (f"rank {rank} is LOCAL_RANK {local_rank} of node GROUP_RANK {group_rank}, but "
+                f"contiguous placement with local_size {layout.local_size} puts it at local rank "
+                f"{layout.local_rank(rank)} of node {layout.node_of(rank)}")
+    return None
+
+
+@dataclass
+class LinkGroups:
+    """The process groups this rank uses per link class."""
+
+    intra: Optional[dist.ProcessGroup]  # the ranks of this node
+    inter: Optional[dist.ProcessGroup]  # the ranks with this local index, one per node
+
+
+def create_link_groups(layout: NodeLayout, group: Optional[dist.ProcessGroup]) -> LinkGroups:
+    """Create every node group and rail group, on every rank, in the same order."""
+    def global_ranks(ranks):
+        if group is None:
+            return ranks
+        return [dist.get_global_rank(group, r) for r in ranks]
+
+    rank = dist.get_rank(group)
+    intra = inter = None
+    for node in range(layout.nodes):
+        g = dist.new_group(global_ranks(layout.intra_ranks(node)))
+        if layout.node_of(rank) == node:
+            intra = g
+    for local in range(layout.local_size):
+        g = dist.new_group(global_ranks(layout.rail_ranks(local)))
+        if layout.local_rank(rank) == local:
+            inter = g
+    return LinkGroups(intra=intra, inter=inter)

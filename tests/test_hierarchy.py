@@ -1,0 +1,119 @@
+"""Hierarchical (two-level) communication: topology, equivalence, byte accounting."""
+import functools
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fgpsdp_runtime.topology import NodeLayout, Topology, resolve
+
+from .dist_harness import run_distributed
+from .scenarios import train_many
+from .test_equivalence import SCENARIOS, TOL
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# A subset of the DDP-equivalence scenarios, under each topology.
+HIER_SCENARIOS = ("adamw_groups", "clip_triggers", "no_sync", "unused", "bn_frozen",
+                  "small_buckets")
+TOPOLOGIES = {"2x2": (4, {"local_size": 2}), "2x3": (6, {"local_size": 3}),
+              "flat4": (4, {"flat": True})}
+
+
+@functools.lru_cache(maxsize=None)
+def results(topology: str):
+    world, extra = TOPOLOGIES[topology]
+    cfgs = {name: dict(SCENARIOS[name], steps=5, **extra) for name in HIER_SCENARIOS}
+    return run_distributed(world, train_many, cfgs, timeout_s=600)
+
+
+@pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
+@pytest.mark.parametrize("scenario", HIER_SCENARIOS)
+def test_matches_torch_ddp(topology, scenario):
+    per_rank = [r[scenario] for r in results(topology)]
+    for rank, res in enumerate(per_rank):
+        assert res["param_diff"] <= TOL, f"rank {rank}: params differ by {res['param_diff']}"
+        assert res["buffer_diff"] <= TOL
+    assert sum(r["local_numel"] for r in per_rank) == per_rank[0]["trainable"]
+    assert sorted(r["slice_index"] for r in per_rank) == list(range(len(per_rank)))
+
+
+@pytest.mark.parametrize("topology", ["2x2", "2x3"])
+def test_inter_node_bytes_match_theory(topology):
+    world, extra = TOPOLOGIES[topology]
+    local = extra["local_size"]
+    nodes = world // local
+    per_rank = [r["small_buckets"] for r in results(topology)]
+    steps = 5
+    bucket_bytes = sum(per_rank[0]["bucket_bytes"])
+    for rank, res in enumerate(per_rank):
+        stats = res["comm_stats"]
+        assert set(stats) == {"intra", "inter"}
+        for phase in ("reduce_scatter", "all_gather"):
+            # Per phase: (nodes-1)/nodes x bucket bytes / local_size per rank, per step.
+            expected_inter = steps * sum((nodes - 1) * b // local // nodes
+                                         for b in res["bucket_bytes"])
+            assert stats["inter"][phase] == expected_inter, (rank, phase)
+            expected_intra = steps * sum((local - 1) * b // local for b in res["bucket_bytes"])
+            assert stats["intra"][phase] == expected_intra, (rank, phase)
+        assert stats == per_rank[0]["comm_stats"], "balanced: equal on every rank"
+    # The slow link carries 1/local_size of what a flat ring would put on it.
+    assert per_rank[0]["comm_stats"]["inter"]["reduce_scatter"] * local * nodes \
+        == steps * (nodes - 1) * bucket_bytes
+
+
+def test_flat_counts_flat_link():
+    stats = results("flat4")[0]["small_buckets"]["comm_stats"]
+    assert set(stats) == {"flat"}
+
+
+def test_resolve_and_slice_mapping():
+    layout = resolve(Topology(local_size=2), 6)
+    assert (layout.nodes, layout.local_size, layout.uses_hierarchy) == (3, 2, True)
+    # rank r = node * local + l owns slice l * nodes + node
+    assert [layout.slice_index(r) for r in range(6)] == [0, 3, 1, 4, 2, 5]
+    assert layout.intra_ranks(1) == [2, 3] and layout.rail_ranks(1) == [1, 3, 5]
+    assert not resolve("flat", 4).uses_hierarchy
+    assert [resolve("flat", 4).slice_index(r) for r in range(4)] == [0, 1, 2, 3]
+    assert not resolve(Topology(local_size=4), 4).uses_hierarchy  # one node
+
+
+@pytest.mark.parametrize("arg, world, message", [
+    (Topology(local_size=4), 6, "not divisible"),
+    (Topology(local_size=0), 4, "positive integer"),
+    ("rings", 4, "Topology, 'flat' or 'auto'"),
+])
+def test_bad_topology(arg, world, message):
+    with pytest.raises(ValueError, match=message):
+        resolve(arg, world)
+
+
+def test_local_size_from_torchrun_env(monkeypatch):
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "3")
+    assert resolve(None, 6) == NodeLayout(world_size=6, local_size=3, hierarchical=True)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="does not divide"):
+        resolve(None, 6)
+
+
+def test_two_torchrun_agents_detect_topology(tmp_path):
+    """Two torchrun agents with --nnodes=2 on one host: topology from torchrun's environment."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = os.path.join(ROOT, "tests", "torchrun_worker.py")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONWARNINGS="ignore")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
+         f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}",
+         script, str(tmp_path)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for node in range(2)]
+    outputs = []
+    for p in procs:
+        out, _ = p.communicate(timeout=240)
+        outputs.append(out.decode(errors="replace"))
+        assert p.returncode == 0, outputs[-1][-3000:]
+    lines = sorted((tmp_path / f"rank{r}.txt").read_text() for r in range(4))
+    # rank, node, local, slice, param diff
+    assert lines == sorted(f"{r} {r // 2} {r % 2} {(r % 2) * 2 + r // 2} ok" for r in range(4))

@@ -221,7 +221,7 @@ def _size_wrap_policy():
 
 
 SYSTEMS = ("ddp", "ddp_zero1", "fsdp_grad_op", "fsdp_hybrid_zero2", "deepspeed_zero2",
-           "fgpsdp", "compute")
+           "fgpsdp", "fgpsdp_flat", "compute")
 
 
 def build_system(name: str, model: nn.Module, loss_fn: Callable, batch: int) -> System:
@@ -237,6 +237,10 @@ def build_system(name: str, model: nn.Module, loss_fn: Callable, batch: int) -> 
         return TorchFSDP(model, loss_fn, hybrid=True)
     if name == "deepspeed_zero2":
         return DeepSpeedZeRO2(model, loss_fn, batch)
-    if name == "fgpsdp":
+    if name == "fgpsdp":  # topology from torchrun's environment: hierarchical on 2x2
         return FGPSDP(model, loss_fn)
+    if name == "fgpsdp_flat":
+        system = FGPSDP(model, loss_fn, topology="flat")
+        system.name = "fgpsdp_flat"
+        return system
     raise ValueError(f"unknown system {name!r}; choose from {SYSTEMS}")

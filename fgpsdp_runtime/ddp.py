@@ -17,6 +17,7 @@ from torch import nn
 from .buckets import BucketStorage
 from .comm import CommStats, FlatExchange, HierarchicalExchange, PendingOp
 from .layout import BucketLayout, ParamInfo, owned_numel, plan_buckets
+from .forward_waits import ForwardParamWaiter
 from .reducer import GradientReducer
 from .topology import (NodeLayout, TopologyArg, check_contiguous_nodes, create_link_groups,
                        resolve)
@@ -36,8 +37,14 @@ class DistributedDataParallel(nn.Module):
                  process_group: Optional[dist.ProcessGroup] = None, bucket_cap_mb: float = 25.0,
                  find_unused_parameters: bool = False, check_reduction: bool = False,
                  gradient_as_bucket_view: bool = False, static_graph: bool = False, *,
-                 topology: TopologyArg = None):
+                 topology: TopologyArg = None, schedule: str = "next_forward"):
         super().__init__()
+        if schedule not in SCHEDULES:
+            if schedule == "two_stage":
+                raise NotImplementedError(
+                    "schedule='two_stage' (speculative steps during backward) is not "
+                    f"implemented yet; choose from {SCHEDULES}")
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("fgpsdp: call torch.distributed.init_process_group() first")
         if bucket_cap_mb is None or bucket_cap_mb <= 0:
@@ -49,6 +56,7 @@ class DistributedDataParallel(nn.Module):
         # unused parameters are handled without knowing the graph.
         if device_ids is not None and len(device_ids) != 1:
             raise ValueError("device_ids must name exactly one device (single-device modules)")
+        self.schedule = schedule
         self.module = module
         self.process_group = process_group
         self.broadcast_buffers = broadcast_buffers
@@ -98,9 +106,18 @@ class DistributedDataParallel(nn.Module):
         self._broadcast_initial_state(named)
 
         self.reducer = GradientReducer(self._params, self._param_names, self._buckets,
-                                       self._exchange, self.world_size)
+                                       self._exchange, self.world_size,
+                                       launch_during_backward=schedule != "serial")
         self.reducer.register_hooks()
         self._param_gathers: dict[int, PendingOp] = {}
+        self._forward_waiter: Optional[ForwardParamWaiter] = None
+        if schedule == "next_forward":
+            buckets_of: dict[int, list[int]] = {}
+            for b, layout in enumerate(self.bucket_layouts):
+                for span in layout.spans:
+                    buckets_of.setdefault(id(self._params[span.param_index]), []).append(b)
+            self._forward_waiter = ForwardParamWaiter(
+                module, buckets_of, self.finish_param_all_gather, self.finish_param_all_gathers)
         # As torch DDP: buffers are broadcast before a forward that follows a
         # synchronised, grad-enabled forward (and before the first one).
         self._sync_buffers_before_forward = True
@@ -131,14 +148,23 @@ class DistributedDataParallel(nn.Module):
     # -- forward -------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        self.finish_param_all_gathers()
+        waiter = self._forward_waiter
+        if waiter is None:
+            self.finish_param_all_gathers()
         if self._sync_buffers_before_forward and self.broadcast_buffers:
             self._broadcast_buffers()
         if self.device_ids is not None:
             device = torch.device(self.device_ids[0]) if not isinstance(self.device_ids[0], int) \
                 else torch.device("cuda", self.device_ids[0])
             inputs, kwargs = _move_to(inputs, device), _move_to(kwargs, device)
-        output = self.module(*inputs, **kwargs)
+        if waiter is not None:
+            waiter.begin_forward()  # each module waits for its buckets in its pre-hook
+            try:
+                output = self.module(*inputs, **kwargs)
+            finally:
+                waiter.end_forward()
+        else:
+            output = self.module(*inputs, **kwargs)
         self._sync_buffers_before_forward = torch.is_grad_enabled() and self.reducer.sync_enabled
         return output
 
@@ -162,6 +188,19 @@ class DistributedDataParallel(nn.Module):
             previous.wait()
         self._param_gathers[bucket] = self._exchange.start_all_gather(storage.flat_param,
                                                                       storage.param_shard)
+
+    def start_param_exchange(self) -> None:
+        """All-gather every bucket's updated slice, in the order forward needs them.
+
+        ``next_forward`` leaves them in flight for the next forward's pre-hooks;
+        the other schedules wait here.
+        """
+        order = (self._forward_waiter.buckets_in_forward_order(len(self._buckets))
+                 if self._forward_waiter is not None else range(len(self._buckets)))
+        for bucket in order:
+            self.start_param_all_gather(bucket)
+        if self._forward_waiter is None:
+            self.finish_param_all_gathers()
 
     def finish_param_all_gather(self, bucket: int) -> None:
         op = self._param_gathers.pop(bucket, None)
@@ -218,6 +257,9 @@ class DistributedDataParallel(nn.Module):
         exchange = self.__dict__.get("_exchange")
         if exchange is not None:
             exchange.close()
+
+
+SCHEDULES = ("serial", "overlap_backward", "next_forward")
 
 
 def _broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int,

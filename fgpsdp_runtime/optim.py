@@ -179,11 +179,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                           f"({self.skipped_steps} so far)", RuntimeWarning)
             self._reduced = False
             return loss  # parameters unchanged everywhere: nothing to exchange
+        self.model.finish_param_all_gathers()  # slices must not change under an all-gather
         self.optim.step()
         self._reduced = False
-        for b in range(len(self.model.buckets)):
-            self.model.start_param_all_gather(b)
-        self.model.finish_param_all_gathers()
+        self.model.start_param_exchange()
         return loss
 
     def state_dict(self) -> dict[str, Any]:

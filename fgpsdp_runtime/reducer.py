@@ -32,7 +32,8 @@ class GradientReducer:
     """Packs gradients into buckets and reduce-scatters them during backward."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], param_names: Sequence[str],
-                 buckets: Sequence[BucketStorage], exchange, world_size: int):
+                 buckets: Sequence[BucketStorage], exchange, world_size: int, *,
+                 launch_during_backward: bool = True):
         self.params = list(params)
         self.param_names = list(param_names)
         self.buckets = list(buckets)
@@ -45,6 +46,9 @@ class GradientReducer:
             for span in storage.layout.spans:
                 self.slot[span.param_index] = (b, span)
         self.sync_enabled = True  # False inside no_sync()
+        # False for the "serial" schedule: buckets are packed during backward
+        # but reduced only when the step asks for them.
+        self.launch_during_backward = launch_during_backward
         self._hook_handles = []
         self._in_flight: dict[int, PendingOp] = {}
         self._callback_queued = False
@@ -112,7 +116,7 @@ class GradientReducer:
             self._missing[b] -= 1
         param.grad = None  # its data now lives in the send buffer
         self.locally_used[index] = True
-        if self._missing[b] == 0:
+        if self._missing[b] == 0 and self.launch_during_backward:
             self._launch_ready_in_order()
 
     def _pack(self, b: int, span, grad: torch.Tensor, *, accumulate: bool) -> None:
@@ -129,7 +133,7 @@ class GradientReducer:
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False
-        if self.sync_enabled:
+        if self.sync_enabled and self.launch_during_backward:
             self.flush()
 
     # -- launching ---------------------------------------------------------

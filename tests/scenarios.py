@@ -71,7 +71,41 @@ class BranchyNet(nn.Module):
         return self.out(h)
 
 
-MODELS = {"mlp": MLP, "tied": TiedLM, "bn_frozen": BatchNormNet, "unused": BranchyNet}
+class AttentionNet(nn.Module):
+    """nn.MultiheadAttention reads out_proj.weight without calling out_proj."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(13, 16)
+        # No in-projection bias: the key bias has a zero gradient up to rounding
+        # (softmax ignores a shift), which Adam would amplify into noise.
+        self.attn = nn.MultiheadAttention(16, 4, batch_first=True, bias=False)
+        self.out = nn.Linear(16, 5)
+
+    def forward(self, x):
+        h = self.inp(x).view(2, 4, 16)
+        h, _ = self.attn(h, h, h, need_weights=False)
+        return self.out(h.reshape(8, 16))
+
+
+class OrderChangeNet(nn.Module):
+    """The module order changes every step (stale weights hide here: Megatron-LM #950)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(13, 13)
+        self.b = nn.Linear(13, 13)
+        self.out = nn.Linear(13, 5)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        first, second = (self.a, self.b) if self.calls % 2 else (self.b, self.a)
+        return self.out(torch.tanh(second(torch.tanh(first(x)))))
+
+
+MODELS = {"mlp": MLP, "tied": TiedLM, "bn_frozen": BatchNormNet, "unused": BranchyNet,
+          "attention": AttentionNet, "order_change": OrderChangeNet}
 
 
 def make_batch(model_name: str, step: int, micro: int, rank: int):
@@ -132,6 +166,8 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
         schedule_kw["topology"] = fgp.Topology(local_size=cfg["local_size"])
     elif cfg.get("flat"):
         schedule_kw["topology"] = "flat"
+    if "schedule" in cfg:
+        schedule_kw["schedule"] = cfg["schedule"]
 
     # Every rank initialises differently: the broadcast at construction must fix it.
     torch.manual_seed(1234 + rank)
@@ -186,7 +222,7 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
     state_dict_diff = max(float((ours_sd[k].double() - ref_sd[k].double()).abs().max())
                           for k in ref_sd) if list(ours_sd) == list(ref_sd) else float("inf")
 
-    param_diff = max(float((a - b).abs().max())
+    param_diff = max(float((a.detach() - b.detach()).abs().max())
                      for a, b in zip(ours.module.parameters(), ref.module.parameters()))
     buffer_diff = max([float((a.double() - b.double()).abs().max())
                        for a, b in zip(ours.module.buffers(), ref.module.buffers())] or [0.0])
@@ -211,6 +247,9 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
         "comm_stats": ours.comm_stats(),
         "bucket_bytes": [l.padded_numel * l.element_size for l in ours.bucket_layouts],
         "slice_index": ours.slice_index,
+        "params": [p.detach().clone() for p in ours.module.parameters()]
+        if cfg.get("return_params") else None,
+        "forward_deviations": ours._forward_waiter.deviations if ours._forward_waiter else 0,
     }
 
 

@@ -25,6 +25,8 @@ SCENARIOS = {
     "unused": {"model": "unused"},
     "unused_no_flag": {"model": "unused", "find_unused_parameters": False},
     "small_buckets": {"bucket_cap_mb": 0.0005, "optimizer": "sgd_momentum"},
+    "attention": {"model": "attention", "bucket_cap_mb": 0.002},
+    "order_change": {"model": "order_change", "bucket_cap_mb": 0.001},
     "lr_scheduler": {"lr_scheduler": True},
 }
 WORLD_SIZES = (2, 3, 4)

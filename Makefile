@@ -10,7 +10,10 @@ BENCH_STAMP := $(VENV)/.fgpsdp-bench-installed
 # make bench BENCH_ARGS="--workloads gpt2,vgg16 --systems ddp,fgpsdp --rate 1gbit"
 BENCH_ARGS ?=
 
-.PHONY: demo test setup bench bench-setup clean
+NVCC ?= nvcc
+CUDA_ARCH ?= sm_90
+
+.PHONY: demo test setup bench bench-setup cuda-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -38,6 +41,16 @@ bench-setup: $(BENCH_STAMP)
 # Needs root (network namespaces, tc): see bench/cluster.sh.
 bench: $(BENCH_STAMP)
 	$(PY) bench/emulated.py $(BENCH_ARGS)
+
+# Compile-check every kernel .cu with plain nvcc (no torch, no GPU needed).
+cuda-check:
+	@command -v $(NVCC) >/dev/null || { echo "cuda-check: $(NVCC) not found"; exit 1; }
+	@mkdir -p build/cuda-check
+	@for f in csrc/cuda/*.cu; do \
+	  echo "nvcc -arch=$(CUDA_ARCH) $$f"; \
+	  $(NVCC) -std=c++17 -arch=$(CUDA_ARCH) -lineinfo -Icsrc/include -c $$f \
+	    -o build/cuda-check/$$(basename $$f).o || exit 1; \
+	done
 
 clean:
 	rm -rf build *.egg-info fgpsdp_runtime/_C*.so

@@ -1,8 +1,9 @@
-"""Kernel entry points: the compiled extension when present, else torch.
+"""Kernel entry points: the compiled extension when it can run, else pure torch.
 
 Every kernel has a pure-torch reference here with the same signature; the
 tests hold the compiled kernels to it and to float64. When the extension
-cannot be loaded, the reference runs instead and one warning says so.
+cannot be loaded (or was built without CUDA and a CUDA tensor comes in), the
+reference runs instead and one warning says so.
 """
 from __future__ import annotations
 
@@ -18,20 +19,48 @@ except ImportError as error:  # pragma: no cover - depends on the build
     _C = None
     _LOAD_ERROR = error
 
-_warned = False
+_warned: set[str] = set()
 
 
 def extension_available() -> bool:
     return _C is not None
 
 
-def _extension():
-    global _warned
-    if _C is None and not _warned:
-        warnings.warn(f"fgpsdp_runtime._C could not be loaded ({_LOAD_ERROR}); "
-                      "using the slower pure-torch kernels", RuntimeWarning, stacklevel=3)
-        _warned = True
-    return _C
+def cuda_kernels_available() -> bool:
+    return _C is not None and bool(_C.has_cuda_kernels())
+
+
+def _compiled_for(device: torch.device):
+    """The extension if it has kernels for ``device``, else None (warning once)."""
+    if device.type == "cpu" and _C is not None:
+        return _C
+    if device.type == "cuda" and cuda_kernels_available():
+        return _C
+    reason = (f"fgpsdp_runtime._C could not be loaded ({_LOAD_ERROR})" if _C is None
+              else f"fgpsdp_runtime._C has no kernels for {device.type}")
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"{reason}; using the slower pure-torch kernels", RuntimeWarning,
+                      stacklevel=3)
+    return None
+
+
+# -- references ------------------------------------------------------------------
+
+def reference_multi_tensor_pack(tensors: Sequence[torch.Tensor], flat: torch.Tensor,
+                                offsets: Sequence[int], scale: float) -> None:
+    """``flat[offsets[i]:offsets[i] + n_i] = cast(tensors[i] * scale)``."""
+    for t, off in zip(tensors, offsets):
+        compute = torch.float64 if torch.float64 in (t.dtype, flat.dtype) else torch.float32
+        flat[off:off + t.numel()].copy_(t.reshape(-1).to(compute).mul_(scale))
+
+
+def reference_multi_tensor_unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor],
+                                  offsets: Sequence[int], scale: float) -> None:
+    """``tensors[i] = cast(flat[offsets[i]:offsets[i] + n_i] * scale)``."""
+    for t, off in zip(tensors, offsets):
+        compute = torch.float64 if torch.float64 in (t.dtype, flat.dtype) else torch.float32
+        t.copy_(flat[off:off + t.numel()].to(compute).mul_(scale).view_as(t))
 
 
 def reference_multi_tensor_sq_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -45,10 +74,30 @@ def reference_multi_tensor_sq_norm(tensors: Sequence[torch.Tensor]) -> torch.Ten
     return torch.stack([total, flag])
 
 
+# -- dispatch -----------------------------------------------------------------------
+
+def multi_tensor_pack(tensors: Sequence[torch.Tensor], flat: torch.Tensor,
+                      offsets: Sequence[int], scale: float = 1.0) -> None:
+    """Copy many tensors into one flat buffer with a scale and a cast, in one pass."""
+    ext = _compiled_for(flat.device)
+    if ext is None:
+        return reference_multi_tensor_pack(tensors, flat, offsets, scale)
+    ext.multi_tensor_pack(list(tensors), flat, [int(o) for o in offsets], float(scale))
+
+
+def multi_tensor_unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor],
+                        offsets: Sequence[int], scale: float = 1.0) -> None:
+    """Scatter a flat buffer back into many tensors with a scale and a cast."""
+    ext = _compiled_for(flat.device)
+    if ext is None:
+        return reference_multi_tensor_unpack(flat, tensors, offsets, scale)
+    ext.multi_tensor_unpack(flat, list(tensors), [int(o) for o in offsets], float(scale))
+
+
 def multi_tensor_sq_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
     """float64 ``[sum of squares, non-finite flag]``, without a host sync on GPU."""
-    ext = _extension()
     tensors = list(tensors)
-    if ext is not None and (not tensors or tensors[0].device.type == "cpu"):
-        return ext.multi_tensor_sq_norm(tensors)
-    return reference_multi_tensor_sq_norm(tensors)
+    ext = _compiled_for(tensors[0].device if tensors else torch.device("cpu"))
+    if ext is None:
+        return reference_multi_tensor_sq_norm(tensors)
+    return ext.multi_tensor_sq_norm(tensors)

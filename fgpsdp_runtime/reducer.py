@@ -26,6 +26,7 @@ import torch
 
 from .buckets import BucketStorage
 from .comm import PendingOp
+from .ops import multi_tensor_pack
 
 
 class GradientReducer:
@@ -62,7 +63,9 @@ class GradientReducer:
 
     def _reset_backward_state(self) -> None:
         self._missing = [len(s.layout.spans) for s in self.buckets]
-        self._packed = [False] * len(self.params)
+        self._seen = [False] * len(self.params)  # got its gradient in this backward
+        self._held: list[list[tuple]] = [[] for _ in self.buckets]  # (span, grad) not packed yet
+        self._bucket_packed = [False] * len(self.buckets)
         self._next_to_launch = 0
 
     def reset_used(self) -> None:
@@ -103,33 +106,49 @@ class GradientReducer:
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
             self._callback_queued = True
         b, span = self.slot[index]
-        if self._packed[index]:
-            if b < self._next_to_launch:
-                raise RuntimeError(
-                    f"fgpsdp: parameter '{self.param_names[index]}' received a second gradient "
-                    "after its bucket was reduced in this backward (reentrant checkpointing "
-                    "or a module run twice across a backward boundary); not supported")
-            self._pack(b, span, grad, accumulate=True)
-        else:
-            self._pack(b, span, grad, accumulate=False)
-            self._packed[index] = True
-            self._missing[b] -= 1
-        param.grad = None  # its data now lives in the send buffer
+        param.grad = None  # the reducer holds it until the bucket is packed
         self.locally_used[index] = True
-        if self._missing[b] == 0 and self.launch_during_backward:
-            self._launch_ready_in_order()
+        if self._seen[index]:
+            self._accumulate_second_gradient(index, b, span, grad)
+            return
+        self._seen[index] = True
+        self._held[b].append((span, grad))
+        self._missing[b] -= 1
+        if self._missing[b] == 0:
+            self._pack_bucket(b)
+            if self.launch_during_backward:
+                self._launch_ready_in_order()
 
-    def _pack(self, b: int, span, grad: torch.Tensor, *, accumulate: bool) -> None:
+    def _accumulate_second_gradient(self, index: int, b: int, span, grad: torch.Tensor) -> None:
+        """A parameter used across two backward graphs of one backward call."""
+        if b < self._next_to_launch:
+            raise RuntimeError(
+                f"fgpsdp: parameter '{self.param_names[index]}' received a second gradient "
+                "after its bucket was reduced in this backward (reentrant checkpointing "
+                "or a module run twice across a backward boundary); not supported")
+        if self._bucket_packed[b]:
+            dst = BucketStorage.span_view(self.buckets[b].send_buffer, span)
+            dst.add_(grad.reshape(-1), alpha=self.grad_scale)
+        else:
+            held = self._held[b]
+            for i, (held_span, held_grad) in enumerate(held):
+                if held_span is span:
+                    held[i] = (span, held_grad + grad)
+                    break
+
+    def _pack_bucket(self, b: int) -> None:
+        """All held gradients of bucket b into its send buffer: one fused, scaled copy."""
         storage = self.buckets[b]
         pending = self._in_flight.pop(b, None)
         if pending is not None:  # a previous backward's reduce-scatter still uses it
             pending.wait()
-        dst = BucketStorage.span_view(storage.acquire_send_buffer(), span)
-        src = grad.reshape(-1)
-        if accumulate:
-            dst.add_(src, alpha=self.grad_scale)
-        else:
-            torch.mul(src, self.grad_scale, out=dst)
+        send = storage.acquire_send_buffer()
+        held = self._held[b]
+        # contiguous(): a channels-last gradient is packed in the parameter's logical order.
+        multi_tensor_pack([g.detach().contiguous() for _, g in held], send,
+                          [sp.bucket_offset for sp, _ in held], self.grad_scale)
+        self._held[b] = []
+        self._bucket_packed[b] = True
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False
@@ -140,7 +159,7 @@ class GradientReducer:
 
     def _launch_ready_in_order(self) -> None:
         while (self._next_to_launch < len(self.buckets)
-               and self._missing[self._next_to_launch] == 0):
+               and self._bucket_packed[self._next_to_launch]):
             self._start_reduce_scatter(self._next_to_launch)
             self._next_to_launch += 1
         if self._next_to_launch == len(self.buckets):
@@ -148,7 +167,7 @@ class GradientReducer:
             self._round_launched = True
 
     def _round_in_progress(self) -> bool:
-        return self._next_to_launch > 0 or any(self._packed)
+        return self._next_to_launch > 0 or any(self._seen)
 
     def flush(self) -> None:
         """Launch every bucket not launched yet in this backward, in order.
@@ -161,23 +180,26 @@ class GradientReducer:
 
     def _fill_missing_and_launch(self) -> None:
         for b in range(self._next_to_launch, len(self.buckets)):
-            storage = self.buckets[b]
-            for span in storage.layout.spans:
+            if self._bucket_packed[b]:
+                continue
+            zero_spans = []
+            for span in self.buckets[b].layout.spans:
                 index = span.param_index
-                if self._packed[index]:
+                if self._seen[index]:
                     continue
                 param = self.params[index]
-                if param.grad is not None:
-                    self._pack(b, span, param.grad, accumulate=False)
+                if param.grad is not None:  # left by no_sync() iterations
+                    self._held[b].append((span, param.grad))
                     param.grad = None
                     self.locally_used[index] = True
                 else:
-                    pending = self._in_flight.pop(b, None)
-                    if pending is not None:
-                        pending.wait()
-                    BucketStorage.span_view(storage.acquire_send_buffer(), span).zero_()
-                self._packed[index] = True
+                    zero_spans.append(span)
+                self._seen[index] = True
             self._missing[b] = 0
+            self._pack_bucket(b)
+            send = self.buckets[b].send_buffer
+            for span in zero_spans:
+                BucketStorage.span_view(send, span).zero_()
         self._launch_ready_in_order()
 
     def _start_reduce_scatter(self, b: int) -> None:

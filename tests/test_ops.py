@@ -67,5 +67,65 @@ def test_sq_norm_rejects_bad_input():
         ops.multi_tensor_sq_norm([torch.randn(4, 6).t()])
     with pytest.raises(RuntimeError, match="unsupported dtype"):
         ops.multi_tensor_sq_norm([torch.arange(5)])
-    with pytest.raises(RuntimeError, match="on meta"):
+    with pytest.raises(RuntimeError, match="is on meta"):
         ops.multi_tensor_sq_norm([torch.randn(3), torch.empty(3, device="meta")])
+
+
+def _random_like_sizes(dtype, device, sizes):
+    return [torch.randn(n, dtype=torch.float64).to(dtype=dtype, device=device) for n in sizes]
+
+
+PACK_SIZES = [[1], [0, 5], [3, 1000, 17, 65537, 0, 1], [1 << 20]]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("src_dtype", DTYPES)
+@pytest.mark.parametrize("flat_dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("sizes", PACK_SIZES)
+def test_pack_matches_reference(src_dtype, flat_dtype, sizes, device):
+    tensors = _random_like_sizes(src_dtype, device, sizes)
+    offsets, cursor = [], 3  # an odd start: offsets need no alignment
+    for t in tensors:
+        offsets.append(cursor)
+        cursor += t.numel() + 2
+    scale = 1.0 / 3.0
+    flat = torch.full((cursor + 1,), 7.0, dtype=flat_dtype, device=device)
+    expected = flat.clone()
+    ops.multi_tensor_pack(tensors, flat, offsets, scale)
+    ops.reference_multi_tensor_pack(tensors, expected, offsets, scale)
+    assert torch.equal(flat, expected)  # elementwise: same rounding, bit for bit
+    # Gaps between tensors are untouched.
+    assert float(flat[0]) == 7.0 and float(flat[-1]) == 7.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sizes", PACK_SIZES)
+def test_unpack_inverts_pack(dtype, sizes, device):
+    tensors = _random_like_sizes(dtype, device, sizes)
+    offsets = [sum(t.numel() for t in tensors[:i]) for i in range(len(tensors))]
+    flat = torch.empty(max(1, sum(t.numel() for t in tensors)), dtype=dtype, device=device)
+    ops.multi_tensor_pack(tensors, flat, offsets, 1.0)
+    out = [torch.empty_like(t) for t in tensors]
+    ops.multi_tensor_unpack(flat, out, offsets, 1.0)
+    for a, b in zip(out, tensors):
+        assert torch.equal(a, b)
+    ref = [torch.empty_like(t) for t in tensors]
+    ops.multi_tensor_unpack(flat, out, offsets, 2.0)
+    ops.reference_multi_tensor_unpack(flat, ref, offsets, 2.0)
+    for a, b in zip(out, ref):
+        assert torch.equal(a, b)
+
+
+def test_pack_rejects_bad_input():
+    flat = torch.zeros(10)
+    with pytest.raises(RuntimeError, match="not contiguous"):
+        ops.multi_tensor_pack([torch.randn(2, 3).t()], flat, [0], 1.0)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        ops.multi_tensor_pack([torch.randn(6)], flat, [5], 1.0)
+    with pytest.raises(RuntimeError, match="2 tensors but 1 offsets"):
+        ops.multi_tensor_pack([torch.randn(2), torch.randn(2)], flat, [0], 1.0)
+    with pytest.raises(RuntimeError, match="unsupported dtype"):
+        ops.multi_tensor_pack([torch.arange(3)], flat, [0], 1.0)
+    with pytest.raises(RuntimeError, match="not contiguous"):
+        ops.multi_tensor_unpack(torch.zeros(4, 4).t(), [torch.zeros(3)], [0], 1.0)

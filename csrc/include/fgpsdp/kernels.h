@@ -1,6 +1,7 @@
 // Declarations of the host entry points bound in csrc/bindings.cpp.
 // Each kernel has a CPU version (csrc/cpu/) and, when built with CUDA, a
-// device version (csrc/cuda/); the entry point dispatches on the device.
+// device version (csrc/cuda/launchers.cpp + *.cu); the binding checks the
+// arguments and dispatches on the device.
 #pragma once
 
 #include <vector>
@@ -9,16 +10,22 @@
 
 namespace fgpsdp {
 
-// Sum of squares of every element of `tensors`, accumulated in float64, and a
-// flag that is 1.0 when that sum is not finite (an inf or NaN in the input).
-// Returns a float64 tensor of shape [2] on the tensors' device: {sum, flag}.
-at::Tensor multi_tensor_sq_norm(const std::vector<at::Tensor>& tensors);
+#define FGPSDP_DECLARE_KERNELS                                                              \
+  /* flat[offsets[i] + j] = cast(tensors[i][j] * scale) */                                  \
+  void multi_tensor_pack(const std::vector<at::Tensor>& tensors, const at::Tensor& flat,    \
+                         const std::vector<int64_t>& offsets, double scale);               \
+  /* tensors[i][j] = cast(flat[offsets[i] + j] * scale) */                                  \
+  void multi_tensor_unpack(const at::Tensor& flat, const std::vector<at::Tensor>& tensors,  \
+                           const std::vector<int64_t>& offsets, double scale);             \
+  /* float64 {sum of squares, 1.0 if that sum is not finite} on the tensors' device */      \
+  at::Tensor multi_tensor_sq_norm(const std::vector<at::Tensor>& tensors);
 
 namespace cpu {
-at::Tensor multi_tensor_sq_norm(const std::vector<at::Tensor>& tensors);
+FGPSDP_DECLARE_KERNELS
 }  // namespace cpu
 
-// Shared argument checks: same device, contiguous, supported dtype.
-void check_tensor_list(const std::vector<at::Tensor>& tensors, const char* what);
+namespace cuda {
+FGPSDP_DECLARE_KERNELS
+}  // namespace cuda
 
 }  // namespace fgpsdp

@@ -7,7 +7,7 @@ so the driver can compare each system with torch DDP after the timed steps.
 from __future__ import annotations
 
 import os
-from typing import Callable, Optional
+from typing import Callable
 
 import torch
 import torch.distributed as dist

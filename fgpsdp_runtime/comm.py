@@ -42,6 +42,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from .profiling import nvtx_range
 from .topology import LinkGroups, NodeLayout
 
 # torch 2.13 renamed the flat-tensor collectives; older releases have only the old names.
@@ -162,6 +163,11 @@ def reduce_scatter_blocking(group: dist.ProcessGroup, output: torch.Tensor,
     n = dist.get_world_size(group)
     if input.numel() != output.numel() * n:
         raise ValueError(f"reduce-scatter sizes: input {input.numel()} != {n} x output {output.numel()}")
+    with nvtx_range(f"fgpsdp.reduce_scatter[{n}]"):
+        _reduce_scatter(group, n, output, input)
+
+
+def _reduce_scatter(group, n: int, output: torch.Tensor, input: torch.Tensor) -> None:
     if n == 1:
         output.copy_(input)
         return
@@ -179,6 +185,11 @@ def all_gather_blocking(group: dist.ProcessGroup, output: torch.Tensor,
     n = dist.get_world_size(group)
     if output.numel() != input.numel() * n:
         raise ValueError(f"all-gather sizes: output {output.numel()} != {n} x input {input.numel()}")
+    with nvtx_range(f"fgpsdp.all_gather[{n}]"):
+        _all_gather(group, n, output, input)
+
+
+def _all_gather(group, n: int, output: torch.Tensor, input: torch.Tensor) -> None:
     if n == 1:
         if input.data_ptr() != output.data_ptr():
             output.copy_(input)

@@ -18,6 +18,7 @@ from .buckets import BucketStorage
 from .comm import CommStats, FlatExchange, HierarchicalExchange, PendingOp
 from .layout import BucketLayout, ParamInfo, owned_numel, plan_buckets
 from .forward_waits import ForwardParamWaiter
+from .profiling import nvtx_range
 from .reducer import GradientReducer
 from .topology import (NodeLayout, TopologyArg, check_contiguous_nodes, create_link_groups,
                        resolve)
@@ -157,14 +158,15 @@ class DistributedDataParallel(nn.Module):
             device = torch.device(self.device_ids[0]) if not isinstance(self.device_ids[0], int) \
                 else torch.device("cuda", self.device_ids[0])
             inputs, kwargs = _move_to(inputs, device), _move_to(kwargs, device)
-        if waiter is not None:
-            waiter.begin_forward()  # each module waits for its buckets in its pre-hook
-            try:
+        with nvtx_range("fgpsdp.forward"):
+            if waiter is not None:
+                waiter.begin_forward()  # each module waits for its buckets in its pre-hook
+                try:
+                    output = self.module(*inputs, **kwargs)
+                finally:
+                    waiter.end_forward()
+            else:
                 output = self.module(*inputs, **kwargs)
-            finally:
-                waiter.end_forward()
-        else:
-            output = self.module(*inputs, **kwargs)
         self._sync_buffers_before_forward = torch.is_grad_enabled() and self.reducer.sync_enabled
         return output
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from typing import Callable, Optional
 
-import torch
 from torch import nn
 
 

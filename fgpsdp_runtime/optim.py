@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Callable, Iterable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from .ddp import DistributedDataParallel
 from .ops import multi_tensor_sq_norm
+from .profiling import nvtx_range
 
 # Optimizers whose update is not element-wise: slicing would change the result.
 _NOT_ELEMENTWISE = {"LBFGS", "Adafactor", "SparseAdam"}
@@ -180,7 +180,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._reduced = False
             return loss  # parameters unchanged everywhere: nothing to exchange
         self.model.finish_param_all_gathers()  # slices must not change under an all-gather
-        self.optim.step()
+        with nvtx_range("fgpsdp.optimizer_step"):
+            self.optim.step()
         self._reduced = False
         self.model.start_param_exchange()
         return loss

@@ -20,7 +20,7 @@ parameter can never hang a step.
 """
 from __future__ import annotations
 
-from typing import Callable, Optional, Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -50,6 +50,9 @@ class GradientReducer:
         # False for the "serial" schedule: buckets are packed during backward
         # but reduced only when the step asks for them.
         self.launch_during_backward = launch_during_backward
+        # Called with the bucket index when a bucket's gradients are all packed
+        # (profilers record when backward compute finished each bucket).
+        self.bucket_ready_listeners: list[Callable[[int], None]] = []
         self._hook_handles = []
         self._in_flight: dict[int, PendingOp] = {}
         self._callback_queued = False
@@ -149,6 +152,8 @@ class GradientReducer:
                           [sp.bucket_offset for sp, _ in held], self.grad_scale)
         self._held[b] = []
         self._bucket_packed[b] = True
+        for listener in self.bucket_ready_listeners:
+            listener(b)
 
     def _on_backward_end(self) -> None:
         self._callback_queued = False

@@ -2,7 +2,6 @@
 import os
 import sys
 
-import torch
 import torch.distributed as dist
 
 from tests.scenarios import train_side_by_side

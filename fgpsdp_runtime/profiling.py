@@ -1,0 +1,64 @@
+"""NVTX ranges and per-bucket timing marks (no-ops where they cost nothing to skip).
+
+NVTX ranges show up in Nsight Systems (``bench/nsys.sh``); they are pushed only
+when CUDA is available, so CPU runs pay a function call and nothing else.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Iterator, Optional
+
+import torch
+
+_NVTX = torch.cuda.is_available()
+
+
+@contextlib.contextmanager
+def nvtx_range(name: str) -> Iterator[None]:
+    if _NVTX:
+        torch.cuda.nvtx.range_push(name)
+        try:
+            yield
+        finally:
+            torch.cuda.nvtx.range_pop()
+    else:
+        yield
+
+
+class Marks:
+    """Named time marks on one device, resolved to seconds after the fact.
+
+    On CUDA a mark is an event on the current stream (no host sync while
+    recording); on CPU it is a perf_counter reading.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self._marks: list[tuple[str, object]] = []
+
+    def mark(self, name: str) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self._marks.append((name, event))
+        else:
+            self._marks.append((name, time.perf_counter()))
+
+    def resolve(self) -> list[tuple[str, float]]:
+        """(name, seconds since the first mark), in recording order."""
+        if not self._marks:
+            return []
+        if self.cuda:
+            torch.cuda.synchronize()
+            first = self._marks[0][1]
+            return [(n, first.elapsed_time(e) / 1e3) for n, e in self._marks]
+        t0 = self._marks[0][1]
+        return [(n, t - t0) for n, t in self._marks]
+
+    def clear(self) -> None:
+        self._marks.clear()
+
+
+def first(marks: list[tuple[str, float]], name: str) -> Optional[float]:
+    return next((t for n, t in marks if n == name), None)

@@ -221,7 +221,9 @@ def _size_wrap_policy():
 
 
 SYSTEMS = ("ddp", "ddp_zero1", "fsdp_grad_op", "fsdp_hybrid_zero2", "deepspeed_zero2",
-           "fgpsdp", "fgpsdp_flat", "compute")
+           "fgpsdp", "fgpsdp_flat", "fgpsdp_next_forward", "fgpsdp_overlap_backward",
+           "fgpsdp_serial", "compute")
+FGPSDP_SCHEDULES = ("next_forward", "overlap_backward", "serial")
 
 
 def build_system(name: str, model: nn.Module, loss_fn: Callable, batch: int) -> System:
@@ -237,10 +239,14 @@ def build_system(name: str, model: nn.Module, loss_fn: Callable, batch: int) -> 
         return TorchFSDP(model, loss_fn, hybrid=True)
     if name == "deepspeed_zero2":
         return DeepSpeedZeRO2(model, loss_fn, batch)
-    if name == "fgpsdp":  # topology from torchrun's environment: hierarchical on 2x2
+    if name == "fgpsdp":  # defaults: two_stage; topology from torchrun's env (2x2 here)
         return FGPSDP(model, loss_fn)
     if name == "fgpsdp_flat":
         system = FGPSDP(model, loss_fn, topology="flat")
         system.name = "fgpsdp_flat"
+        return system
+    if name.startswith("fgpsdp_") and name[len("fgpsdp_"):] in FGPSDP_SCHEDULES:
+        system = FGPSDP(model, loss_fn, schedule=name[len("fgpsdp_"):])
+        system.name = name
         return system
     raise ValueError(f"unknown system {name!r}; choose from {SYSTEMS}")

@@ -5,17 +5,20 @@ and counts the bytes it sends. Every operation returns a :class:`PendingOp`
 at once; the caller decides when to wait (``start_*`` / ``finish_*`` pairs
 live in the wrapper).
 
-[Note: one thread per link class]
-Each link class (``flat``, or ``intra`` and ``inter``) has a worker thread
-that issues every collective of that link's process group, one after another,
-in the order the main thread submitted them. Collectives on one group thus
-have the same order on every rank, while the two links work at the same time:
-bucket b's inter-node phase runs while bucket b+1's intra-node phase does. The
-second phase of a bucket waits, inside its worker, for the first. Both phases
-of an operation are submitted together from the main thread, so every wait
-points at a task submitted earlier and the workers cannot deadlock. The
-collectives the wrapper issues itself (broadcasts, the norm all-reduce) use
-the wrapper's own group, never a link group.
+[Note: one thread per link class and phase]
+Each link class (``flat``, or ``intra`` and ``inter``) has, per phase
+(reduce-scatter, all-gather), a process group of its own and a worker thread
+that issues every collective of that group, one after another, in the order
+they were submitted. Collectives on one group thus have the same order on
+every rank, while links and phases work at the same time: bucket b's
+inter-node phase runs while bucket b+1's intra-node phase does, and an early
+all-gather (two-stage schedule) runs beside later reduce-scatters. Reduce-
+scatters are submitted in bucket order and all-gathers in plan order on every
+rank; how the two interleave depends on timing, which is why they never share
+a group. The second phase of a bucket waits, inside its worker, for the
+first; both are submitted together, so every wait points at a task submitted
+earlier and the workers cannot deadlock. The collectives the wrapper issues
+itself (broadcasts, the norm all-reduce) use the wrapper's own group.
 
 Timeline of two buckets under the hierarchy (reduce-scatter)::
 
@@ -59,6 +62,14 @@ class PendingOp:
         self._done_event = done_event  # CUDA: recorded on the link's stream
         self.on_done = on_done
         self._finished = False
+
+    def done(self) -> bool:
+        """True once the work has landed (waiting would not block)."""
+        if self._finished or self.future is None:
+            return True
+        if not self.future.done():
+            return False
+        return self._done_event is None or self._done_event.query()
 
     def wait(self) -> None:
         if self._finished:
@@ -231,41 +242,45 @@ class _Exchange:
 
 
 class FlatExchange(_Exchange):
-    """One process group over all ranks: one link class, ``flat``."""
+    """All ranks in one group per phase: one link class, ``flat``."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device, stats: CommStats):
+    def __init__(self, rs_group: dist.ProcessGroup, ag_group: dist.ProcessGroup,
+                 device: torch.device, stats: CommStats):
         super().__init__(device, stats)
-        self.group = group
-        self.size = dist.get_world_size(group)
-        self.worker = LinkWorker("flat", device)
+        self.rs_group, self.ag_group = rs_group, ag_group
+        self.size = dist.get_world_size(rs_group)
+        self.rs_worker = LinkWorker("flat-rs", device)
+        self.ag_worker = LinkWorker("flat-ag", device)
 
     def start_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> PendingOp:
         self.stats.add("flat", "reduce_scatter",
                        bytes_sent(input.numel() * input.element_size(), self.size))
-        return self._run(lambda: reduce_scatter_blocking(self.group, output, input))
+        return self._submit(self.rs_worker,
+                            lambda: reduce_scatter_blocking(self.rs_group, output, input))
 
     def start_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> PendingOp:
         self.stats.add("flat", "all_gather",
                        bytes_sent(output.numel() * output.element_size(), self.size))
-        return self._run(lambda: all_gather_blocking(self.group, output, input))
-
-    def _run(self, fn) -> PendingOp:
-        return self._submit(self.worker, fn)
+        return self._submit(self.ag_worker,
+                            lambda: all_gather_blocking(self.ag_group, output, input))
 
     def close(self) -> None:
-        self.worker.close()
+        self.rs_worker.close()
+        self.ag_worker.close()
 
 
 class HierarchicalExchange(_Exchange):
     """Intra-node phase on the node's group, inter-node phase on the rail."""
 
-    def __init__(self, layout: NodeLayout, groups: LinkGroups, device: torch.device,
-                 stats: CommStats):
+    def __init__(self, layout: NodeLayout, rs_groups: LinkGroups, ag_groups: LinkGroups,
+                 device: torch.device, stats: CommStats):
         super().__init__(device, stats)
         self.layout = layout
-        self.groups = groups
-        self.intra_worker = LinkWorker("intra", device)
-        self.inter_worker = LinkWorker("inter", device)
+        self.rs_groups, self.ag_groups = rs_groups, ag_groups
+        self.intra_rs = LinkWorker("intra-rs", device)
+        self.inter_rs = LinkWorker("inter-rs", device)
+        self.intra_ag = LinkWorker("intra-ag", device)
+        self.inter_ag = LinkWorker("inter-ag", device)
 
     def start_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> PendingOp:
         L, M = self.layout.local_size, self.layout.nodes
@@ -274,11 +289,12 @@ class HierarchicalExchange(_Exchange):
         self.stats.add("inter", "reduce_scatter", bytes_sent(nbytes // L, M))
         # The node's sum of this rank's chunk; lives until the inter phase is done.
         partial = torch.empty(input.numel() // L, dtype=input.dtype, device=input.device)
-        first = self._submit(self.intra_worker,
-                             lambda: reduce_scatter_blocking(self.groups.intra, partial, input))
-        return self._submit(self.inter_worker,
-                            lambda: reduce_scatter_blocking(self.groups.inter, output, partial),
-                            after=(first.future, self.intra_worker))
+        groups = self.rs_groups
+        first = self._submit(self.intra_rs,
+                             lambda: reduce_scatter_blocking(groups.intra, partial, input))
+        return self._submit(self.inter_rs,
+                            lambda: reduce_scatter_blocking(groups.inter, output, partial),
+                            after=(first.future, self.intra_rs))
 
     def start_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> PendingOp:
         L, M = self.layout.local_size, self.layout.nodes
@@ -286,15 +302,16 @@ class HierarchicalExchange(_Exchange):
         self.stats.add("inter", "all_gather", bytes_sent(nbytes // L, M))
         self.stats.add("intra", "all_gather", bytes_sent(nbytes, L))
         chunk = output.numel() // L
-        local = dist.get_rank(self.groups.intra)
+        groups = self.ag_groups
+        local = dist.get_rank(groups.intra)
         # This rank's chunk of the bucket: the rail fills it, then the node shares it.
         own_chunk = output[local * chunk:(local + 1) * chunk]
-        first = self._submit(self.inter_worker,
-                             lambda: all_gather_blocking(self.groups.inter, own_chunk, input))
-        return self._submit(self.intra_worker,
-                            lambda: all_gather_blocking(self.groups.intra, output, own_chunk),
-                            after=(first.future, self.inter_worker))
+        first = self._submit(self.inter_ag,
+                             lambda: all_gather_blocking(groups.inter, own_chunk, input))
+        return self._submit(self.intra_ag,
+                            lambda: all_gather_blocking(groups.intra, output, own_chunk),
+                            after=(first.future, self.inter_ag))
 
     def close(self) -> None:
-        self.intra_worker.close()
-        self.inter_worker.close()
+        for worker in (self.intra_rs, self.inter_rs, self.intra_ag, self.inter_ag):
+            worker.close()

@@ -18,6 +18,8 @@ from .buckets import BucketStorage
 from .comm import CommStats, FlatExchange, HierarchicalExchange, PendingOp
 from .layout import BucketLayout, ParamInfo, owned_numel, plan_buckets
 from .forward_waits import ForwardParamWaiter
+from .plan import OverlapPlan, layout_plan
+from .scheduler import TwoStageScheduler
 from .profiling import nvtx_range
 from .reducer import GradientReducer
 from .topology import (NodeLayout, TopologyArg, check_contiguous_nodes, create_link_groups,
@@ -38,13 +40,9 @@ class DistributedDataParallel(nn.Module):
                  process_group: Optional[dist.ProcessGroup] = None, bucket_cap_mb: float = 25.0,
                  find_unused_parameters: bool = False, check_reduction: bool = False,
                  gradient_as_bucket_view: bool = False, static_graph: bool = False, *,
-                 topology: TopologyArg = None, schedule: str = "next_forward"):
+                 topology: TopologyArg = None, schedule: str = "two_stage"):
         super().__init__()
         if schedule not in SCHEDULES:
-            if schedule == "two_stage":
-                raise NotImplementedError(
-                    "schedule='two_stage' (speculative steps during backward) is not "
-                    f"implemented yet; choose from {SCHEDULES}")
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("fgpsdp: call torch.distributed.init_process_group() first")
@@ -85,15 +83,17 @@ class DistributedDataParallel(nn.Module):
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
         device = self._params[0].device if self._params else torch.device("cpu")
         self._comm_stats = CommStats()
-        # Bucket traffic goes over groups of its own, driven by worker threads;
-        # the wrapper's group stays free for broadcasts and the norm all-reduce.
+        # Bucket traffic goes over groups of its own (one per link class and
+        # phase), driven by worker threads; the wrapper's group stays free for
+        # broadcasts and the norm all-reduce. See comm.py.
         if self.topology.uses_hierarchy:
             self._exchange = HierarchicalExchange(
-                self.topology, create_link_groups(self.topology, process_group), device,
-                self._comm_stats)
+                self.topology, create_link_groups(self.topology, process_group),
+                create_link_groups(self.topology, process_group), device, self._comm_stats)
         else:
             ranks = dist.get_process_group_ranks(process_group) if process_group else None
-            self._exchange = FlatExchange(dist.new_group(ranks), device, self._comm_stats)
+            self._exchange = FlatExchange(dist.new_group(ranks), dist.new_group(ranks), device,
+                                          self._comm_stats)
 
         infos = [ParamInfo(p.numel(), str(p.dtype).replace("torch.", ""), p.element_size())
                  for p in self._params]
@@ -112,7 +112,16 @@ class DistributedDataParallel(nn.Module):
         self.reducer.register_hooks()
         self._param_gathers: dict[int, PendingOp] = {}
         self._forward_waiter: Optional[ForwardParamWaiter] = None
-        if schedule == "next_forward":
+        # All-gathers run in descending bucket order: buckets were filled in
+        # reverse registration order, so this is forward order for most models,
+        # and it is the same on every rank whatever each rank's control flow.
+        self.forward_bucket_order = tuple(reversed(range(len(self._buckets))))
+        self.scheduler: Optional[TwoStageScheduler] = None
+        if schedule == "two_stage":
+            self.scheduler = TwoStageScheduler(
+                self, layout_plan(len(self._buckets), self.forward_bucket_order))
+            self.reducer.hook_listeners.append(self.scheduler.poll)
+        if schedule in ("next_forward", "two_stage"):
             buckets_of: dict[int, list[int]] = {}
             for b, layout in enumerate(self.bucket_layouts):
                 for span in layout.spans:
@@ -152,6 +161,8 @@ class DistributedDataParallel(nn.Module):
         waiter = self._forward_waiter
         if waiter is None:
             self.finish_param_all_gathers()
+        if self.scheduler is not None:
+            self.scheduler.before_forward()
         if self._sync_buffers_before_forward and self.broadcast_buffers:
             self._broadcast_buffers()
         if self.device_ids is not None:
@@ -191,15 +202,18 @@ class DistributedDataParallel(nn.Module):
         self._param_gathers[bucket] = self._exchange.start_all_gather(storage.flat_param,
                                                                       storage.param_shard)
 
-    def start_param_exchange(self) -> None:
-        """All-gather every bucket's updated slice, in the order forward needs them.
+    @property
+    def plan(self) -> Optional[OverlapPlan]:
+        """The two-stage overlap plan (None under the other schedules)."""
+        return self.scheduler.plan if self.scheduler is not None else None
 
-        ``next_forward`` leaves them in flight for the next forward's pre-hooks;
-        the other schedules wait here.
+    def start_param_exchange(self, buckets: Sequence[int]) -> None:
+        """All-gather the updated slices of ``buckets``, in that order.
+
+        ``next_forward`` and ``two_stage`` leave them in flight for the next
+        forward's pre-hooks; the other schedules wait here.
         """
-        order = (self._forward_waiter.buckets_in_forward_order(len(self._buckets))
-                 if self._forward_waiter is not None else range(len(self._buckets)))
-        for bucket in order:
+        for bucket in buckets:
             self.start_param_all_gather(bucket)
         if self._forward_waiter is None:
             self.finish_param_all_gathers()
@@ -261,7 +275,7 @@ class DistributedDataParallel(nn.Module):
             exchange.close()
 
 
-SCHEDULES = ("serial", "overlap_backward", "next_forward")
+SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
 
 
 def _broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int,

@@ -107,9 +107,3 @@ class ForwardParamWaiter:
                     seen_bucket.add(b)
                     needs[position].append(b)
         return needs
-
-    def buckets_in_forward_order(self, n_buckets: int) -> list[int]:
-        """Buckets in the order forward first needs them (for issuing all-gathers)."""
-        order = [b for need in self._needs for b in need] if self._recorded else []
-        rest = [b for b in reversed(range(n_buckets)) if b not in order]
-        return order + rest

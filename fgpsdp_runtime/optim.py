@@ -1,10 +1,12 @@
 """ShardedOptimizer: any torch.optim optimizer on this rank's slices.
 
-Per step (``serial`` exchange; the overlap scheduler reorders these)::
+Per step::
 
-    finish reduce-scatters -> local sum of squares + used mask
+    finish reduce-scatters (two_stage: speculative steps of stage-1 buckets)
+    -> per-bucket sums of squares + used mask
     -> one all-reduce [sum, non-finite flag, used mask] -> clip coefficient
-    -> inner optimizer step on the slices -> all-gather updated slices
+    -> two_stage: commit or roll back each speculative step
+    -> inner optimizer step on the remaining slices -> all-gather them
 
 [Note: slices as optimizer parameters]
 For every parameter piece inside this rank's slice of a bucket the inner
@@ -27,6 +29,7 @@ import torch
 from .ddp import DistributedDataParallel
 from .ops import multi_tensor_sq_norm
 from .profiling import nvtx_range
+from .speculation import SliceBackup
 
 # Optimizers whose update is not element-wise: slicing would change the result.
 _NOT_ELEMENTWISE = {"LBFGS", "Adafactor", "SparseAdam"}
@@ -73,8 +76,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # One set of groups and state: lr schedulers edit what the inner optimizer reads.
         self.param_groups = self.optim.param_groups
         self.state = self.optim.state
-        self._reduced = False  # reduce-scatters finished and clipping applied this step
-        self._last_total_norm: Optional[torch.Tensor] = None
+        self._bucket_pieces: list[list[torch.Tensor]] = [[] for _ in model.buckets]
+        for pieces in self._pieces.values():
+            for tensor, b, _, _ in pieces:
+                self._bucket_pieces[b].append(tensor)
+        self._reduced = False  # reduce-scatters finished and norm measured this step
+        self._bucket_sq: dict[int, torch.Tensor] = {}  # measured before a speculative step
+        self._globally_used: Optional[list[bool]] = None
+        self._applied_coefficient = 1.0  # clipping applied to the gradient this step
+        if model.scheduler is not None:
+            model.scheduler.attach(self)
 
     # -- construction helpers ------------------------------------------------
 
@@ -168,23 +179,69 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        model = self.model
         total = self._reduce_and_measure()
         if self.max_grad_norm is not None:
             self._apply_clip(total, self.max_grad_norm)
-        self.last_step_skipped = not math.isfinite(total)
-        if self.last_step_skipped:
+        finite = math.isfinite(total)
+        scheduler = model.scheduler
+        speculated = scheduler.speculated if scheduler is not None else {}
+        # Roll back what the true gradient contradicts; the decision is the
+        # same on every rank (it uses only all-reduced figures).
+        rolled_back = [b for b in sorted(speculated)
+                       if not finite or self._applied_coefficient < 1.0
+                       or not self._bucket_fully_used(b)
+                       or model.reducer.reduce_scatters_since_step[b] != speculated[b][1]]
+        for b in rolled_back:
+            model.finish_param_all_gather(b)  # the speculative values must have landed
+            speculated[b][0].restore(model.buckets[b].param_shard, self._bucket_pieces[b],
+                                     self.optim.state)
+        if scheduler is not None:
+            scheduler.rollbacks += len(rolled_back)
+            scheduler.commits += len(speculated) - len(rolled_back)
+        self.last_step_skipped = not finite
+        if finite:
+            rest = [b for b in model.forward_bucket_order if b not in speculated]
+            to_step = rolled_back + rest
+            for b in to_step:  # slices must not change under an all-gather
+                model.finish_param_all_gather(b)
+            self._assign_slice_grads(self._globally_used, to_step)
+            with nvtx_range("fgpsdp.optimizer_step"):
+                self.optim.step()
+            exchange = rolled_back + rest
+        else:
             # Same decision on every rank: the total is all-reduced.
             self.skipped_steps += 1
             warnings.warn(f"fgpsdp: gradient norm is {total}; step skipped "
                           f"({self.skipped_steps} so far)", RuntimeWarning)
-            self._reduced = False
-            return loss  # parameters unchanged everywhere: nothing to exchange
-        self.model.finish_param_all_gathers()  # slices must not change under an all-gather
-        with nvtx_range("fgpsdp.optimizer_step"):
-            self.optim.step()
-        self._reduced = False
-        self.model.start_param_exchange()
+            exchange = rolled_back  # peers hold the speculative values: send the restored ones
+        model.start_param_exchange(exchange)
+        self._end_step()
         return loss
+
+    def speculative_step(self, b: int) -> SliceBackup:
+        """Stage 1: step bucket b's slice before the global norm is known; return the undo record."""
+        storage = self.model.buckets[b]
+        self._bucket_sq[b] = multi_tensor_sq_norm([storage.grad_shard])  # before any update
+        self.model.finish_param_all_gather(b)
+        backup = SliceBackup(storage.param_shard, self._bucket_pieces[b], self.optim.state)
+        self._assign_slice_grads(None, [b])
+        with nvtx_range(f"fgpsdp.speculative_step[{b}]"):
+            self.optim.step()
+        return backup
+
+    def _end_step(self) -> None:
+        self._reduced = False
+        self._bucket_sq = {}
+        self._globally_used = None
+        self._applied_coefficient = 1.0
+        self.model.reducer.end_step()
+        if self.model.scheduler is not None:
+            self.model.scheduler.end_step()
+
+    def _bucket_fully_used(self, b: int) -> bool:
+        used = self._globally_used
+        return all(used[span.param_index] for span in self.model.buckets[b].layout.spans)
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state, with the layout it belongs to."""
@@ -209,36 +266,53 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _reduce_and_measure(self) -> float:
         """Finish the reduce-scatters once per step; return the global L2 norm.
 
-        One float64 all-reduce carries [sum of squares, non-finite flag,
-        per-parameter used count], so clipping and unused-parameter detection
-        cost one small collective together.
+        Each bucket's sum of squares is taken separately (before its
+        speculative step, under two_stage) and added in bucket order, so every
+        schedule computes the same float64 total. One all-reduce carries
+        [sum of squares, non-finite flag, per-parameter used count].
         """
         if self._reduced:
             return self._total_norm
         model = self.model
         model.reducer.finish_gradient_sync()
-        shards = [s.grad_shard for s in model.buckets]
-        local = multi_tensor_sq_norm(shards)
+        if model.scheduler is not None:
+            model.scheduler.finish_stage1()
+        local = torch.zeros(2, dtype=torch.float64,
+                            device=model.buckets[0].device if model.buckets else "cpu")
+        speculated = model.scheduler.speculated if model.scheduler is not None else {}
+        for b, storage in enumerate(model.buckets):
+            part = self._bucket_sq.get(b)
+            stale = b in speculated and \
+                speculated[b][1] != model.reducer.reduce_scatters_since_step[b]
+            local += part if part is not None and not stale \
+                else multi_tensor_sq_norm([storage.grad_shard])
         used = model.reducer.locally_used.to(device=local.device, dtype=torch.float64)
         packet = torch.cat([local, used])
         model.all_reduce_sum(packet)
         packet = packet.cpu()
         sq_sum, nonfinite = float(packet[0]), float(packet[1])
-        globally_used = (packet[2:] > 0).tolist()
-        self._assign_slice_grads(globally_used)
+        self._globally_used = (packet[2:] > 0).tolist()
         self._total_norm = math.inf if nonfinite else math.sqrt(sq_sum)
         if math.isnan(sq_sum):
             self._total_norm = math.nan
         self._reduced = True
         return self._total_norm
 
-    def _assign_slice_grads(self, globally_used: Sequence[bool]) -> None:
-        """Slice gradients are views of the reduced shard; None where no rank had one."""
-        buckets = self.model.buckets
+    def _assign_slice_grads(self, globally_used: Optional[Sequence[bool]],
+                            buckets: Sequence[int]) -> None:
+        """Slice gradients of ``buckets`` become views of the reduced shard; all others None.
+
+        A parameter no rank had a gradient for keeps grad=None (the inner
+        optimizer skips it, as after torch DDP). ``globally_used=None`` takes
+        every parameter as used (a stage-1 bucket; checked at the step).
+        """
+        wanted = set(buckets)
+        storages = self.model.buckets
         for index, pieces in self._pieces.items():
+            used = globally_used is None or globally_used[index]
             for tensor, b, start, end in pieces:
-                storage = buckets[b]
-                if globally_used[index] and storage.grad_shard_valid:
+                storage = storages[b]
+                if b in wanted and used and storage.grad_shard_valid:
                     lo = start - storage.shard_start
                     tensor.grad = storage.grad_shard[lo:lo + (end - start)]
                 else:
@@ -251,6 +325,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         coefficient = max_norm / (total + 1e-6)
         if coefficient < 1.0:
             torch._foreach_mul_([s.grad_shard for s in self.model.buckets], coefficient)
+            self._applied_coefficient *= coefficient
 
     def _norm_tensor(self, total: float) -> torch.Tensor:
         dtypes = {s.dtype for s in self.model.buckets} or {torch.float32}

@@ -48,11 +48,16 @@ class GradientReducer:
                 self.slot[span.param_index] = (b, span)
         self.sync_enabled = True  # False inside no_sync()
         # False for the "serial" schedule: buckets are packed during backward
-        # but reduced only when the step asks for them.
+        # and reduced when backward has ended.
         self.launch_during_backward = launch_during_backward
         # Called with the bucket index when a bucket's gradients are all packed
         # (profilers record when backward compute finished each bucket).
         self.bucket_ready_listeners: list[Callable[[int], None]] = []
+        # Called from every gradient hook after packing/launching (the
+        # two-stage scheduler looks for landed reduce-scatters there).
+        self.hook_listeners: list[Callable[[], None]] = []
+        # Reduce-scatters launched per bucket since the last step.
+        self.reduce_scatters_since_step = [0] * len(self.buckets)
         self._hook_handles = []
         self._in_flight: dict[int, PendingOp] = {}
         self._callback_queued = False
@@ -121,6 +126,8 @@ class GradientReducer:
             self._pack_bucket(b)
             if self.launch_during_backward:
                 self._launch_ready_in_order()
+        for listener in self.hook_listeners:
+            listener()
 
     def _accumulate_second_gradient(self, index: int, b: int, span, grad: torch.Tensor) -> None:
         """A parameter used across two backward graphs of one backward call."""
@@ -156,8 +163,10 @@ class GradientReducer:
             listener(b)
 
     def _on_backward_end(self) -> None:
+        # Every schedule reduces once per backward ("serial" only here, at the
+        # end), so accumulating over several backwards sums the same way.
         self._callback_queued = False
-        if self.sync_enabled and self.launch_during_backward:
+        if self.sync_enabled:
             self.flush()
 
     # -- launching ---------------------------------------------------------
@@ -226,6 +235,7 @@ class GradientReducer:
         op = self.exchange.start_reduce_scatter(received, send)
         op.on_done = on_done
         self._in_flight[b] = op
+        self.reduce_scatters_since_step[b] += 1
 
     # -- finishing ---------------------------------------------------------
 
@@ -242,6 +252,19 @@ class GradientReducer:
             self._fill_missing_and_launch()
         self.wait_all()
         self._round_launched = False
+
+    def end_step(self) -> None:
+        self.reduce_scatters_since_step = [0] * len(self.buckets)
+
+    def landed(self, b: int) -> bool:
+        """Bucket b's last reduce-scatter has landed (or none is in flight)."""
+        op = self._in_flight.get(b)
+        return op is None or op.done()
+
+    def wait_bucket(self, b: int) -> None:
+        op = self._in_flight.pop(b, None)
+        if op is not None:
+            op.wait()
 
     def wait_all(self) -> None:
         for b in sorted(self._in_flight):

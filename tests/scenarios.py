@@ -196,8 +196,10 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
         for m in range(micro):
             x, y = make_batch(model_name, step, m, rank)
             last = m == micro - 1
-            ctx_ours = ours.no_sync() if not last else _null()
-            ctx_ref = ref.no_sync() if not last else _null()
+            # "accumulate_synced": every micro-batch reduces (no no_sync()), as DDP allows.
+            synced = last or cfg.get("accumulate_synced", False)
+            ctx_ours = ours.no_sync() if not synced else _null()
+            ctx_ref = ref.no_sync() if not synced else _null()
             with ctx_ours:
                 loss = loss_fn(model_name, ours(x), y) / micro
                 loss.backward()
@@ -250,12 +252,33 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
         "params": [p.detach().clone() for p in ours.module.parameters()]
         if cfg.get("return_params") else None,
         "forward_deviations": ours._forward_waiter.deviations if ours._forward_waiter else 0,
+        "commits": ours.scheduler.commits if ours.scheduler else 0,
+        "rollbacks": ours.scheduler.rollbacks if ours.scheduler else 0,
     }
 
 
 def train_many(rank: int, world_size: int, cfgs: dict[str, dict]) -> dict[str, dict]:
     """Several scenarios in one set of processes (spawning costs seconds)."""
     return {name: train_side_by_side(rank, world_size, cfg) for name, cfg in cfgs.items()}
+
+
+def train_with_inf_gradient(rank: int, world_size: int, schedule: str) -> dict:
+    """One step's loss is inf on rank 0: every rank must skip that step, under any schedule."""
+    torch.manual_seed(1)
+    model = fgp.DistributedDataParallel(MLP(), bucket_cap_mb=0.001, schedule=schedule)
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2, max_grad_norm=1.0)
+    for step in range(4):
+        x, y = make_batch("mlp", step, 0, rank)
+        loss = loss_fn("mlp", model(x), y)
+        if step == 2 and rank == 0:
+            loss = loss * float("inf")
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.synchronize()
+    return {"params": [p.detach().clone() for p in model.module.parameters()],
+            "skipped": opt.skipped_steps,
+            "rollbacks": model.scheduler.rollbacks if model.scheduler else 0}
 
 
 def skip_backward_on_rank1(rank: int, world_size: int) -> list[float]:

@@ -20,6 +20,7 @@ SCENARIOS = {
     "clip_idle": {"max_grad_norm": 1e6},
     "manual_clip": {"manual_clip": 0.05},
     "no_sync": {"accumulate": 3},
+    "accumulate_synced": {"accumulate": 2, "accumulate_synced": True, "bucket_cap_mb": 0.001},
     "tied": {"model": "tied"},
     "bn_frozen": {"model": "bn_frozen"},
     "unused": {"model": "unused"},

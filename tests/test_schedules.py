@@ -5,18 +5,22 @@ import pytest
 import torch
 
 from .dist_harness import run_distributed
-from .scenarios import train_many
+from .scenarios import train_many, train_with_inf_gradient
 from .test_equivalence import SCENARIOS, TOL
 
-SCHEDULES = ("serial", "overlap_backward", "next_forward")
-CASES = ("adamw_groups", "clip_triggers", "clip_idle", "no_sync", "tied", "bn_frozen",
-         "unused", "small_buckets", "attention", "order_change")
+SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
+CASES = ("adamw_groups", "clip_triggers", "clip_idle", "manual_clip", "no_sync",
+         "accumulate_synced", "tied", "bn_frozen", "unused", "small_buckets", "attention",
+         "order_change")
+# Many small buckets, so that two_stage has stage-1 buckets to speculate on.
+SMALL_BUCKETS_MB = 0.001
 
 
 @functools.lru_cache(maxsize=None)
 def results(schedule: str, topology: str):
     extra = {"local_size": 2} if topology == "2x2" else {}
-    cfgs = {name: dict(SCENARIOS[name], steps=5, schedule=schedule, return_params=True, **extra)
+    cfgs = {name: dict(dict(SCENARIOS[name], bucket_cap_mb=SMALL_BUCKETS_MB), steps=5,
+                       schedule=schedule, return_params=True, **extra)
             for name in CASES}
     return run_distributed(4, train_many, cfgs, timeout_s=600)
 
@@ -31,13 +35,41 @@ def test_schedule_matches_ddp_and_serial(case, schedule, topology):
         assert res["param_diff"] <= TOL, (rank, res["param_diff"])
         for a, b in zip(res["params"], ref["params"]):
             assert torch.equal(a, b), f"rank {rank}: {schedule} differs from serial"
-        if schedule == "next_forward" and case == "order_change":
+        if schedule in ("next_forward", "two_stage") and case == "order_change":
             assert res["forward_deviations"] > 0, "the order change must have been seen"
         else:
             assert res["forward_deviations"] == 0
 
 
-def test_two_stage_is_refused_until_implemented():
+@pytest.mark.parametrize("topology", ["flat", "2x2"])
+def test_two_stage_commits_and_rolls_back(topology):
+    res = {case: results("two_stage", topology)[0][case]
+           for case in ("clip_idle", "clip_triggers", "unused", "accumulate_synced", "manual_clip")}
+    assert res["clip_idle"]["commits"] > 0 and res["clip_idle"]["rollbacks"] == 0
+    assert res["clip_triggers"]["rollbacks"] > 0 and res["clip_triggers"]["commits"] == 0
+    assert res["manual_clip"]["rollbacks"] > 0
+    assert res["unused"]["rollbacks"] > 0  # buckets holding a parameter no rank used
+    assert res["accumulate_synced"]["rollbacks"] > 0  # forward between backward and step
+
+
+@functools.lru_cache(maxsize=None)
+def inf_results(schedule: str):
+    return run_distributed(3, train_with_inf_gradient, schedule, timeout_s=300)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_inf_gradient_skips_the_step_everywhere(schedule):
+    ours, serial = inf_results(schedule), inf_results("serial")
+    for rank, (res, ref) in enumerate(zip(ours, serial)):
+        assert res["skipped"] == 1
+        assert all(torch.isfinite(p).all() for p in res["params"])
+        for a, b in zip(res["params"], ref["params"]):
+            assert torch.equal(a, b), f"rank {rank}: {schedule} differs from serial"
+    if schedule == "two_stage":
+        assert ours[0]["rollbacks"] > 0
+
+
+def test_unknown_schedule_is_refused():
     import fgpsdp_runtime as fgp
-    with pytest.raises(NotImplementedError, match="two_stage"):
-        fgp.DistributedDataParallel(torch.nn.Linear(2, 2), schedule="two_stage")
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        fgp.DistributedDataParallel(torch.nn.Linear(2, 2), schedule="eager")

@@ -1,0 +1,100 @@
+"""The overlap plan of the two-stage schedule, and the link cost model behind it.
+
+Pure: no communication, no tensors. A plan is frozen, printable and
+JSON-serialisable, and the same on every rank (it is computed from the
+layout and from profile figures that every rank derives identically, or
+that rank 0 broadcasts), because it fixes the order of collectives.
+
+Stage 1 (during backward): for each bucket in ``stage1`` (in that order), once
+its reduce-scatter has landed, a speculative optimizer step on this rank's
+slice and the bucket's all-gather start while backward goes on.
+Stage 2 (next forward): the remaining buckets are stepped after the global
+norm is known and all-gathered in ``stage2`` order, the order forward needs
+them; forward waits for each just before use.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Optional, Sequence
+
+
+@dataclass(frozen=True)
+class LinkModel:
+    """Time to move bytes over one link class: latency + bytes / bandwidth."""
+
+    latency_s: float
+    bandwidth_Bps: float
+
+    def seconds(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bandwidth_Bps
+
+
+@dataclass(frozen=True)
+class BucketProfile:
+    """Measured in a profiled iteration: when backward finished the bucket."""
+
+    bytes: int
+    ready_s: float  # since backward started
+
+
+@dataclass(frozen=True)
+class OverlapPlan:
+    stage1: tuple[int, ...]  # speculative step + all-gather during backward, in this order
+    stage2: tuple[int, ...]  # stepped after the norm, all-gathered in forward order
+    lookahead: int  # stage-2 all-gathers in flight ahead of forward
+    source: str = "layout"  # "layout" (no profile yet) or "profile"
+    predicted: Optional[dict] = field(default=None, compare=False)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @staticmethod
+    def from_json(text: str) -> "OverlapPlan":
+        data = json.loads(text)
+        return OverlapPlan(stage1=tuple(data["stage1"]), stage2=tuple(data["stage2"]),
+                           lookahead=data["lookahead"], source=data["source"],
+                           predicted=data.get("predicted"))
+
+    def __str__(self) -> str:
+        return (f"OverlapPlan(source={self.source}, stage1={list(self.stage1)}, "
+                f"stage2={list(self.stage2)}, lookahead={self.lookahead})")
+
+
+def layout_plan(n_buckets: int, forward_order: Sequence[int], lookahead: int = 2) -> OverlapPlan:
+    """Before any profile: every bucket but the last to be reduced goes to stage 1.
+
+    Buckets are reduced in index order; the last one lands after backward has
+    ended, so stepping it early hides nothing.
+    """
+    stage1 = tuple(range(max(0, n_buckets - 1)))
+    stage2 = tuple(b for b in forward_order if b not in stage1)
+    return OverlapPlan(stage1=stage1, stage2=stage2, lookahead=lookahead)
+
+
+def profile_plan(buckets: Sequence[BucketProfile], backward_s: float, forward_order: Sequence[int],
+                 *, link: LinkModel, reduce_fraction: float = 1.0, lookahead: int = 2) -> OverlapPlan:
+    """Stage 1 = the buckets whose exchange fits in the network's idle time in backward.
+
+    Simulates the bottleneck link in backward: reduce-scatters in bucket
+    order, each starting when its bucket is ready and the link is free; a
+    bucket goes to stage 1 if its all-gather, queued behind the reduce-scatters
+    already issued, still finishes before backward ends. ``reduce_fraction``
+    scales bytes to what crosses that link per phase (1/local_size for the
+    inter-node rail under the hierarchy).
+    """
+    link_free = 0.0
+    stage1, finish = [], {}
+    for b, bucket in enumerate(buckets):
+        nbytes = bucket.bytes * reduce_fraction
+        rs_done = max(link_free, bucket.ready_s) + link.seconds(nbytes)
+        link_free = rs_done
+        ag_done = rs_done + link.seconds(nbytes)
+        finish[b] = ag_done
+        if ag_done <= backward_s and b < len(buckets) - 1:
+            stage1.append(b)
+            link_free = ag_done  # the all-gather occupies the link too
+    stage2 = tuple(b for b in forward_order if b not in stage1)
+    predicted = {"backward_s": backward_s, "allgather_done_s": {str(b): finish[b] for b in finish}}
+    return OverlapPlan(stage1=tuple(stage1), stage2=stage2, lookahead=lookahead, source="profile",
+                       predicted=predicted)

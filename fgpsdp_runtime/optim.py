@@ -216,7 +216,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                           f"({self.skipped_steps} so far)", RuntimeWarning)
             exchange = rolled_back  # peers hold the speculative values: send the restored ones
         model.start_param_exchange(exchange)
-        self._end_step()
+        self._end_step(would_commit=finite and self._applied_coefficient >= 1.0)
         return loss
 
     def speculative_step(self, b: int) -> SliceBackup:
@@ -230,14 +230,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.optim.step()
         return backup
 
-    def _end_step(self) -> None:
+    def _end_step(self, would_commit: bool) -> None:
         self._reduced = False
         self._bucket_sq = {}
         self._globally_used = None
         self._applied_coefficient = 1.0
         self.model.reducer.end_step()
         if self.model.scheduler is not None:
-            self.model.scheduler.end_step()
+            self.model.scheduler.end_step(would_commit)
 
     def _bucket_fully_used(self, b: int) -> bool:
         used = self._globally_used

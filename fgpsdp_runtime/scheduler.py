@@ -36,6 +36,11 @@ class TwoStageScheduler:
         self.rollbacks = 0  # buckets rolled back so far (clipping, inf/NaN, unused)
         self.commits = 0
         self._cancelled = False  # a forward came between backward and step
+        # Speculate only while the previous step would have committed: while
+        # clipping is active every speculative step is undone and its
+        # all-gather sent twice. Decided from all-reduced figures, so every
+        # rank speculates in the same steps.
+        self.speculating = True
 
     def attach(self, optimizer: "ShardedOptimizer") -> None:
         if self.optimizer is not None and self.optimizer is not optimizer:
@@ -44,7 +49,8 @@ class TwoStageScheduler:
 
     def poll(self) -> None:
         """From the backward hooks: speculate stage-1 buckets whose reduce-scatter landed."""
-        if self.optimizer is None or not self.model.reducer.sync_enabled or self._cancelled:
+        if (self.optimizer is None or not self.model.reducer.sync_enabled or self._cancelled
+                or not self.speculating):
             return
         reducer = self.model.reducer
         stage1 = self.plan.stage1
@@ -56,7 +62,7 @@ class TwoStageScheduler:
 
     def finish_stage1(self) -> None:
         """At the step: every stage-1 bucket not yet speculated, in plan order."""
-        if self.optimizer is None:
+        if self.optimizer is None or not self.speculating:
             return
         while self._next < len(self.plan.stage1):
             self._speculate(self.plan.stage1[self._next])
@@ -100,7 +106,8 @@ class TwoStageScheduler:
         self._next = len(self.plan.stage1)
         self._cancelled = True
 
-    def end_step(self) -> None:
+    def end_step(self, would_commit: bool) -> None:
+        self.speculating = would_commit
         self._next = 0
         self.speculated = {}
         self._cancelled = False

@@ -72,8 +72,8 @@ class TorchDDP(System):
         return [p.detach() for p in self.model.module.parameters()]
 
 
-class TorchZeRO(System):
-    """torch DDP + ZeroRedundancyOptimizer (per-parameter partitioning)."""
+class TorchZeRO(TorchDDP):
+    """torch DDP + ZeroRedundancyOptimizer (per-parameter partitioning); DDP's step loop."""
 
     name = "ddp_zero1"
 
@@ -83,20 +83,10 @@ class TorchZeRO(System):
         self.opt = ZeroRedundancyOptimizer(self.model.parameters(),
                                            optimizer_class=torch.optim.AdamW, **ADAMW)
         self.loss_fn = loss_fn
-
-    def train_step(self, x, y):
-        loss = self.loss_fn(self.model(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_NORM)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        return loss
+        self.compute_only = False
 
     def opt_state_bytes(self):
         return tensor_bytes(self.opt.optim.state)
-
-    def final_params(self):
-        return [p.detach() for p in self.model.module.parameters()]
 
 
 class TorchFSDP(System):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 
@@ -58,7 +58,3 @@ class Marks:
 
     def clear(self) -> None:
         self._marks.clear()
-
-
-def first(marks: list[tuple[str, float]], name: str) -> Optional[float]:
-    return next((t for n, t in marks if n == name), None)

@@ -269,6 +269,3 @@ class GradientReducer:
     def wait_all(self) -> None:
         for b in sorted(self._in_flight):
             self._in_flight.pop(b).wait()
-
-    def pending_bucket_count(self) -> int:
-        return len(self._in_flight)

@@ -30,7 +30,9 @@ def _want_cuda() -> bool:
 def _extension():
     include = [os.path.join(ROOT, "csrc", "include")]
     sources = ["csrc/bindings.cpp"] + sorted(glob.glob("csrc/cpu/*.cpp"))
-    cxx_flags = ["-O3", "-fopenmp", "-std=c++17"]
+    # No -std flag: torch.utils.cpp_extension adds the one its headers need (torch
+    # 2.14 headers require C++20); an explicit -std=c++17 would override it.
+    cxx_flags = ["-O3", "-fopenmp"]
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
     if _want_cuda() and cuda_sources:
         # No GPU visible at build time (CI, login nodes): build for Hopper.
@@ -39,7 +41,7 @@ def _extension():
         return CUDAExtension(
             "fgpsdp_runtime._C", sources + cuda_sources, include_dirs=include,
             define_macros=[("FGPSDP_WITH_CUDA", "1")],
-            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-lineinfo", "-std=c++17"]},
+            extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-lineinfo"]},
             extra_link_args=["-fopenmp"])
     return CppExtension("fgpsdp_runtime._C", sources, include_dirs=include,
                         extra_compile_args={"cxx": cxx_flags}, extra_link_args=["-fopenmp"])

@@ -27,6 +27,7 @@ ROOT = os.path.dirname(HERE)
 CLUSTER = os.path.join(HERE, "cluster.sh")
 sys.path.insert(0, HERE)
 from systems import SYSTEMS  # noqa: E402
+from timeline_report import WAITS, breakdown, load_spans, overlap_chart  # noqa: E402
 from workloads import CONFIGS, WORKLOADS  # noqa: E402
 
 PEERS = ("ddp", "ddp_zero1", "fsdp_grad_op", "fsdp_hybrid_zero2", "deepspeed_zero2")
@@ -39,13 +40,15 @@ def rate_bits_per_s(rate: str) -> float:
     return float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9}[m.group(2)]
 
 
-def run_once(workload, size, system, steps, warmup, out_dir, save_params, port, log):
+def run_once(workload, size, system, steps, warmup, out_dir, save_params, port, log,
+             trace_steps=0, trace_dest=None):
     python = sys.executable
     cmd = (f"OMP_NUM_THREADS=1 {shlex.quote(python)} -m torch.distributed.run --nnodes=2 "
            f"--nproc_per_node=2 --node_rank=$NODE_RANK --master_addr=$MASTER_ADDR "
            f"--master_port={port} {shlex.quote(os.path.join(HERE, 'train_rank.py'))} "
            f"--workload {workload} --size {size} --system {system} --steps {steps} "
-           f"--warmup {warmup} --out {shlex.quote(out_dir)}" + (" --save-params" if save_params else ""))
+           f"--warmup {warmup} --out {shlex.quote(out_dir)} --trace-steps {trace_steps}"
+           + (" --save-params" if save_params else ""))
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=os.environ.get(
         "TORCH_EXTENSIONS_DIR", os.path.join(tempfile.gettempdir(), "fgpsdp-torch-ext")),
         PYTHONWARNINGS="ignore")
@@ -62,6 +65,13 @@ def run_once(workload, size, system, steps, warmup, out_dir, save_params, port, 
             with open(path) as f:
                 results.append(json.load(f))
             os.remove(path)
+        trace = os.path.join(out_dir, f"trace-{system}-rank{rank}.json")
+        if os.path.exists(trace):
+            if rank == 0 and trace_dest:
+                os.makedirs(os.path.dirname(trace_dest), exist_ok=True)
+                os.replace(trace, trace_dest)
+            else:
+                os.remove(trace)
     return proc.returncode, results
 
 
@@ -125,6 +135,9 @@ def summarise(workload, runs, rate_bps, out_dir, systems):
             "final_loss": rounds[0][0]["final_loss"],
             "param_diff_to_ddp": param_diff(out_dir, system),
             "workload": rounds[0][0]["workload"],
+            "schedule_info": {k: rounds[0][0][k] for k in
+                              ("plan", "speculative_commits", "speculative_rollbacks")
+                              if k in rounds[0][0]},
         }
     info = next((r["workload"] for r in rows.values() if r), None)
     param_bytes = 4 * info["parameters"] if info else 0
@@ -174,6 +187,16 @@ def markdown(all_rows, meta, command, rate):
                 f"{row['opt_state_bytes'] / 2**20:.1f} | {'-' if tx is None else f'{tx / 2**20:.1f}'} | "
                 f"{'-' if diff is None else f'{diff:.2g}'} |")
         lines.append("")
+        for system, row in rows.items():
+            info = (row or {}).get("schedule_info") or {}
+            if info.get("plan"):
+                plan = json.loads(info["plan"])
+                lines.append(
+                    f"{system}: plan from {plan['source']}, stage 1 = {plan['stage1']}, stage 2 = "
+                    f"{plan['stage2']}, lookahead {plan['lookahead']}; speculative bucket steps "
+                    f"committed {info['speculative_commits']}, rolled back "
+                    f"{info['speculative_rollbacks']} (rank 0, round 1, all steps).")
+                lines.append("")
     return "\n".join(lines)
 
 
@@ -205,6 +228,46 @@ def chart(all_rows, path):
     return True
 
 
+def trace_report(stem, workload, systems, steps):
+    """Breakdown per traced fgpsdp system, and the workload's overlap chart."""
+    traces = {}
+    for system in systems:
+        path = os.path.join(f"{stem}-traces", f"{workload}-{system}.json")
+        if os.path.exists(path):
+            traces[system] = load_spans(path)
+    if not traces:
+        return {}
+    png = f"{stem}-timeline-{workload}.png"
+    overlap_chart(traces, png, f"{workload}: rank 0, last {steps} timed steps (round 1)")
+    return {"steps": steps, "png": os.path.basename(png),
+            "breakdown": {system: breakdown(spans, steps) for system, spans in traces.items()}}
+
+
+def timeline_markdown(timelines, stem):
+    if not any(timelines.values()):
+        return ""
+    lines = ["", "## Where the time goes (timelines)", "",
+             "From the Chrome traces of rank 0 (round 1, the last timed steps; traces in "
+             f"`{os.path.basename(stem)}-traces/`, open in chrome://tracing or Perfetto). "
+             "Seconds per step. Compute phases run on the main thread; the waits are main-thread "
+             "time inside them spent waiting for communication; 'busy' is the time a link "
+             "worker had a collective running (rank 0's rail is `inter`).", ""]
+    columns = ["window_s", "forward_s", "backward_s", "optimizer step_s", *WAITS.values()]
+    for workload, report in timelines.items():
+        if not report:
+            continue
+        rows = report["breakdown"]
+        lanes = sorted({k for r in rows.values() for k in r if k.endswith(" busy")})
+        header = ["system"] + [c.replace("_s", "") for c in columns] + lanes
+        lines += [f"### {workload}", "", "| " + " | ".join(header) + " |",
+                  "|---|" + "---:|" * (len(header) - 1)]
+        for system, r in rows.items():
+            lines.append("| " + " | ".join([system] + [f"{r.get(c, 0.0):.3f}"
+                                                      for c in columns + lanes]) + " |")
+        lines += ["", f"![timeline of {workload}]({report['png']})", ""]
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -217,6 +280,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks"))
     parser.add_argument("--tag", default="emulated-2x2")
+    parser.add_argument("--trace-steps", type=int, default=2,
+                        help="fgpsdp systems record a timeline of their last N timed steps "
+                             "in round 1 (0: none)")
     args = parser.parse_args()
     workloads = [w for w in args.workloads.split(",") if w]
     systems = [s for s in args.systems.split(",") if s]
@@ -237,7 +303,7 @@ def main() -> None:
     command = "python bench/emulated.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
 
     subprocess.run(["bash", CLUSTER, "up", args.rate], check=True)
-    all_rows, raw = {}, {}
+    all_rows, raw, timelines = {}, {}, {}
     port = 29600
     try:
         with tempfile.TemporaryDirectory() as out_dir:
@@ -248,8 +314,11 @@ def main() -> None:
                     for system in order:
                         port += 1
                         t0 = time.time()
-                        rc, res = run_once(workload, args.size, system, args.steps, args.warmup,
-                                           out_dir, rnd == 0, port, log)
+                        traced = rnd == 0 and system.startswith("fgpsdp") and args.trace_steps
+                        rc, res = run_once(
+                            workload, args.size, system, args.steps, args.warmup, out_dir,
+                            rnd == 0, port, log, trace_steps=args.trace_steps if traced else 0,
+                            trace_dest=os.path.join(f"{stem}-traces", f"{workload}-{system}.json"))
                         if rc == 0 and len(res) == 4:
                             runs.setdefault(system, []).append(res)
                             step = max(x["step_time_s"] for x in res)
@@ -261,17 +330,19 @@ def main() -> None:
                 rows, floor = summarise(workload, runs, rate_bps, out_dir, systems)
                 all_rows[workload] = (rows, floor)
                 raw[workload] = {"rows": rows, "floor": floor, "runs": runs}
+                timelines[workload] = trace_report(stem, workload, systems, args.trace_steps)
     finally:
         subprocess.run(["bash", CLUSTER, "down"])
     meta = {"date": date, "machine": machine(), "versions": versions(), "rounds": args.rounds,
             "steps": args.steps, "warmup": args.warmup}
-    text = markdown(all_rows, meta, command, args.rate)
+    text = markdown(all_rows, meta, command, args.rate) + timeline_markdown(timelines, stem)
     if chart(all_rows, stem + ".png"):
         text += f"\n![step time per system]({os.path.basename(stem)}.png)\n"
     with open(stem + ".md", "w") as f:
         f.write(text)
     with open(stem + ".json", "w") as f:
-        json.dump({"meta": meta, "command": command, "results": raw}, f, indent=1)
+        json.dump({"meta": meta, "command": command, "results": raw,
+                   "timelines": timelines}, f, indent=1)
     print(text)
     print(f"\nwrote {stem}.md")
 

@@ -40,6 +40,14 @@ class System:
     def final_params(self) -> list[torch.Tensor]:
         raise NotImplementedError
 
+    def timeline(self):
+        """The system's fgpsdp_runtime Timeline, or None (peers are not traced)."""
+        return None
+
+    def schedule_info(self) -> dict:
+        """fgpsdp: the schedule, the plan it ran and how speculation went."""
+        return {}
+
 
 class TorchDDP(System):
     name = "ddp"
@@ -184,6 +192,17 @@ class FGPSDP(System):
     def final_params(self):
         self.model.synchronize()
         return [p.detach() for p in self.model.module.parameters()]
+
+    def timeline(self):
+        return self.model.timeline
+
+    def schedule_info(self):
+        scheduler = self.model.scheduler
+        if scheduler is None:
+            return {"schedule": self.model.schedule}
+        return {"schedule": self.model.schedule, "plan": self.model.plan.to_json(),
+                "speculative_commits": scheduler.commits,
+                "speculative_rollbacks": scheduler.rollbacks}
 
 
 def node_groups():

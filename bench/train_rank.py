@@ -43,6 +43,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", required=True)
     parser.add_argument("--save-params", action="store_true")
+    parser.add_argument("--trace-steps", type=int, default=0,
+                        help="record the timeline of the last N timed steps (fgpsdp systems)")
     args = parser.parse_args()
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -56,6 +58,7 @@ def main() -> None:
 
     step_times = []
     total_steps = args.warmup + args.steps
+    timeline = system.timeline() if args.trace_steps > 0 else None
     dist.barrier()
     tx_start = link_tx_bytes()
     start = time.perf_counter()
@@ -67,6 +70,8 @@ def main() -> None:
             dist.barrier()
             tx_start = link_tx_bytes()
             start = time.perf_counter()
+        if timeline is not None and step == total_steps - args.trace_steps:
+            timeline.enable()
         t0 = time.perf_counter()
         x, y = make_batch(cfg, step, rank)
         loss = system.train_step(x, y)
@@ -85,6 +90,7 @@ def main() -> None:
         "local_rank": int(os.environ.get("LOCAL_RANK", rank)),
         "node_tx_bytes_per_step": (tx_end - tx_start) / args.steps if tx_start >= 0 else None,
         "torch": torch.__version__,
+        **system.schedule_info(),
     }
     params = system.final_params()
     if rank == 0 and args.save_params:
@@ -92,6 +98,8 @@ def main() -> None:
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, f"{args.system}-rank{rank}.json"), "w") as f:
         json.dump(result, f)
+    if timeline is not None:
+        timeline.save_chrome_trace(os.path.join(args.out, f"trace-{args.system}-rank{rank}.json"))
     dist.destroy_process_group()
 
 

@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from .profiling import nvtx_range
 from .topology import LinkGroups, NodeLayout
+from .tracing import Timeline
 
 # torch 2.13 renamed the flat-tensor collectives; older releases have only the old names.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -62,6 +63,9 @@ class PendingOp:
         self._done_event = done_event  # CUDA: recorded on the link's stream
         self.on_done = on_done
         self._finished = False
+        # The main thread and the scheduler thread may both wait for one
+        # reduce-scatter: on_done must run once, and before either returns.
+        self._lock = threading.Lock()
 
     def done(self) -> bool:
         """True once the work has landed (waiting would not block)."""
@@ -72,15 +76,23 @@ class PendingOp:
         return self._done_event is None or self._done_event.query()
 
     def wait(self) -> None:
-        if self._finished:
-            return
-        self._finished = True
-        if self.future is not None:
-            self.future.result()  # re-raises what failed in the worker
+        """Block until landed; on CUDA, order the caller's current stream after it."""
+        with self._lock:
+            if not self._finished:
+                if self.future is not None:
+                    self.future.result()  # re-raises what failed in the worker
+                if self._done_event is not None:
+                    torch.cuda.current_stream().wait_event(self._done_event)
+                if self.on_done is not None:
+                    self.on_done()
+                    if self._done_event is not None:
+                        # on_done's kernels went to this stream: later waiters follow them.
+                        self._done_event = torch.cuda.Event()
+                        self._done_event.record()
+                self._finished = True
+                return
         if self._done_event is not None:
             torch.cuda.current_stream().wait_event(self._done_event)
-        if self.on_done is not None:
-            self.on_done()
 
 
 class CommStats:
@@ -211,11 +223,12 @@ def _all_gather(group, n: int, output: torch.Tensor, input: torch.Tensor) -> Non
 
 
 class _Exchange:
-    def __init__(self, device: torch.device, stats: CommStats):
+    def __init__(self, device: torch.device, stats: CommStats, timeline: Optional[Timeline]):
         self.device = device
         self.stats = stats
+        self.timeline = timeline if timeline is not None else Timeline()
 
-    def _submit(self, worker: LinkWorker, fn: Callable[[], None],
+    def _submit(self, worker: LinkWorker, fn: Callable[[], None], name: str,
                 after: Optional[tuple[Future, LinkWorker]] = None) -> PendingOp:
         """Run ``fn`` on ``worker``; with ``after``, once that phase has finished.
 
@@ -228,6 +241,7 @@ class _Exchange:
             ready = torch.cuda.Event()
             ready.record()
         done = torch.cuda.Event() if worker.stream is not None else None
+        timeline = self.timeline
 
         def task():
             if after is not None:
@@ -235,9 +249,14 @@ class _Exchange:
                 first.result()  # re-raises a failure of the first phase
                 if worker.stream is not None:
                     worker.stream.wait_stream(first_worker.stream)
-            fn()
-            if done is not None:
+            if worker.stream is not None:
+                start = timeline.cuda_span_events(worker.stream)
+                fn()
+                timeline.end_cuda_span(worker.name, name, start, worker.stream)
                 done.record(worker.stream)
+            else:
+                with timeline.span(worker.name, name):
+                    fn()
         return PendingOp(worker.submit(task, ready), done_event=done)
 
 
@@ -245,24 +264,28 @@ class FlatExchange(_Exchange):
     """All ranks in one group per phase: one link class, ``flat``."""
 
     def __init__(self, rs_group: dist.ProcessGroup, ag_group: dist.ProcessGroup,
-                 device: torch.device, stats: CommStats):
-        super().__init__(device, stats)
+                 device: torch.device, stats: CommStats, timeline: Optional[Timeline] = None):
+        super().__init__(device, stats, timeline)
         self.rs_group, self.ag_group = rs_group, ag_group
         self.size = dist.get_world_size(rs_group)
         self.rs_worker = LinkWorker("flat-rs", device)
         self.ag_worker = LinkWorker("flat-ag", device)
 
-    def start_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> PendingOp:
+    def start_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
+                             label: str = "") -> PendingOp:
         self.stats.add("flat", "reduce_scatter",
                        bytes_sent(input.numel() * input.element_size(), self.size))
         return self._submit(self.rs_worker,
-                            lambda: reduce_scatter_blocking(self.rs_group, output, input))
+                            lambda: reduce_scatter_blocking(self.rs_group, output, input),
+                            f"RS {label}")
 
-    def start_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> PendingOp:
+    def start_all_gather(self, output: torch.Tensor, input: torch.Tensor,
+                         label: str = "") -> PendingOp:
         self.stats.add("flat", "all_gather",
                        bytes_sent(output.numel() * output.element_size(), self.size))
         return self._submit(self.ag_worker,
-                            lambda: all_gather_blocking(self.ag_group, output, input))
+                            lambda: all_gather_blocking(self.ag_group, output, input),
+                            f"AG {label}")
 
     def close(self) -> None:
         self.rs_worker.close()
@@ -273,8 +296,8 @@ class HierarchicalExchange(_Exchange):
     """Intra-node phase on the node's group, inter-node phase on the rail."""
 
     def __init__(self, layout: NodeLayout, rs_groups: LinkGroups, ag_groups: LinkGroups,
-                 device: torch.device, stats: CommStats):
-        super().__init__(device, stats)
+                 device: torch.device, stats: CommStats, timeline: Optional[Timeline] = None):
+        super().__init__(device, stats, timeline)
         self.layout = layout
         self.rs_groups, self.ag_groups = rs_groups, ag_groups
         self.intra_rs = LinkWorker("intra-rs", device)
@@ -282,7 +305,8 @@ class HierarchicalExchange(_Exchange):
         self.intra_ag = LinkWorker("intra-ag", device)
         self.inter_ag = LinkWorker("inter-ag", device)
 
-    def start_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> PendingOp:
+    def start_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
+                             label: str = "") -> PendingOp:
         L, M = self.layout.local_size, self.layout.nodes
         nbytes = input.numel() * input.element_size()
         self.stats.add("intra", "reduce_scatter", bytes_sent(nbytes, L))
@@ -291,12 +315,14 @@ class HierarchicalExchange(_Exchange):
         partial = torch.empty(input.numel() // L, dtype=input.dtype, device=input.device)
         groups = self.rs_groups
         first = self._submit(self.intra_rs,
-                             lambda: reduce_scatter_blocking(groups.intra, partial, input))
+                             lambda: reduce_scatter_blocking(groups.intra, partial, input),
+                             f"RS {label}")
         return self._submit(self.inter_rs,
                             lambda: reduce_scatter_blocking(groups.inter, output, partial),
-                            after=(first.future, self.intra_rs))
+                            f"RS {label}", after=(first.future, self.intra_rs))
 
-    def start_all_gather(self, output: torch.Tensor, input: torch.Tensor) -> PendingOp:
+    def start_all_gather(self, output: torch.Tensor, input: torch.Tensor,
+                         label: str = "") -> PendingOp:
         L, M = self.layout.local_size, self.layout.nodes
         nbytes = output.numel() * output.element_size()
         self.stats.add("inter", "all_gather", bytes_sent(nbytes // L, M))
@@ -307,10 +333,11 @@ class HierarchicalExchange(_Exchange):
         # This rank's chunk of the bucket: the rail fills it, then the node shares it.
         own_chunk = output[local * chunk:(local + 1) * chunk]
         first = self._submit(self.inter_ag,
-                             lambda: all_gather_blocking(groups.inter, own_chunk, input))
+                             lambda: all_gather_blocking(groups.inter, own_chunk, input),
+                             f"AG {label}")
         return self._submit(self.intra_ag,
                             lambda: all_gather_blocking(groups.intra, output, own_chunk),
-                            after=(first.future, self.inter_ag))
+                            f"AG {label}", after=(first.future, self.inter_ag))
 
     def close(self) -> None:
         for worker in (self.intra_rs, self.inter_rs, self.intra_ag, self.inter_ag):

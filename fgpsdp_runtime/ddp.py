@@ -8,7 +8,9 @@ methods below.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional, Sequence
+import threading
+import time
+from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
@@ -19,9 +21,11 @@ from .comm import CommStats, FlatExchange, HierarchicalExchange, PendingOp
 from .layout import BucketLayout, ParamInfo, owned_numel, plan_buckets
 from .forward_waits import ForwardParamWaiter
 from .plan import OverlapPlan, layout_plan
+from .plan_profiler import PlanProfiler
 from .scheduler import TwoStageScheduler
 from .profiling import nvtx_range
 from .reducer import GradientReducer
+from .tracing import Timeline
 from .topology import (NodeLayout, TopologyArg, check_contiguous_nodes, create_link_groups,
                        resolve)
 from .validation import agree_or_raise, describe, local_problems
@@ -40,10 +44,14 @@ class DistributedDataParallel(nn.Module):
                  process_group: Optional[dist.ProcessGroup] = None, bucket_cap_mb: float = 25.0,
                  find_unused_parameters: bool = False, check_reduction: bool = False,
                  gradient_as_bucket_view: bool = False, static_graph: bool = False, *,
-                 topology: TopologyArg = None, schedule: str = "two_stage"):
+                 topology: TopologyArg = None, schedule: str = "two_stage",
+                 overlap_plan: Union[str, OverlapPlan] = "auto"):
         super().__init__()
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        if not (isinstance(overlap_plan, OverlapPlan) or overlap_plan in ("auto", "layout")):
+            raise ValueError("overlap_plan must be 'auto', 'layout' or an OverlapPlan, "
+                             f"got {overlap_plan!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("fgpsdp: call torch.distributed.init_process_group() first")
         if bucket_cap_mb is None or bucket_cap_mb <= 0:
@@ -83,17 +91,20 @@ class DistributedDataParallel(nn.Module):
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
         device = self._params[0].device if self._params else torch.device("cpu")
         self._comm_stats = CommStats()
+        # Off until enabled: model.timeline.enable(); model.timeline.save_chrome_trace(path).
+        self.timeline = Timeline(self.rank)
         # Bucket traffic goes over groups of its own (one per link class and
         # phase), driven by worker threads; the wrapper's group stays free for
         # broadcasts and the norm all-reduce. See comm.py.
         if self.topology.uses_hierarchy:
             self._exchange = HierarchicalExchange(
                 self.topology, create_link_groups(self.topology, process_group),
-                create_link_groups(self.topology, process_group), device, self._comm_stats)
+                create_link_groups(self.topology, process_group), device, self._comm_stats,
+                self.timeline)
         else:
             ranks = dist.get_process_group_ranks(process_group) if process_group else None
             self._exchange = FlatExchange(dist.new_group(ranks), dist.new_group(ranks), device,
-                                          self._comm_stats)
+                                          self._comm_stats, self.timeline)
 
         infos = [ParamInfo(p.numel(), str(p.dtype).replace("torch.", ""), p.element_size())
                  for p in self._params]
@@ -107,20 +118,37 @@ class DistributedDataParallel(nn.Module):
         self._broadcast_initial_state(named)
 
         self.reducer = GradientReducer(self._params, self._param_names, self._buckets,
-                                       self._exchange, self.world_size,
+                                       self._exchange, self.world_size, self.timeline,
                                        launch_during_backward=schedule != "serial")
         self.reducer.register_hooks()
         self._param_gathers: dict[int, PendingOp] = {}
+        # The scheduler thread starts stage-1 all-gathers while the main thread
+        # may finish others.
+        self._gathers_lock = threading.Lock()
+        # Stage-2 all-gathers not started yet, in the order they will be (see
+        # _start_queued_gathers); at most ``_gather_lookahead`` run ahead of forward.
+        self._queued_gathers: list[int] = []
+        self._gather_lookahead: Optional[int] = None
+        self.forward_ended_at = 0.0  # perf_counter at the end of the last forward
         self._forward_waiter: Optional[ForwardParamWaiter] = None
         # All-gathers run in descending bucket order: buckets were filled in
         # reverse registration order, so this is forward order for most models,
         # and it is the same on every rank whatever each rank's control flow.
         self.forward_bucket_order = tuple(reversed(range(len(self._buckets))))
         self.scheduler: Optional[TwoStageScheduler] = None
+        self.plan_profiler: Optional[PlanProfiler] = None
         if schedule == "two_stage":
+            fixed = isinstance(overlap_plan, OverlapPlan)
+            if fixed:
+                _check_plan(overlap_plan, len(self._buckets))
             self.scheduler = TwoStageScheduler(
-                self, layout_plan(len(self._buckets), self.forward_bucket_order))
-            self.reducer.hook_listeners.append(self.scheduler.poll)
+                self, overlap_plan if fixed else
+                layout_plan(len(self._buckets), self.forward_bucket_order))
+            self.reducer.reduce_scatter_listeners.append(self.scheduler.on_reduce_scatter)
+            self._gather_lookahead = self.scheduler.plan.lookahead
+            if overlap_plan == "auto":
+                # Profiles a few steps, then every rank switches to rank 0's plan.
+                self.plan_profiler = PlanProfiler(self)
         if schedule in ("next_forward", "two_stage"):
             buckets_of: dict[int, list[int]] = {}
             for b, layout in enumerate(self.bucket_layouts):
@@ -169,7 +197,7 @@ class DistributedDataParallel(nn.Module):
             device = torch.device(self.device_ids[0]) if not isinstance(self.device_ids[0], int) \
                 else torch.device("cuda", self.device_ids[0])
             inputs, kwargs = _move_to(inputs, device), _move_to(kwargs, device)
-        with nvtx_range("fgpsdp.forward"):
+        with nvtx_range("fgpsdp.forward"), self.timeline.span("compute", "forward"):
             if waiter is not None:
                 waiter.begin_forward()  # each module waits for its buckets in its pre-hook
                 try:
@@ -178,6 +206,11 @@ class DistributedDataParallel(nn.Module):
                     waiter.end_forward()
             else:
                 output = self.module(*inputs, **kwargs)
+        if self._queued_gathers:
+            # Buckets this forward did not use: started now, so that every rank
+            # has issued all of them before backward issues stage-1 all-gathers.
+            self._start_queued_gathers(all_of_them=True)
+        self.forward_ended_at = time.perf_counter()
         self._sync_buffers_before_forward = torch.is_grad_enabled() and self.reducer.sync_enabled
         return output
 
@@ -196,11 +229,14 @@ class DistributedDataParallel(nn.Module):
     def start_param_all_gather(self, bucket: int) -> None:
         """Send this rank's updated slice of ``bucket``; receive everyone else's."""
         storage = self._buckets[bucket]
-        previous = self._param_gathers.pop(bucket, None)
+        with self._gathers_lock:
+            previous = self._param_gathers.pop(bucket, None)
         if previous is not None:
             previous.wait()
-        self._param_gathers[bucket] = self._exchange.start_all_gather(storage.flat_param,
-                                                                      storage.param_shard)
+        op = self._exchange.start_all_gather(storage.flat_param, storage.param_shard,
+                                             label=f"b{bucket}")
+        with self._gathers_lock:
+            self._param_gathers[bucket] = op
 
     @property
     def plan(self) -> Optional[OverlapPlan]:
@@ -210,25 +246,70 @@ class DistributedDataParallel(nn.Module):
     def start_param_exchange(self, buckets: Sequence[int]) -> None:
         """All-gather the updated slices of ``buckets``, in that order.
 
-        ``next_forward`` and ``two_stage`` leave them in flight for the next
-        forward's pre-hooks; the other schedules wait here.
+        ``next_forward`` and ``two_stage`` leave them for the next forward's
+        pre-hooks (``two_stage`` starts the plan's lookahead of them now and one
+        more each time forward takes one); the other schedules wait here.
         """
-        for bucket in buckets:
-            self.start_param_all_gather(bucket)
+        self._start_queued_gathers(until=None, all_of_them=True)  # an earlier step's leftovers
+        self._queued_gathers.extend(buckets)
         if self._forward_waiter is None:
             self.finish_param_all_gathers()
+        else:
+            self._start_queued_gathers()
+
+    def _start_queued_gathers(self, until: Optional[int] = None, all_of_them: bool = False) -> None:
+        """Start queued all-gathers in queue order: up to the lookahead, and through ``until``.
+
+        The queue's order is the same on every rank, so the all-gathers are
+        issued in the same order everywhere; only how early depends on timing.
+        """
+        queue = self._queued_gathers
+        limit = self._gather_lookahead
+        while queue:
+            if not (all_of_them or limit is None or until in queue):
+                with self._gathers_lock:
+                    ops = list(self._param_gathers.values())
+                if sum(not op.done() for op in ops) >= limit:
+                    return
+            self.start_param_all_gather(queue.pop(0))
 
     def finish_param_all_gather(self, bucket: int) -> None:
-        op = self._param_gathers.pop(bucket, None)
+        if bucket in self._queued_gathers:
+            self._start_queued_gathers(until=bucket)
+        with self._gathers_lock:
+            op = self._param_gathers.pop(bucket, None)
         if op is not None:
-            op.wait()
+            if op.done():
+                op.wait()
+            else:
+                with self.timeline.span("compute", f"wait AG b{bucket}"):
+                    op.wait()
+        if self._queued_gathers:
+            self._start_queued_gathers()
 
     def finish_param_all_gathers(self) -> None:
-        for bucket in sorted(self._param_gathers):
+        self._start_queued_gathers(all_of_them=True)
+        with self._gathers_lock:
+            buckets = sorted(self._param_gathers)
+        for bucket in buckets:
             self.finish_param_all_gather(bucket)
 
+    def set_overlap_plan(self, plan: OverlapPlan) -> None:
+        """Replace the two-stage plan; between steps, with the same plan on every rank."""
+        if self.scheduler is None:
+            raise RuntimeError("set_overlap_plan: only the two_stage schedule has a plan")
+        _check_plan(plan, len(self._buckets))
+        self.scheduler.set_plan(plan)
+        self._gather_lookahead = plan.lookahead
+
     def synchronize(self) -> None:
-        """Block until every parameter of ``module`` holds its updated value."""
+        """Block until every parameter of ``module`` holds its updated value.
+
+        Between backward and step it holds the values before the step: the
+        speculative steps of that backward are undone (as for a forward there).
+        """
+        if self.scheduler is not None:
+            self.scheduler.before_forward()
         self.finish_param_all_gathers()
 
     # -- introspection ---------------------------------------------------------
@@ -273,9 +354,20 @@ class DistributedDataParallel(nn.Module):
         exchange = self.__dict__.get("_exchange")
         if exchange is not None:
             exchange.close()
+        scheduler = self.__dict__.get("scheduler")
+        if scheduler is not None:
+            scheduler.close()
 
 
 SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
+
+
+def _check_plan(plan: OverlapPlan, n_buckets: int) -> None:
+    if sorted(plan.stage1 + plan.stage2) != list(range(n_buckets)):
+        raise ValueError(f"overlap plan must place each of the {n_buckets} buckets in exactly "
+                         f"one stage, got stage1={plan.stage1} stage2={plan.stage2}")
+    if plan.lookahead is not None and plan.lookahead < 1:
+        raise ValueError(f"overlap plan lookahead must be >= 1, got {plan.lookahead}")
 
 
 def _broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int,

@@ -180,6 +180,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         model = self.model
+        with model.timeline.span("compute", "optimizer step"):
+            self._step()
+        return loss
+
+    def _step(self) -> None:
+        model = self.model
         total = self._reduce_and_measure()
         if self.max_grad_norm is not None:
             self._apply_clip(total, self.max_grad_norm)
@@ -217,7 +223,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             exchange = rolled_back  # peers hold the speculative values: send the restored ones
         model.start_param_exchange(exchange)
         self._end_step(would_commit=finite and self._applied_coefficient >= 1.0)
-        return loss
 
     def speculative_step(self, b: int) -> SliceBackup:
         """Stage 1: step bucket b's slice before the global norm is known; return the undo record."""
@@ -238,6 +243,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.model.reducer.end_step()
         if self.model.scheduler is not None:
             self.model.scheduler.end_step(would_commit)
+        if self.model.plan_profiler is not None:
+            self.model.plan_profiler.end_step()
 
     def _bucket_fully_used(self, b: int) -> bool:
         used = self._globally_used
@@ -274,9 +281,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._reduced:
             return self._total_norm
         model = self.model
-        model.reducer.finish_gradient_sync()
+        with model.timeline.span("compute", "wait reduce-scatters"):
+            model.reducer.finish_gradient_sync()
         if model.scheduler is not None:
-            model.scheduler.finish_stage1()
+            with model.timeline.span("compute", "join scheduler"):
+                model.scheduler.finish_stage1()
         local = torch.zeros(2, dtype=torch.float64,
                             device=model.buckets[0].device if model.buckets else "cpu")
         speculated = model.scheduler.speculated if model.scheduler is not None else {}
@@ -288,7 +297,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 else multi_tensor_sq_norm([storage.grad_shard])
         used = model.reducer.locally_used.to(device=local.device, dtype=torch.float64)
         packet = torch.cat([local, used])
-        model.all_reduce_sum(packet)
+        with model.timeline.span("compute", "norm all-reduce"):
+            model.all_reduce_sum(packet)
         packet = packet.cpu()
         sq_sum, nonfinite = float(packet[0]), float(packet[1])
         self._globally_used = (packet[2:] > 0).tolist()

@@ -20,6 +20,7 @@ parameter can never hang a step.
 """
 from __future__ import annotations
 
+import time
 from typing import Callable, Sequence
 
 import torch
@@ -27,18 +28,20 @@ import torch
 from .buckets import BucketStorage
 from .comm import PendingOp
 from .ops import multi_tensor_pack
+from .tracing import Timeline
 
 
 class GradientReducer:
     """Packs gradients into buckets and reduce-scatters them during backward."""
 
     def __init__(self, params: Sequence[torch.nn.Parameter], param_names: Sequence[str],
-                 buckets: Sequence[BucketStorage], exchange, world_size: int, *,
-                 launch_during_backward: bool = True):
+                 buckets: Sequence[BucketStorage], exchange, world_size: int,
+                 timeline: Timeline, *, launch_during_backward: bool = True):
         self.params = list(params)
         self.param_names = list(param_names)
         self.buckets = list(buckets)
         self.exchange = exchange  # comm.FlatExchange or comm.HierarchicalExchange
+        self.timeline = timeline
         # DDP averages: every rank's gradient is pre-scaled by 1/N and summed.
         self.grad_scale = 1.0 / world_size
         # param index -> (bucket index, span)
@@ -53,9 +56,12 @@ class GradientReducer:
         # Called with the bucket index when a bucket's gradients are all packed
         # (profilers record when backward compute finished each bucket).
         self.bucket_ready_listeners: list[Callable[[int], None]] = []
-        # Called from every gradient hook after packing/launching (the
-        # two-stage scheduler looks for landed reduce-scatters there).
-        self.hook_listeners: list[Callable[[], None]] = []
+        # Called with (bucket, PendingOp, reduce-scatters of it since the step)
+        # as each reduce-scatter is launched (the two-stage scheduler's hand-over).
+        self.reduce_scatter_listeners: list[Callable[[int, PendingOp, int], None]] = []
+        self.backward_started_at = 0.0  # perf_counter at the first hook of a backward
+        # Called once a synchronised backward has ended and its buckets are launched.
+        self.backward_end_listeners: list[Callable[[], None]] = []
         # Reduce-scatters launched per bucket since the last step.
         self.reduce_scatters_since_step = [0] * len(self.buckets)
         self._hook_handles = []
@@ -113,6 +119,7 @@ class GradientReducer:
             # parameters got no gradient on this rank.
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
             self._callback_queued = True
+            self.backward_started_at = time.perf_counter()
         b, span = self.slot[index]
         param.grad = None  # the reducer holds it until the bucket is packed
         self.locally_used[index] = True
@@ -126,8 +133,6 @@ class GradientReducer:
             self._pack_bucket(b)
             if self.launch_during_backward:
                 self._launch_ready_in_order()
-        for listener in self.hook_listeners:
-            listener()
 
     def _accumulate_second_gradient(self, index: int, b: int, span, grad: torch.Tensor) -> None:
         """A parameter used across two backward graphs of one backward call."""
@@ -168,6 +173,11 @@ class GradientReducer:
         self._callback_queued = False
         if self.sync_enabled:
             self.flush()
+            for listener in self.backward_end_listeners:
+                listener()
+        if self.timeline.enabled:
+            self.timeline.add("compute", "backward (from first gradient)",
+                              self.backward_started_at, time.perf_counter())
 
     # -- launching ---------------------------------------------------------
 
@@ -232,10 +242,12 @@ class GradientReducer:
 
             def on_done(storage=storage):
                 storage.release_send_buffer()
-        op = self.exchange.start_reduce_scatter(received, send)
+        op = self.exchange.start_reduce_scatter(received, send, label=f"b{b}")
         op.on_done = on_done
         self._in_flight[b] = op
         self.reduce_scatters_since_step[b] += 1
+        for listener in self.reduce_scatter_listeners:
+            listener(b, op, self.reduce_scatters_since_step[b])
 
     # -- finishing ---------------------------------------------------------
 

@@ -1,28 +1,47 @@
-"""Executes the stage-1 part of an OverlapPlan during backward.
+"""The scheduler thread that executes the stage-1 part of an OverlapPlan.
 
 Timeline of one step under ``two_stage`` (buckets 0..3; plan stage1=[0, 1, 2])::
 
-    backward      : [grads b0][grads b1][grads b2][grads b3]
-    reduce-scatter:          [RS b0]   [RS b1]   [RS b2]   [RS b3]
-    stage 1 (hooks):                [spec step b0, AG b0][spec b1, AG b1] ...
-    optimizer.step: wait RS; speculate b2 if still due; norm all-reduce;
-                    commit or roll back; step b3; AG b3 (stage 2)
-    next forward  : pre-hooks wait for each bucket's all-gather just before use
+    main thread   : [backward b0][b1][b2][b3] .......... step: wait RS, join, norm,
+                                                         commit/roll back, step b3
+    reduce-scatter:          [RS b0][RS b1][RS b2]  [RS b3]
+    scheduler     :                 [spec b0][spec b1]   [spec b2]
+    all-gather    :                         [AG b0]  [AG b1]   [AG b2]   [AG b3] (stage 2,
+                                                                          next forward)
 
-Stage-1 steps run from the backward hooks on the main thread, strictly in the
-plan's order, whenever the next stage-1 bucket's reduce-scatter has landed;
-whatever is still due when the step begins runs there, in the same order.
-The all-gathers they start are thus issued in the same order on every rank,
-whatever the timing. The link worker threads (comm.py) move the bytes.
+The backward hooks hand each stage-1 bucket's reduce-scatter to the scheduler
+thread as they launch it. The thread takes the plan's stage-1 buckets strictly
+in order: it waits for the bucket's reduce-scatter, steps this rank's slice
+speculatively (keeping an undo record), and starts the bucket's all-gather.
+The all-gathers are thus issued in the plan's order on every rank, whatever
+the timing. At the step the main thread hands over the rest (every
+reduce-scatter has landed by then) and joins; only then does it read the
+speculative results, so nothing is shared while the thread runs except
+tensors the backward no longer reads (a ready bucket's parameters).
+
+[Note: scheduler thread lifetime and errors]
+The thread is a daemon: it never keeps the process alive. It is started at
+the first step that speculates. An exception raised in it stops speculation
+and is raised again on the main thread at the next join (the step, or a
+forward that cancels speculation), never swallowed.
+On CUDA it runs on a stream of its own (``speculation_stream``), so the
+speculative optimizer steps overlap backward kernels; joins order the main
+stream after it.
 """
 from __future__ import annotations
 
+import queue
+import threading
 from typing import TYPE_CHECKING, Optional
+
+import torch
 
 from .plan import OverlapPlan
 
 if TYPE_CHECKING:  # pragma: no cover
     from .optim import ShardedOptimizer
+
+_JOIN = object()  # queue marker: speculate what is left of stage 1, then report
 
 
 class TwoStageScheduler:
@@ -30,7 +49,6 @@ class TwoStageScheduler:
         self.model = model
         self.plan = plan
         self.optimizer: Optional["ShardedOptimizer"] = None
-        self._next = 0  # position in plan.stage1 of the next bucket to speculate
         # bucket -> (SliceBackup, reduce-scatters it had received when stepped)
         self.speculated: dict[int, tuple] = {}
         self.rollbacks = 0  # buckets rolled back so far (clipping, inf/NaN, unused)
@@ -41,43 +59,130 @@ class TwoStageScheduler:
         # all-gather sent twice. Decided from all-reduced figures, so every
         # rank speculates in the same steps.
         self.speculating = True
+        # Per step, owned by the thread between the first hand-over and the join.
+        self._handed: set[int] = set()  # stage-1 buckets handed to the thread this step
+        self._arrived: dict[int, tuple] = {}  # bucket -> (reduce-scatter op, its count)
+        self._next = 0  # position in plan.stage1 of the next bucket to speculate
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._joined = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._thread: Optional[threading.Thread] = None
+        self._active = False  # work was handed over since the last join
+        device = model.buckets[0].device if model.buckets else torch.device("cpu")
+        self.device = device
+        # CUDA: speculative steps run beside the backward kernels.
+        self.speculation_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
 
     def attach(self, optimizer: "ShardedOptimizer") -> None:
         if self.optimizer is not None and self.optimizer is not optimizer:
             raise RuntimeError("two_stage: one ShardedOptimizer per model")
         self.optimizer = optimizer
 
-    def poll(self) -> None:
-        """From the backward hooks: speculate stage-1 buckets whose reduce-scatter landed."""
-        if (self.optimizer is None or not self.model.reducer.sync_enabled or self._cancelled
-                or not self.speculating):
+    def set_plan(self, plan: OverlapPlan) -> None:
+        """Between steps only (the optimizer's step calls it when a profile is done)."""
+        self.plan = plan
+
+    # -- main thread: hand-over from the backward hooks ------------------------
+
+    def on_reduce_scatter(self, b: int, op, count: int) -> None:
+        """Reducer listener: bucket b's reduce-scatter number ``count`` since the step started."""
+        if (self.optimizer is None or self._cancelled or not self.speculating
+                or self._error is not None or b in self._handed or b not in self.plan.stage1):
             return
-        reducer = self.model.reducer
-        stage1 = self.plan.stage1
-        while self._next < len(stage1):
-            b = stage1[self._next]
-            if reducer.reduce_scatters_since_step[b] == 0 or not reducer.landed(b):
-                return
-            self._speculate(b)
+        self._handed.add(b)
+        self._start_thread()
+        self._active = True
+        if self.speculation_stream is not None:
+            # The speculative step must follow what this stream queued so far.
+            self.speculation_stream.wait_stream(torch.cuda.current_stream())
+        self._queue.put((b, op, count))
 
     def finish_stage1(self) -> None:
-        """At the step: every stage-1 bucket not yet speculated, in plan order."""
-        if self.optimizer is None or not self.speculating:
-            return
-        while self._next < len(self.plan.stage1):
-            self._speculate(self.plan.stage1[self._next])
+        """At the step: every stage-1 bucket not yet speculated, in plan order; then join.
 
-    def _speculate(self, b: int) -> None:
-        reducer = self.model.reducer
-        reducer.wait_bucket(b)
-        backup = self.optimizer.speculative_step(b)
-        self.speculated[b] = (backup, reducer.reduce_scatters_since_step[b])
+        Every reduce-scatter has landed when this is called.
+        """
+        if self.optimizer is None or not self.speculating or self._cancelled:
+            self._raise_error()
+            return
+        self._start_thread()
+        self._joined.clear()
+        self._queue.put(_JOIN)
+        self._joined.wait()
+        self._active = False
+        if self.speculation_stream is not None:
+            torch.cuda.current_stream().wait_stream(self.speculation_stream)
+        self._raise_error()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            self.speculating = False
+            raise RuntimeError("fgpsdp: the two-stage scheduler thread failed") from error
+
+    # -- the thread -------------------------------------------------------------
+
+    def _start_thread(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="fgpsdp-scheduler", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        if self.speculation_stream is not None:
+            torch.cuda.set_device(self.device)
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            try:
+                if item is _JOIN:
+                    self._advance(until_end=True)
+                else:
+                    b, op, count = item
+                    self._arrived[b] = (op, count)
+                    self._advance(until_end=False)
+            except BaseException as error:  # raised again on the main thread at the join
+                if self._error is None:
+                    self._error = error
+                self._next = len(self.plan.stage1)
+            if item is _JOIN:
+                self._joined.set()
+
+    def _advance(self, until_end: bool) -> None:
+        stage1 = self.plan.stage1
+        while self._next < len(stage1) and self._error is None:
+            b = stage1[self._next]
+            arrived = self._arrived.pop(b, None)
+            if arrived is None and not until_end:
+                return
+            op, count = arrived if arrived is not None else \
+                (None, self.model.reducer.reduce_scatters_since_step[b])
+            self._speculate(b, op, count)
+
+    def _speculate(self, b: int, op, count: int) -> None:
+        if self.speculation_stream is not None:
+            with torch.cuda.stream(self.speculation_stream):
+                self._speculate_on_current_stream(b, op, count)
+        else:
+            self._speculate_on_current_stream(b, op, count)
+
+    def _speculate_on_current_stream(self, b: int, op, count: int) -> None:
+        timeline = self.model.timeline
+        with timeline.span("scheduler", f"wait RS b{b}"):
+            if op is not None:
+                op.wait()
+        with timeline.span("scheduler", f"spec step b{b}"):
+            backup = self.optimizer.speculative_step(b)
+        self.speculated[b] = (backup, count)
         self.model.start_param_all_gather(b)
         self._next += 1
 
+    # -- main thread: a forward before the step, the step's end --------------------
+
     def before_forward(self) -> None:
-        """Called by every forward: a reduction since the step means a forward
-        between backward and step, which must see the old parameters."""
+        """Called by every forward and by synchronize(): a reduction since the
+        step means a read between backward and step, which must see the old
+        parameters."""
         if (self.optimizer is not None and not self._cancelled
                 and any(self.model.reducer.reduce_scatters_since_step)):
             self.cancel()
@@ -94,6 +199,7 @@ class TwoStageScheduler:
         only on the reductions launched, which every rank launches alike.
         """
         optimizer = self.optimizer
+        self.model.reducer.wait_all()
         self.finish_stage1()
         for b in sorted(self.speculated):
             self.model.finish_param_all_gather(b)
@@ -103,11 +209,16 @@ class TwoStageScheduler:
             self.model.start_param_all_gather(b)
             self.rollbacks += 1
         self.speculated = {}
-        self._next = len(self.plan.stage1)
         self._cancelled = True
 
     def end_step(self, would_commit: bool) -> None:
         self.speculating = would_commit
         self._next = 0
         self.speculated = {}
+        self._handed = set()
+        self._arrived = {}
         self._cancelled = False
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)

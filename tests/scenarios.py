@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fgpsdp_runtime as fgp
+from fgpsdp_runtime.plan import OverlapPlan
 
 
 class MLP(nn.Module):
@@ -168,6 +169,8 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
         schedule_kw["topology"] = "flat"
     if "schedule" in cfg:
         schedule_kw["schedule"] = cfg["schedule"]
+    if "overlap_plan" in cfg:
+        schedule_kw["overlap_plan"] = cfg["overlap_plan"]
 
     # Every rank initialises differently: the broadcast at construction must fix it.
     torch.manual_seed(1234 + rank)
@@ -179,6 +182,13 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
     ours_find_unused = cfg.get("find_unused_parameters", find_unused)
     ours = fgp.DistributedDataParallel(base, bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0),
                                        find_unused_parameters=ours_find_unused, **schedule_kw)
+
+    if cfg.get("fixed_plan"):  # ("stage1" | "stage2", lookahead): every bucket in one stage
+        stage, lookahead = cfg["fixed_plan"]
+        order = ours.forward_bucket_order
+        ours.set_overlap_plan(OverlapPlan(stage1=tuple(sorted(order)) if stage == "stage1" else (),
+                                          stage2=order if stage == "stage2" else (),
+                                          lookahead=lookahead, source="test"))
 
     cls, defaults = optimizer_class_and_defaults(optimizer)
     ref_named = [(n, p) for n, p in ref.module.named_parameters() if p.requires_grad]
@@ -254,6 +264,7 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
         "forward_deviations": ours._forward_waiter.deviations if ours._forward_waiter else 0,
         "commits": ours.scheduler.commits if ours.scheduler else 0,
         "rollbacks": ours.scheduler.rollbacks if ours.scheduler else 0,
+        "plan": ours.plan.to_json() if ours.plan is not None else None,
     }
 
 
@@ -303,3 +314,49 @@ class _null:
 
     def __exit__(self, *exc):
         return False
+
+
+class FailingInThreadAdamW(torch.optim.AdamW):
+    """AdamW whose step fails off the main thread (the two-stage scheduler's)."""
+
+    def step(self, closure=None):
+        import threading
+        if threading.current_thread() is not threading.main_thread():
+            raise ValueError("injected failure in a speculative step")
+        return super().step(closure)
+
+
+def scheduler_thread_failure(rank: int, world_size: int) -> dict:
+    """A failing speculative step must surface on the main thread, at the step."""
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(MLP(), bucket_cap_mb=0.001)
+    opt = fgp.ShardedOptimizer(model, FailingInThreadAdamW, lr=1e-2)
+    x, y = make_batch("mlp", 0, 0, rank)
+    loss_fn("mlp", model(x), y).backward()
+    try:
+        opt.step()
+    except RuntimeError as error:
+        return {"error": str(error), "cause": repr(error.__cause__)}
+    return {"error": None, "cause": None}
+
+
+def traced_steps(rank: int, world_size: int, cfg: dict) -> dict:
+    """Train a few steps with the timeline on for the last one; return the trace."""
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(MLP(), bucket_cap_mb=0.001,
+                                        topology=fgp.Topology(local_size=cfg["local_size"]),
+                                        schedule=cfg["schedule"], overlap_plan="layout")
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    spans_before = None
+    for step in range(cfg["steps"]):
+        if step == cfg["steps"] - 1:
+            spans_before = len(model.timeline.spans())
+            model.timeline.enable()
+        x, y = make_batch("mlp", step, 0, rank)
+        loss_fn("mlp", model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    model.synchronize()
+    return {"trace": model.timeline.chrome_trace(), "spans_before": spans_before,
+            "n_buckets": len(model.bucket_layouts),
+            "plan": model.plan.to_json() if model.plan is not None else None}

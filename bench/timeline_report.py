@@ -1,0 +1,126 @@
+"""Where the time goes: read fgpsdp Chrome traces, break a step down, draw the overlap chart.
+
+    python bench/timeline_report.py trace-fgpsdp-rank0.json [more traces ...] --png out.png
+
+A trace is what ``model.timeline.save_chrome_trace`` writes (bench/train_rank.py
+``--trace-steps N`` records the last N timed steps). The breakdown reports,
+per traced step, the compute phases on the main thread, the time the main
+thread spent waiting for communication (forward waiting for all-gathers, the
+step waiting for reduce-scatters and for the scheduler thread), and how busy
+each link lane was.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from fgpsdp_runtime.tracing import LANE_ORDER, busy_seconds  # noqa: E402
+
+# Compute-lane spans that are waits for communication, by what they wait for.
+WAITS = {"wait AG": "forward waits for all-gathers", "wait reduce-scatters":
+         "step waits for reduce-scatters", "join scheduler": "step waits for the scheduler",
+         "norm all-reduce": "norm all-reduce"}
+
+
+def load_spans(path: str) -> list[tuple[str, str, float, float]]:
+    """(lane, name, start s, end s) from a Chrome trace written by fgpsdp_runtime."""
+    with open(path) as f:
+        events = json.load(f)["traceEvents"]
+    lanes = {e["tid"]: e["args"]["name"] for e in events
+             if e["ph"] == "M" and e["name"] == "thread_name"}
+    return [(lanes[e["tid"]], e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
+            for e in events if e["ph"] == "X"]
+
+
+def breakdown(spans, steps: int) -> dict[str, float]:
+    """Seconds per traced step: compute phases, waits, and each lane's busy time."""
+    if not spans:
+        return {}
+    start = min(s for _, _, s, _ in spans)
+    end = max(e for _, _, _, e in spans)
+    out = {"window_s": (end - start) / steps}
+    compute = [(n, e - s) for l, n, s, e in spans if l == "compute"]
+    for phase in ("forward", "optimizer step"):
+        out[phase + "_s"] = sum(d for n, d in compute if n == phase) / steps
+    out["backward_s"] = sum(d for n, d in compute if n.startswith("backward")) / steps
+    for prefix, label in WAITS.items():
+        out[label] = sum(d for n, d in compute if n.startswith(prefix)) / steps
+    lanes = sorted({l for l, *_ in spans} - {"compute"},
+                   key=lambda l: LANE_ORDER.index(l) if l in LANE_ORDER else len(LANE_ORDER))
+    for lane in lanes:
+        out[f"{lane} busy"] = busy_seconds(spans, lane, start, end) / steps
+    return out
+
+
+def overlap_chart(traces: dict[str, list], path: str, title: str) -> bool:
+    """One panel per system: a row per lane, a bar per span (RS blue, AG green)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    traces = {k: v for k, v in traces.items() if v}
+    if not traces:
+        return False
+    fig, axes = plt.subplots(len(traces), 1, figsize=(12, 1.0 + 1.6 * len(traces)), squeeze=False)
+    colors = {"forward": "tab:orange", "backward": "tab:red", "optimizer step": "tab:purple",
+              "RS": "tab:blue", "AG": "tab:green", "spec": "tab:brown", "wait": "lightgray",
+              "join": "lightgray", "norm": "black"}
+    span_end = max(max(e for *_, e in spans) - min(s for _, _, s, _ in spans)
+                   for spans in traces.values())
+    for ax, (system, spans) in zip(axes[:, 0], traces.items()):
+        t0 = min(s for _, _, s, _ in spans)
+        lanes = sorted({l for l, *_ in spans},
+                       key=lambda l: LANE_ORDER.index(l) if l in LANE_ORDER else len(LANE_ORDER))
+        for row, lane in enumerate(lanes):
+            for l, name, s, e in spans:
+                if l != lane:
+                    continue
+                key = next((k for k in colors if name.startswith(k)), None)
+                # Waits sit inside forward / step: draw them thinner, on top.
+                thin = key in ("wait", "join", "norm")
+                ax.broken_barh([(s - t0, max(e - s, 1e-4))],
+                               (row - (0.15 if thin else 0.35), 0.3 if thin else 0.7),
+                               facecolors=colors.get(key, "tab:gray"), edgecolor="none",
+                               zorder=3 if thin else 2)
+        ax.set_yticks(range(len(lanes)))
+        ax.set_yticklabels(lanes, fontsize=8)
+        ax.set_ylim(-0.6, len(lanes) - 0.4)
+        ax.set_xlim(0, span_end)
+        ax.invert_yaxis()
+        ax.set_title(system, fontsize=9, loc="left")
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1, 0].set_xlabel("seconds")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
+    fig.legend(handles, list(colors), loc="upper right", fontsize=7, ncol=len(colors))
+    fig.suptitle(title, fontsize=10, x=0.01, ha="left")
+    fig.tight_layout(rect=(0, 0, 1, 0.95))
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return True
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("traces", nargs="+")
+    parser.add_argument("--steps", type=int, default=1, help="steps in each trace")
+    parser.add_argument("--png")
+    args = parser.parse_args(argv)
+    traces = {os.path.basename(p): load_spans(p) for p in args.traces}
+    for name, spans in traces.items():
+        print(name)
+        for key, value in breakdown(spans, args.steps).items():
+            print(f"  {key:<34} {value:8.3f} s")
+    if args.png and overlap_chart(traces, args.png, "fgpsdp timeline"):
+        print(f"wrote {args.png}")
+
+
+if __name__ == "__main__":
+    main()

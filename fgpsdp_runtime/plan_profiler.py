@@ -1,0 +1,158 @@
+"""Profiles the first steps of a two-stage run and switches it to a profile-based plan.
+
+Steps ``warmup_steps`` .. ``warmup_steps + profiled_steps - 1`` are measured:
+when backward finished each bucket (from the end of forward), how long
+backward took, and how long each collective held the bottleneck link (from
+the timeline, enabled for those steps if the user had not). A link cost model
+(latency + bytes / bandwidth) is fitted to the collectives, and
+``plan.profile_plan`` turns the figures into a plan. Rank 0's plan is
+broadcast, and every rank switches to it at the end of the same step, so the
+order of collectives stays the same everywhere.
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+import warnings
+from typing import Optional
+
+import torch.distributed as dist
+
+from .plan import BucketProfile, LinkModel, OverlapPlan, profile_plan
+
+# The link whose time bounds the exchange: the rail between nodes, or the one group.
+_BOTTLENECK_LANES = {True: ("inter-rs", "inter-ag"), False: ("flat-rs", "flat-ag")}
+
+
+class PlanProfiler:
+    def __init__(self, model, *, warmup_steps: int = 1, profiled_steps: int = 2):
+        self.model = model
+        self.warmup_steps = warmup_steps
+        self.profiled_steps = profiled_steps
+        self.steps = 0
+        self.done = False
+        self._profiling = False
+        self._enabled_timeline = False  # we turned the timeline on, and turn it off
+        self._window_start = 0.0
+        self._ready: dict[int, list[float]] = {}
+        self._backward: list[float] = []
+        model.reducer.bucket_ready_listeners.append(self._on_bucket_ready)
+        model.reducer.backward_end_listeners.append(self._on_backward_end)
+        if warmup_steps == 0:
+            self._start()
+
+    # -- listeners (main thread) -------------------------------------------------
+
+    def _on_bucket_ready(self, b: int) -> None:
+        if self._profiling:
+            self._ready.setdefault(b, []).append(time.perf_counter() - self.model.forward_ended_at)
+
+    def _on_backward_end(self) -> None:
+        if self._profiling:
+            self._backward.append(time.perf_counter() - self.model.forward_ended_at)
+
+    def end_step(self) -> None:
+        """Called by the optimizer at the end of every step, on every rank."""
+        if self.done:
+            return
+        self.steps += 1
+        if self.steps == self.warmup_steps:
+            self._start()
+        elif self.steps == self.warmup_steps + self.profiled_steps:
+            self._finish()
+
+    # -- the window ----------------------------------------------------------------
+
+    def _start(self) -> None:
+        self._profiling = True
+        self._window_start = time.perf_counter()
+        timeline = self.model.timeline
+        if not timeline.enabled:
+            timeline.enable()
+            self._enabled_timeline = True
+
+    def _finish(self) -> None:
+        model = self.model
+        self._profiling = False
+        self.done = True
+        spans = [s for s in model.timeline.spans() if s[2] >= self._window_start]
+        if self._enabled_timeline:
+            model.timeline.disable()
+            model.timeline.clear()
+        plan = None
+        if model.rank == 0:
+            try:
+                plan = self.plan_from(spans)
+            except Exception as error:  # noqa: BLE001 - the others wait in the broadcast
+                warnings.warn(f"fgpsdp: no profile plan ({error!r}); keeping {model.plan}",
+                              RuntimeWarning)
+                plan = model.plan
+        box = [plan.to_json() if plan is not None else None]
+        if model.world_size > 1:
+            src = dist.get_global_rank(model.process_group, 0) if model.process_group else 0
+            dist.broadcast_object_list(box, src=src, group=model.process_group)
+        model.set_overlap_plan(OverlapPlan.from_json(box[0]))
+
+    def plan_from(self, spans) -> OverlapPlan:
+        model = self.model
+        layouts = model.bucket_layouts
+        backward_s = statistics.median(self._backward) if self._backward else 0.0
+        buckets = [BucketProfile(bytes=l.padded_numel * l.element_size,
+                                 ready_s=statistics.median(self._ready[b])
+                                 if self._ready.get(b) else backward_s)
+                   for b, l in enumerate(layouts)]
+        fraction = link_fraction(model.topology, model.world_size)
+        link = fit_link([(buckets[_bucket_of(name)].bytes * fraction, end - start)
+                         for lane, name, start, end in spans
+                         if lane in _BOTTLENECK_LANES[model.topology.uses_hierarchy]])
+        current = model.plan
+        plan = profile_plan(buckets, backward_s, model.forward_bucket_order, link=link,
+                            reduce_fraction=fraction, lookahead=current.lookahead)
+        predicted = dict(plan.predicted or {}, link={"latency_s": link.latency_s,
+                                                     "bandwidth_Bps": link.bandwidth_Bps},
+                         bucket_ready_s=[b.ready_s for b in buckets])
+        return dataclasses.replace(plan, predicted=predicted)
+
+
+def link_fraction(topology, world_size: int) -> float:
+    """Bytes one rank puts on the bottleneck link per bucket byte, per phase."""
+    if topology.uses_hierarchy:
+        nodes, local = topology.nodes, topology.local_size
+        return (nodes - 1) / (nodes * local)
+    return (world_size - 1) / world_size
+
+
+def fit_link(samples) -> LinkModel:
+    """Least-squares latency + bytes / bandwidth over (bytes, seconds) samples.
+
+    With fewer than two sizes, or a fit that makes no physical sense, the
+    latency is taken as zero and the bandwidth as total bytes / total time.
+    """
+    samples = [(b, t) for b, t in samples if t > 0 and b > 0]
+    if not samples:
+        return LinkModel(latency_s=0.0, bandwidth_Bps=float("inf"))
+    fitted = _least_squares(samples)
+    if fitted is not None:
+        return fitted
+    return LinkModel(latency_s=0.0, bandwidth_Bps=sum(b for b, _ in samples)
+                     / sum(t for _, t in samples))
+
+
+def _least_squares(samples) -> Optional[LinkModel]:
+    n = len(samples)
+    mean_b = sum(b for b, _ in samples) / n
+    mean_t = sum(t for _, t in samples) / n
+    var_b = sum((b - mean_b) ** 2 for b, _ in samples)
+    if n < 2 or var_b <= 0:
+        return None
+    slope = sum((b - mean_b) * (t - mean_t) for b, t in samples) / var_b  # seconds per byte
+    latency = mean_t - slope * mean_b
+    if slope <= 0 or latency < 0:
+        return None
+    return LinkModel(latency_s=latency, bandwidth_Bps=1.0 / slope)
+
+
+def _bucket_of(span_name: str) -> int:
+    """'RS b3' -> 3 (names given by the reducer and the wrapper)."""
+    return int(span_name.rsplit("b", 1)[1])

@@ -1,0 +1,146 @@
+"""A per-step timeline of one rank: compute, scheduler and each link's collectives.
+
+Off by default; a disabled timeline costs one attribute read per span. When
+enabled (``model.timeline.enable()``), every span lands on a *lane*:
+``compute`` (forward, backward, optimizer step and the waits inside them),
+``scheduler`` (stage-1 speculative steps), and one lane per link worker
+(``intra-rs``, ``inter-ag``, ``flat-rs``, ...). ``save_chrome_trace(path)``
+writes Chrome trace JSON (chrome://tracing, Perfetto): one process per rank,
+one thread row per lane.
+
+Times are host clock readings (``time.perf_counter``). On CPU that is when the
+work ran. On CUDA a collective's span would only cover its launch, so the
+worker records CUDA events on its stream instead and the span is resolved
+from them when the trace is read (``resolve`` synchronises the device once).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import threading
+import time
+from typing import Iterator, Optional
+
+import torch
+
+# Lanes in display order; unknown lanes follow, sorted.
+LANE_ORDER = ("compute", "scheduler", "intra-rs", "inter-rs", "flat-rs",
+              "inter-ag", "intra-ag", "flat-ag")
+
+
+class Timeline:
+    """Spans (lane, name, start, end) of one rank, recorded from any thread."""
+
+    def __init__(self, rank: int = 0):
+        self.rank = rank
+        self.enabled = False
+        self._lock = threading.Lock()
+        self._spans: list[tuple[str, str, float, float]] = []
+        # CUDA spans: (lane, name, start event, end event), resolved later
+        # against _cuda_origin, an event recorded together with _host_origin.
+        self._cuda_spans: list[tuple[str, str, object, object]] = []
+        self._host_origin = time.perf_counter()
+        self._cuda_origin = None
+
+    def enable(self) -> None:
+        self.enabled = True
+
+    def disable(self) -> None:
+        self.enabled = False
+
+    def clear(self) -> None:
+        with self._lock:
+            self._spans.clear()
+            self._cuda_spans.clear()
+
+    # -- recording -----------------------------------------------------------
+
+    def add(self, lane: str, name: str, start: float, end: float) -> None:
+        """A span in perf_counter seconds."""
+        with self._lock:
+            self._spans.append((lane, name, start, end))
+
+    @contextlib.contextmanager
+    def span(self, lane: str, name: str) -> Iterator[None]:
+        if not self.enabled:
+            yield
+            return
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(lane, name, start, time.perf_counter())
+
+    def cuda_span_events(self, stream) -> Optional[tuple]:
+        """Start event recorded on ``stream``; pass it to ``end_cuda_span``."""
+        if not self.enabled:
+            return None
+        with self._lock:
+            if self._cuda_origin is None:
+                self._cuda_origin = torch.cuda.Event(enable_timing=True)
+                self._cuda_origin.record(stream)
+                torch.cuda.synchronize(stream.device)
+                self._host_origin = time.perf_counter()
+        start = torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        return start
+
+    def end_cuda_span(self, lane: str, name: str, start, stream) -> None:
+        if start is None:
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record(stream)
+        with self._lock:
+            self._cuda_spans.append((lane, name, start, end))
+
+    # -- reading -------------------------------------------------------------
+
+    def spans(self) -> list[tuple[str, str, float, float]]:
+        """Every span as (lane, name, start, end) in perf_counter seconds, by start."""
+        with self._lock:
+            spans = list(self._spans)
+            cuda_spans = list(self._cuda_spans)
+        if cuda_spans:
+            torch.cuda.synchronize()
+            origin = self._cuda_origin
+            for lane, name, start, end in cuda_spans:
+                spans.append((lane, name, self._host_origin + origin.elapsed_time(start) / 1e3,
+                              self._host_origin + origin.elapsed_time(end) / 1e3))
+        return sorted(spans, key=lambda s: s[2])
+
+    def chrome_trace(self) -> dict:
+        """Chrome trace JSON object: complete ("X") events in microseconds."""
+        spans = self.spans()
+        lanes = sorted({lane for lane, *_ in spans},
+                       key=lambda l: (LANE_ORDER.index(l) if l in LANE_ORDER else len(LANE_ORDER), l))
+        tid = {lane: i for i, lane in enumerate(lanes)}
+        t0 = spans[0][2] if spans else 0.0
+        events = [{"ph": "M", "name": "process_name", "pid": self.rank, "tid": 0,
+                   "args": {"name": f"rank {self.rank}"}}]
+        for lane in lanes:
+            events.append({"ph": "M", "name": "thread_name", "pid": self.rank, "tid": tid[lane],
+                           "args": {"name": lane}})
+            events.append({"ph": "M", "name": "thread_sort_index", "pid": self.rank,
+                           "tid": tid[lane], "args": {"sort_index": tid[lane]}})
+        for lane, name, start, end in spans:
+            events.append({"ph": "X", "name": name, "cat": lane, "pid": self.rank,
+                           "tid": tid[lane], "ts": (start - t0) * 1e6,
+                           "dur": max(0.0, end - start) * 1e6})
+        return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+    def save_chrome_trace(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.chrome_trace(), f)
+
+
+def busy_seconds(spans, lane: str, start: float, end: float) -> float:
+    """Time within [start, end] during which ``lane`` had at least one span open."""
+    intervals = sorted((max(s, start), min(e, end)) for l, _, s, e in spans
+                       if l == lane and e > start and s < end)
+    busy, cursor = 0.0, start
+    for s, e in intervals:
+        if e <= cursor:
+            continue
+        busy += e - max(s, cursor)
+        cursor = e
+    return busy

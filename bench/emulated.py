@@ -81,7 +81,10 @@ def param_diff(out_dir, system):
     path = os.path.join(out_dir, f"params-{system}.pt")
     if not (os.path.exists(ref_path) and os.path.exists(path)):
         return None
-    ref, ours = torch.load(ref_path), torch.load(path)
+    try:
+        ref, ours = torch.load(ref_path), torch.load(path)
+    except Exception:  # noqa: BLE001 - a run that died while saving: no comparison
+        return None
     if len(ref) != len(ours):
         return float("inf")
     return max(float((a.double() - b.double()).abs().max()) for a, b in zip(ref, ours))

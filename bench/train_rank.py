@@ -100,6 +100,9 @@ def main() -> None:
         json.dump(result, f)
     if timeline is not None:
         timeline.save_chrome_trace(os.path.join(args.out, f"trace-{args.system}-rank{rank}.json"))
+    # Every rank is done with every group before any rank tears them down.
+    dist.barrier()
+    del system
     dist.destroy_process_group()
 
 

@@ -360,3 +360,28 @@ def traced_steps(rank: int, world_size: int, cfg: dict) -> dict:
     return {"trace": model.timeline.chrome_trace(), "spans_before": spans_before,
             "n_buckets": len(model.bucket_layouts),
             "plan": model.plan.to_json() if model.plan is not None else None}
+
+
+def synchronize_between_backward_and_step(rank: int, world_size: int, schedule: str) -> dict:
+    """synchronize() after backward shows the parameters before the step; training goes on exactly."""
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(MLP(), bucket_cap_mb=0.001, schedule=schedule)
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    unchanged = []
+    for step in range(4):
+        x, y = make_batch("mlp", step, 0, rank)
+        out = model(x)  # the forward has waited for every parameter of this MLP
+        before_backward = [p.detach().clone() for p in model.module.parameters()]
+        loss_fn("mlp", out, y).backward()
+        if step == 2:
+            model.synchronize()  # two_stage: undoes the stage-1 steps of this backward
+            unchanged.append(all(torch.equal(a, p) for a, p in
+                                 zip(before_backward, model.module.parameters())))
+        opt.step()
+        opt.zero_grad()
+        if step == 1:
+            model.synchronize()
+    model.synchronize()
+    return {"params": [p.detach().clone() for p in model.module.parameters()],
+            "unchanged": unchanged,
+            "rollbacks": model.scheduler.rollbacks if model.scheduler else 0}

@@ -25,3 +25,48 @@ def test_profile_plan_puts_early_buckets_in_stage1():
                         link=LinkModel(latency_s=0.0, bandwidth_Bps=10.0))
     assert slow.stage1 == ()  # nothing fits in backward on a slow link
     assert slow.stage2 == (2, 1, 0)
+
+
+def test_link_fit_recovers_latency_and_bandwidth():
+    from fgpsdp_runtime.plan_profiler import fit_link
+    samples = [(b, 0.002 + b / 1e8) for b in (1e6, 4e6, 9e6, 2.5e7)]
+    link = fit_link(samples)
+    assert abs(link.latency_s - 0.002) < 1e-9 and abs(link.bandwidth_Bps - 1e8) < 1e-2
+    # One size only: no latency can be told apart; bandwidth from the totals.
+    same = fit_link([(1e6, 0.01), (1e6, 0.03)])
+    assert same.latency_s == 0.0 and abs(same.bandwidth_Bps - 2e6 / 0.04) < 1e-6
+    # A fit with negative latency makes no sense: fall back the same way.
+    odd = fit_link([(1e6, 0.02), (2e6, 0.05)])
+    assert odd.latency_s == 0.0
+    assert fit_link([]).bandwidth_Bps == float("inf")
+
+
+def test_busy_seconds_merges_overlapping_spans():
+    from fgpsdp_runtime.tracing import busy_seconds
+    spans = [("inter-rs", "RS b0", 0.0, 1.0), ("inter-rs", "RS b1", 0.5, 2.0),
+             ("inter-rs", "RS b2", 3.0, 4.0), ("intra-rs", "RS b0", 0.0, 10.0)]
+    assert busy_seconds(spans, "inter-rs", 0.0, 10.0) == 3.0
+    assert busy_seconds(spans, "inter-rs", 1.5, 3.5) == 1.0  # clipped to the window
+
+
+def test_timeline_records_only_when_enabled_and_exports_chrome_json():
+    import json
+    import time
+    from fgpsdp_runtime.tracing import Timeline
+    timeline = Timeline(rank=3)
+    with timeline.span("compute", "forward"):
+        pass
+    assert timeline.spans() == []
+    timeline.enable()
+    with timeline.span("compute", "forward"):
+        pass
+    later = time.perf_counter() + 10.0
+    timeline.add("inter-ag", "AG b1", later, later + 0.5)
+    trace = json.loads(json.dumps(timeline.chrome_trace()))
+    complete = [e for e in trace["traceEvents"] if e["ph"] == "X"]
+    assert [e["name"] for e in complete] == ["forward", "AG b1"]
+    assert all(e["pid"] == 3 for e in trace["traceEvents"])
+    names = {e["tid"]: e["args"]["name"] for e in trace["traceEvents"]
+             if e["name"] == "thread_name"}
+    assert names[complete[1]["tid"]] == "inter-ag"
+    assert abs(complete[1]["dur"] - 0.5e6) < 1.0

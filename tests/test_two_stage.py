@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from .dist_harness import run_distributed
-from .scenarios import scheduler_thread_failure, traced_steps, train_many
+from .scenarios import (scheduler_thread_failure, synchronize_between_backward_and_step,
+                        traced_steps, train_many)
 from .test_equivalence import SCENARIOS, TOL
 from .test_schedules import results
 
@@ -86,3 +87,13 @@ def test_timeline_has_every_lane_and_bucket(schedule):
             assert {name for l, name in spans if l == "scheduler"} >= {
                 f"spec step b{b}" for b in stage1}
         assert all(e["dur"] >= 0 for e in trace["traceEvents"] if e["ph"] == "X")
+
+
+def test_synchronize_between_backward_and_step_sees_the_old_parameters():
+    ours = run_distributed(2, synchronize_between_backward_and_step, "two_stage", timeout_s=120)
+    serial = run_distributed(2, synchronize_between_backward_and_step, "serial", timeout_s=120)
+    for res, ref in zip(ours, serial):
+        assert res["unchanged"] == [True]
+        assert res["rollbacks"] > 0, "speculative steps were undone"
+        for a, b in zip(res["params"], ref["params"]):
+            assert torch.equal(a, b)

@@ -271,6 +271,27 @@ def timeline_markdown(timelines, stem):
     return "\n".join(lines)
 
 
+def rerender(stem: str) -> None:
+    """Report from a finished run's JSON and traces (after a change to the report code)."""
+    with open(stem + ".json") as f:
+        data = json.load(f)
+    results, meta = data["results"], data["meta"]
+    all_rows = {w: (r["rows"], r["floor"]) for w, r in results.items()}
+    systems = list(next(iter(all_rows.values()))[0])
+    rate = re.search(r"--rate (\S+)", data["command"])
+    timelines = {w: trace_report(stem, w, systems, meta.get("trace_steps", 2)) for w in results}
+    text = (markdown(all_rows, meta, data["command"], rate.group(1) if rate else "1gbit")
+            + timeline_markdown(timelines, stem))
+    if chart(all_rows, stem + ".png"):
+        text += f"\n![step time per system]({os.path.basename(stem)}.png)\n"
+    with open(stem + ".md", "w") as f:
+        f.write(text)
+    data["timelines"] = timelines
+    with open(stem + ".json", "w") as f:
+        json.dump(data, f, indent=1)
+    print(f"rewrote {stem}.md")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -283,10 +304,16 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", default=os.path.join(ROOT, "docs", "benchmarks"))
     parser.add_argument("--tag", default="emulated-2x2")
+    parser.add_argument("--rerender", metavar="STEM",
+                        help="rewrite the report STEM.md (and its charts) from STEM.json and "
+                             "the saved traces, without running anything")
     parser.add_argument("--trace-steps", type=int, default=2,
                         help="fgpsdp systems record a timeline of their last N timed steps "
                              "in round 1 (0: none)")
     args = parser.parse_args()
+    if args.rerender:
+        rerender(args.rerender)
+        return
     workloads = [w for w in args.workloads.split(",") if w]
     systems = [s for s in args.systems.split(",") if s]
     for w in workloads:
@@ -337,7 +364,7 @@ def main() -> None:
     finally:
         subprocess.run(["bash", CLUSTER, "down"])
     meta = {"date": date, "machine": machine(), "versions": versions(), "rounds": args.rounds,
-            "steps": args.steps, "warmup": args.warmup}
+            "steps": args.steps, "warmup": args.warmup, "trace_steps": args.trace_steps}
     text = markdown(all_rows, meta, command, args.rate) + timeline_markdown(timelines, stem)
     if chart(all_rows, stem + ".png"):
         text += f"\n![step time per system]({os.path.basename(stem)}.png)\n"

@@ -37,8 +37,15 @@ def load_spans(path: str) -> list[tuple[str, str, float, float]]:
             for e in events if e["ph"] == "X"]
 
 
+def from_first_forward(spans):
+    """The traced steps proper: drop what ended before the first forward began."""
+    starts = [s for l, n, s, _ in spans if l == "compute" and n == "forward"]
+    return [sp for sp in spans if sp[3] > min(starts)] if starts else spans
+
+
 def breakdown(spans, steps: int) -> dict[str, float]:
     """Seconds per traced step: compute phases, waits, and each lane's busy time."""
+    spans = from_first_forward(spans)
     if not spans:
         return {}
     start = min(s for _, _, s, _ in spans)
@@ -65,7 +72,7 @@ def overlap_chart(traces: dict[str, list], path: str, title: str) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
-    traces = {k: v for k, v in traces.items() if v}
+    traces = {k: from_first_forward(v) for k, v in traces.items() if v}
     if not traces:
         return False
     fig, axes = plt.subplots(len(traces), 1, figsize=(12, 1.0 + 1.6 * len(traces)), squeeze=False)
@@ -75,6 +82,7 @@ def overlap_chart(traces: dict[str, list], path: str, title: str) -> bool:
     span_end = max(max(e for *_, e in spans) - min(s for _, _, s, _ in spans)
                    for spans in traces.values())
     for ax, (system, spans) in zip(axes[:, 0], traces.items()):
+        spans = from_first_forward(spans)
         t0 = min(s for _, _, s, _ in spans)
         lanes = sorted({l for l, *_ in spans},
                        key=lambda l: LANE_ORDER.index(l) if l in LANE_ORDER else len(LANE_ORDER))

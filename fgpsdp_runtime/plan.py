@@ -42,7 +42,12 @@ class BucketProfile:
 class OverlapPlan:
     stage1: tuple[int, ...]  # speculative step + all-gather during backward, in this order
     stage2: tuple[int, ...]  # stepped after the norm, all-gathered in forward order
-    lookahead: int  # stage-2 all-gathers in flight ahead of forward
+    # Stage-2 all-gathers in flight ahead of forward. The plans below put them
+    # all in flight: the all-gather lands in the parameters themselves, so
+    # more in flight costs no memory, and fewer left the link idle between
+    # the inter- and intra-node phases (measured on the emulated cluster).
+    # A smaller value bounds transport buffers (a fixed plan may set it).
+    lookahead: int
     source: str = "layout"  # "layout" (no profile yet) or "profile"
     predicted: Optional[dict] = field(default=None, compare=False)
 
@@ -61,7 +66,8 @@ class OverlapPlan:
                 f"stage2={list(self.stage2)}, lookahead={self.lookahead})")
 
 
-def layout_plan(n_buckets: int, forward_order: Sequence[int], lookahead: int = 2) -> OverlapPlan:
+def layout_plan(n_buckets: int, forward_order: Sequence[int],
+                lookahead: Optional[int] = None) -> OverlapPlan:
     """Before any profile: every bucket but the last to be reduced goes to stage 1.
 
     Buckets are reduced in index order; the last one lands after backward has
@@ -69,11 +75,13 @@ def layout_plan(n_buckets: int, forward_order: Sequence[int], lookahead: int = 2
     """
     stage1 = tuple(range(max(0, n_buckets - 1)))
     stage2 = tuple(b for b in forward_order if b not in stage1)
-    return OverlapPlan(stage1=stage1, stage2=stage2, lookahead=lookahead)
+    return OverlapPlan(stage1=stage1, stage2=stage2,
+                       lookahead=lookahead or max(1, len(stage2)))
 
 
 def profile_plan(buckets: Sequence[BucketProfile], backward_s: float, forward_order: Sequence[int],
-                 *, link: LinkModel, reduce_fraction: float = 1.0, lookahead: int = 2) -> OverlapPlan:
+                 *, link: LinkModel, reduce_fraction: float = 1.0,
+                 lookahead: Optional[int] = None) -> OverlapPlan:
     """Stage 1 = the buckets whose exchange fits in the network's idle time in backward.
 
     Simulates the bottleneck link in backward: reduce-scatters in bucket
@@ -96,5 +104,6 @@ def profile_plan(buckets: Sequence[BucketProfile], backward_s: float, forward_or
             link_free = ag_done  # the all-gather occupies the link too
     stage2 = tuple(b for b in forward_order if b not in stage1)
     predicted = {"backward_s": backward_s, "allgather_done_s": {str(b): finish[b] for b in finish}}
-    return OverlapPlan(stage1=tuple(stage1), stage2=stage2, lookahead=lookahead, source="profile",
+    return OverlapPlan(stage1=tuple(stage1), stage2=stage2,
+                       lookahead=lookahead or max(1, len(stage2)), source="profile",
                        predicted=predicted)

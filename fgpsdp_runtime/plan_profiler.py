@@ -106,9 +106,8 @@ class PlanProfiler:
         link = fit_link([(buckets[_bucket_of(name)].bytes * fraction, end - start)
                          for lane, name, start, end in spans
                          if lane in _BOTTLENECK_LANES[model.topology.uses_hierarchy]])
-        current = model.plan
         plan = profile_plan(buckets, backward_s, model.forward_bucket_order, link=link,
-                            reduce_fraction=fraction, lookahead=current.lookahead)
+                            reduce_fraction=fraction)
         predicted = dict(plan.predicted or {}, link={"latency_s": link.latency_s,
                                                      "bandwidth_Bps": link.bandwidth_Bps},
                          bucket_ready_s=[b.ready_s for b in buckets])

@@ -69,7 +69,8 @@ class Timeline:
         try:
             yield
         finally:
-            self.add(lane, name, start, time.perf_counter())
+            if self.enabled:  # disabled meanwhile (and maybe cleared): drop it
+                self.add(lane, name, start, time.perf_counter())
 
     def cuda_span_events(self, stream) -> Optional[tuple]:
         """Start event recorded on ``stream``; pass it to ``end_cuda_span``."""

@@ -175,6 +175,23 @@ class LinkWorker:
         self._queue.put(None)
 
 
+# Per link-worker thread: one reusable buffer per purpose. A worker runs one
+# collective at a time, and these buffers never outlive the call, so reusing
+# them is safe; allocating them per call made every worker thread's heap hold
+# bucket-sized freed blocks (see docs/benchmarks/2026-11-30-memory-cpu.md).
+_scratch = threading.local()
+
+
+def _scratch_like(purpose: str, like: torch.Tensor) -> torch.Tensor:
+    buffers = _scratch.__dict__.setdefault("buffers", {})
+    buf = buffers.get(purpose)
+    if buf is None or buf.numel() < like.numel() or buf.dtype != like.dtype \
+            or buf.device != like.device:
+        buf = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
+        buffers[purpose] = buf
+    return buf[:like.numel()].view_as(like)
+
+
 def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
     a_lo, b_lo = a.data_ptr(), b.data_ptr()
     return a_lo < b_lo + b.numel() * b.element_size() and b_lo < a_lo + a.numel() * a.element_size()
@@ -197,7 +214,7 @@ def _reduce_scatter(group, n: int, output: torch.Tensor, input: torch.Tensor) ->
     if dist.get_backend(group) == "nccl":
         _reduce_scatter_single(output, input, group=group)
         return
-    received = torch.empty_like(input)
+    received = _scratch_like("reduce_scatter_received", input)
     dist.all_to_all_single(received, input, group=group)
     torch.sum(received.view(n, -1), dim=0, out=output)
 
@@ -218,7 +235,8 @@ def _all_gather(group, n: int, output: torch.Tensor, input: torch.Tensor) -> Non
             output.copy_(input)
         return
     if dist.get_backend(group) != "nccl" and _aliases(input, output):
-        input = input.clone()  # NCCL documents in-place; other backends would alias
+        # NCCL documents in-place; other backends would alias.
+        input = _scratch_like("all_gather_input", input).copy_(input)
     _all_gather_single(output, input, group=group)
 
 

@@ -67,7 +67,6 @@ class TwoStageScheduler:
         self._joined = threading.Event()
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
-        self._active = False  # work was handed over since the last join
         device = model.buckets[0].device if model.buckets else torch.device("cpu")
         self.device = device
         # CUDA: speculative steps run beside the backward kernels.
@@ -91,7 +90,6 @@ class TwoStageScheduler:
             return
         self._handed.add(b)
         self._start_thread()
-        self._active = True
         if self.speculation_stream is not None:
             # The speculative step must follow what this stream queued so far.
             self.speculation_stream.wait_stream(torch.cuda.current_stream())
@@ -109,7 +107,6 @@ class TwoStageScheduler:
         self._joined.clear()
         self._queue.put(_JOIN)
         self._joined.wait()
-        self._active = False
         if self.speculation_stream is not None:
             torch.cuda.current_stream().wait_stream(self.speculation_stream)
         self._raise_error()

@@ -26,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 CLUSTER = os.path.join(HERE, "cluster.sh")
 sys.path.insert(0, HERE)
-from systems import SYSTEMS  # noqa: E402
+from systems import SYSTEMS, is_system  # noqa: E402
 from timeline_report import WAITS, breakdown, load_spans, overlap_chart  # noqa: E402
 from workloads import CONFIGS, WORKLOADS  # noqa: E402
 
@@ -133,6 +133,10 @@ def summarise(workload, runs, rate_bps, out_dir, systems):
             "step_time_s": step,
             "rounds": [max(x["step_time_s"] for x in r) for r in rounds],
             "peak_rss_bytes": max(x["peak_rss_bytes"] for r in rounds for x in r),
+            # CPU seconds of all four ranks per step (every thread): with all
+            # ranks on this machine's cores, cpu / cores bounds the step from below.
+            "cpu_s_per_step": statistics.median(sum(x.get("cpu_s_per_step", 0.0) for x in r)
+                                                for r in rounds),
             "opt_state_bytes": max(x["opt_state_bytes"] for x in rounds[0]),
             "node_tx_bytes_per_step": statistics.median(tx) if tx else None,
             "final_loss": rounds[0][0]["final_loss"],
@@ -165,6 +169,8 @@ def markdown(all_rows, meta, command, rate):
              f"over {meta['rounds']} rounds ({meta['warmup']} warm-up + {meta['steps']} timed "
              f"steps each). Floor = max(compute-only step, 2 x (nodes-1)/nodes x parameter bytes "
              f"/ link rate). Inter-node MiB = bytes node 0 sent over the veth per step. "
+             f"CPU core-s/step = CPU time of all 4 ranks' processes (every thread) per step; "
+             f"divided by the machine's {os.cpu_count()} cores it is a lower bound on the step. "
              f"|Δ| = largest parameter difference to torch DDP after the run (AdamW, clip 1.0).", ""]
     for workload, (rows, floor) in all_rows.items():
         info = floor["workload"] or {}
@@ -174,19 +180,22 @@ def markdown(all_rows, meta, command, rate):
                   f"Configuration: `{json.dumps({k: v for k, v in info.items() if k not in ('name',)})}`; "
                   f"floor {floor['floor_s']:.3f} s (compute {floor['compute_s'] or 0:.3f} s, "
                   f"network {floor['comm_floor_s']:.3f} s).", "",
-                  "| system | step s | x best sharded peer | x floor | peak RSS/rank MiB | "
-                  "opt state/rank MiB | inter-node MiB/step | max abs Δ vs DDP |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|"]
+                  "| system | step s | x best sharded peer | x floor | CPU core-s/step | "
+                  "peak RSS/rank MiB | opt state/rank MiB | inter-node MiB/step | "
+                  "max abs Δ vs DDP |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for system, row in rows.items():
             if row is None:
-                lines.append(f"| {system} | failed (see log) | | | | | | |")
+                lines.append(f"| {system} | failed (see log) | | | | | | | |")
                 continue
             ratio = f"{row['step_time_s'] / best_peer:.2f}" if best_peer else "-"
             tx = row["node_tx_bytes_per_step"]
             diff = row["param_diff_to_ddp"]
+            cpu = f"{row['cpu_s_per_step']:.2f}" if row.get("cpu_s_per_step") else "-"
             lines.append(
                 f"| {system} | {row['step_time_s']:.3f} | {ratio} | "
-                f"{row['step_time_s'] / floor['floor_s']:.2f} | {row['peak_rss_bytes'] / 2**20:.0f} | "
+                f"{row['step_time_s'] / floor['floor_s']:.2f} | {cpu} | "
+                f"{row['peak_rss_bytes'] / 2**20:.0f} | "
                 f"{row['opt_state_bytes'] / 2**20:.1f} | {'-' if tx is None else f'{tx / 2**20:.1f}'} | "
                 f"{'-' if diff is None else f'{diff:.2g}'} |")
         lines.append("")
@@ -320,7 +329,7 @@ def main() -> None:
         if (w, args.size) not in CONFIGS:
             parser.error(f"unknown workload {w}")
     for s in systems:
-        if s not in SYSTEMS:
+        if not is_system(s):
             parser.error(f"unknown system {s}; choose from {', '.join(SYSTEMS)}")
     if "ddp" not in systems:
         systems.insert(0, "ddp")  # every system is compared with DDP

@@ -170,8 +170,8 @@ class DeepSpeedZeRO2(System):
 class FGPSDP(System):
     name = "fgpsdp"
 
-    def __init__(self, model, loss_fn, **ddp_kwargs):
-        self.model = fgp.DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB, **ddp_kwargs)
+    def __init__(self, model, loss_fn, bucket_cap_mb=BUCKET_CAP_MB, **ddp_kwargs):
+        self.model = fgp.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, **ddp_kwargs)
         self.opt = fgp.ShardedOptimizer(self.model, torch.optim.AdamW, max_grad_norm=MAX_NORM,
                                         **ADAMW)
         self.loss_fn = loss_fn
@@ -248,14 +248,35 @@ def build_system(name: str, model: nn.Module, loss_fn: Callable, batch: int) -> 
         return TorchFSDP(model, loss_fn, hybrid=True)
     if name == "deepspeed_zero2":
         return DeepSpeedZeRO2(model, loss_fn, batch)
-    if name == "fgpsdp":  # defaults: two_stage; topology from torchrun's env (2x2 here)
-        return FGPSDP(model, loss_fn)
-    if name == "fgpsdp_flat":
-        system = FGPSDP(model, loss_fn, topology="flat")
-        system.name = "fgpsdp_flat"
-        return system
-    if name.startswith("fgpsdp_") and name[len("fgpsdp_"):] in FGPSDP_SCHEDULES:
-        system = FGPSDP(model, loss_fn, schedule=name[len("fgpsdp_"):])
+    kwargs = fgpsdp_variant(name)
+    if kwargs is not None:
+        system = FGPSDP(model, loss_fn, **kwargs)
         system.name = name
         return system
     raise ValueError(f"unknown system {name!r}; choose from {SYSTEMS}")
+
+
+def fgpsdp_variant(name: str):
+    """fgpsdp's keyword arguments for a system name, or None if it is not one.
+
+    ``fgpsdp`` (two_stage, topology from torchrun), ``fgpsdp_flat``,
+    ``fgpsdp_<schedule>``, each optionally suffixed ``_bucket<MB>`` for another
+    bucket cap (e.g. ``fgpsdp_next_forward_bucket8``).
+    """
+    import re
+    m = re.fullmatch(r"fgpsdp(?:_(flat|%s))?(?:_bucket(\d+(?:\.\d+)?))?"
+                     % "|".join(FGPSDP_SCHEDULES), name)
+    if m is None:
+        return None
+    kwargs = {}
+    if m.group(1) == "flat":
+        kwargs["topology"] = "flat"
+    elif m.group(1):
+        kwargs["schedule"] = m.group(1)
+    if m.group(2):
+        kwargs["bucket_cap_mb"] = float(m.group(2))
+    return kwargs
+
+
+def is_system(name: str) -> bool:
+    return name in SYSTEMS or fgpsdp_variant(name) is not None

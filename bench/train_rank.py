@@ -34,6 +34,36 @@ def link_tx_bytes() -> int:
         return -1
 
 
+def thread_cpu_seconds() -> dict[str, float]:
+    """CPU seconds per thread of this process, keyed by role.
+
+    Python threads are named by their ``threading`` name (the runtime's
+    scheduler and link workers are ``fgpsdp-*``); threads Python does not
+    know (gloo's transport, torch's pools) are summed under their kernel name.
+    """
+    import threading
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:
+            continue  # the thread ended meanwhile
+        fields = stat[stat.rindex(")") + 2:].split()
+        seconds = (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+        name = names.get(int(tid), f"native:{comm}")
+        out[name] = out.get(name, 0.0) + seconds
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--workload", required=True)
@@ -62,6 +92,8 @@ def main() -> None:
     dist.barrier()
     tx_start = link_tx_bytes()
     start = time.perf_counter()
+    cpu_start = time.process_time()
+    threads_start = thread_cpu_seconds()
     for step in range(total_steps):
         if step == args.warmup:
             # Land what the warm-up deferred (fgpsdp's all-gathers), so that the
@@ -70,6 +102,8 @@ def main() -> None:
             dist.barrier()
             tx_start = link_tx_bytes()
             start = time.perf_counter()
+            cpu_start = time.process_time()
+            threads_start = thread_cpu_seconds()
         if timeline is not None and step == total_steps - args.trace_steps:
             timeline.enable()
         t0 = time.perf_counter()
@@ -79,12 +113,20 @@ def main() -> None:
     system.finish_step()
     dist.barrier()
     elapsed = time.perf_counter() - start
+    # All threads of this process (compute, scheduler, link workers, gloo's
+    # transport): on a shared machine, the sum over ranks against the cores
+    # says whether the step is bound by CPU rather than by the network.
+    cpu_seconds = time.process_time() - cpu_start
+    threads_end = thread_cpu_seconds()
+    cpu_by_thread = {name: (end - threads_start.get(name, 0.0)) / args.steps
+                     for name, end in threads_end.items()}
     tx_end = link_tx_bytes()
     final_loss = float(loss.detach())
 
     result = {
         "rank": rank, "world_size": world, "system": system.name, "workload": info,
-        "step_time_s": elapsed / args.steps, "step_times_s": step_times[args.warmup:],
+        "step_time_s": elapsed / args.steps, "cpu_s_per_step": cpu_seconds / args.steps,
+        "cpu_s_per_step_by_thread": cpu_by_thread, "step_times_s": step_times[args.warmup:],
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "opt_state_bytes": system.opt_state_bytes(), "final_loss": final_loss,
         "local_rank": int(os.environ.get("LOCAL_RANK", rank)),

@@ -42,11 +42,13 @@ class BucketProfile:
 class OverlapPlan:
     stage1: tuple[int, ...]  # speculative step + all-gather during backward, in this order
     stage2: tuple[int, ...]  # stepped after the norm, all-gathered in forward order
-    # Stage-2 all-gathers in flight ahead of forward. The plans below put them
-    # all in flight: the all-gather lands in the parameters themselves, so
-    # more in flight costs no memory, and fewer left the link idle between
-    # the inter- and intra-node phases (measured on the emulated cluster).
-    # A smaller value bounds transport buffers (a fixed plan may set it).
+    # All-gathers in flight ahead of forward. The plans below put them all in
+    # flight (the bucket count, not len(stage2): a step that does not
+    # speculate, clipping being active, sends every bucket after the norm):
+    # the all-gather lands in the parameters themselves, so more in flight
+    # costs no memory, and fewer left the link idle between the inter- and
+    # intra-node phases (measured on the emulated cluster). A smaller value
+    # bounds transport buffers (a fixed plan may set it).
     lookahead: int
     source: str = "layout"  # "layout" (no profile yet) or "profile"
     predicted: Optional[dict] = field(default=None, compare=False)
@@ -75,8 +77,7 @@ def layout_plan(n_buckets: int, forward_order: Sequence[int],
     """
     stage1 = tuple(range(max(0, n_buckets - 1)))
     stage2 = tuple(b for b in forward_order if b not in stage1)
-    return OverlapPlan(stage1=stage1, stage2=stage2,
-                       lookahead=lookahead or max(1, len(stage2)))
+    return OverlapPlan(stage1=stage1, stage2=stage2, lookahead=lookahead or max(1, n_buckets))
 
 
 def profile_plan(buckets: Sequence[BucketProfile], backward_s: float, forward_order: Sequence[int],
@@ -105,5 +106,5 @@ def profile_plan(buckets: Sequence[BucketProfile], backward_s: float, forward_or
     stage2 = tuple(b for b in forward_order if b not in stage1)
     predicted = {"backward_s": backward_s, "allgather_done_s": {str(b): finish[b] for b in finish}}
     return OverlapPlan(stage1=tuple(stage1), stage2=stage2,
-                       lookahead=lookahead or max(1, len(stage2)), source="profile",
+                       lookahead=lookahead or max(1, len(buckets)), source="profile",
                        predicted=predicted)

@@ -41,13 +41,14 @@ def rate_bits_per_s(rate: str) -> float:
 
 
 def run_once(workload, size, system, steps, warmup, out_dir, save_params, port, log,
-             trace_steps=0, trace_dest=None):
+             trace_steps=0, trace_dest=None, max_norm=1.0):
     python = sys.executable
     cmd = (f"OMP_NUM_THREADS=1 {shlex.quote(python)} -m torch.distributed.run --nnodes=2 "
            f"--nproc_per_node=2 --node_rank=$NODE_RANK --master_addr=$MASTER_ADDR "
            f"--master_port={port} {shlex.quote(os.path.join(HERE, 'train_rank.py'))} "
            f"--workload {workload} --size {size} --system {system} --steps {steps} "
-           f"--warmup {warmup} --out {shlex.quote(out_dir)} --trace-steps {trace_steps}"
+           f"--warmup {warmup} --out {shlex.quote(out_dir)} --trace-steps {trace_steps} "
+           f"--max-norm {max_norm}"
            + (" --save-params" if save_params else ""))
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=os.environ.get(
         "TORCH_EXTENSIONS_DIR", os.path.join(tempfile.gettempdir(), "fgpsdp-torch-ext")),
@@ -118,6 +119,22 @@ def versions() -> str:
     return ", ".join(parts)
 
 
+CPU_ROLES = ("training thread", "fgpsdp threads", "other threads")
+
+
+def cpu_roles(ranks) -> dict[str, float]:
+    """CPU seconds per step of all ranks, split into the training thread, the
+    fgpsdp runtime's threads (scheduler, link workers) and the rest (gloo's
+    transport and run loop, torch's pools, a peer's own threads)."""
+    out = dict.fromkeys(CPU_ROLES, 0.0)
+    for rank in ranks:
+        for name, seconds in rank.get("cpu_s_per_step_by_thread", {}).items():
+            role = ("training thread" if name == "MainThread" else
+                    "fgpsdp threads" if name.startswith("fgpsdp-") else "other threads")
+            out[role] += seconds
+    return out
+
+
 def summarise(workload, runs, rate_bps, out_dir, systems):
     """runs: {system: [per-round list of rank results]} -> table rows."""
     rows = {}
@@ -137,6 +154,8 @@ def summarise(workload, runs, rate_bps, out_dir, systems):
             # ranks on this machine's cores, cpu / cores bounds the step from below.
             "cpu_s_per_step": statistics.median(sum(x.get("cpu_s_per_step", 0.0) for x in r)
                                                 for r in rounds),
+            "cpu_by_role": {role: statistics.median(cpu_roles(r)[role] for r in rounds)
+                            for role in CPU_ROLES},
             "opt_state_bytes": max(x["opt_state_bytes"] for x in rounds[0]),
             "node_tx_bytes_per_step": statistics.median(tx) if tx else None,
             "final_loss": rounds[0][0]["final_loss"],
@@ -171,7 +190,8 @@ def markdown(all_rows, meta, command, rate):
              f"/ link rate). Inter-node MiB = bytes node 0 sent over the veth per step. "
              f"CPU core-s/step = CPU time of all 4 ranks' processes (every thread) per step; "
              f"divided by the machine's {os.cpu_count()} cores it is a lower bound on the step. "
-             f"|Δ| = largest parameter difference to torch DDP after the run (AdamW, clip 1.0).", ""]
+             f"|Δ| = largest parameter difference to torch DDP after the run (AdamW, clip "
+             f"{meta.get('max_norm', 1.0):g}).", ""]
     for workload, (rows, floor) in all_rows.items():
         info = floor["workload"] or {}
         peers = [rows[s]["step_time_s"] for s in PEERS if s != "ddp" and rows.get(s)]
@@ -199,6 +219,15 @@ def markdown(all_rows, meta, command, rate):
                 f"{row['opt_state_bytes'] / 2**20:.1f} | {'-' if tx is None else f'{tx / 2**20:.1f}'} | "
                 f"{'-' if diff is None else f'{diff:.2g}'} |")
         lines.append("")
+        if any((row or {}).get("cpu_by_role") for row in rows.values()):
+            lines += ["CPU core-seconds per step, all 4 ranks, by thread:", "",
+                      "| system | " + " | ".join(CPU_ROLES) + " |",
+                      "|---|" + "---:|" * len(CPU_ROLES)]
+            for system, row in rows.items():
+                if row and row.get("cpu_by_role"):
+                    lines.append(f"| {system} | " + " | ".join(
+                        f"{row['cpu_by_role'][role]:.2f}" for role in CPU_ROLES) + " |")
+            lines.append("")
         for system, row in rows.items():
             info = (row or {}).get("schedule_info") or {}
             if info.get("plan"):
@@ -316,6 +345,8 @@ def main() -> None:
     parser.add_argument("--rerender", metavar="STEM",
                         help="rewrite the report STEM.md (and its charts) from STEM.json and "
                              "the saved traces, without running anything")
+    parser.add_argument("--max-norm", type=float, default=1.0,
+                        help="every system clips the gradient at this total norm")
     parser.add_argument("--trace-steps", type=int, default=2,
                         help="fgpsdp systems record a timeline of their last N timed steps "
                              "in round 1 (0: none)")
@@ -357,7 +388,8 @@ def main() -> None:
                         rc, res = run_once(
                             workload, args.size, system, args.steps, args.warmup, out_dir,
                             rnd == 0, port, log, trace_steps=args.trace_steps if traced else 0,
-                            trace_dest=os.path.join(f"{stem}-traces", f"{workload}-{system}.json"))
+                            trace_dest=os.path.join(f"{stem}-traces", f"{workload}-{system}.json"),
+                            max_norm=args.max_norm)
                         if rc == 0 and len(res) == 4:
                             runs.setdefault(system, []).append(res)
                             step = max(x["step_time_s"] for x in res)
@@ -373,7 +405,8 @@ def main() -> None:
     finally:
         subprocess.run(["bash", CLUSTER, "down"])
     meta = {"date": date, "machine": machine(), "versions": versions(), "rounds": args.rounds,
-            "steps": args.steps, "warmup": args.warmup, "trace_steps": args.trace_steps}
+            "steps": args.steps, "warmup": args.warmup, "trace_steps": args.trace_steps,
+            "max_norm": args.max_norm}
     text = markdown(all_rows, meta, command, args.rate) + timeline_markdown(timelines, stem)
     if chart(all_rows, stem + ".png"):
         text += f"\n![step time per system]({os.path.basename(stem)}.png)\n"

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from systems import build_system  # noqa: E402
+from systems import build_system, set_max_norm  # noqa: E402
 from workloads import CONFIGS, build_model, describe, loss_fn, make_batch  # noqa: E402
 
 
@@ -73,6 +73,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--out", required=True)
     parser.add_argument("--save-params", action="store_true")
+    parser.add_argument("--max-norm", type=float, default=1.0, help="gradient clipping norm")
     parser.add_argument("--trace-steps", type=int, default=0,
                         help="record the timeline of the last N timed steps (fgpsdp systems)")
     args = parser.parse_args()
@@ -81,6 +82,7 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
     cfg = CONFIGS[(args.workload, args.size)]
+    set_max_norm(args.max_norm)
     torch.manual_seed(0)
     model = build_model(cfg)
     info = describe(cfg, model)

@@ -8,6 +8,17 @@ def test_layout_plan_keeps_last_bucket_for_stage2():
     assert layout_plan(1, (0,)).stage1 == ()
 
 
+def test_plans_keep_every_bucket_in_flight_by_default():
+    # A step that does not speculate (clipping active) all-gathers every bucket
+    # after the norm, stage 1's too: a lookahead of len(stage2) would leave the
+    # link idle between them.
+    assert layout_plan(4, (3, 2, 1, 0)).lookahead == 4
+    link = LinkModel(latency_s=0.0, bandwidth_Bps=100.0)
+    buckets = [BucketProfile(bytes=100, ready_s=0.0), BucketProfile(bytes=100, ready_s=9.5)]
+    assert profile_plan(buckets, backward_s=10.0, forward_order=(1, 0), link=link).lookahead == 2
+    assert layout_plan(4, (3, 2, 1, 0), lookahead=1).lookahead == 1
+
+
 def test_plan_round_trips_json():
     plan = layout_plan(5, (4, 3, 2, 1, 0))
     assert OverlapPlan.from_json(plan.to_json()) == plan

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
-from systems import SYSTEMS, build_system  # noqa: E402
+from systems import build_system, is_system  # noqa: E402
 from workloads import CONFIGS, WORKLOADS, build_model, loss_fn, make_batch  # noqa: E402
 
 
@@ -70,7 +70,7 @@ def main() -> None:
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     for i, system in enumerate(s for s in args.systems.split(",") if s):
-        if system not in SYSTEMS:
+        if not is_system(system):
             parser.error(f"unknown system {system}")
         args.system, args.port = system, args.port + i
         queue = ctx.Queue()

@@ -52,8 +52,8 @@ class System:
 class TorchDDP(System):
     name = "ddp"
 
-    def __init__(self, model, loss_fn, compute_only=False):
-        self.model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB)
+    def __init__(self, model, loss_fn, compute_only=False, bucket_cap_mb=BUCKET_CAP_MB):
+        self.model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
         self.opt = torch.optim.AdamW(self.model.parameters(), **ADAMW)
         self.loss_fn = loss_fn
         self.compute_only = compute_only
@@ -85,9 +85,9 @@ class TorchZeRO(TorchDDP):
 
     name = "ddp_zero1"
 
-    def __init__(self, model, loss_fn):
+    def __init__(self, model, loss_fn, bucket_cap_mb=BUCKET_CAP_MB):
         from torch.distributed.optim import ZeroRedundancyOptimizer
-        self.model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=BUCKET_CAP_MB)
+        self.model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
         self.opt = ZeroRedundancyOptimizer(self.model.parameters(),
                                            optimizer_class=torch.optim.AdamW, **ADAMW)
         self.loss_fn = loss_fn
@@ -100,7 +100,7 @@ class TorchZeRO(TorchDDP):
 class TorchFSDP(System):
     """FSDP1 with SHARD_GRAD_OP (ZeRO-2) or _HYBRID_SHARD_ZERO2 (per-node sharding)."""
 
-    def __init__(self, model, loss_fn, hybrid: bool):
+    def __init__(self, model, loss_fn, hybrid: bool, bucket_cap_mb=BUCKET_CAP_MB):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp import ShardingStrategy
         self.FSDP = FSDP
@@ -113,7 +113,7 @@ class TorchFSDP(System):
             self.name = "fsdp_grad_op"
             kwargs["sharding_strategy"] = ShardingStrategy.SHARD_GRAD_OP
         self.model = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True,
-                          auto_wrap_policy=_size_wrap_policy(), **kwargs)
+                          auto_wrap_policy=_size_wrap_policy(bucket_cap_mb), **kwargs)
         self.opt = torch.optim.AdamW(self.model.parameters(), **ADAMW)
         self.loss_fn = loss_fn
 
@@ -136,15 +136,15 @@ class TorchFSDP(System):
 class DeepSpeedZeRO2(System):
     name = "deepspeed_zero2"
 
-    def __init__(self, model, loss_fn, batch: int):
+    def __init__(self, model, loss_fn, batch: int, bucket_cap_mb=BUCKET_CAP_MB):
         import deepspeed
         config = {
             "train_micro_batch_size_per_gpu": batch,
             "gradient_accumulation_steps": 1,
             "gradient_clipping": MAX_NORM,
             "zero_optimization": {"stage": 2, "overlap_comm": True, "contiguous_gradients": True,
-                                  "reduce_bucket_size": int(BUCKET_CAP_MB * 2**20 / 4),
-                                  "allgather_bucket_size": int(BUCKET_CAP_MB * 2**20 / 4)},
+                                  "reduce_bucket_size": int(bucket_cap_mb * 2**20 / 4),
+                                  "allgather_bucket_size": int(bucket_cap_mb * 2**20 / 4)},
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }
@@ -221,12 +221,12 @@ def node_groups():
     return intra, inter
 
 
-def _size_wrap_policy():
+def _size_wrap_policy(bucket_cap_mb: float):
     import functools
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
-    # About one wrapped unit per 25 MB, like the other systems' buckets.
+    # About one wrapped unit per bucket_cap_mb, like the other systems' buckets.
     return functools.partial(size_based_auto_wrap_policy,
-                             min_num_params=int(BUCKET_CAP_MB * 2**20 / 4))
+                             min_num_params=int(bucket_cap_mb * 2**20 / 4))
 
 
 SYSTEMS = ("ddp", "ddp_zero1", "fsdp_grad_op", "fsdp_hybrid_zero2", "deepspeed_zero2",
@@ -247,47 +247,52 @@ def set_max_norm(max_norm: float) -> None:
 
 
 def build_system(name: str, model: nn.Module, loss_fn: Callable, batch: int) -> System:
-    if name == "ddp":
-        return TorchDDP(model, loss_fn)
-    if name == "compute":
-        return TorchDDP(model, loss_fn, compute_only=True)
-    if name == "ddp_zero1":
-        return TorchZeRO(model, loss_fn)
-    if name == "fsdp_grad_op":
-        return TorchFSDP(model, loss_fn, hybrid=False)
-    if name == "fsdp_hybrid_zero2":
-        return TorchFSDP(model, loss_fn, hybrid=True)
-    if name == "deepspeed_zero2":
-        return DeepSpeedZeRO2(model, loss_fn, batch)
-    kwargs = fgpsdp_variant(name)
-    if kwargs is not None:
-        system = FGPSDP(model, loss_fn, **kwargs)
-        system.name = name
-        return system
-    raise ValueError(f"unknown system {name!r}; choose from {SYSTEMS}")
+    """``name`` is one of SYSTEMS or an fgpsdp variant, optionally suffixed
+    ``_bucket<MB>`` for another bucket size (FSDP: wrap unit; DeepSpeed:
+    reduce and all-gather bucket), e.g. ``ddp_bucket8``."""
+    base, bucket_cap_mb = split_bucket_suffix(name)
+    kw = {"bucket_cap_mb": bucket_cap_mb}
+    if base == "ddp":
+        system = TorchDDP(model, loss_fn, **kw)
+    elif base == "compute":
+        system = TorchDDP(model, loss_fn, compute_only=True, **kw)
+    elif base == "ddp_zero1":
+        system = TorchZeRO(model, loss_fn, **kw)
+    elif base == "fsdp_grad_op":
+        system = TorchFSDP(model, loss_fn, hybrid=False, **kw)
+    elif base == "fsdp_hybrid_zero2":
+        system = TorchFSDP(model, loss_fn, hybrid=True, **kw)
+    elif base == "deepspeed_zero2":
+        system = DeepSpeedZeRO2(model, loss_fn, batch, **kw)
+    elif fgpsdp_variant(base) is not None:
+        system = FGPSDP(model, loss_fn, **fgpsdp_variant(base), **kw)
+    else:
+        raise ValueError(f"unknown system {name!r}; choose from {SYSTEMS}")
+    system.name = name
+    return system
+
+
+def split_bucket_suffix(name: str) -> tuple[str, float]:
+    """``"ddp_bucket8"`` -> ``("ddp", 8.0)``; no suffix: the common BUCKET_CAP_MB."""
+    import re
+    m = re.fullmatch(r"(.+?)_bucket(\d+(?:\.\d+)?)", name)
+    return (m.group(1), float(m.group(2))) if m else (name, BUCKET_CAP_MB)
 
 
 def fgpsdp_variant(name: str):
-    """fgpsdp's keyword arguments for a system name, or None if it is not one.
+    """fgpsdp's keyword arguments for a system name (no bucket suffix), or None.
 
     ``fgpsdp`` (two_stage, topology from torchrun), ``fgpsdp_flat``,
-    ``fgpsdp_<schedule>``, each optionally suffixed ``_bucket<MB>`` for another
-    bucket cap (e.g. ``fgpsdp_next_forward_bucket8``).
+    ``fgpsdp_<schedule>``.
     """
-    import re
-    m = re.fullmatch(r"fgpsdp(?:_(flat|%s))?(?:_bucket(\d+(?:\.\d+)?))?"
-                     % "|".join(FGPSDP_SCHEDULES), name)
-    if m is None:
-        return None
-    kwargs = {}
-    if m.group(1) == "flat":
-        kwargs["topology"] = "flat"
-    elif m.group(1):
-        kwargs["schedule"] = m.group(1)
-    if m.group(2):
-        kwargs["bucket_cap_mb"] = float(m.group(2))
-    return kwargs
+    if name == "fgpsdp":
+        return {}
+    if name == "fgpsdp_flat":
+        return {"topology": "flat"}
+    schedule = name[len("fgpsdp_"):] if name.startswith("fgpsdp_") else None
+    return {"schedule": schedule} if schedule in FGPSDP_SCHEDULES else None
 
 
 def is_system(name: str) -> bool:
-    return name in SYSTEMS or fgpsdp_variant(name) is not None
+    base, _ = split_bucket_suffix(name)
+    return base in SYSTEMS or fgpsdp_variant(base) is not None

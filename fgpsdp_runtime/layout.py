@@ -126,7 +126,8 @@ def plan_buckets(
 
     ``order`` is the order gradients are expected to become ready (by default
     reverse registration order, as backward usually produces them). A bucket
-    holds one dtype; a parameter larger than the cap gets a bucket of its own.
+    holds one dtype and closes once it reaches the cap (torch DDP's rule), so
+    it exceeds the cap only by its last parameter.
     A new dtype closes the open bucket of another dtype only for that dtype:
     each dtype fills its own open bucket so interleaved dtypes do not produce
     a flood of tiny buckets.
@@ -159,14 +160,16 @@ def plan_buckets(
         elsize_of[dtype_name] = info.element_size
         nbytes = info.numel * info.element_size
         spans = open_buckets.setdefault(dtype_name, [])
-        used = open_bytes.get(dtype_name, 0)
-        if spans and used + nbytes > bucket_cap_bytes:
-            close(dtype_name)
-            spans = open_buckets.setdefault(dtype_name, [])
-            used = 0
         offset = spans[-1].bucket_end if spans else 0
         spans.append(ParamSpan(param_index=index, bucket_offset=offset, numel=info.numel))
-        open_bytes[dtype_name] = used + nbytes
+        open_bytes[dtype_name] = open_bytes.get(dtype_name, 0) + nbytes
+        # As torch DDP does: a bucket closes once it reaches the cap, so it
+        # exceeds the cap only by its last parameter. Closing before a
+        # parameter that would overflow would instead leave a layer's bias
+        # (ready just before its weight in backward) a tiny bucket of its own,
+        # and every bucket costs a collective per phase.
+        if open_bytes[dtype_name] >= bucket_cap_bytes:
+            close(dtype_name)
     for dtype_name in list(open_buckets):
         close(dtype_name)
 

@@ -21,16 +21,19 @@ def bench_modules():
         sys.path.remove(BENCH)
 
 
-def test_fgpsdp_variant_names(bench_modules):
+def test_system_names(bench_modules):
     systems, _, _ = bench_modules
     assert systems.fgpsdp_variant("fgpsdp") == {}
     assert systems.fgpsdp_variant("fgpsdp_flat") == {"topology": "flat"}
-    assert systems.fgpsdp_variant("fgpsdp_next_forward_bucket8") == {
-        "schedule": "next_forward", "bucket_cap_mb": 8.0}
-    assert systems.fgpsdp_variant("fgpsdp_bucket2.5") == {"bucket_cap_mb": 2.5}
+    assert systems.fgpsdp_variant("fgpsdp_next_forward") == {"schedule": "next_forward"}
     assert systems.fgpsdp_variant("fgpsdp_sideways") is None
     assert systems.fgpsdp_variant("ddp") is None
-    assert systems.is_system("ddp") and not systems.is_system("fgpsdp_bucket")
+    assert systems.split_bucket_suffix("fgpsdp_next_forward_bucket8") == ("fgpsdp_next_forward", 8.0)
+    assert systems.split_bucket_suffix("ddp_bucket2.5") == ("ddp", 2.5)
+    assert systems.split_bucket_suffix("fsdp_hybrid_zero2") == ("fsdp_hybrid_zero2",
+                                                                systems.BUCKET_CAP_MB)
+    assert systems.is_system("ddp") and systems.is_system("fsdp_grad_op_bucket4")
+    assert not systems.is_system("fgpsdp_bucket") and not systems.is_system("mpi_bucket8")
 
 
 def test_thread_cpu_seconds_names_python_threads(bench_modules):

@@ -38,8 +38,8 @@ def test_every_element_owned_once(sizes, world, cap):
     infos = [fp32(n) for n in sizes]
     layouts = plan_buckets(infos, bucket_cap_bytes=cap, world_size=world)
     check_layout(infos, layouts, world)
-    for layout in layouts:  # a bucket exceeds the cap only to hold one large parameter
-        assert layout.numel * 4 <= cap or len(layout.spans) == 1
+    for layout in layouts[:-1]:  # a bucket closes once it reaches the cap, not before
+        assert layout.numel * 4 - layout.spans[-1].numel * 4 < cap <= layout.numel * 4
 
 
 @settings(max_examples=30, deadline=None)
@@ -68,6 +68,16 @@ def test_balanced_with_small_buckets_too():
     layouts = plan_buckets(infos, bucket_cap_bytes=2**16, world_size=4)
     owned = [owned_numel(layouts, r) for r in range(4)]
     assert max(owned) / min(owned) <= 1.02
+
+
+def test_weight_takes_its_bias_along():
+    # Three Linear layers whose weights reach the cap: each bias (ready just
+    # before its weight in backward) joins the weight's bucket instead of
+    # becoming a bucket of 16 bytes that costs a collective of its own.
+    for weight in (100, 1000):  # exactly the cap, over it
+        infos = [fp32(n) for _ in range(3) for n in (weight, 4)]  # weight, bias
+        layouts = plan_buckets(infos, bucket_cap_bytes=400, world_size=2)
+        assert [[s.param_index for s in b.spans] for b in layouts] == [[5, 4], [3, 2], [1, 0]]
 
 
 def test_reverse_registration_order_by_default():

@@ -20,14 +20,14 @@ SCENARIOS = {
     "clip_idle": {"max_grad_norm": 1e6},
     "manual_clip": {"manual_clip": 0.05},
     "no_sync": {"accumulate": 3},
-    "accumulate_synced": {"accumulate": 2, "accumulate_synced": True, "bucket_cap_mb": 0.001},
+    "accumulate_synced": {"accumulate": 2, "accumulate_synced": True, "bucket_cap_mb": 0.0001},
     "tied": {"model": "tied"},
     "bn_frozen": {"model": "bn_frozen"},
     "unused": {"model": "unused"},
     "unused_no_flag": {"model": "unused", "find_unused_parameters": False},
-    "small_buckets": {"bucket_cap_mb": 0.0005, "optimizer": "sgd_momentum"},
-    "attention": {"model": "attention", "bucket_cap_mb": 0.002},
-    "order_change": {"model": "order_change", "bucket_cap_mb": 0.001},
+    "small_buckets": {"bucket_cap_mb": 0.0001, "optimizer": "sgd_momentum"},
+    "attention": {"model": "attention", "bucket_cap_mb": 0.0002},
+    "order_change": {"model": "order_change", "bucket_cap_mb": 0.0001},
     "lr_scheduler": {"lr_scheduler": True},
 }
 WORLD_SIZES = (2, 3, 4)

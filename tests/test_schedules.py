@@ -13,7 +13,7 @@ CASES = ("adamw_groups", "clip_triggers", "clip_idle", "manual_clip", "no_sync",
          "accumulate_synced", "tied", "bn_frozen", "unused", "small_buckets", "attention",
          "order_change")
 # Many small buckets, so that two_stage has stage-1 buckets to speculate on.
-SMALL_BUCKETS_MB = 0.001
+SMALL_BUCKETS_MB = 0.0001
 
 
 @functools.lru_cache(maxsize=None)

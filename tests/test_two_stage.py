@@ -29,7 +29,7 @@ def _fixed_plan_results():
         for lookahead in (1, 3):
             for case in ("clip_idle", "clip_triggers"):
                 cases[f"{case}-{stage}-{lookahead}"] = dict(
-                    SCENARIOS[case], bucket_cap_mb=0.001, steps=4, schedule="two_stage",
+                    SCENARIOS[case], bucket_cap_mb=0.0001, steps=4, schedule="two_stage",
                     overlap_plan="layout", fixed_plan=(stage, lookahead), return_params=True,
                     local_size=2)
     return run_distributed(4, train_many, cases, timeout_s=600)

@@ -26,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 CLUSTER = os.path.join(HERE, "cluster.sh")
 sys.path.insert(0, HERE)
-from systems import SYSTEMS, is_system  # noqa: E402
+from systems import SYSTEMS, is_system, split_bucket_suffix  # noqa: E402
 from timeline_report import WAITS, breakdown, load_spans, overlap_chart  # noqa: E402
 from workloads import CONFIGS, WORKLOADS  # noqa: E402
 
@@ -58,7 +58,8 @@ def run_once(workload, size, system, steps, warmup, out_dir, save_params, port, 
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     with open(log, "a") as f:
         f.write(f"\n==== {workload} {system} rc={proc.returncode} ({time.time() - started:.0f}s)\n")
-        f.write(proc.stdout[-20000:])
+        # Records are committed: no paths of the machine that ran them.
+        f.write(proc.stdout[-20000:].replace(ROOT, "<repo>").replace(sys.prefix, "<venv>"))
     results = []
     for rank in range(4):
         path = os.path.join(out_dir, f"{system}-rank{rank}.json")
@@ -194,7 +195,9 @@ def markdown(all_rows, meta, command, rate):
              f"{meta.get('max_norm', 1.0):g}).", ""]
     for workload, (rows, floor) in all_rows.items():
         info = floor["workload"] or {}
-        peers = [rows[s]["step_time_s"] for s in PEERS if s != "ddp" and rows.get(s)]
+        # Sharded peers at any bucket size (a _bucket<MB> variant counts as its system).
+        peers = [row["step_time_s"] for s, row in rows.items()
+                 if row and split_bucket_suffix(s)[0] in PEERS and split_bucket_suffix(s)[0] != "ddp"]
         best_peer = min(peers) if peers else None
         lines += [f"## {workload}", "",
                   f"Configuration: `{json.dumps({k: v for k, v in info.items() if k not in ('name',)})}`; "

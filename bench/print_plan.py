@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from workloads import CONFIGS, WORKLOADS, build_model, loss_fn, make_batch  # noqa: E402
 
 import fgpsdp_runtime as fgp  # noqa: E402
-from fgpsdp_runtime.layout import ParamInfo, plan_buckets  # noqa: E402
+from fgpsdp_runtime.layout import ParamInfo, default_bucket_cap_mb, plan_buckets  # noqa: E402
 from fgpsdp_runtime.plan import BucketProfile, LinkModel, layout_plan, profile_plan  # noqa: E402
 
 
@@ -35,7 +35,8 @@ def main() -> None:
     parser.add_argument("--size", default="cpu", choices=["cpu", "full"])
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--local-size", type=int, default=2)
-    parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
+    parser.add_argument("--bucket-cap-mb", type=float, default=None,
+                        help="default: fgpsdp's own (sized to the model)")
     parser.add_argument("--rate-gbit", type=float, default=1.0, help="inter-node link rate")
     parser.add_argument("--latency-ms", type=float, default=0.5)
     parser.add_argument("--steps", type=int, default=3)
@@ -45,13 +46,15 @@ def main() -> None:
     torch.manual_seed(0)
     module = build_model(cfg)
     params = [p for p in module.parameters() if p.requires_grad]
+    if args.bucket_cap_mb is None:
+        args.bucket_cap_mb = default_bucket_cap_mb(sum(p.numel() * p.element_size() for p in params))
     layouts = plan_buckets([ParamInfo(p.numel(), str(p.dtype).replace("torch.", ""),
                                       p.element_size()) for p in params],
                            bucket_cap_bytes=int(args.bucket_cap_mb * 2**20),
                            world_size=args.world_size)
     order = tuple(reversed(range(len(layouts))))
     print(f"{args.workload} ({args.size}): {sum(p.numel() for p in params):,} parameters, "
-          f"{len(layouts)} buckets at {args.bucket_cap_mb} MB")
+          f"{len(layouts)} buckets at {args.bucket_cap_mb:.2f} MB")
     print("start plan (layout):", layout_plan(len(layouts), order))
 
     # Profile: when does backward finish each bucket (single process).

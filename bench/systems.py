@@ -7,7 +7,7 @@ so the driver can compare each system with torch DDP after the timed steps.
 from __future__ import annotations
 
 import os
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -17,7 +17,7 @@ import fgpsdp_runtime as fgp
 
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01)
 MAX_NORM = 1.0  # every system clips at this total norm (set_max_norm changes it for all)
-BUCKET_CAP_MB = 25.0
+BUCKET_CAP_MB = 25.0  # the peers' bucket size (torch DDP's default)
 
 
 def tensor_bytes(optimizer_state) -> int:
@@ -170,7 +170,8 @@ class DeepSpeedZeRO2(System):
 class FGPSDP(System):
     name = "fgpsdp"
 
-    def __init__(self, model, loss_fn, bucket_cap_mb=BUCKET_CAP_MB, **ddp_kwargs):
+    def __init__(self, model, loss_fn, bucket_cap_mb=None, **ddp_kwargs):
+        # None: fgpsdp's own default (sized to the model, 1-25 MB).
         self.model = fgp.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, **ddp_kwargs)
         self.opt = fgp.ShardedOptimizer(self.model, torch.optim.AdamW, max_grad_norm=MAX_NORM,
                                         **ADAMW)
@@ -251,7 +252,10 @@ def build_system(name: str, model: nn.Module, loss_fn: Callable, batch: int) -> 
     ``_bucket<MB>`` for another bucket size (FSDP: wrap unit; DeepSpeed:
     reduce and all-gather bucket), e.g. ``ddp_bucket8``."""
     base, bucket_cap_mb = split_bucket_suffix(name)
-    kw = {"bucket_cap_mb": bucket_cap_mb}
+    # Without a suffix every system runs at its own default: the peers at 25 MB
+    # (torch DDP's default; FSDP's wrap unit and DeepSpeed's buckets set to
+    # match), fgpsdp at its model-sized default.
+    kw = {"bucket_cap_mb": bucket_cap_mb if bucket_cap_mb is not None else BUCKET_CAP_MB}
     if base == "ddp":
         system = TorchDDP(model, loss_fn, **kw)
     elif base == "compute":
@@ -265,18 +269,18 @@ def build_system(name: str, model: nn.Module, loss_fn: Callable, batch: int) -> 
     elif base == "deepspeed_zero2":
         system = DeepSpeedZeRO2(model, loss_fn, batch, **kw)
     elif fgpsdp_variant(base) is not None:
-        system = FGPSDP(model, loss_fn, **fgpsdp_variant(base), **kw)
+        system = FGPSDP(model, loss_fn, **fgpsdp_variant(base), bucket_cap_mb=bucket_cap_mb)
     else:
         raise ValueError(f"unknown system {name!r}; choose from {SYSTEMS}")
     system.name = name
     return system
 
 
-def split_bucket_suffix(name: str) -> tuple[str, float]:
-    """``"ddp_bucket8"`` -> ``("ddp", 8.0)``; no suffix: the common BUCKET_CAP_MB."""
+def split_bucket_suffix(name: str) -> tuple[str, Optional[float]]:
+    """``"ddp_bucket8"`` -> ``("ddp", 8.0)``; no suffix: ``(name, None)``."""
     import re
     m = re.fullmatch(r"(.+?)_bucket(\d+(?:\.\d+)?)", name)
-    return (m.group(1), float(m.group(2))) if m else (name, BUCKET_CAP_MB)
+    return (m.group(1), float(m.group(2))) if m else (name, None)
 
 
 def fgpsdp_variant(name: str):

@@ -18,7 +18,7 @@ from torch import nn
 
 from .buckets import BucketStorage
 from .comm import CommStats, FlatExchange, HierarchicalExchange, PendingOp
-from .layout import BucketLayout, ParamInfo, owned_numel, plan_buckets
+from .layout import BucketLayout, ParamInfo, default_bucket_cap_mb, owned_numel, plan_buckets
 from .forward_waits import ForwardParamWaiter
 from .plan import OverlapPlan, layout_plan
 from .plan_profiler import PlanProfiler
@@ -41,7 +41,8 @@ class DistributedDataParallel(nn.Module):
 
     def __init__(self, module: nn.Module, device_ids: Optional[Sequence[Any]] = None,
                  output_device: Any = None, dim: int = 0, broadcast_buffers: bool = True,
-                 process_group: Optional[dist.ProcessGroup] = None, bucket_cap_mb: float = 25.0,
+                 process_group: Optional[dist.ProcessGroup] = None,
+                 bucket_cap_mb: Optional[float] = None,
                  find_unused_parameters: bool = False, check_reduction: bool = False,
                  gradient_as_bucket_view: bool = False, static_graph: bool = False, *,
                  topology: TopologyArg = None, schedule: str = "two_stage",
@@ -54,8 +55,8 @@ class DistributedDataParallel(nn.Module):
                              f"got {overlap_plan!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("fgpsdp: call torch.distributed.init_process_group() first")
-        if bucket_cap_mb is None or bucket_cap_mb <= 0:
-            raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
+        if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be > 0 (or None: automatic), got {bucket_cap_mb}")
         # output_device, dim, check_reduction, gradient_as_bucket_view and
         # static_graph are accepted for drop-in compatibility and change nothing:
         # outputs stay where the single-device module puts them, gradients are
@@ -68,7 +69,6 @@ class DistributedDataParallel(nn.Module):
         self.process_group = process_group
         self.broadcast_buffers = broadcast_buffers
         self.find_unused_parameters = find_unused_parameters
-        self.bucket_cap_mb = float(bucket_cap_mb)
         self.device_ids = list(device_ids) if device_ids is not None else None
         self.output_device = output_device
         self.world_size = dist.get_world_size(process_group)
@@ -108,6 +108,10 @@ class DistributedDataParallel(nn.Module):
 
         infos = [ParamInfo(p.numel(), str(p.dtype).replace("torch.", ""), p.element_size())
                  for p in self._params]
+        # None: sized to the model (layout.default_bucket_cap_mb); the same on
+        # every rank, as the models are checked to agree.
+        self.bucket_cap_mb = float(bucket_cap_mb) if bucket_cap_mb is not None else \
+            default_bucket_cap_mb(sum(i.numel * i.element_size for i in infos))
         self.bucket_layouts: tuple[BucketLayout, ...] = plan_buckets(
             infos, bucket_cap_bytes=int(self.bucket_cap_mb * 1024 * 1024),
             world_size=self.world_size)
@@ -250,11 +254,26 @@ class DistributedDataParallel(nn.Module):
         pre-hooks (``two_stage`` starts the plan's lookahead of them now and one
         more each time forward takes one); the other schedules wait here.
         """
-        self._start_queued_gathers(until=None, all_of_them=True)  # an earlier step's leftovers
-        self._queued_gathers.extend(buckets)
+        self.begin_param_exchange()
+        for bucket in buckets:
+            self.queue_param_all_gather(bucket)
         if self._forward_waiter is None:
             self.finish_param_all_gathers()
-        else:
+
+    @property
+    def gathers_overlap_forward(self) -> bool:
+        """``next_forward`` / ``two_stage``: the next forward waits for each all-gather."""
+        return self._forward_waiter is not None
+
+    def begin_param_exchange(self) -> None:
+        """Before a step queues its all-gathers: start what an earlier step left queued."""
+        self._start_queued_gathers(until=None, all_of_them=True)
+
+    def queue_param_all_gather(self, bucket: int) -> None:
+        """Queue ``bucket``'s all-gather behind the step's earlier ones; under the
+        forward-overlapped schedules start it now if the lookahead allows."""
+        self._queued_gathers.append(bucket)
+        if self._forward_waiter is not None:
             self._start_queued_gathers()
 
     def _start_queued_gathers(self, until: Optional[int] = None, all_of_them: bool = False) -> None:

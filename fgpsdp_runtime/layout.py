@@ -114,6 +114,29 @@ class ParamInfo:
     element_size: int
 
 
+# Default bucket cap: about this many buckets per model, between the bounds.
+DEFAULT_BUCKETS_PER_MODEL = 16
+DEFAULT_BUCKET_CAP_BOUNDS_MB = (1.0, 25.0)
+
+
+def default_bucket_cap_mb(param_bytes: int) -> float:
+    """The bucket cap when the caller gives none: 1/16 of the model, 1 to 25 MB.
+
+    [Note: why not torch DDP's fixed 25 MB]
+    A bucket is also the unit of the parameter exchange the next forward
+    waits for, and the last bucket to be reduced holds the first layers: its
+    reduce-scatter, step and all-gather sit between backward and the next
+    forward. With 25 MB buckets a model of 17M parameters has two or three
+    buckets and little to pipeline; with ~16 the exchange follows forward
+    layer by layer (measured on the emulated cluster: 6-20% shorter steps and
+    less memory in flight for 13-24M-parameter models, while torch DDP gained
+    nothing from smaller buckets). The upper bound is DDP's 25 MB, so a large
+    model gets DDP's bucketing and its per-collective overhead, not more.
+    """
+    lo, hi = DEFAULT_BUCKET_CAP_BOUNDS_MB
+    return min(hi, max(lo, param_bytes / DEFAULT_BUCKETS_PER_MODEL / 2**20))
+
+
 def plan_buckets(
     params: Sequence[ParamInfo],
     *,

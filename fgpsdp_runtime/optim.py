@@ -207,21 +207,37 @@ class ShardedOptimizer(torch.optim.Optimizer):
             scheduler.commits += len(speculated) - len(rolled_back)
         self.last_step_skipped = not finite
         if finite:
-            rest = [b for b in model.forward_bucket_order if b not in speculated]
-            to_step = rolled_back + rest
+            # In forward order (the same on every rank): what the next forward
+            # needs first is stepped and sent first.
+            redo = set(rolled_back)
+            to_step = [b for b in model.forward_bucket_order if b in redo or b not in speculated]
             for b in to_step:  # slices must not change under an all-gather
                 model.finish_param_all_gather(b)
-            self._assign_slice_grads(self._globally_used, to_step)
-            with nvtx_range("fgpsdp.optimizer_step"):
-                self.optim.step()
-            exchange = rolled_back + rest
+            if model.gathers_overlap_forward:
+                # Step bucket by bucket and start each all-gather at once, so the
+                # next forward's first bucket is on the wire while later slices
+                # are stepped. The inner optimizers are element-wise, so one step
+                # per bucket equals one step over all of them.
+                model.begin_param_exchange()
+                for b in to_step:
+                    self._assign_slice_grads(self._globally_used, [b])
+                    with nvtx_range("fgpsdp.optimizer_step"):
+                        self.optim.step()
+                    model.queue_param_all_gather(b)
+                exchange = []
+            else:
+                self._assign_slice_grads(self._globally_used, to_step)
+                with nvtx_range("fgpsdp.optimizer_step"):
+                    self.optim.step()
+                exchange = to_step
         else:
             # Same decision on every rank: the total is all-reduced.
             self.skipped_steps += 1
             warnings.warn(f"fgpsdp: gradient norm is {total}; step skipped "
                           f"({self.skipped_steps} so far)", RuntimeWarning)
             exchange = rolled_back  # peers hold the speculative values: send the restored ones
-        model.start_param_exchange(exchange)
+        if exchange or not model.gathers_overlap_forward:
+            model.start_param_exchange(exchange)
         self._end_step(would_commit=finite and self._applied_coefficient >= 1.0)
 
     def speculative_step(self, b: int) -> SliceBackup:

@@ -180,7 +180,7 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
     ref = nn.parallel.DistributedDataParallel(ref_module, find_unused_parameters=find_unused)
     # fgpsdp needs no flag to survive unused parameters; "unused_no_flag" checks that.
     ours_find_unused = cfg.get("find_unused_parameters", find_unused)
-    ours = fgp.DistributedDataParallel(base, bucket_cap_mb=cfg.get("bucket_cap_mb", 25.0),
+    ours = fgp.DistributedDataParallel(base, bucket_cap_mb=cfg.get("bucket_cap_mb"),
                                        find_unused_parameters=ours_find_unused, **schedule_kw)
 
     if cfg.get("fixed_plan"):  # ("stage1" | "stage2", lookahead): every bucket in one stage
@@ -338,6 +338,42 @@ def scheduler_thread_failure(rank: int, world_size: int) -> dict:
     except RuntimeError as error:
         return {"error": str(error), "cause": repr(error.__cause__)}
     return {"error": None, "cause": None}
+
+
+STEP_LOG: list = []
+
+
+class LoggingSGD(torch.optim.SGD):
+    """SGD that logs how many slice tensors had a gradient at each step."""
+
+    def step(self, closure=None):
+        STEP_LOG.append(("step", sum(p.grad is not None for g in self.param_groups
+                                     for p in g["params"])))
+        return super().step(closure)
+
+
+def step_and_gather_order(rank: int, world_size: int, schedule: str) -> dict:
+    """The order of inner optimizer steps and all-gather launches in one step."""
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(MLP(), bucket_cap_mb=0.0001, schedule=schedule,
+                                        overlap_plan="layout" if schedule == "two_stage"
+                                        else "auto")
+    opt = fgp.ShardedOptimizer(model, LoggingSGD, lr=1e-2, max_grad_norm=1e-3)  # clips
+    queue = model.queue_param_all_gather
+
+    def logged_queue(bucket):
+        STEP_LOG.append(("gather", bucket))
+        queue(bucket)
+
+    model.queue_param_all_gather = logged_queue
+    for step in range(2):  # the first step speculates and rolls back; the second does not
+        x, y = make_batch("mlp", step, 0, rank)
+        STEP_LOG.clear()
+        loss_fn("mlp", model(x), y).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.synchronize()
+    return {"log": list(STEP_LOG), "forward_order": list(model.forward_bucket_order)}
 
 
 def traced_steps(rank: int, world_size: int, cfg: dict) -> dict:

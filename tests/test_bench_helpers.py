@@ -30,8 +30,7 @@ def test_system_names(bench_modules):
     assert systems.fgpsdp_variant("ddp") is None
     assert systems.split_bucket_suffix("fgpsdp_next_forward_bucket8") == ("fgpsdp_next_forward", 8.0)
     assert systems.split_bucket_suffix("ddp_bucket2.5") == ("ddp", 2.5)
-    assert systems.split_bucket_suffix("fsdp_hybrid_zero2") == ("fsdp_hybrid_zero2",
-                                                                systems.BUCKET_CAP_MB)
+    assert systems.split_bucket_suffix("fsdp_hybrid_zero2") == ("fsdp_hybrid_zero2", None)
     assert systems.is_system("ddp") and systems.is_system("fsdp_grad_op_bucket4")
     assert not systems.is_system("fgpsdp_bucket") and not systems.is_system("mpi_bucket8")
 

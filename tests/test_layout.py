@@ -3,7 +3,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fgpsdp_runtime.layout import SLICE_ALIGN_BYTES, ParamInfo, owned_numel, plan_buckets
+from fgpsdp_runtime.layout import (SLICE_ALIGN_BYTES, ParamInfo, default_bucket_cap_mb, owned_numel,
+                                   plan_buckets)
 
 
 def fp32(n):
@@ -78,6 +79,12 @@ def test_weight_takes_its_bias_along():
         infos = [fp32(n) for _ in range(3) for n in (weight, 4)]  # weight, bias
         layouts = plan_buckets(infos, bucket_cap_bytes=400, world_size=2)
         assert [[s.param_index for s in b.spans] for b in layouts] == [[5, 4], [3, 2], [1, 0]]
+
+
+def test_default_bucket_cap_is_sized_to_the_model():
+    assert default_bucket_cap_mb(64 * 2**20) == 4.0  # a 16M-parameter fp32 model: 16 buckets
+    assert default_bucket_cap_mb(10**4) == 1.0  # small models: never below 1 MB
+    assert default_bucket_cap_mb(28 * 2**30) == 25.0  # a 7B model: torch DDP's 25 MB
 
 
 def test_reverse_registration_order_by_default():

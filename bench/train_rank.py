@@ -8,6 +8,7 @@ parameters so the orchestrator can compare every system with torch DDP.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import resource
@@ -65,6 +66,9 @@ def thread_cpu_seconds() -> dict[str, float]:
 
 
 def main() -> None:
+    # A rank that aborts (SIGABRT from C++, a segfault) prints every thread's
+    # Python stack into the run's log.
+    faulthandler.enable(all_threads=True)
     parser = argparse.ArgumentParser()
     parser.add_argument("--workload", required=True)
     parser.add_argument("--size", default="cpu")

@@ -45,6 +45,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from . import shutdown
 from .profiling import nvtx_range
 from .topology import LinkGroups, NodeLayout
 from .tracing import Timeline
@@ -144,6 +145,7 @@ class LinkWorker:
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._run, name=f"fgpsdp-{name}", daemon=True)
         self._thread.start()
+        shutdown.register(self)  # stopped and joined at exit: see shutdown.py
 
     def submit(self, fn: Callable[[], None], ready_event=None) -> Future:
         future: Future = Future()
@@ -172,7 +174,14 @@ class LinkWorker:
                 future.set_result(None)
 
     def close(self) -> None:
+        """The thread ends once the collectives submitted so far have run."""
         self._queue.put(None)
+
+    request_stop = close
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
 
 # Per link-worker thread: one reusable buffer per purpose. A worker runs one
@@ -246,6 +255,13 @@ class _Exchange:
         self.stats = stats
         self.timeline = timeline if timeline is not None else Timeline()
 
+    workers: tuple[LinkWorker, ...] = ()
+
+    def close(self) -> None:
+        """Stop the link workers once their submitted collectives have run, and
+        wait for them (bounded: see shutdown.py)."""
+        shutdown.stop_and_join(self.workers)
+
     def _submit(self, worker: LinkWorker, fn: Callable[[], None], name: str,
                 after: Optional[tuple[Future, LinkWorker]] = None) -> PendingOp:
         """Run ``fn`` on ``worker``; with ``after``, once that phase has finished.
@@ -305,9 +321,9 @@ class FlatExchange(_Exchange):
                             lambda: all_gather_blocking(self.ag_group, output, input),
                             f"AG {label}")
 
-    def close(self) -> None:
-        self.rs_worker.close()
-        self.ag_worker.close()
+    @property
+    def workers(self) -> tuple[LinkWorker, ...]:
+        return (self.rs_worker, self.ag_worker)
 
 
 class HierarchicalExchange(_Exchange):
@@ -357,6 +373,6 @@ class HierarchicalExchange(_Exchange):
                             lambda: all_gather_blocking(groups.intra, output, own_chunk),
                             f"AG {label}", after=(first.future, self.inter_ag))
 
-    def close(self) -> None:
-        for worker in (self.intra_rs, self.inter_rs, self.intra_ag, self.inter_ag):
-            worker.close()
+    @property
+    def workers(self) -> tuple[LinkWorker, ...]:
+        return (self.intra_rs, self.inter_rs, self.intra_ag, self.inter_ag)

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from . import shutdown
 from .buckets import BucketStorage
 from .comm import CommStats, FlatExchange, HierarchicalExchange, PendingOp
 from .layout import BucketLayout, ParamInfo, default_bucket_cap_mb, owned_numel, plan_buckets
@@ -370,12 +371,14 @@ class DistributedDataParallel(nn.Module):
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
 
     def __del__(self):
+        # Stops and joins this model's threads (bounded), so that a later
+        # destroy_process_group() finds none of them still ending.
+        scheduler = self.__dict__.get("scheduler")
+        if scheduler is not None:
+            shutdown.stop_and_join([scheduler])
         exchange = self.__dict__.get("_exchange")
         if exchange is not None:
             exchange.close()
-        scheduler = self.__dict__.get("scheduler")
-        if scheduler is not None:
-            scheduler.close()
 
 
 SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")

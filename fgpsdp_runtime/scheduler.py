@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from . import shutdown
 from .plan import OverlapPlan
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -123,6 +124,7 @@ class TwoStageScheduler:
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="fgpsdp-scheduler", daemon=True)
             self._thread.start()
+            shutdown.register(self)  # stopped and joined at exit: see shutdown.py
 
     def _run(self) -> None:
         if self.speculation_stream is not None:
@@ -219,3 +221,9 @@ class TwoStageScheduler:
     def close(self) -> None:
         if self._thread is not None:
             self._queue.put(None)
+
+    request_stop = close
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)

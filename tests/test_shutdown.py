@@ -1,0 +1,57 @@
+"""The runtime's daemon threads are stopped and joined at exit (see shutdown.py)."""
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import torch
+
+from fgpsdp_runtime import shutdown
+from fgpsdp_runtime.comm import LinkWorker
+
+
+def test_stop_all_ends_idle_workers():
+    worker = LinkWorker("test-idle", torch.device("cpu"))
+    shutdown.stop_all(timeout_s=5.0)
+    assert not worker._thread.is_alive()
+
+
+def test_stop_all_waits_at_most_its_timeout():
+    release = threading.Event()
+    worker = LinkWorker("test-stuck", torch.device("cpu"))
+    worker.submit(lambda: release.wait(10.0))  # a collective whose peer is gone
+    started = time.monotonic()
+    shutdown.stop_all(timeout_s=0.3)
+    assert time.monotonic() - started < 2.0
+    assert worker._thread.is_alive()
+    release.set()
+    worker.join(5.0)
+    assert not worker._thread.is_alive()
+
+
+def test_exit_lets_submitted_work_finish(tmp_path):
+    # Without the exit hook the interpreter ends the daemon thread mid-task
+    # (in a C++ call this can abort the process); with it the task completes.
+    marker = tmp_path / "done"
+    code = textwrap.dedent(f"""
+        import time, torch
+        from fgpsdp_runtime.comm import LinkWorker
+        worker = LinkWorker("test-exit", torch.device("cpu"))
+        worker.submit(lambda: (time.sleep(0.5), open({str(marker)!r}, "w").write("ok")))
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, timeout=120,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.returncode == 0, proc.stdout
+    assert marker.read_text() == "ok"
+
+
+def test_a_worker_never_waits_for_itself():
+    # The garbage collector may finalize a model on one of its own worker threads.
+    worker = LinkWorker("test-self", torch.device("cpu"))
+    done = worker.submit(lambda: shutdown.stop_and_join([worker], timeout_s=5.0))
+    done.result(timeout=3.0)  # joining itself would raise RuntimeError here
+    worker.join(5.0)
+    assert not worker._thread.is_alive()

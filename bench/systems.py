@@ -7,6 +7,7 @@ so the driver can compare each system with torch DDP after the timed steps.
 from __future__ import annotations
 
 import os
+import re
 from typing import Callable, Optional
 
 import torch
@@ -240,8 +241,9 @@ def set_max_norm(max_norm: float) -> None:
     """Clip every system at ``max_norm`` (before building them).
 
     At 1.0 clipping triggers in most steps of these short runs, so fgpsdp's
-    speculative stage-1 steps are always undone; a large value keeps the
-    same work (every system still computes the norm) without clipping.
+    speculative stage-1 steps are undone and speculation stays off; a large
+    value keeps the same work (every system still computes the norm) without
+    clipping.
     """
     global MAX_NORM
     MAX_NORM = float(max_norm)
@@ -278,7 +280,6 @@ def build_system(name: str, model: nn.Module, loss_fn: Callable, batch: int) -> 
 
 def split_bucket_suffix(name: str) -> tuple[str, Optional[float]]:
     """``"ddp_bucket8"`` -> ``("ddp", 8.0)``; no suffix: ``(name, None)``."""
-    import re
     m = re.fullmatch(r"(.+?)_bucket(\d+(?:\.\d+)?)", name)
     return (m.group(1), float(m.group(2))) if m else (name, None)
 

@@ -128,9 +128,9 @@ def default_bucket_cap_mb(param_bytes: int) -> float:
     reduce-scatter, step and all-gather sit between backward and the next
     forward. With 25 MB buckets a model of 17M parameters has two or three
     buckets and little to pipeline; with ~16 the exchange follows forward
-    layer by layer (measured on the emulated cluster: 6-20% shorter steps and
-    less memory in flight for 13-24M-parameter models, while torch DDP gained
-    nothing from smaller buckets). The upper bound is DDP's 25 MB, so a large
+    layer by layer (measured on the emulated cluster, 13-24M-parameter
+    models: 1-21% shorter steps and peak memory down to DDP's, while torch DDP
+    gained nothing from smaller buckets; docs/benchmarks/*-bucket-*.md). The upper bound is DDP's 25 MB, so a large
     model gets DDP's bucketing and its per-collective overhead, not more.
     """
     lo, hi = DEFAULT_BUCKET_CAP_BOUNDS_MB

@@ -7,7 +7,12 @@ the GIL back during finalization with ``pthread_exit``; if the thread is just
 returning from a C++ call (a gloo collective, a torch op) the forced stack
 unwinding runs through C++ code that may not be unwound, and the process
 aborts with "terminate called without an active exception" after training
-has finished. (Seen about once in 250 benchmark runs, always at exit.)
+has finished. That abort was seen at teardown in benchmark runs (7 of 20
+``serial`` / ``overlap_backward`` runs in one report, whose wrappers are freed
+as soon as the driver drops them, with worker threads still ending while
+``destroy_process_group()`` ran); it stopped once the threads were joined
+(docs/benchmarks/2026-11-30-emulated-2x2-teardown.md). The mechanism above is
+the likely one, not a proven one.
 
 So every runtime thread registers here, and at exit (``atexit`` runs before
 finalization) each is asked to stop and is waited for, for at most

@@ -217,13 +217,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 # Step bucket by bucket and start each all-gather at once, so the
                 # next forward's first bucket is on the wire while later slices
                 # are stepped. The inner optimizers are element-wise, so one step
-                # per bucket equals one step over all of them.
+                # per bucket equals one step over all of them. Each inner step
+                # walks every parameter, so a model with many buckets is stepped
+                # in at most _MAX_STEP_CHUNKS runs of consecutive buckets.
                 model.begin_param_exchange()
-                for b in to_step:
-                    self._assign_slice_grads(self._globally_used, [b])
+                for chunk in _split_evenly(to_step, _MAX_STEP_CHUNKS):
+                    self._assign_slice_grads(self._globally_used, chunk)
                     with nvtx_range("fgpsdp.optimizer_step"):
                         self.optim.step()
-                    model.queue_param_all_gather(b)
+                    for b in chunk:
+                        model.queue_param_all_gather(b)
                 exchange = []
             else:
                 self._assign_slice_grads(self._globally_used, to_step)
@@ -358,3 +361,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
         device = self.model.buckets[0].device if self.model.buckets else torch.device("cpu")
         return torch.tensor(total, dtype=dtype, device=device)
+
+
+# The forward-ordered step (see _step) runs the inner optimizer at most this
+# many times per step.
+_MAX_STEP_CHUNKS = 16
+
+
+def _split_evenly(items: Sequence[int], parts: int) -> list[list[int]]:
+    """Consecutive runs of ``items``, at most ``parts`` of them, sizes differing by <= 1."""
+    n = len(items)
+    parts = max(1, min(parts, n))
+    bounds = [n * i // parts for i in range(parts + 1)]
+    return [list(items[bounds[i]:bounds[i + 1]]) for i in range(parts) if bounds[i] < bounds[i + 1]]

@@ -248,26 +248,19 @@ class DistributedDataParallel(nn.Module):
         """The two-stage overlap plan (None under the other schedules)."""
         return self.scheduler.plan if self.scheduler is not None else None
 
-    def start_param_exchange(self, buckets: Sequence[int]) -> None:
-        """All-gather the updated slices of ``buckets``, in that order.
-
-        ``next_forward`` and ``two_stage`` leave them for the next forward's
-        pre-hooks (``two_stage`` starts the plan's lookahead of them now and one
-        more each time forward takes one); the other schedules wait here.
-        """
-        self.begin_param_exchange()
-        for bucket in buckets:
-            self.queue_param_all_gather(bucket)
-        if self._forward_waiter is None:
-            self.finish_param_all_gathers()
-
     @property
     def gathers_overlap_forward(self) -> bool:
         """``next_forward`` / ``two_stage``: the next forward waits for each all-gather."""
         return self._forward_waiter is not None
 
     def begin_param_exchange(self) -> None:
-        """Before a step queues its all-gathers: start what an earlier step left queued."""
+        """Before a step queues its all-gathers: start what an earlier step left queued.
+
+        The step then queues the updated buckets (``queue_param_all_gather``)
+        in forward order. ``next_forward`` and ``two_stage`` leave them to the
+        next forward's pre-hooks (up to the plan's lookahead run ahead); the
+        other schedules wait for them at the end of the step.
+        """
         self._start_queued_gathers(until=None, all_of_them=True)
 
     def queue_param_all_gather(self, bucket: int) -> None:

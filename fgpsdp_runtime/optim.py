@@ -213,34 +213,32 @@ class ShardedOptimizer(torch.optim.Optimizer):
             to_step = [b for b in model.forward_bucket_order if b in redo or b not in speculated]
             for b in to_step:  # slices must not change under an all-gather
                 model.finish_param_all_gather(b)
-            if model.gathers_overlap_forward:
-                # Step bucket by bucket and start each all-gather at once, so the
-                # next forward's first bucket is on the wire while later slices
-                # are stepped. The inner optimizers are element-wise, so one step
-                # per bucket equals one step over all of them. Each inner step
-                # walks every parameter, so a model with many buckets is stepped
-                # in at most _MAX_STEP_CHUNKS runs of consecutive buckets.
-                model.begin_param_exchange()
-                for chunk in _split_evenly(to_step, _MAX_STEP_CHUNKS):
-                    self._assign_slice_grads(self._globally_used, chunk)
-                    with nvtx_range("fgpsdp.optimizer_step"):
-                        self.optim.step()
-                    for b in chunk:
-                        model.queue_param_all_gather(b)
-                exchange = []
-            else:
-                self._assign_slice_grads(self._globally_used, to_step)
+            # Under the forward-overlapped schedules, step bucket by bucket and
+            # queue each all-gather at once, so the next forward's first bucket
+            # is on the wire while later slices are stepped. The inner
+            # optimizers are element-wise, so one step per bucket equals one
+            # step over all of them; each inner step walks every parameter, so
+            # a model with many buckets is stepped in at most _MAX_STEP_CHUNKS
+            # runs of consecutive buckets. The other schedules step once.
+            chunks = _split_evenly(to_step, _MAX_STEP_CHUNKS) if model.gathers_overlap_forward \
+                else [to_step]
+            model.begin_param_exchange()
+            for chunk in chunks:
+                self._assign_slice_grads(self._globally_used, chunk)
                 with nvtx_range("fgpsdp.optimizer_step"):
                     self.optim.step()
-                exchange = to_step
+                for b in chunk:
+                    model.queue_param_all_gather(b)
         else:
             # Same decision on every rank: the total is all-reduced.
             self.skipped_steps += 1
             warnings.warn(f"fgpsdp: gradient norm is {total}; step skipped "
                           f"({self.skipped_steps} so far)", RuntimeWarning)
-            exchange = rolled_back  # peers hold the speculative values: send the restored ones
-        if exchange or not model.gathers_overlap_forward:
-            model.start_param_exchange(exchange)
+            model.begin_param_exchange()
+            for b in rolled_back:  # peers hold the speculative values: send the restored ones
+                model.queue_param_all_gather(b)
+        if not model.gathers_overlap_forward:
+            model.finish_param_all_gathers()  # serial / overlap_backward: landed before the step ends
         self._end_step(would_commit=finite and self._applied_coefficient >= 1.0)
 
     def speculative_step(self, b: int) -> SliceBackup:

@@ -155,6 +155,9 @@ def summarise(workload, runs, rate_bps, out_dir, systems):
             # ranks on this machine's cores, cpu / cores bounds the step from below.
             "cpu_s_per_step": statistics.median(sum(x.get("cpu_s_per_step", 0.0) for x in r)
                                                 for r in rounds),
+            # All 4 ranks: fresh pages mapped per step (each is zeroed by the kernel).
+            "minor_faults_per_step": statistics.median(
+                sum(x.get("minor_faults_per_step", 0.0) for x in r) for r in rounds),
             "cpu_by_role": {role: statistics.median(cpu_roles(r)[role] for r in rounds)
                             for role in CPU_ROLES},
             "opt_state_bytes": max(x["opt_state_bytes"] for x in rounds[0]),
@@ -163,7 +166,8 @@ def summarise(workload, runs, rate_bps, out_dir, systems):
             "param_diff_to_ddp": param_diff(out_dir, system),
             "workload": rounds[0][0]["workload"],
             "schedule_info": {k: rounds[0][0][k] for k in
-                              ("plan", "speculative_commits", "speculative_rollbacks")
+                              ("plan", "speculative_commits", "speculative_rollbacks",
+                               "node_transport")
                               if k in rounds[0][0]},
         }
     info = next((r["workload"] for r in rows.values() if r), None)
@@ -226,23 +230,32 @@ def markdown(all_rows, meta, command, rate):
                 f"{'-' if diff is None else f'{diff:.2g}'} |")
         lines.append("")
         if any((row or {}).get("cpu_by_role") for row in rows.values()):
-            lines += ["CPU core-seconds per step, all 4 ranks, by thread:", "",
-                      "| system | " + " | ".join(CPU_ROLES) + " |",
-                      "|---|" + "---:|" * len(CPU_ROLES)]
+            lines += ["CPU core-seconds per step, all 4 ranks, by thread; minor page faults per "
+                      "step, all 4 ranks (fresh pages the kernel maps and zeroes):", "",
+                      "| system | " + " | ".join(CPU_ROLES) + " | page faults/step |",
+                      "|---|" + "---:|" * (len(CPU_ROLES) + 1)]
             for system, row in rows.items():
                 if row and row.get("cpu_by_role"):
+                    faults = row.get("minor_faults_per_step")
                     lines.append(f"| {system} | " + " | ".join(
-                        f"{row['cpu_by_role'][role]:.2f}" for role in CPU_ROLES) + " |")
+                        f"{row['cpu_by_role'][role]:.2f}" for role in CPU_ROLES)
+                        + f" | {'-' if faults is None else f'{faults:,.0f}'} |")
             lines.append("")
         for system, row in rows.items():
             info = (row or {}).get("schedule_info") or {}
+            transport = f"intra-node bytes via {info['node_transport']}" \
+                if info.get("node_transport") else ""
             if info.get("plan"):
                 plan = json.loads(info["plan"])
                 lines.append(
-                    f"{system}: plan from {plan['source']}, stage 1 = {plan['stage1']}, stage 2 = "
+                    f"{system}: {transport + '; ' if transport else ''}plan from "
+                    f"{plan['source']}, stage 1 = {plan['stage1']}, stage 2 = "
                     f"{plan['stage2']}, lookahead {plan['lookahead']}; speculative bucket steps "
                     f"committed {info['speculative_commits']}, rolled back "
                     f"{info['speculative_rollbacks']} (rank 0, round 1, all steps).")
+                lines.append("")
+            elif transport:
+                lines.append(f"{system}: {transport}.")
                 lines.append("")
     return "\n".join(lines)
 

@@ -200,9 +200,11 @@ class FGPSDP(System):
 
     def schedule_info(self):
         scheduler = self.model.scheduler
+        transport = self.model.node_transport
         if scheduler is None:
-            return {"schedule": self.model.schedule}
-        return {"schedule": self.model.schedule, "plan": self.model.plan.to_json(),
+            return {"schedule": self.model.schedule, "node_transport": transport}
+        return {"schedule": self.model.schedule, "node_transport": transport,
+                "plan": self.model.plan.to_json(),
                 "speculative_commits": scheduler.commits,
                 "speculative_rollbacks": scheduler.rollbacks}
 
@@ -232,7 +234,7 @@ def _size_wrap_policy(bucket_cap_mb: float):
 
 
 SYSTEMS = ("ddp", "ddp_zero1", "fsdp_grad_op", "fsdp_hybrid_zero2", "deepspeed_zero2",
-           "fgpsdp", "fgpsdp_flat", "fgpsdp_next_forward", "fgpsdp_overlap_backward",
+           "fgpsdp", "fgpsdp_flat", "fgpsdp_gloo_intra", "fgpsdp_next_forward", "fgpsdp_overlap_backward",
            "fgpsdp_serial", "compute")
 FGPSDP_SCHEDULES = ("next_forward", "overlap_backward", "serial")
 
@@ -288,12 +290,15 @@ def fgpsdp_variant(name: str):
     """fgpsdp's keyword arguments for a system name (no bucket suffix), or None.
 
     ``fgpsdp`` (two_stage, topology from torchrun), ``fgpsdp_flat``,
-    ``fgpsdp_<schedule>``.
+    ``fgpsdp_gloo_intra`` (intra-node bytes over gloo's TCP loopback, not
+    shared memory), ``fgpsdp_<schedule>``.
     """
     if name == "fgpsdp":
         return {}
     if name == "fgpsdp_flat":
         return {"topology": "flat"}
+    if name == "fgpsdp_gloo_intra":
+        return {"topology": fgp.Topology(shared_memory=False)}
     schedule = name[len("fgpsdp_"):] if name.startswith("fgpsdp_") else None
     return {"schedule": schedule} if schedule in FGPSDP_SCHEDULES else None
 

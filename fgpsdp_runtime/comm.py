@@ -47,6 +47,7 @@ import torch.distributed as dist
 
 from . import shutdown
 from .profiling import nvtx_range
+from .shared_memory import SharedMemoryCollectives
 from .topology import LinkGroups, NodeLayout
 from .tracing import Timeline
 
@@ -249,11 +250,56 @@ def _all_gather(group, n: int, output: torch.Tensor, input: torch.Tensor) -> Non
     _all_gather_single(output, input, group=group)
 
 
+def shared_memory_eligible(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether a group of one node's ranks may move CPU tensors through shared memory."""
+    return device.type == "cpu" and dist.get_backend(group) == "gloo" \
+        and dist.get_world_size(group) > 1
+
+
 class _Exchange:
     def __init__(self, device: torch.device, stats: CommStats, timeline: Optional[Timeline]):
         self.device = device
         self.stats = stats
         self.timeline = timeline if timeline is not None else Timeline()
+
+    @staticmethod
+    def _node_transport(group: dist.ProcessGroup, device: torch.device, enabled: bool,
+                        name: str) -> Optional[SharedMemoryCollectives]:
+        if enabled and shared_memory_eligible(group, device):
+            return SharedMemoryCollectives(group, name=name)
+        return None
+
+    @staticmethod
+    def _reduce_scatter_fn(group, shm: Optional[SharedMemoryCollectives], output, input):
+        """The collective a worker runs: through shared memory when the node allows it."""
+        def run():
+            if shm is not None:
+                with nvtx_range(f"fgpsdp.reduce_scatter_shm[{shm.size}]"):
+                    if shm.reduce_scatter(output, input):
+                        return
+            reduce_scatter_blocking(group, output, input)
+        return run
+
+    @staticmethod
+    def _all_gather_fn(group, shm: Optional[SharedMemoryCollectives], output, input):
+        def run():
+            if shm is not None:
+                with nvtx_range(f"fgpsdp.all_gather_shm[{shm.size}]"):
+                    if shm.all_gather(output, input):
+                        return
+            all_gather_blocking(group, output, input)
+        return run
+
+    @property
+    def node_transport(self) -> str:
+        """How bytes move among one node's ranks: ``shared_memory`` or ``gloo``/``nccl``."""
+        transports = [t for t in self._node_transports if t is not None]
+        if transports and all(t.enabled for t in transports):
+            return "shared_memory"
+        return dist.get_backend(self._node_group) if self._node_group is not None else "none"
+
+    _node_transports: tuple = ()
+    _node_group: Optional[dist.ProcessGroup] = None
 
     workers: tuple[LinkWorker, ...] = ()
 
@@ -298,19 +344,25 @@ class FlatExchange(_Exchange):
     """All ranks in one group per phase: one link class, ``flat``."""
 
     def __init__(self, rs_group: dist.ProcessGroup, ag_group: dist.ProcessGroup,
-                 device: torch.device, stats: CommStats, timeline: Optional[Timeline] = None):
+                 device: torch.device, stats: CommStats, timeline: Optional[Timeline] = None,
+                 *, one_node_shared_memory: bool = False):
         super().__init__(device, stats, timeline)
         self.rs_group, self.ag_group = rs_group, ag_group
         self.size = dist.get_world_size(rs_group)
         self.rs_worker = LinkWorker("flat-rs", device)
         self.ag_worker = LinkWorker("flat-ag", device)
+        # Every rank on one node: the whole exchange may go through shared memory.
+        self._rs_shm = self._node_transport(rs_group, device, one_node_shared_memory, "flat-rs")
+        self._ag_shm = self._node_transport(ag_group, device, one_node_shared_memory, "flat-ag")
+        self._node_transports = (self._rs_shm, self._ag_shm)
+        self._node_group = rs_group
 
     def start_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
                              label: str = "") -> PendingOp:
         self.stats.add("flat", "reduce_scatter",
                        bytes_sent(input.numel() * input.element_size(), self.size))
         return self._submit(self.rs_worker,
-                            lambda: reduce_scatter_blocking(self.rs_group, output, input),
+                            self._reduce_scatter_fn(self.rs_group, self._rs_shm, output, input),
                             f"RS {label}")
 
     def start_all_gather(self, output: torch.Tensor, input: torch.Tensor,
@@ -318,7 +370,7 @@ class FlatExchange(_Exchange):
         self.stats.add("flat", "all_gather",
                        bytes_sent(output.numel() * output.element_size(), self.size))
         return self._submit(self.ag_worker,
-                            lambda: all_gather_blocking(self.ag_group, output, input),
+                            self._all_gather_fn(self.ag_group, self._ag_shm, output, input),
                             f"AG {label}")
 
     @property
@@ -330,7 +382,8 @@ class HierarchicalExchange(_Exchange):
     """Intra-node phase on the node's group, inter-node phase on the rail."""
 
     def __init__(self, layout: NodeLayout, rs_groups: LinkGroups, ag_groups: LinkGroups,
-                 device: torch.device, stats: CommStats, timeline: Optional[Timeline] = None):
+                 device: torch.device, stats: CommStats, timeline: Optional[Timeline] = None,
+                 *, intra_shared_memory: bool = False):
         super().__init__(device, stats, timeline)
         self.layout = layout
         self.rs_groups, self.ag_groups = rs_groups, ag_groups
@@ -338,6 +391,12 @@ class HierarchicalExchange(_Exchange):
         self.inter_rs = LinkWorker("inter-rs", device)
         self.intra_ag = LinkWorker("intra-ag", device)
         self.inter_ag = LinkWorker("inter-ag", device)
+        self._rs_shm = self._node_transport(rs_groups.intra, device, intra_shared_memory,
+                                            "intra-rs")
+        self._ag_shm = self._node_transport(ag_groups.intra, device, intra_shared_memory,
+                                            "intra-ag")
+        self._node_transports = (self._rs_shm, self._ag_shm)
+        self._node_group = rs_groups.intra
 
     def start_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
                              label: str = "") -> PendingOp:
@@ -349,7 +408,7 @@ class HierarchicalExchange(_Exchange):
         partial = torch.empty(input.numel() // L, dtype=input.dtype, device=input.device)
         groups = self.rs_groups
         first = self._submit(self.intra_rs,
-                             lambda: reduce_scatter_blocking(groups.intra, partial, input),
+                             self._reduce_scatter_fn(groups.intra, self._rs_shm, partial, input),
                              f"RS {label}")
         return self._submit(self.inter_rs,
                             lambda: reduce_scatter_blocking(groups.inter, output, partial),
@@ -370,7 +429,7 @@ class HierarchicalExchange(_Exchange):
                              lambda: all_gather_blocking(groups.inter, own_chunk, input),
                              f"AG {label}")
         return self._submit(self.intra_ag,
-                            lambda: all_gather_blocking(groups.intra, output, own_chunk),
+                            self._all_gather_fn(groups.intra, self._ag_shm, output, own_chunk),
                             f"AG {label}", after=(first.future, self.inter_ag))
 
     @property

@@ -101,11 +101,13 @@ class DistributedDataParallel(nn.Module):
             self._exchange = HierarchicalExchange(
                 self.topology, create_link_groups(self.topology, process_group),
                 create_link_groups(self.topology, process_group), device, self._comm_stats,
-                self.timeline)
+                self.timeline, intra_shared_memory=self.topology.shared_memory)
         else:
             ranks = dist.get_process_group_ranks(process_group) if process_group else None
-            self._exchange = FlatExchange(dist.new_group(ranks), dist.new_group(ranks), device,
-                                          self._comm_stats, self.timeline)
+            self._exchange = FlatExchange(
+                dist.new_group(ranks), dist.new_group(ranks), device, self._comm_stats,
+                self.timeline,
+                one_node_shared_memory=self.topology.shared_memory and self.topology.nodes == 1)
 
         infos = [ParamInfo(p.numel(), str(p.dtype).replace("torch.", ""), p.element_size())
                  for p in self._params]
@@ -338,6 +340,12 @@ class DistributedDataParallel(nn.Module):
         phases ``reduce_scatter`` and ``all_gather``.
         """
         return self._comm_stats.as_dict()
+
+    @property
+    def node_transport(self) -> str:
+        """How bucket bytes move among this node's ranks: ``shared_memory`` (CPU ranks,
+        see shared_memory.py), else the group's backend (``gloo``, ``nccl``)."""
+        return self._exchange.node_transport
 
     def reset_comm_stats(self) -> None:
         self._comm_stats.reset()

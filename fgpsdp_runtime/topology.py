@@ -21,10 +21,16 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class Topology:
-    """How ranks map to nodes. ``local_size=None`` reads torchrun's environment."""
+    """How ranks map to nodes. ``local_size=None`` reads torchrun's environment.
+
+    ``shared_memory``: CPU ranks of one node exchange bucket bytes through
+    shared memory instead of gloo's TCP loopback (see shared_memory.py);
+    None reads ``FGPSDP_SHARED_MEMORY`` (on unless ``0``).
+    """
 
     local_size: Optional[int] = None
     hierarchical: bool = True
+    shared_memory: Optional[bool] = None
 
     @staticmethod
     def flat() -> "Topology":
@@ -41,6 +47,7 @@ class NodeLayout:
     world_size: int
     local_size: int
     hierarchical: bool
+    shared_memory: bool = True  # CPU intra-node bytes through shared memory (see Topology)
 
     @property
     def nodes(self) -> int:
@@ -91,7 +98,11 @@ def resolve(topology: TopologyArg, world_size: int) -> NodeLayout:
     if world_size % local != 0:
         raise ValueError(f"world size {world_size} is not divisible by local_size {local}: "
                          "every node must run the same number of ranks")
-    return NodeLayout(world_size=world_size, local_size=local, hierarchical=topology.hierarchical)
+    shared_memory = topology.shared_memory
+    if shared_memory is None:
+        shared_memory = os.environ.get("FGPSDP_SHARED_MEMORY", "1") != "0"
+    return NodeLayout(world_size=world_size, local_size=local, hierarchical=topology.hierarchical,
+                      shared_memory=bool(shared_memory))
 
 
 def _local_size_from_env(world_size: int) -> int:

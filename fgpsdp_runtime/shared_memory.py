@@ -1,0 +1,203 @@
+"""Reduce-scatter and all-gather among the CPU ranks of one node, through shared memory.
+
+Why: on CPU the ranks of a node are processes of one machine, and gloo moves
+their bytes over TCP loopback, which costs CPU in the kernel's network stack
+at both ends (on a 2-core machine that CPU is taken from the training
+itself). Through a shared mapping each byte is written once and read once.
+Measured on the 2-core test machine, a 16 MiB reduce-scatter between two
+processes: gloo all-to-all + sum 15.5 ms of CPU per rank, this 9 ms.
+
+[Note: the shared-memory protocol]
+Each instance serves one process group and is used by one thread at a time
+(a link worker), so its operations come in the same order on every rank.
+A region holds two halves; round i uses half i % 2::
+
+    reduce-scatter: rank l copies its input into slot l of the half,
+                    barrier, sums chunk l of every slot (in slot order)
+    all-gather    : rank l copies its chunk to position l of the half,
+                    barrier, copies the other positions out
+
+A bucket larger than a slot moves in several rounds, a piece of every chunk
+each. One barrier per round suffices: before rank l writes half p again (at
+round i + 2) it has passed the barrier of round i + 1, which every rank
+enters only after it has finished reading half p at round i.
+The barrier is a one-element gloo all-reduce on the group (it also carries
+every rank's store before it, as a socket round trip orders memory).
+
+The region grows on demand: every rank sees the same sizes in the same
+order, so all reallocate at the same operation. Local rank 0 creates the
+file (in /dev/shm), reserves its bytes (posix_fallocate: a full tmpfs is an
+error here, not a SIGBUS later), and broadcasts its name; once every rank
+has mapped it, rank 0 unlinks it, so nothing is left behind when the
+processes end. If any rank cannot map it (no shared /dev/shm, tmpfs full),
+every rank agrees to fall back to gloo for good, with one warning.
+"""
+from __future__ import annotations
+
+import os
+import uuid
+import warnings
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+_SHM_DIR = "/dev/shm"
+_NAME_BYTES = 96  # the broadcast file name, NUL-padded
+_ALIGN = 64  # slot sizes are multiples of this: every dtype's view stays aligned
+# A bucket larger than this moves in rounds (one barrier each), so that the
+# region stays small: 2 x local ranks x this for a reduce-scatter, 2 x this for
+# an all-gather, whatever the largest bucket.
+_MAX_SLOT_BYTES = 16 * 2**20
+
+
+def shared_memory_dir() -> Optional[str]:
+    """Where shared files go; None where the system has no tmpfs for them."""
+    return _SHM_DIR if os.path.isdir(_SHM_DIR) and os.access(_SHM_DIR, os.W_OK) else None
+
+
+def _round_up(n: int, to: int) -> int:
+    return (n + to - 1) // to * to
+
+
+class SharedMemoryCollectives:
+    """Intra-node reduce-scatter / all-gather of CPU tensors for one gloo group."""
+
+    def __init__(self, group: dist.ProcessGroup, directory: Optional[str] = None,
+                 name: str = "intra", max_slot_bytes: int = _MAX_SLOT_BYTES):
+        self.group = group
+        self.max_slot_bytes = max_slot_bytes
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.name = name
+        self.directory = directory if directory is not None else shared_memory_dir()
+        self.enabled = self.directory is not None
+        self._region: Optional[torch.Tensor] = None  # uint8, 2 halves of _slots x _slot_bytes
+        self._slots = 0
+        self._slot_bytes = 0
+        self._op = 0
+        self._flag = torch.zeros(1)
+        self.allocations = 0  # regions mapped so far (grows only)
+
+    # -- collectives -----------------------------------------------------------
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> bool:
+        """Sum ``input`` over the group into chunk ``rank`` -> ``output``; False if disabled
+        (the caller then uses gloo)."""
+        n = self.size
+        if input.numel() != output.numel() * n:
+            raise ValueError(f"reduce-scatter sizes: input {input.numel()} != {n} x output {output.numel()}")
+        chunk = output.numel()
+        piece = self._piece_numel(chunk, n, input.element_size())
+        if not self._ready(slots=n, slot_bytes=n * piece * input.element_size()):
+            return False
+        rows = input.reshape(n, chunk)  # row j: what rank j receives the sum of
+        out = output.view(-1)
+        for lo in range(0, chunk, piece):
+            m = min(piece, chunk - lo)
+            slots = self._half(n, input, n * m)  # slot j: rank j's pieces, (n, m) each
+            slots[self.rank].view(n, m).copy_(rows[:, lo:lo + m])
+            self._barrier()
+            torch.sum(slots.view(n, n, m)[:, self.rank, :], dim=0, out=out[lo:lo + m])
+        return True
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> bool:
+        """Chunk ``rank`` of ``output`` <- ``input`` on every rank; False if disabled."""
+        n = self.size
+        if output.numel() != input.numel() * n:
+            raise ValueError(f"all-gather sizes: output {output.numel()} != {n} x input {input.numel()}")
+        chunk = input.numel()
+        piece = self._piece_numel(chunk, n, output.element_size())
+        if not self._ready(slots=1, slot_bytes=n * piece * output.element_size()):
+            return False
+        rows = output.view(n, chunk)
+        mine = input.reshape(-1)
+        own_in_place = mine.data_ptr() == rows[self.rank].data_ptr()
+        for lo in range(0, chunk, piece):
+            m = min(piece, chunk - lo)
+            gathered = self._half(1, output, n * m).view(n, m)
+            gathered[self.rank].copy_(mine[lo:lo + m])
+            self._barrier()
+            for j in range(n):
+                if j != self.rank:
+                    rows[j, lo:lo + m].copy_(gathered[j])
+        if not own_in_place:
+            rows[self.rank].copy_(mine)
+        return True
+
+    # -- internals ---------------------------------------------------------------
+
+    def _piece_numel(self, chunk: int, n: int, element_size: int) -> int:
+        """Elements of each chunk moved per round: a slot holds n pieces, at most max_slot_bytes."""
+        return max(1, min(chunk, self.max_slot_bytes // (n * element_size)))
+
+    def _half(self, slots: int, like: torch.Tensor, numel: int) -> torch.Tensor:
+        """The next half of the region as ``slots`` rows of ``numel`` elements of
+        ``like``'s dtype (see the note)."""
+        half_bytes = self._slots * self._slot_bytes
+        parity = self._op % 2
+        self._op += 1
+        half = self._region[parity * half_bytes:(parity + 1) * half_bytes]
+        nbytes = numel * like.element_size()
+        return half.view(slots, self._slot_bytes)[:, :nbytes].view(like.dtype)
+
+    def _barrier(self) -> None:
+        dist.all_reduce(self._flag, group=self.group)
+
+    def _ready(self, slots: int, slot_bytes: int) -> bool:
+        if not self.enabled:
+            return False
+        if self._region is None or slots != self._slots or slot_bytes > self._slot_bytes:
+            self._allocate(slots, max(_round_up(slot_bytes, _ALIGN), self._slot_bytes))
+        return self.enabled
+
+    def _allocate(self, slots: int, slot_bytes: int) -> None:
+        """Collective: map a new region of 2 x slots x slot_bytes (see the note)."""
+        total = 2 * slots * slot_bytes
+        name = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
+        path = None
+        if self.rank == 0:
+            path = self._create(total)
+            if path is not None:
+                encoded = os.path.basename(path).encode()
+                name[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+        dist.broadcast(name, src=dist.get_global_rank(self.group, 0), group=self.group)
+        text = bytes(name.tolist()).rstrip(b"\0").decode()
+        region = self._map(os.path.join(self.directory, text), total) if text else None
+        ok = torch.tensor([1 if region is not None else 0], dtype=torch.int32)
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
+        if path is not None:
+            os.unlink(path)  # every rank has mapped it (or given up): the mapping outlives the name
+        if int(ok) == 0:
+            self.enabled = False
+            self._region = None
+            warnings.warn(f"fgpsdp: the {self.name} link cannot use shared memory "
+                          f"({total} bytes in {self.directory}); using gloo", RuntimeWarning)
+            return
+        self._region, self._slots, self._slot_bytes = region, slots, slot_bytes
+        self._op = 0
+        self.allocations += 1
+
+    def _create(self, nbytes: int) -> Optional[str]:
+        path = os.path.join(self.directory, f"fgpsdp-{os.getpid()}-{uuid.uuid4().hex}")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        except OSError:
+            return None
+        try:
+            os.posix_fallocate(fd, 0, nbytes)
+        except OSError:
+            os.close(fd)
+            os.unlink(path)
+            return None
+        os.close(fd)
+        return path
+
+    @staticmethod
+    def _map(path: str, nbytes: int) -> Optional[torch.Tensor]:
+        try:
+            if os.path.getsize(path) < nbytes:
+                return None
+            return torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+        except (OSError, RuntimeError):
+            return None

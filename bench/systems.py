@@ -171,11 +171,9 @@ class DeepSpeedZeRO2(System):
 class FGPSDP(System):
     name = "fgpsdp"
 
-    def __init__(self, model, loss_fn, bucket_cap_mb=None, stage1_yields=True, **ddp_kwargs):
+    def __init__(self, model, loss_fn, bucket_cap_mb=None, **ddp_kwargs):
         # None: fgpsdp's own default (sized to the model, 1-25 MB).
         self.model = fgp.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, **ddp_kwargs)
-        if self.model.scheduler is not None:  # an ablation: see scheduler.py's note
-            self.model.scheduler.yield_to_reduce_scatters = stage1_yields
         self.opt = fgp.ShardedOptimizer(self.model, torch.optim.AdamW, max_grad_norm=MAX_NORM,
                                         **ADAMW)
         self.loss_fn = loss_fn
@@ -236,8 +234,8 @@ def _size_wrap_policy(bucket_cap_mb: float):
 
 
 SYSTEMS = ("ddp", "ddp_zero1", "fsdp_grad_op", "fsdp_hybrid_zero2", "deepspeed_zero2",
-           "fgpsdp", "fgpsdp_flat", "fgpsdp_gloo_intra", "fgpsdp_no_yield", "fgpsdp_next_forward",
-           "fgpsdp_overlap_backward", "fgpsdp_serial", "compute")
+           "fgpsdp", "fgpsdp_flat", "fgpsdp_gloo_intra", "fgpsdp_next_forward", "fgpsdp_overlap_backward",
+           "fgpsdp_serial", "compute")
 FGPSDP_SCHEDULES = ("next_forward", "overlap_backward", "serial")
 
 
@@ -293,8 +291,7 @@ def fgpsdp_variant(name: str):
 
     ``fgpsdp`` (two_stage, topology from torchrun), ``fgpsdp_flat``,
     ``fgpsdp_gloo_intra`` (intra-node bytes over gloo's TCP loopback, not
-    shared memory), ``fgpsdp_no_yield`` (stage-1 all-gathers do not wait for
-    the reduce-scatters), ``fgpsdp_<schedule>``.
+    shared memory), ``fgpsdp_<schedule>``.
     """
     if name == "fgpsdp":
         return {}
@@ -302,8 +299,6 @@ def fgpsdp_variant(name: str):
         return {"topology": "flat"}
     if name == "fgpsdp_gloo_intra":
         return {"topology": fgp.Topology(shared_memory=False)}
-    if name == "fgpsdp_no_yield":
-        return {"stage1_yields": False}
     schedule = name[len("fgpsdp_"):] if name.startswith("fgpsdp_") else None
     return {"schedule": schedule} if schedule in FGPSDP_SCHEDULES else None
 

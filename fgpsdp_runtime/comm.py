@@ -144,30 +144,14 @@ class LinkWorker:
         # and the other link's collectives.
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
-        # Tasks submitted and not finished; another link's worker may wait for none.
-        self._pending = 0
-        self._idle = threading.Condition()
         self._thread = threading.Thread(target=self._run, name=f"fgpsdp-{name}", daemon=True)
         self._thread.start()
         shutdown.register(self)  # stopped and joined at exit: see shutdown.py
 
     def submit(self, fn: Callable[[], None], ready_event=None) -> Future:
         future: Future = Future()
-        with self._idle:
-            self._pending += 1
         self._queue.put((fn, future, ready_event))
         return future
-
-    def wait_idle(self) -> None:
-        """Block until every task submitted so far (and any submitted meanwhile) has run."""
-        with self._idle:
-            self._idle.wait_for(lambda: self._pending == 0)
-
-    def _task_done(self) -> None:
-        with self._idle:
-            self._pending -= 1
-            if self._pending == 0:
-                self._idle.notify_all()
 
     def _run(self) -> None:
         while True:
@@ -176,7 +160,6 @@ class LinkWorker:
                 return
             fn, future, ready_event = item
             if not future.set_running_or_notify_cancel():
-                self._task_done()
                 continue
             try:
                 if self.stream is not None:
@@ -187,10 +170,8 @@ class LinkWorker:
                 else:
                     fn()
             except BaseException as error:  # handed to whoever waits on it
-                self._task_done()
                 future.set_exception(error)
             else:
-                self._task_done()
                 future.set_result(None)
 
     def close(self) -> None:
@@ -328,11 +309,8 @@ class _Exchange:
         shutdown.stop_and_join(self.workers)
 
     def _submit(self, worker: LinkWorker, fn: Callable[[], None], name: str,
-                after: Optional[tuple[Future, LinkWorker]] = None,
-                behind: Optional[LinkWorker] = None) -> PendingOp:
-        """Run ``fn`` on ``worker``; with ``after``, once that phase has finished;
-        with ``behind``, once that worker has nothing left to run (see
-        start_all_gather's ``yield_to_reduce_scatters``).
+                after: Optional[tuple[Future, LinkWorker]] = None) -> PendingOp:
+        """Run ``fn`` on ``worker``; with ``after``, once that phase has finished.
 
         On CUDA the work is ordered after what the submitting stream has queued
         so far (ready event), or after the first phase's stream, and the
@@ -346,8 +324,6 @@ class _Exchange:
         timeline = self.timeline
 
         def task():
-            if behind is not None:
-                behind.wait_idle()  # not a span: lanes show link time only
             if after is not None:
                 first, first_worker = after
                 first.result()  # re-raises a failure of the first phase
@@ -390,13 +366,12 @@ class FlatExchange(_Exchange):
                             f"RS {label}")
 
     def start_all_gather(self, output: torch.Tensor, input: torch.Tensor,
-                         label: str = "", yield_to_reduce_scatters: bool = False) -> PendingOp:
+                         label: str = "") -> PendingOp:
         self.stats.add("flat", "all_gather",
                        bytes_sent(output.numel() * output.element_size(), self.size))
         return self._submit(self.ag_worker,
                             self._all_gather_fn(self.ag_group, self._ag_shm, output, input),
-                            f"AG {label}",
-                            behind=self.rs_worker if yield_to_reduce_scatters else None)
+                            f"AG {label}")
 
     @property
     def workers(self) -> tuple[LinkWorker, ...]:
@@ -440,11 +415,7 @@ class HierarchicalExchange(_Exchange):
                             f"RS {label}", after=(first.future, self.intra_rs))
 
     def start_all_gather(self, output: torch.Tensor, input: torch.Tensor,
-                         label: str = "", yield_to_reduce_scatters: bool = False) -> PendingOp:
-        """``yield_to_reduce_scatters``: the bottleneck (inter-node) phase starts only
-        once this rank has no reduce-scatter left on that link, so an early
-        all-gather fills the link's idle time instead of delaying the gradient
-        (see the note in scheduler.py)."""
+                         label: str = "") -> PendingOp:
         L, M = self.layout.local_size, self.layout.nodes
         nbytes = output.numel() * output.element_size()
         self.stats.add("inter", "all_gather", bytes_sent(nbytes // L, M))
@@ -456,8 +427,7 @@ class HierarchicalExchange(_Exchange):
         own_chunk = output[local * chunk:(local + 1) * chunk]
         first = self._submit(self.inter_ag,
                              lambda: all_gather_blocking(groups.inter, own_chunk, input),
-                             f"AG {label}",
-                             behind=self.inter_rs if yield_to_reduce_scatters else None)
+                             f"AG {label}")
         return self._submit(self.intra_ag,
                             self._all_gather_fn(groups.intra, self._ag_shm, output, own_chunk),
                             f"AG {label}", after=(first.future, self.inter_ag))

@@ -233,20 +233,15 @@ class DistributedDataParallel(nn.Module):
 
     # -- parameter exchange (driven by the optimizer) -------------------------
 
-    def start_param_all_gather(self, bucket: int, yield_to_reduce_scatters: bool = False) -> None:
-        """Send this rank's updated slice of ``bucket``; receive everyone else's.
-
-        ``yield_to_reduce_scatters`` (stage 1, during backward): the all-gather
-        waits until no reduce-scatter of this rank is left on the bottleneck link.
-        """
+    def start_param_all_gather(self, bucket: int) -> None:
+        """Send this rank's updated slice of ``bucket``; receive everyone else's."""
         storage = self._buckets[bucket]
         with self._gathers_lock:
             previous = self._param_gathers.pop(bucket, None)
         if previous is not None:
             previous.wait()
         op = self._exchange.start_all_gather(storage.flat_param, storage.param_shard,
-                                             label=f"b{bucket}",
-                                             yield_to_reduce_scatters=yield_to_reduce_scatters)
+                                             label=f"b{bucket}")
         with self._gathers_lock:
             self._param_gathers[bucket] = op
 

@@ -27,18 +27,6 @@ forward that cancels speculation), never swallowed.
 On CUDA it runs on a stream of its own (``speculation_stream``), so the
 speculative optimizer steps overlap backward kernels; joins order the main
 stream after it.
-
-[Note: stage-1 all-gathers yield to reduce-scatters]
-A stage-1 all-gather and a later bucket's reduce-scatter on the same link
-share its bandwidth; the last reduce-scatter gates the norm and so the whole
-step, while a stage-1 all-gather only has to land before the next forward
-needs it. So a stage-1 all-gather's bottleneck phase starts only once this
-rank has no reduce-scatter left on that link: it fills the gaps between
-reduce-scatters during backward, or runs right after the last one. (Measured
-on the emulated cluster, VGG-16: without this, the step waited 0.45 s per
-step for its reduce-scatters against 0.11 s under next_forward.) Every rank
-issues the all-gathers in the same order; each starts when the slowest rank
-of its group is ready, as any collective does.
 """
 from __future__ import annotations
 
@@ -72,8 +60,6 @@ class TwoStageScheduler:
         # all-gather sent twice. Decided from all-reduced figures, so every
         # rank speculates in the same steps.
         self.speculating = True
-        # See [Note: stage-1 all-gathers yield to reduce-scatters].
-        self.yield_to_reduce_scatters = True
         # Per step, owned by the thread between the first hand-over and the join.
         self._handed: set[int] = set()  # stage-1 buckets handed to the thread this step
         self._arrived: dict[int, tuple] = {}  # bucket -> (reduce-scatter op, its count)
@@ -187,7 +173,7 @@ class TwoStageScheduler:
         with timeline.span("scheduler", f"spec step b{b}"):
             backup = self.optimizer.speculative_step(b)
         self.speculated[b] = (backup, count)
-        self.model.start_param_all_gather(b, yield_to_reduce_scatters=self.yield_to_reduce_scatters)
+        self.model.start_param_all_gather(b)
         self._next += 1
 
     # -- main thread: a forward before the step, the step's end --------------------

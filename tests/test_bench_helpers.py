@@ -26,7 +26,6 @@ def test_system_names(bench_modules):
     assert systems.fgpsdp_variant("fgpsdp") == {}
     assert systems.fgpsdp_variant("fgpsdp_flat") == {"topology": "flat"}
     assert systems.fgpsdp_variant("fgpsdp_gloo_intra")["topology"].shared_memory is False
-    assert systems.fgpsdp_variant("fgpsdp_no_yield") == {"stage1_yields": False}
     assert systems.fgpsdp_variant("fgpsdp_next_forward") == {"schedule": "next_forward"}
     assert systems.fgpsdp_variant("fgpsdp_sideways") is None
     assert systems.fgpsdp_variant("ddp") is None

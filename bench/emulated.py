@@ -187,7 +187,8 @@ def markdown(all_rows, meta, command, rate):
              f"Command: `{command}`", "",
              f"Machine: {meta['machine']}. Versions: {meta['versions']}.", "",
              f"Emulated cluster: 2 network namespaces x 2 CPU processes (gloo), inter-node "
-             f"veth shaped with tbf at {rate}; intra-node traffic over loopback, unshaped. "
+             f"veth shaped with tbf at {rate}; intra-node traffic unshaped, over loopback "
+             f"(fgpsdp: through shared memory; `fgpsdp_gloo_intra`: over loopback). "
              f"All 4 ranks share this machine's cores, so compute is slower than on real nodes. "
              f"Step time = wall time of back-to-back steps / steps, the slowest rank, median "
              f"over {meta['rounds']} rounds ({meta['warmup']} warm-up + {meta['steps']} timed "

@@ -234,8 +234,8 @@ def _size_wrap_policy(bucket_cap_mb: float):
 
 
 SYSTEMS = ("ddp", "ddp_zero1", "fsdp_grad_op", "fsdp_hybrid_zero2", "deepspeed_zero2",
-           "fgpsdp", "fgpsdp_flat", "fgpsdp_gloo_intra", "fgpsdp_next_forward", "fgpsdp_overlap_backward",
-           "fgpsdp_serial", "compute")
+           "fgpsdp", "fgpsdp_flat", "fgpsdp_gloo_intra", "fgpsdp_next_forward",
+           "fgpsdp_overlap_backward", "fgpsdp_serial", "compute")
 FGPSDP_SCHEDULES = ("next_forward", "overlap_backward", "serial")
 
 

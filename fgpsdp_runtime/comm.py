@@ -26,6 +26,15 @@ Timeline of two buckets under the hierarchy (reduce-scatter)::
     inter worker :              [RS_inter b0][RS_inter b1]
     main thread  : backward ... submit b0 ... submit b1 ... wait b0, b1 (step)
 
+[Note: the intra-node link of CPU ranks]
+On CPU the ranks of a node are processes of one machine. With gloo their
+bytes would cross TCP loopback, which costs CPU in the network stack at
+both ends, CPU the training needs. Where every rank of the node can map one
+file in /dev/shm, the intra-node phases (and the whole exchange of a
+one-node group) go through shared memory instead (shared_memory.py); the
+inter-node phase stays on gloo. ``Topology(shared_memory=False)`` or
+``FGPSDP_SHARED_MEMORY=0`` turns it off; ``node_transport`` says which ran.
+
 [Note: reduce-scatter on gloo]
 gloo's reduce_scatter sends as many bytes as an all-reduce (measured on the
 emulated cluster: 24 MiB per node for a 16 MiB buffer, against 12 MiB for a
@@ -264,9 +273,13 @@ class _Exchange:
 
     @staticmethod
     def _node_transport(group: dist.ProcessGroup, device: torch.device, enabled: bool,
-                        name: str) -> Optional[SharedMemoryCollectives]:
+                        name: str, slots: int) -> Optional[SharedMemoryCollectives]:
+        """Shared memory for ``group`` if it may and can use it (collective: every rank
+        of the group calls this, in the same order)."""
         if enabled and shared_memory_eligible(group, device):
-            return SharedMemoryCollectives(group, name=name)
+            shm = SharedMemoryCollectives(group, name=name)
+            shm.prepare(slots)
+            return shm
         return None
 
     @staticmethod
@@ -352,8 +365,10 @@ class FlatExchange(_Exchange):
         self.rs_worker = LinkWorker("flat-rs", device)
         self.ag_worker = LinkWorker("flat-ag", device)
         # Every rank on one node: the whole exchange may go through shared memory.
-        self._rs_shm = self._node_transport(rs_group, device, one_node_shared_memory, "flat-rs")
-        self._ag_shm = self._node_transport(ag_group, device, one_node_shared_memory, "flat-ag")
+        self._rs_shm = self._node_transport(rs_group, device, one_node_shared_memory, "flat-rs",
+                                            slots=self.size)
+        self._ag_shm = self._node_transport(ag_group, device, one_node_shared_memory, "flat-ag",
+                                            slots=1)
         self._node_transports = (self._rs_shm, self._ag_shm)
         self._node_group = rs_group
 
@@ -392,9 +407,9 @@ class HierarchicalExchange(_Exchange):
         self.intra_ag = LinkWorker("intra-ag", device)
         self.inter_ag = LinkWorker("inter-ag", device)
         self._rs_shm = self._node_transport(rs_groups.intra, device, intra_shared_memory,
-                                            "intra-rs")
+                                            "intra-rs", slots=layout.local_size)
         self._ag_shm = self._node_transport(ag_groups.intra, device, intra_shared_memory,
-                                            "intra-ag")
+                                            "intra-ag", slots=1)
         self._node_transports = (self._rs_shm, self._ag_shm)
         self._node_group = rs_groups.intra
 

@@ -238,7 +238,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for b in rolled_back:  # peers hold the speculative values: send the restored ones
                 model.queue_param_all_gather(b)
         if not model.gathers_overlap_forward:
-            model.finish_param_all_gathers()  # serial / overlap_backward: landed before the step ends
+            # serial / overlap_backward: the parameters have landed when the step ends.
+            model.finish_param_all_gathers()
         self._end_step(would_commit=finite and self._applied_coefficient >= 1.0)
 
     def speculative_step(self, b: int) -> SliceBackup:

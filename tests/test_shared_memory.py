@@ -109,6 +109,7 @@ def _train_and_report(rank, world, local_size, shared_memory):
     model = fgp.DistributedDataParallel(
         module, bucket_cap_mb=0.001,
         topology=Topology(local_size=local_size, shared_memory=shared_memory))
+    at_construction = model.node_transport  # probed when the wrapper is built
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2, max_grad_norm=1.0)
     gen = torch.Generator().manual_seed(rank)
     for _ in range(3):
@@ -119,6 +120,7 @@ def _train_and_report(rank, world, local_size, shared_memory):
     model.synchronize()
     params = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
     del dist
+    assert at_construction == model.node_transport
     return model.node_transport, params
 
 

@@ -283,24 +283,18 @@ class _Exchange:
         return None
 
     @staticmethod
-    def _reduce_scatter_fn(group, shm: Optional[SharedMemoryCollectives], output, input):
-        """The collective a worker runs: through shared memory when the node allows it."""
-        def run():
-            if shm is not None:
-                with nvtx_range(f"fgpsdp.reduce_scatter_shm[{shm.size}]"):
-                    if shm.reduce_scatter(output, input):
-                        return
-            reduce_scatter_blocking(group, output, input)
-        return run
+    def _collective(phase: str, group, shm: Optional[SharedMemoryCollectives], output, input):
+        """The collective (``reduce_scatter`` or ``all_gather``) a worker runs: through
+        shared memory when the node allows it, else on the group's backend."""
+        through_node = getattr(shm, phase) if shm is not None else None
+        on_group = reduce_scatter_blocking if phase == "reduce_scatter" else all_gather_blocking
 
-    @staticmethod
-    def _all_gather_fn(group, shm: Optional[SharedMemoryCollectives], output, input):
         def run():
-            if shm is not None:
-                with nvtx_range(f"fgpsdp.all_gather_shm[{shm.size}]"):
-                    if shm.all_gather(output, input):
+            if through_node is not None:
+                with nvtx_range(f"fgpsdp.{phase}_shm[{shm.size}]"):
+                    if through_node(output, input):
                         return
-            all_gather_blocking(group, output, input)
+            on_group(group, output, input)
         return run
 
     @property
@@ -377,7 +371,8 @@ class FlatExchange(_Exchange):
         self.stats.add("flat", "reduce_scatter",
                        bytes_sent(input.numel() * input.element_size(), self.size))
         return self._submit(self.rs_worker,
-                            self._reduce_scatter_fn(self.rs_group, self._rs_shm, output, input),
+                            self._collective("reduce_scatter", self.rs_group, self._rs_shm,
+                                             output, input),
                             f"RS {label}")
 
     def start_all_gather(self, output: torch.Tensor, input: torch.Tensor,
@@ -385,7 +380,8 @@ class FlatExchange(_Exchange):
         self.stats.add("flat", "all_gather",
                        bytes_sent(output.numel() * output.element_size(), self.size))
         return self._submit(self.ag_worker,
-                            self._all_gather_fn(self.ag_group, self._ag_shm, output, input),
+                            self._collective("all_gather", self.ag_group, self._ag_shm, output,
+                                             input),
                             f"AG {label}")
 
     @property
@@ -423,7 +419,8 @@ class HierarchicalExchange(_Exchange):
         partial = torch.empty(input.numel() // L, dtype=input.dtype, device=input.device)
         groups = self.rs_groups
         first = self._submit(self.intra_rs,
-                             self._reduce_scatter_fn(groups.intra, self._rs_shm, partial, input),
+                             self._collective("reduce_scatter", groups.intra, self._rs_shm,
+                                              partial, input),
                              f"RS {label}")
         return self._submit(self.inter_rs,
                             lambda: reduce_scatter_blocking(groups.inter, output, partial),
@@ -444,7 +441,8 @@ class HierarchicalExchange(_Exchange):
                              lambda: all_gather_blocking(groups.inter, own_chunk, input),
                              f"AG {label}")
         return self._submit(self.intra_ag,
-                            self._all_gather_fn(groups.intra, self._ag_shm, output, own_chunk),
+                            self._collective("all_gather", groups.intra, self._ag_shm, output,
+                                             own_chunk),
                             f"AG {label}", after=(first.future, self.inter_ag))
 
     @property

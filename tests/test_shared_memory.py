@@ -99,8 +99,6 @@ def test_every_rank_falls_back_when_one_cannot_map(tmp_path):
 
 
 def _train_and_report(rank, world, local_size, shared_memory):
-    import torch.distributed as dist
-
     import fgpsdp_runtime as fgp
     from fgpsdp_runtime.topology import Topology
 
@@ -119,7 +117,6 @@ def _train_and_report(rank, world, local_size, shared_memory):
         opt.zero_grad(set_to_none=True)
     model.synchronize()
     params = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
-    del dist
     assert at_construction == model.node_transport
     return model.node_transport, params
 

@@ -300,13 +300,15 @@ class _Exchange:
     @property
     def node_transport(self) -> str:
         """How bytes move among one node's ranks: ``shared_memory`` or ``gloo``/``nccl``."""
-        transports = [t for t in self._node_transports if t is not None]
+        transports = [t for t in (self._rs_shm, self._ag_shm) if t is not None]
         if transports and all(t.enabled for t in transports):
             return "shared_memory"
-        return dist.get_backend(self._node_group) if self._node_group is not None else "none"
+        return dist.get_backend(self._node_group)
 
-    _node_transports: tuple = ()
-    _node_group: Optional[dist.ProcessGroup] = None
+    # Set by the subclasses: the node's group, and its shared-memory collectives if any.
+    _node_group: dist.ProcessGroup
+    _rs_shm: Optional[SharedMemoryCollectives] = None
+    _ag_shm: Optional[SharedMemoryCollectives] = None
 
     workers: tuple[LinkWorker, ...] = ()
 
@@ -363,7 +365,6 @@ class FlatExchange(_Exchange):
                                             slots=self.size)
         self._ag_shm = self._node_transport(ag_group, device, one_node_shared_memory, "flat-ag",
                                             slots=1)
-        self._node_transports = (self._rs_shm, self._ag_shm)
         self._node_group = rs_group
 
     def start_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,
@@ -406,7 +407,6 @@ class HierarchicalExchange(_Exchange):
                                             "intra-rs", slots=layout.local_size)
         self._ag_shm = self._node_transport(ag_groups.intra, device, intra_shared_memory,
                                             "intra-ag", slots=1)
-        self._node_transports = (self._rs_shm, self._ag_shm)
         self._node_group = rs_groups.intra
 
     def start_reduce_scatter(self, output: torch.Tensor, input: torch.Tensor,

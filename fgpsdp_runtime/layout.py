@@ -130,8 +130,9 @@ def default_bucket_cap_mb(param_bytes: int) -> float:
     buckets and little to pipeline; with ~16 the exchange follows forward
     layer by layer (measured on the emulated cluster, 13-24M-parameter
     models: 1-21% shorter steps and peak memory down to DDP's, while torch DDP
-    gained nothing from smaller buckets; docs/benchmarks/*-bucket-*.md). The upper bound is DDP's 25 MB, so a large
-    model gets DDP's bucketing and its per-collective overhead, not more.
+    gained nothing from smaller buckets; docs/benchmarks/*-bucket-*.md). The
+    upper bound is DDP's 25 MB, so a large model gets DDP's bucketing and its
+    per-collective overhead, not more.
     """
     lo, hi = DEFAULT_BUCKET_CAP_BOUNDS_MB
     return min(hi, max(lo, param_bytes / DEFAULT_BUCKETS_PER_MODEL / 2**20))

@@ -372,4 +372,4 @@ def _split_evenly(items: Sequence[int], parts: int) -> list[list[int]]:
     n = len(items)
     parts = max(1, min(parts, n))
     bounds = [n * i // parts for i in range(parts + 1)]
-    return [list(items[bounds[i]:bounds[i + 1]]) for i in range(parts) if bounds[i] < bounds[i + 1]]
+    return [list(items[lo:hi]) for lo, hi in zip(bounds, bounds[1:]) if lo < hi]

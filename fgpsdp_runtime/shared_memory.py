@@ -95,8 +95,8 @@ class SharedMemoryCollectives:
             raise ValueError(f"reduce-scatter sizes: input {input.numel()} "
                              f"!= {n} x output {output.numel()}")
         chunk = output.numel()
-        piece = self._piece_numel(chunk, n, input.element_size())
-        if not self._ready(slots=n, slot_bytes=n * piece * input.element_size()):
+        piece = self._rounds(chunk, input.element_size(), slots=n)
+        if not piece:
             return False
         rows = input.reshape(n, chunk)  # row j: what rank j receives the sum of
         out = output.view(-1)
@@ -115,8 +115,8 @@ class SharedMemoryCollectives:
             raise ValueError(f"all-gather sizes: output {output.numel()} "
                              f"!= {n} x input {input.numel()}")
         chunk = input.numel()
-        piece = self._piece_numel(chunk, n, output.element_size())
-        if not self._ready(slots=1, slot_bytes=n * piece * output.element_size()):
+        piece = self._rounds(chunk, output.element_size(), slots=1)
+        if not piece:
             return False
         rows = output.view(n, chunk)
         mine = input.reshape(-1)
@@ -135,9 +135,12 @@ class SharedMemoryCollectives:
 
     # -- internals ---------------------------------------------------------------
 
-    def _piece_numel(self, chunk: int, n: int, element_size: int) -> int:
-        """Elements of each chunk moved per round: a slot holds n pieces, at most max_slot_bytes."""
-        return max(1, min(chunk, self.max_slot_bytes // (n * element_size)))
+    def _rounds(self, chunk: int, element_size: int, slots: int) -> int:
+        """Elements of each rank's chunk moved per round (a slot holds one piece per
+        rank, at most max_slot_bytes), with the region sized for it; 0 if disabled."""
+        n = self.size
+        piece = max(1, min(chunk, self.max_slot_bytes // (n * element_size)))
+        return piece if self._ready(slots=slots, slot_bytes=n * piece * element_size) else 0
 
     def _half(self, slots: int, like: torch.Tensor, numel: int) -> torch.Tensor:
         """The next half of the region as ``slots`` rows of ``numel`` elements of

@@ -35,13 +35,14 @@ one-node group) go through shared memory instead (shared_memory.py); the
 inter-node phase stays on gloo. ``Topology(shared_memory=False)`` or
 ``FGPSDP_SHARED_MEMORY=0`` turns it off; ``node_transport`` says which ran.
 
-[Note: reduce-scatter on gloo]
-gloo's reduce_scatter sends as many bytes as an all-reduce (measured on the
-emulated cluster: 24 MiB per node for a 16 MiB buffer, against 12 MiB for a
-ring). On gloo a reduce-scatter is therefore an all-to-all of the chunks
-followed by a local sum in rank order: every rank sends (n-1)/n of the
-buffer, the ring's volume, and the sum order is fixed. NCCL's
-reduce_scatter_tensor is used as is.
+[Note: collectives on gloo]
+On gloo both collectives are point-to-point messages in pieces, all in
+flight at once (gloo_collectives.py): gloo's reduce_scatter sends as many
+bytes as an all-reduce (24 MiB per node for a 16 MiB buffer on the emulated
+cluster, against 12 MiB for a ring), and its all_to_all_single and
+all_gather_into_tensor leave the inter-node link idle for half their time.
+The reduce-scatter sums in rank order, as the shared-memory path does. NCCL's
+reduce_scatter_tensor and all_gather_into_tensor are used as they are.
 """
 from __future__ import annotations
 
@@ -54,7 +55,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from . import shutdown
+from . import gloo_collectives, shutdown
 from .profiling import nvtx_range
 from .shared_memory import SharedMemoryCollectives
 from .topology import LinkGroups, NodeLayout
@@ -233,9 +234,8 @@ def _reduce_scatter(group, n: int, output: torch.Tensor, input: torch.Tensor) ->
     if dist.get_backend(group) == "nccl":
         _reduce_scatter_single(output, input, group=group)
         return
-    received = _scratch_like("reduce_scatter_received", input)
-    dist.all_to_all_single(received, input, group=group)
-    torch.sum(received.view(n, -1), dim=0, out=output)
+    gloo_collectives.reduce_scatter(group, output, input,
+                                    _scratch_like("reduce_scatter_received", input))
 
 
 def all_gather_blocking(group: dist.ProcessGroup, output: torch.Tensor,
@@ -253,10 +253,13 @@ def _all_gather(group, n: int, output: torch.Tensor, input: torch.Tensor) -> Non
         if input.data_ptr() != output.data_ptr():
             output.copy_(input)
         return
-    if dist.get_backend(group) != "nccl" and _aliases(input, output):
-        # NCCL documents in-place; other backends would alias.
+    if dist.get_backend(group) == "nccl":  # documents in-place
+        _all_gather_single(output, input, group=group)
+        return
+    own = output[dist.get_rank(group) * input.numel():][:input.numel()]
+    if input.data_ptr() != own.data_ptr() and _aliases(input, output):
         input = _scratch_like("all_gather_input", input).copy_(input)
-    _all_gather_single(output, input, group=group)
+    gloo_collectives.all_gather(group, output, input)
 
 
 def shared_memory_eligible(group: dist.ProcessGroup, device: torch.device) -> bool:

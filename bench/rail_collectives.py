@@ -31,8 +31,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=float, default=25.0)
     parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--piece-kib", type=float, default=None,
+                        help="fgpsdp's message size (default: gloo_collectives.PIECE_BYTES)")
     args = parser.parse_args()
+    from fgpsdp_runtime import gloo_collectives
     from fgpsdp_runtime.comm import all_gather_blocking, reduce_scatter_blocking
+
+    if args.piece_kib is not None:
+        gloo_collectives.PIECE_BYTES = int(args.piece_kib * 1024)
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -76,6 +82,7 @@ def main() -> None:
     dist.all_gather_object(everyone, rows)
     if rank == 0:
         print(f"{args.mib:g} MiB float32 buffer, {args.iters} ops; rail 0 = ranks 0, 2; "
+              f"fgpsdp pieces of {gloo_collectives.PIECE_BYTES / 1024:g} KiB; "
               f"per rank: ms per op, Gbit/s its rail got, CPU ms per op")
         print(f"{'operation':24s} {'rails':>5s} {'ms':>7s} {'Gbit/s':>7s} {'CPU ms':>7s}")
         for i, row in enumerate(rows):

@@ -2,14 +2,16 @@
 
 [Note: why not gloo's own collectives]
 On the emulated cluster (two network namespaces joined by a veth pair shaped
-to 1 Gbit/s, one rank per node and direction, a 25 MiB buffer) gloo's
-``all_to_all_single`` moved 0.48 Gbit/s and ``all_gather_into_tensor`` 0.58,
-and one isend/irecv pair of the same bytes 0.49. The same bytes as 8 messages
-posted together moved 0.83 Gbit/s, as 32 messages 0.90: with one message per
-direction the link idles between gloo's per-message steps; with several in
-flight it does not. (gloo's ``reduce_scatter`` is worse still: it sends as
-many bytes as an all-reduce.) So both collectives here post every message at
-once, split into pieces of at most ``PIECE_BYTES``, and wait for all:
+to 1 Gbit/s, one rail of two ranks, a 25 MiB buffer) gloo's
+``all_to_all_single`` moved 0.46 Gbit/s and ``all_gather_into_tensor``
+0.58-0.60; the same bytes as one isend/irecv per peer 0.48, as 4 MiB pieces
+all in flight 0.74, as 1 MiB pieces 0.87 (bench/rail_collectives.py; the
+record is docs/benchmarks/2026-11-30-rail-collectives-cpu.md). With one
+message per direction the link idles between gloo's per-message steps; with
+several in flight it does not. (gloo's ``reduce_scatter`` is worse still: it
+sends as many bytes as an all-reduce.) So both collectives here post every
+message at once, split into pieces of at most ``PIECE_BYTES``, and wait for
+all:
 
 - reduce-scatter: chunk j of the input goes to rank j; this rank receives its
   chunk from every peer and sums the n chunks in rank order (the same order
@@ -29,8 +31,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-# Measured above: 8-32 messages per 12.5 MiB move 0.83-0.90 Gbit/s; each
-# message costs a little CPU, so no smaller than needed.
+# docs/benchmarks/2026-11-30-rail-collectives-cpu.md: 1 MiB pieces move as much as 256 KiB;
+# each message costs a little CPU, so no smaller.
 PIECE_BYTES = 1 << 20
 
 

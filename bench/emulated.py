@@ -41,14 +41,14 @@ def rate_bits_per_s(rate: str) -> float:
 
 
 def run_once(workload, size, system, steps, warmup, out_dir, save_params, port, log,
-             trace_steps=0, trace_dest=None, max_norm=1.0):
+             trace_steps=0, trace_dest=None, max_norm=1.0, pin_cpu=False):
     python = sys.executable
     cmd = (f"OMP_NUM_THREADS=1 {shlex.quote(python)} -m torch.distributed.run --nnodes=2 "
            f"--nproc_per_node=2 --node_rank=$NODE_RANK --master_addr=$MASTER_ADDR "
            f"--master_port={port} {shlex.quote(os.path.join(HERE, 'train_rank.py'))} "
            f"--workload {workload} --size {size} --system {system} --steps {steps} "
            f"--warmup {warmup} --out {shlex.quote(out_dir)} --trace-steps {trace_steps} "
-           f"--max-norm {max_norm}"
+           f"--max-norm {max_norm}" + (" --pin-cpu" if pin_cpu else "")
            + (" --save-params" if save_params else ""))
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=os.environ.get(
         "TORCH_EXTENSIONS_DIR", os.path.join(tempfile.gettempdir(), "fgpsdp-torch-ext")),
@@ -189,7 +189,9 @@ def markdown(all_rows, meta, command, rate):
              f"Emulated cluster: 2 network namespaces x 2 CPU processes (gloo), inter-node "
              f"veth shaped with tbf at {rate}; intra-node traffic unshaped, over loopback "
              f"(fgpsdp: through shared memory; `fgpsdp_gloo_intra`: over loopback). "
-             f"All 4 ranks share this machine's cores, so compute is slower than on real nodes. "
+             f"All 4 ranks share this machine's cores, so compute is slower than on real nodes"
+             + (" (each rank pinned to core local rank mod cores, so the two ranks on a core "
+                "share it evenly). " if meta.get("pin_cpu") else ". ") +
              f"Step time = wall time of back-to-back steps / steps, the slowest rank, median "
              f"over {meta['rounds']} rounds ({meta['warmup']} warm-up + {meta['steps']} timed "
              f"steps each). Floor = max(compute-only step, 2 x (nodes-1)/nodes x parameter bytes "
@@ -367,6 +369,10 @@ def main() -> None:
                              "the saved traces, without running anything")
     parser.add_argument("--max-norm", type=float, default=1.0,
                         help="every system clips the gradient at this total norm")
+    parser.add_argument("--pin-cpu", action="store_true",
+                        help="every rank of every system runs on one core (local rank mod "
+                             "cores): ranks with one core each time-share it evenly, instead "
+                             "of the kernel moving them between cores")
     parser.add_argument("--trace-steps", type=int, default=2,
                         help="fgpsdp systems record a timeline of their last N timed steps "
                              "in round 1 (0: none)")
@@ -409,7 +415,7 @@ def main() -> None:
                             workload, args.size, system, args.steps, args.warmup, out_dir,
                             rnd == 0, port, log, trace_steps=args.trace_steps if traced else 0,
                             trace_dest=os.path.join(f"{stem}-traces", f"{workload}-{system}.json"),
-                            max_norm=args.max_norm)
+                            max_norm=args.max_norm, pin_cpu=args.pin_cpu)
                         if rc == 0 and len(res) == 4:
                             runs.setdefault(system, []).append(res)
                             step = max(x["step_time_s"] for x in res)
@@ -426,7 +432,7 @@ def main() -> None:
         subprocess.run(["bash", CLUSTER, "down"])
     meta = {"date": date, "machine": machine(), "versions": versions(), "rounds": args.rounds,
             "steps": args.steps, "warmup": args.warmup, "trace_steps": args.trace_steps,
-            "max_norm": args.max_norm}
+            "max_norm": args.max_norm, "pin_cpu": args.pin_cpu}
     text = markdown(all_rows, meta, command, args.rate) + timeline_markdown(timelines, stem)
     if chart(all_rows, stem + ".png"):
         text += f"\n![step time per system]({os.path.basename(stem)}.png)\n"

@@ -80,8 +80,15 @@ def main() -> None:
     parser.add_argument("--max-norm", type=float, default=1.0, help="gradient clipping norm")
     parser.add_argument("--trace-steps", type=int, default=0,
                         help="record the timeline of the last N timed steps (fgpsdp systems)")
+    parser.add_argument("--pin-cpu", action="store_true",
+                        help="run this rank (every thread it starts) on core LOCAL_RANK "
+                             "mod the machine's cores")
     args = parser.parse_args()
 
+    if args.pin_cpu:
+        # Before torch and gloo start threads: they inherit the mask.
+        cores = sorted(os.sched_getaffinity(0))
+        os.sched_setaffinity(0, {cores[int(os.environ["LOCAL_RANK"]) % len(cores)]})
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()

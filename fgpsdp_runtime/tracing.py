@@ -116,8 +116,10 @@ class Timeline:
                        key=lambda l: (LANE_ORDER.index(l) if l in LANE_ORDER else len(LANE_ORDER), l))
         tid = {lane: i for i, lane in enumerate(lanes)}
         t0 = spans[0][2] if spans else 0.0
+        # Times are relative to the first span; its perf_counter reading is kept so
+        # that traces of ranks on one host can be lined up.
         events = [{"ph": "M", "name": "process_name", "pid": self.rank, "tid": 0,
-                   "args": {"name": f"rank {self.rank}"}}]
+                   "args": {"name": f"rank {self.rank}", "perf_counter_origin_s": t0}}]
         for lane in lanes:
             events.append({"ph": "M", "name": "thread_name", "pid": self.rank, "tid": tid[lane],
                            "args": {"name": lane}})

@@ -61,8 +61,9 @@ def main() -> None:
               + " " + " ".join(f"{w:>8s}" for w in WAITS.values()))
         for r, steps in per_rank.items():
             step = steps[i]
-            starts = " ".join(f"{(step['start'][p] - t0) if step['start'][p] else float('nan'):15.3f}"
-                              for p in PHASES)
+            starts = " ".join(
+                f"{step['start'][p] - t0 if step['start'][p] is not None else float('nan'):15.3f}"
+                for p in PHASES)
             waits = " ".join(f"{step[w]:8.3f}" for w in WAITS.values())
             print(f"  {r:>4d} {starts} {waits}")
 

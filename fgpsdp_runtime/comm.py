@@ -238,7 +238,7 @@ def _reduce_scatter(group, n: int, output: torch.Tensor, input: torch.Tensor) ->
     if input.device.type == "cpu":
         gloo_collectives.reduce_scatter(group, output, input, received)
         return
-    # Device tensors on a host backend: gloo's point-to-point takes CPU tensors only.
+    # gloo's point-to-point takes CPU tensors only.
     dist.all_to_all_single(received, input, group=group)
     torch.sum(received.view(n, -1), dim=0, out=output)
 
@@ -261,15 +261,15 @@ def _all_gather(group, n: int, output: torch.Tensor, input: torch.Tensor) -> Non
     if dist.get_backend(group) == "nccl":  # documents in-place
         _all_gather_single(output, input, group=group)
         return
+    if input.device.type != "cpu":  # gloo's point-to-point takes CPU tensors only
+        if _aliases(input, output):  # a host backend would read what it writes
+            input = _scratch_like("all_gather_input", input).copy_(input)
+        _all_gather_single(output, input, group=group)
+        return
     own = output[dist.get_rank(group) * input.numel():][:input.numel()]
     if input.data_ptr() != own.data_ptr() and _aliases(input, output):
         input = _scratch_like("all_gather_input", input).copy_(input)
-    if input.device.type == "cpu":
-        gloo_collectives.all_gather(group, output, input)
-    else:
-        if input.data_ptr() == own.data_ptr():  # host backends would read what they write
-            input = _scratch_like("all_gather_input", input).copy_(input)
-        _all_gather_single(output, input, group=group)
+    gloo_collectives.all_gather(group, output, input)  # in place is fine
 
 
 def shared_memory_eligible(group: dist.ProcessGroup, device: torch.device) -> bool:

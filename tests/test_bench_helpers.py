@@ -63,3 +63,38 @@ def test_cpu_roles_split_threads(bench_modules):
              {"cpu_s_per_step_by_thread": {"MainThread": 2.0, "fgpsdp-scheduler": 0.25}}]
     assert emulated.cpu_roles(ranks) == {"training thread": 3.0, "fgpsdp threads": 0.5,
                                          "other threads": 0.5}
+
+
+def test_rank_skew_lines_up_traces(tmp_path):
+    """Two ranks' traces with different first spans land on one time axis."""
+    sys.path.insert(0, BENCH)
+    try:
+        import rank_skew
+    finally:
+        sys.path.remove(BENCH)
+    from fgpsdp_runtime.tracing import Timeline
+
+    paths = []
+    for rank, late, wait in ((0, 0.0, 0.2), (1, 0.25, 0.05)):
+        timeline = Timeline(rank=rank)
+        base = 1000.0 + 0.01 * rank  # perf_counter seconds: one clock for both ranks
+        for step in range(2):
+            t = base + 2.0 * step
+            timeline.add("compute", "forward", t, t + 0.5)
+            timeline.add("compute", "backward (from first gradient)", t + 0.6 + late,
+                         t + 1.0 + late)
+            timeline.add("compute", "optimizer step", t + 1.2 + late, t + 1.5 + late)
+            timeline.add("compute", "wait reduce-scatters", t + 1.2 + late,
+                         t + 1.2 + late + wait)
+        path = tmp_path / f"trace-rank{rank}.json"
+        timeline.save_chrome_trace(str(path))
+        paths.append(str(path))
+    loaded = dict(rank_skew.load(p) for p in paths)
+    steps = {rank: rank_skew.steps_of(spans) for rank, spans in loaded.items()}
+    assert len(steps[0]) == len(steps[1]) == 2
+    for step in range(2):
+        starts0, starts1 = steps[0][step]["start"], steps[1][step]["start"]
+        assert starts1["forward"] - starts0["forward"] == pytest.approx(0.01)
+        assert starts1["backward"] - starts0["backward"] == pytest.approx(0.26)
+        assert steps[0][step]["RS wait"] == pytest.approx(0.2)
+        assert steps[1][step]["RS wait"] == pytest.approx(0.05)

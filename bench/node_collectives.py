@@ -22,7 +22,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _cpu_s() -> float:
+def process_cpu_seconds() -> float:
+    """CPU seconds of this process so far, every thread."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
 
@@ -30,10 +31,11 @@ def _cpu_s() -> float:
 def _measure(fn, iters: int) -> tuple[float, float]:
     fn()  # warm: maps the region, sizes gloo's buffers
     dist.barrier()
-    cpu, wall = _cpu_s(), time.perf_counter()
+    cpu, wall = process_cpu_seconds(), time.perf_counter()
     for _ in range(iters):
         fn()
-    return (_cpu_s() - cpu) / iters * 1e3, (time.perf_counter() - wall) / iters * 1e3
+    cpu_ms = (process_cpu_seconds() - cpu) / iters * 1e3
+    return cpu_ms, (time.perf_counter() - wall) / iters * 1e3
 
 
 def _rank(rank: int, world: int, port: int, mib: float, iters: int, queue) -> None:

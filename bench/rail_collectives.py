@@ -15,16 +15,11 @@ comm.py ran before: all_to_all_single plus a sum, and all_gather_into_tensor.
 from __future__ import annotations
 
 import argparse
-import resource
 import time
 
 import torch
 import torch.distributed as dist
-
-
-def _cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
+from node_collectives import process_cpu_seconds  # bench/ is on the path
 
 
 def main() -> None:
@@ -70,12 +65,12 @@ def main() -> None:
             if active:
                 op()  # warm: connections, buffers
             dist.barrier()
-            cpu, wall = _cpu_s(), time.perf_counter()
+            cpu, wall = process_cpu_seconds(), time.perf_counter()
             if active:
                 for _ in range(args.iters):
                     op()
             wall = (time.perf_counter() - wall) / args.iters
-            cpu = (_cpu_s() - cpu) / args.iters
+            cpu = (process_cpu_seconds() - cpu) / args.iters
             rows.append((name, rails_active, wall, cpu) if active else None)
             dist.barrier()
     everyone = [None] * 4

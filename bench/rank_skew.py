@@ -14,22 +14,22 @@ late and waits little is the one the others wait for.
 from __future__ import annotations
 
 import argparse
-import json
+
+from timeline_report import load_trace  # bench/ is on the path
 
 PHASES = ("forward", "backward", "optimizer step")
 WAITS = {"wait AG": "AG wait", "wait reduce-scatters": "RS wait", "norm all-reduce": "norm"}
 
 
 def load(path: str) -> tuple[int, list[tuple[str, str, float, float]]]:
-    with open(path) as f:
-        events = json.load(f)["traceEvents"]
-    meta = next(e for e in events if e["ph"] == "M" and e["name"] == "process_name")
-    origin = meta["args"].get("perf_counter_origin_s")
+    """(rank, compute-lane spans in perf_counter seconds) of one rank's trace."""
+    meta, spans = load_trace(path)
+    origin = meta.get("perf_counter_origin_s")
     if origin is None:
         raise SystemExit(f"{path}: no perf_counter_origin_s (written before traces kept it)")
-    spans = [(e["cat"], e["name"], origin + e["ts"] / 1e6, origin + (e["ts"] + e["dur"]) / 1e6)
-             for e in events if e["ph"] == "X" and e["cat"] == "compute"]
-    return meta["pid"], spans
+    rank = int(meta["name"].split()[-1])  # "rank <r>"
+    return rank, [(lane, name, origin + s, origin + e) for lane, name, s, e in spans
+                  if lane == "compute"]
 
 
 def steps_of(spans) -> list[dict]:

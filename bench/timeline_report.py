@@ -27,14 +27,23 @@ WAITS = {"wait AG": "forward waits for all-gathers", "wait reduce-scatters":
          "norm all-reduce": "norm all-reduce"}
 
 
-def load_spans(path: str) -> list[tuple[str, str, float, float]]:
-    """(lane, name, start s, end s) from a Chrome trace written by fgpsdp_runtime."""
+def load_trace(path: str) -> tuple[dict, list[tuple[str, str, float, float]]]:
+    """A Chrome trace written by fgpsdp_runtime: its process metadata (``name``,
+    ``perf_counter_origin_s``) and its spans (lane, name, start s, end s), in
+    seconds after its first span."""
     with open(path) as f:
         events = json.load(f)["traceEvents"]
+    meta = next((e["args"] for e in events
+                 if e["ph"] == "M" and e["name"] == "process_name"), {})
     lanes = {e["tid"]: e["args"]["name"] for e in events
              if e["ph"] == "M" and e["name"] == "thread_name"}
-    return [(lanes[e["tid"]], e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
-            for e in events if e["ph"] == "X"]
+    return meta, [(lanes[e["tid"]], e["name"], e["ts"] / 1e6, (e["ts"] + e["dur"]) / 1e6)
+                  for e in events if e["ph"] == "X"]
+
+
+def load_spans(path: str) -> list[tuple[str, str, float, float]]:
+    """(lane, name, start s, end s) from a Chrome trace written by fgpsdp_runtime."""
+    return load_trace(path)[1]
 
 
 def from_first_forward(spans):

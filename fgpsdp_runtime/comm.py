@@ -261,15 +261,17 @@ def _all_gather(group, n: int, output: torch.Tensor, input: torch.Tensor) -> Non
     if dist.get_backend(group) == "nccl":  # documents in-place
         _all_gather_single(output, input, group=group)
         return
-    if input.device.type != "cpu":  # gloo's point-to-point takes CPU tensors only
-        if _aliases(input, output):  # a host backend would read what it writes
-            input = _scratch_like("all_gather_input", input).copy_(input)
-        _all_gather_single(output, input, group=group)
-        return
+    point_to_point = input.device.type == "cpu"  # gloo's takes CPU tensors only
     own = output[dist.get_rank(group) * input.numel():][:input.numel()]
-    if input.data_ptr() != own.data_ptr() and _aliases(input, output):
+    # The point-to-point path sends this rank's chunk from where it lies; a host
+    # backend's collective would read what it writes.
+    in_place_ok = point_to_point and input.data_ptr() == own.data_ptr()
+    if _aliases(input, output) and not in_place_ok:
         input = _scratch_like("all_gather_input", input).copy_(input)
-    gloo_collectives.all_gather(group, output, input)  # in place is fine
+    if point_to_point:
+        gloo_collectives.all_gather(group, output, input)
+    else:
+        _all_gather_single(output, input, group=group)
 
 
 def shared_memory_eligible(group: dist.ProcessGroup, device: torch.device) -> bool:

@@ -44,16 +44,15 @@ def exchange(group: dist.ProcessGroup, sends: Sequence[torch.Tensor],
     me = dist.get_rank(group)
     n = len(sends)
     peers = [(me + k) % n for k in range(1, n)]  # start at the next rank: spreads the load
-    pieces = {}
+    pieces = []  # (global rank of the peer, pieces to send, pieces to receive)
     for j in peers:
         numel = max(1, PIECE_BYTES // sends[j].element_size())
-        pieces[j] = (sends[j].split(numel), recvs[j].split(numel))
+        pieces.append((dist.get_global_rank(group, j), sends[j].split(numel),
+                       recvs[j].split(numel)))
     works = []
-    for i in range(max((len(p[0]) for p in pieces.values()), default=0)):
-        for j in peers:
-            send, recv = pieces[j]
+    for i in range(max((len(send) for _, send, _ in pieces), default=0)):
+        for peer, send, recv in pieces:
             if i < len(send):
-                peer = dist.get_global_rank(group, j)
                 works.append(dist.isend(send[i], peer, group=group, tag=i))
                 works.append(dist.irecv(recv[i], peer, group=group, tag=i))
     for work in works:

@@ -182,6 +182,10 @@ def summarise(workload, runs, rate_bps, out_dir, systems):
                   "compute_s": compute["step_time_s"] if compute else None, "workload": info}
 
 
+def all_rows_systems(all_rows) -> set:
+    return {s for rows, _ in all_rows.values() for s in rows}
+
+
 def markdown(all_rows, meta, command, rate):
     lines = [f"# Emulated 2x2 cluster benchmark ({meta['date']})", "",
              f"Command: `{command}`", "",
@@ -195,7 +199,13 @@ def markdown(all_rows, meta, command, rate):
              f"Step time = wall time of back-to-back steps / steps, the slowest rank, median "
              f"over {meta['rounds']} rounds ({meta['warmup']} warm-up + {meta['steps']} timed "
              f"steps each). Floor = max(compute-only step, 2 x (nodes-1)/nodes x parameter bytes "
-             f"/ link rate). Inter-node MiB = bytes node 0 sent over the veth per step. "
+             f"/ link rate)"
+             + ("; `compute_synced` is the compute-only step plus one one-element all-reduce "
+                "per step (the synchronisation exact global-norm clipping needs), so its gap "
+                "to `compute` is what the ranks' drift on shared cores costs a step that "
+                "waits for the slowest rank. " if "compute_synced" in all_rows_systems(all_rows)
+                else ". ")
+             + f"Inter-node MiB = bytes node 0 sent over the veth per step. "
              f"Buckets: the peers at 25 MB (torch DDP's default; FSDP's wrap unit and "
              f"DeepSpeed's buckets to match), fgpsdp at its own default (1/16 of the model, "
              f"1-25 MB); a `_bucket<MB>` suffix sets another size. "
@@ -277,7 +287,7 @@ def chart(all_rows, path):
         rows, floor = all_rows[workload]
         names = [s for s in systems if rows.get(s)]
         values = [rows[s]["step_time_s"] for s in names]
-        colors = ["tab:red" if s.startswith("fgpsdp") else "tab:gray" if s == "compute"
+        colors = ["tab:red" if s.startswith("fgpsdp") else "tab:gray" if s.startswith("compute")
                   else "tab:blue" for s in names]
         ax.bar(range(len(names)), values, color=colors)
         ax.axhline(floor["floor_s"], color="black", linestyle="--", linewidth=1, label="floor")

@@ -53,13 +53,21 @@ class System:
 class TorchDDP(System):
     name = "ddp"
 
-    def __init__(self, model, loss_fn, compute_only=False, bucket_cap_mb=BUCKET_CAP_MB):
+    def __init__(self, model, loss_fn, compute_only=False, bucket_cap_mb=BUCKET_CAP_MB,
+                 synchronize_norm=False):
         self.model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
         self.opt = torch.optim.AdamW(self.model.parameters(), **ADAMW)
         self.loss_fn = loss_fn
         self.compute_only = compute_only
+        # compute_synced: the compute-only step plus the one synchronisation that
+        # clipping by the global norm needs (a one-element all-reduce), so every
+        # rank waits for the slowest once per step, as any data-parallel step
+        # with exact clipping must. Its gap to ``compute`` is what the ranks'
+        # drift apart on shared cores costs a synchronised step.
+        self.synchronize_norm = synchronize_norm
+        self._norm_packet = torch.zeros(1, dtype=torch.float64)
         if compute_only:
-            self.name = "compute"
+            self.name = "compute_synced" if synchronize_norm else "compute"
 
     def train_step(self, x, y):
         if self.compute_only:  # same compute, no communication: the floor's compute part
@@ -69,7 +77,10 @@ class TorchDDP(System):
         else:
             loss = self.loss_fn(self.model(x), y)
             loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_NORM)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_NORM)
+        if self.synchronize_norm:
+            self._norm_packet.fill_(float(norm) ** 2)
+            dist.all_reduce(self._norm_packet)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return loss
@@ -235,7 +246,7 @@ def _size_wrap_policy(bucket_cap_mb: float):
 
 SYSTEMS = ("ddp", "ddp_zero1", "fsdp_grad_op", "fsdp_hybrid_zero2", "deepspeed_zero2",
            "fgpsdp", "fgpsdp_flat", "fgpsdp_gloo_intra", "fgpsdp_next_forward",
-           "fgpsdp_overlap_backward", "fgpsdp_serial", "compute")
+           "fgpsdp_overlap_backward", "fgpsdp_serial", "compute", "compute_synced")
 FGPSDP_SCHEDULES = ("next_forward", "overlap_backward", "serial")
 
 
@@ -264,6 +275,8 @@ def build_system(name: str, model: nn.Module, loss_fn: Callable, batch: int) -> 
         system = TorchDDP(model, loss_fn, **kw)
     elif base == "compute":
         system = TorchDDP(model, loss_fn, compute_only=True, **kw)
+    elif base == "compute_synced":
+        system = TorchDDP(model, loss_fn, compute_only=True, synchronize_norm=True, **kw)
     elif base == "ddp_zero1":
         system = TorchZeRO(model, loss_fn, **kw)
     elif base == "fsdp_grad_op":

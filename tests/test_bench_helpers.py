@@ -98,3 +98,32 @@ def test_rank_skew_lines_up_traces(tmp_path):
         assert starts1["backward"] - starts0["backward"] == pytest.approx(0.26)
         assert steps[0][step]["RS wait"] == pytest.approx(0.2)
         assert steps[1][step]["RS wait"] == pytest.approx(0.05)
+
+
+def _compute_synced_step(rank, world_size):
+    sys.path.insert(0, BENCH)
+    import copy
+    import torch
+    import systems
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    reference = copy.deepcopy(model)
+    system = systems.build_system("compute_synced", model, torch.nn.functional.mse_loss, batch=2)
+    torch.manual_seed(1 + rank)  # different data per rank, as in training
+    x, y = torch.randn(2, 8), torch.randn(2, 4)
+    torch.nn.functional.mse_loss(reference(x), y).backward()
+    local_sq = sum(float(p.grad.double().pow(2).sum()) for p in reference.parameters())
+    system.train_step(x, y)
+    return {"packet": float(system._norm_packet), "local_sq": local_sq,
+            "weight": system.model.module.weight.detach().clone()}
+
+
+def test_compute_synced_all_reduces_the_norm_and_nothing_else():
+    from tests.dist_harness import run_distributed
+    results = run_distributed(2, _compute_synced_step)
+    # The packet is the sum of both ranks' squared norms (the one synchronisation) ...
+    assert results[0]["packet"] == pytest.approx(results[1]["packet"])
+    assert results[0]["packet"] == pytest.approx(results[0]["local_sq"] + results[1]["local_sq"],
+                                                 rel=1e-5)
+    # ... and the gradients were not: the ranks' updates differ.
+    assert not results[0]["weight"].equal(results[1]["weight"])

@@ -14,7 +14,9 @@ Each instance serves one process group and is used by one thread at a time
 A region holds two halves; round i uses half i % 2::
 
     reduce-scatter: rank l copies its input into slot l of the half,
-                    barrier, sums chunk l of every slot (in slot order)
+                    barrier, sums chunk l of every slot (in slot order);
+                    with two ranks, only the peer's chunk is copied and
+                    rank l adds its own chunk from where it lies
     all-gather    : rank l copies its chunk to position l of the half,
                     barrier, copies the other positions out
 
@@ -100,12 +102,23 @@ class SharedMemoryCollectives:
             return False
         rows = input.reshape(n, chunk)  # row j: what rank j receives the sum of
         out = output.view(-1)
+        me = self.rank
         for lo in range(0, chunk, piece):
             m = min(piece, chunk - lo)
-            slots = self._half(n, input, n * m)  # slot j: rank j's pieces, (n, m) each
-            slots[self.rank].view(n, m).copy_(rows[:, lo:lo + m])
+            slots = self._half(n, input, n * m).view(n, n, m)  # [slot j][row]: rank j's pieces
+            if n == 2:
+                # Only the peer's row goes through the region; this rank's own
+                # piece is read where it lies (half the bytes written). One
+                # addition in rank order: the same bits as the sum below.
+                peer = 1 - me
+                slots[me, peer].copy_(rows[peer, lo:lo + m])
+                self._barrier()
+                mine, theirs = rows[me, lo:lo + m], slots[peer, me]
+                torch.add(*((mine, theirs) if me == 0 else (theirs, mine)), out=out[lo:lo + m])
+                continue
+            slots[me].copy_(rows[:, lo:lo + m])
             self._barrier()
-            torch.sum(slots.view(n, n, m)[:, self.rank, :], dim=0, out=out[lo:lo + m])
+            torch.sum(slots[:, me, :], dim=0, out=out[lo:lo + m])
         return True
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> bool:

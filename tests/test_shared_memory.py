@@ -63,10 +63,11 @@ def test_shared_memory_matches_gloo_bitwise(world):
     assert results[0][2] == []
 
 
-def test_large_buckets_move_in_rounds():
-    """A slot of 256 bytes: every op above 64 float32 elements per rank takes several
-    rounds (with uneven last pieces); the region never grows past one slot."""
-    results = run_distributed(3, _compare_with_gloo, [torch.float32, torch.float64],
+@pytest.mark.parametrize("world", [2, 3])
+def test_large_buckets_move_in_rounds(world):
+    """A slot of 256 bytes: every op above 256 / (4 world) float32 elements per rank
+    takes several rounds (with uneven last pieces); the region never grows past one slot."""
+    results = run_distributed(world, _compare_with_gloo, [torch.float32, torch.float64],
                               [1000, 33, 4097], 256)
     for mismatches, allocations, _ in results:
         assert mismatches == 0

@@ -182,7 +182,9 @@ class DeepSpeedZeRO2(System):
 class FGPSDP(System):
     name = "fgpsdp"
 
-    def __init__(self, model, loss_fn, bucket_cap_mb=None, **ddp_kwargs):
+    def __init__(self, model, loss_fn, bucket_cap_mb=None, calls_in_flight=None, **ddp_kwargs):
+        if calls_in_flight is not None:  # read when the link workers start
+            os.environ["FGPSDP_CALLS_IN_FLIGHT"] = str(calls_in_flight)
         # None: fgpsdp's own default (sized to the model, 1-25 MB).
         self.model = fgp.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, **ddp_kwargs)
         self.opt = fgp.ShardedOptimizer(self.model, torch.optim.AdamW, max_grad_norm=MAX_NORM,
@@ -304,10 +306,13 @@ def fgpsdp_variant(name: str):
 
     ``fgpsdp`` (two_stage, topology from torchrun), ``fgpsdp_flat``,
     ``fgpsdp_gloo_intra`` (intra-node bytes over gloo's TCP loopback, not
-    shared memory), ``fgpsdp_<schedule>``.
+    shared memory), ``fgpsdp_one_call_in_flight`` (each link worker waits for
+    a call before posting the next: comm.calls_in_flight), ``fgpsdp_<schedule>``.
     """
     if name == "fgpsdp":
         return {}
+    if name == "fgpsdp_one_call_in_flight":
+        return {"calls_in_flight": 1}
     if name == "fgpsdp_flat":
         return {"topology": "flat"}
     if name == "fgpsdp_gloo_intra":

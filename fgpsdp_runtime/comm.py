@@ -46,8 +46,10 @@ NCCL's reduce_scatter_tensor and all_gather_into_tensor are used as they are.
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
+import time
 from collections import defaultdict
 from concurrent.futures import Future
 from typing import Callable, Optional
@@ -144,21 +146,56 @@ def bytes_sent(total_bytes: int, group_size: int) -> int:
     return total_bytes * (group_size - 1) // group_size
 
 
-class LinkWorker:
-    """A daemon thread that runs one link's collectives in submission order."""
+def calls_in_flight() -> int:
+    """How many calls a link worker may have posted and not yet finished.
 
-    def __init__(self, name: str, device: torch.device):
+    [Note: calls in flight]
+    A bucket-sized call on one rail leaves the link idle while its last piece
+    lands and the next call is posted (about 6 ms per call on the emulated
+    1 Gbit/s link: 0.67 Gbit/s for 2 MiB calls against 0.85 for 12.5 MiB,
+    docs/benchmarks/2026-11-30-rail-collectives-cpu.md). So a worker posts a
+    call's messages, hands the wait to its completion thread and posts the
+    next one. Only point-to-point calls on gloo can be split so; the others
+    (shared memory, NCCL, gloo's collectives) run whole on the worker.
+    ``FGPSDP_CALLS_IN_FLIGHT=1`` runs one call at a time.
+    """
+    value = int(os.environ.get("FGPSDP_CALLS_IN_FLIGHT", "2"))
+    if value < 1:
+        raise ValueError(f"FGPSDP_CALLS_IN_FLIGHT must be >= 1, got {value}")
+    return value
+
+
+class LinkWorker:
+    """A daemon thread that runs one link's collectives in submission order.
+
+    A task may return a function that finishes it (waits for the messages it
+    posted): with more than one call in flight, a second thread runs those in
+    the same order and resolves each task's future, while the worker goes on
+    posting. Futures are resolved in submission order either way.
+    """
+
+    def __init__(self, name: str, device: torch.device, in_flight: Optional[int] = None):
         self.name = name
         self.device = device
         # CUDA: the link's own stream, so that its collectives overlap compute
         # and the other link's collectives.
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        self.in_flight = calls_in_flight() if in_flight is None else in_flight
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._finishes: Optional["queue.SimpleQueue"] = None
+        self._slots: Optional[threading.Semaphore] = None
+        self._finisher: Optional[threading.Thread] = None
+        if self.in_flight > 1:
+            self._finishes = queue.SimpleQueue()
+            self._slots = threading.Semaphore(self.in_flight)
+            self._finisher = threading.Thread(target=self._finish_in_order,
+                                              name=f"fgpsdp-{name}-wait", daemon=True)
+            self._finisher.start()
         self._thread = threading.Thread(target=self._run, name=f"fgpsdp-{name}", daemon=True)
         self._thread.start()
         shutdown.register(self)  # stopped and joined at exit: see shutdown.py
 
-    def submit(self, fn: Callable[[], None], ready_event=None) -> Future:
+    def submit(self, fn: Callable[[], Optional[Callable[[], None]]], ready_event=None) -> Future:
         future: Future = Future()
         self._queue.put((fn, future, ready_event))
         return future
@@ -167,32 +204,64 @@ class LinkWorker:
         while True:
             item = self._queue.get()
             if item is None:
+                if self._finishes is not None:
+                    self._finishes.put(None)
                 return
             fn, future, ready_event = item
             if not future.set_running_or_notify_cancel():
                 continue
+            if self._slots is not None:
+                self._slots.acquire()  # released once the call has finished
             try:
                 if self.stream is not None:
                     with torch.cuda.stream(self.stream):
                         if ready_event is not None:
                             self.stream.wait_event(ready_event)
-                        fn()
+                        finish = fn()
                 else:
-                    fn()
+                    finish = fn()
             except BaseException as error:  # handed to whoever waits on it
-                future.set_exception(error)
+                finish, failure = None, error
             else:
-                future.set_result(None)
+                failure = None
+            if self._finishes is not None:
+                self._finishes.put((finish, failure, future))
+                continue
+            self._resolve(finish, failure, future)
+
+    def _finish_in_order(self) -> None:
+        while True:
+            item = self._finishes.get()
+            if item is None:
+                return
+            self._resolve(*item)
+            self._slots.release()
+
+    @staticmethod
+    def _resolve(finish, failure, future: Future) -> None:
+        if failure is None and finish is not None:
+            try:
+                finish()
+            except BaseException as error:
+                failure = error
+        if failure is not None:
+            future.set_exception(failure)
+        else:
+            future.set_result(None)
 
     def close(self) -> None:
-        """The thread ends once the collectives submitted so far have run."""
+        """The threads end once the collectives submitted so far have run."""
         self._queue.put(None)
 
     request_stop = close
 
     def join(self, timeout: Optional[float] = None) -> None:
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout)
+        threads = [t for t in (self._thread, self._finisher) if t is not None]
+        if threading.current_thread() in threads:
+            return  # each of the two waits for the other: never join from inside
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for thread in threads:
+            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
 
 
 # Per link-worker thread: one reusable buffer per purpose. A worker runs one
@@ -200,6 +269,16 @@ class LinkWorker:
 # them is safe; allocating them per call made every worker thread's heap hold
 # bucket-sized freed blocks (see docs/benchmarks/2026-11-30-memory-cpu.md).
 _scratch = threading.local()
+
+
+def _next_scratch_slot(purpose: str, slots: int) -> str:
+    """A scratch name that cycles through ``slots`` buffers: a worker has at most
+    that many calls in flight, and finishes them in order, so call k + slots is
+    posted only after call k has finished with its buffer."""
+    counters = _scratch.__dict__.setdefault("counters", {})
+    count = counters.get(purpose, 0)
+    counters[purpose] = count + 1
+    return f"{purpose}#{count % slots}"
 
 
 def _scratch_like(purpose: str, like: torch.Tensor) -> torch.Tensor:
@@ -220,58 +299,73 @@ def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
 def reduce_scatter_blocking(group: dist.ProcessGroup, output: torch.Tensor,
                             input: torch.Tensor) -> None:
     """Sum ``input`` over the group; this rank gets chunk ``group rank`` in ``output``."""
+    finish = start_reduce_scatter(group, output, input)
+    if finish is not None:
+        finish()
+
+
+def start_reduce_scatter(group: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor,
+                         scratch_slots: int = 1) -> Optional[Callable[[], None]]:
+    """``reduce_scatter_blocking``, or, where the call is point-to-point messages,
+    post them and return the function that waits and sums (see LinkWorker).
+    ``scratch_slots``: calls the caller may have in flight at once."""
     n = dist.get_world_size(group)
     if input.numel() != output.numel() * n:
         raise ValueError(f"reduce-scatter sizes: input {input.numel()} != {n} x output {output.numel()}")
     with nvtx_range(f"fgpsdp.reduce_scatter[{n}]"):
-        _reduce_scatter(group, n, output, input)
-
-
-def _reduce_scatter(group, n: int, output: torch.Tensor, input: torch.Tensor) -> None:
-    if n == 1:
-        output.copy_(input)
-        return
-    if dist.get_backend(group) == "nccl":
-        _reduce_scatter_single(output, input, group=group)
-        return
-    received = _scratch_like("reduce_scatter_received", input)
-    if input.device.type == "cpu":
-        gloo_collectives.reduce_scatter(group, output, input, received)
-        return
-    # gloo's point-to-point takes CPU tensors only.
-    dist.all_to_all_single(received, input, group=group)
-    torch.sum(received.view(n, -1), dim=0, out=output)
+        if n == 1:
+            output.copy_(input)
+            return None
+        if dist.get_backend(group) == "nccl":
+            _reduce_scatter_single(output, input, group=group)
+            return None
+        if input.device.type == "cpu":
+            received = _scratch_like(_next_scratch_slot("reduce_scatter_received", scratch_slots),
+                                     input)
+            return gloo_collectives.start_reduce_scatter(group, output, input, received)
+        # gloo's point-to-point takes CPU tensors only.
+        received = _scratch_like("reduce_scatter_received", input)
+        dist.all_to_all_single(received, input, group=group)
+        torch.sum(received.view(n, -1), dim=0, out=output)
+        return None
 
 
 def all_gather_blocking(group: dist.ProcessGroup, output: torch.Tensor,
                         input: torch.Tensor) -> None:
     """Every rank's ``input`` lands at chunk ``group rank`` of ``output`` (may be in place)."""
+    finish = start_all_gather(group, output, input)
+    if finish is not None:
+        finish()
+
+
+def start_all_gather(group: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor,
+                     scratch_slots: int = 1) -> Optional[Callable[[], None]]:
+    """``all_gather_blocking``, or, where the call is point-to-point messages,
+    post them and return the function that waits for them (see LinkWorker).
+    ``scratch_slots``: calls the caller may have in flight at once."""
     n = dist.get_world_size(group)
     if output.numel() != input.numel() * n:
         raise ValueError(f"all-gather sizes: output {output.numel()} != {n} x input {input.numel()}")
     with nvtx_range(f"fgpsdp.all_gather[{n}]"):
-        _all_gather(group, n, output, input)
-
-
-def _all_gather(group, n: int, output: torch.Tensor, input: torch.Tensor) -> None:
-    if n == 1:
-        if input.data_ptr() != output.data_ptr():
-            output.copy_(input)
-        return
-    if dist.get_backend(group) == "nccl":  # documents in-place
+        if n == 1:
+            if input.data_ptr() != output.data_ptr():
+                output.copy_(input)
+            return None
+        if dist.get_backend(group) == "nccl":  # documents in-place
+            _all_gather_single(output, input, group=group)
+            return None
+        point_to_point = input.device.type == "cpu"  # gloo's takes CPU tensors only
+        own = output[dist.get_rank(group) * input.numel():][:input.numel()]
+        # The point-to-point path sends this rank's chunk from where it lies; a host
+        # backend's collective would read what it writes.
+        in_place_ok = point_to_point and input.data_ptr() == own.data_ptr()
+        if _aliases(input, output) and not in_place_ok:
+            input = _scratch_like(_next_scratch_slot("all_gather_input", scratch_slots),
+                                  input).copy_(input)
+        if point_to_point:
+            return gloo_collectives.start_all_gather(group, output, input)
         _all_gather_single(output, input, group=group)
-        return
-    point_to_point = input.device.type == "cpu"  # gloo's takes CPU tensors only
-    own = output[dist.get_rank(group) * input.numel():][:input.numel()]
-    # The point-to-point path sends this rank's chunk from where it lies; a host
-    # backend's collective would read what it writes.
-    in_place_ok = point_to_point and input.data_ptr() == own.data_ptr()
-    if _aliases(input, output) and not in_place_ok:
-        input = _scratch_like("all_gather_input", input).copy_(input)
-    if point_to_point:
-        gloo_collectives.all_gather(group, output, input)
-    else:
-        _all_gather_single(output, input, group=group)
+        return None
 
 
 def shared_memory_eligible(group: dist.ProcessGroup, device: torch.device) -> bool:
@@ -298,18 +392,20 @@ class _Exchange:
         return None
 
     @staticmethod
-    def _collective(phase: str, group, shm: Optional[SharedMemoryCollectives], output, input):
+    def _collective(phase: str, group, shm: Optional[SharedMemoryCollectives], output, input,
+                    worker: "LinkWorker"):
         """The collective (``reduce_scatter`` or ``all_gather``) a worker runs: through
-        shared memory when the node allows it, else on the group's backend."""
+        shared memory when the node allows it, else on the group's backend. Returns
+        what finishes it, or None if it has finished (see LinkWorker)."""
         through_node = getattr(shm, phase) if shm is not None else None
-        on_group = reduce_scatter_blocking if phase == "reduce_scatter" else all_gather_blocking
+        on_group = start_reduce_scatter if phase == "reduce_scatter" else start_all_gather
 
         def run():
             if through_node is not None:
                 with nvtx_range(f"fgpsdp.{phase}_shm[{shm.size}]"):
                     if through_node(output, input):
-                        return
-            on_group(group, output, input)
+                        return None
+            return on_group(group, output, input, scratch_slots=worker.in_flight)
         return run
 
     @property
@@ -355,12 +451,24 @@ class _Exchange:
                     worker.stream.wait_stream(first_worker.stream)
             if worker.stream is not None:
                 start = timeline.cuda_span_events(worker.stream)
-                fn()
+                finish = fn()
+                if finish is not None:
+                    finish()
                 timeline.end_cuda_span(worker.name, name, start, worker.stream)
                 done.record(worker.stream)
-            else:
-                with timeline.span(worker.name, name):
-                    fn()
+                return None
+            start = time.perf_counter()
+            finish = fn()
+
+            def finish_and_trace():
+                if finish is not None:
+                    finish()
+                if timeline.enabled:
+                    timeline.add(worker.name, name, start, time.perf_counter())
+            if finish is None or worker.in_flight == 1:
+                finish_and_trace()
+                return None
+            return finish_and_trace
         return PendingOp(worker.submit(task, ready), done_event=done)
 
 
@@ -388,7 +496,7 @@ class FlatExchange(_Exchange):
                        bytes_sent(input.numel() * input.element_size(), self.size))
         return self._submit(self.rs_worker,
                             self._collective("reduce_scatter", self.rs_group, self._rs_shm,
-                                             output, input),
+                                             output, input, self.rs_worker),
                             f"RS {label}")
 
     def start_all_gather(self, output: torch.Tensor, input: torch.Tensor,
@@ -397,7 +505,7 @@ class FlatExchange(_Exchange):
                        bytes_sent(output.numel() * output.element_size(), self.size))
         return self._submit(self.ag_worker,
                             self._collective("all_gather", self.ag_group, self._ag_shm, output,
-                                             input),
+                                             input, self.ag_worker),
                             f"AG {label}")
 
     @property
@@ -435,10 +543,12 @@ class HierarchicalExchange(_Exchange):
         groups = self.rs_groups
         first = self._submit(self.intra_rs,
                              self._collective("reduce_scatter", groups.intra, self._rs_shm,
-                                              partial, input),
+                                              partial, input, self.intra_rs),
                              f"RS {label}")
+        slots = self.inter_rs.in_flight
         return self._submit(self.inter_rs,
-                            lambda: reduce_scatter_blocking(groups.inter, output, partial),
+                            lambda: start_reduce_scatter(groups.inter, output, partial,
+                                                         scratch_slots=slots),
                             f"RS {label}", after=(first.future, self.intra_rs))
 
     def start_all_gather(self, output: torch.Tensor, input: torch.Tensor,
@@ -452,12 +562,14 @@ class HierarchicalExchange(_Exchange):
         local = dist.get_rank(groups.intra)
         # This rank's chunk of the bucket: the rail fills it, then the node shares it.
         own_chunk = output[local * chunk:(local + 1) * chunk]
+        slots = self.inter_ag.in_flight
         first = self._submit(self.inter_ag,
-                             lambda: all_gather_blocking(groups.inter, own_chunk, input),
+                             lambda: start_all_gather(groups.inter, own_chunk, input,
+                                                      scratch_slots=slots),
                              f"AG {label}")
         return self._submit(self.intra_ag,
                             self._collective("all_gather", groups.intra, self._ag_shm, output,
-                                             own_chunk),
+                                             own_chunk, self.intra_ag),
                             f"AG {label}", after=(first.future, self.inter_ag))
 
     @property

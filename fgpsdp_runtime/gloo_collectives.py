@@ -21,12 +21,16 @@ all:
 
 Every rank sends (n-1)/n of the buffer, the ring's volume. The messages of one
 call carry the piece index as their tag; gloo matches a peer's messages of
-one tag in the order they were posted, and a call returns only once all its
-messages have landed, so consecutive calls on one group cannot mix.
+one tag in the order they were posted, and every rank posts the calls of a
+group in the same order, so calls on one group cannot mix even while several
+are in flight. ``start_*`` posts a call and returns the function that waits
+for it (and, for a reduce-scatter, sums): a link worker posts its next call
+before the previous one has landed (comm.py), so that the link does not
+drain between two bucket-sized calls.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,11 +40,11 @@ import torch.distributed as dist
 PIECE_BYTES = 1 << 20
 
 
-def exchange(group: dist.ProcessGroup, sends: Sequence[torch.Tensor],
-             recvs: Sequence[torch.Tensor]) -> None:
-    """For every peer j (group rank) other than this rank: send ``sends[j]``
-    to j and receive ``recvs[j]`` from j, all in flight at once. Both sides of
-    a pair must pass tensors of the same size."""
+def post_exchange(group: dist.ProcessGroup, sends: Sequence[torch.Tensor],
+                  recvs: Sequence[torch.Tensor]) -> list:
+    """For every peer j (group rank) other than this rank: post sending ``sends[j]``
+    to j and receiving ``recvs[j]`` from j, all at once; return the works to wait
+    for. Both sides of a pair must pass tensors of the same size."""
     me = dist.get_rank(group)
     n = len(sends)
     peers = [(me + k) % n for k in range(1, n)]  # start at the next rank: spreads the load
@@ -55,32 +59,56 @@ def exchange(group: dist.ProcessGroup, sends: Sequence[torch.Tensor],
             if i < len(send):
                 works.append(dist.isend(send[i], peer, group=group, tag=i))
                 works.append(dist.irecv(recv[i], peer, group=group, tag=i))
+    return works
+
+
+def exchange(group: dist.ProcessGroup, sends: Sequence[torch.Tensor],
+             recvs: Sequence[torch.Tensor]) -> None:
+    """``post_exchange`` and wait for every message."""
+    _wait_all(post_exchange(group, sends, recvs))
+
+
+def _wait_all(works) -> None:
     for work in works:
         work.wait()
 
 
-def reduce_scatter(group: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor,
-                   received: torch.Tensor) -> None:
-    """Sum of every rank's ``input``; this rank's chunk lands in ``output``.
+def start_reduce_scatter(group: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor,
+                         received: torch.Tensor) -> Callable[[], None]:
+    """Post a reduce-scatter; the returned function waits for it and sums.
 
-    ``received`` is scratch of the input's size (peers' chunks land there).
+    The sum of every rank's ``input`` lands in ``output`` (this rank's chunk).
+    ``received`` is scratch of the input's size (peers' chunks land there);
+    none of the three may be touched until the returned function has run.
     """
     n, me = dist.get_world_size(group), dist.get_rank(group)
     chunks = input.view(n, -1)
     rows = received.view(n, -1)
-    exchange(group, list(chunks), list(rows))
-    if n == 2:
-        # One addition per element: the same bits as the sum in rank order,
-        # without first copying this rank's own chunk into the scratch.
-        mine, theirs = chunks[me], rows[1 - me]
-        torch.add(*((mine, theirs) if me == 0 else (theirs, mine)), out=output)
-        return
-    rows[me].copy_(chunks[me])
-    torch.sum(rows, dim=0, out=output)
+    works = post_exchange(group, list(chunks), list(rows))
+
+    def finish() -> None:
+        _wait_all(works)
+        if n == 2:
+            # One addition per element: the same bits as the sum in rank order,
+            # without first copying this rank's own chunk into the scratch.
+            mine, theirs = chunks[me], rows[1 - me]
+            torch.add(*((mine, theirs) if me == 0 else (theirs, mine)), out=output)
+            return
+        rows[me].copy_(chunks[me])
+        torch.sum(rows, dim=0, out=output)
+    return finish
 
 
-def all_gather(group: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor) -> None:
-    """Every rank's ``input`` lands at chunk ``group rank`` of ``output``.
+def reduce_scatter(group: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor,
+                   received: torch.Tensor) -> None:
+    """``start_reduce_scatter`` and wait."""
+    start_reduce_scatter(group, output, input, received)()
+
+
+def start_all_gather(group: dist.ProcessGroup, output: torch.Tensor,
+                     input: torch.Tensor) -> Callable[[], None]:
+    """Post an all-gather (every rank's ``input`` lands at chunk ``group rank`` of
+    ``output``); the returned function waits for it.
 
     ``input`` may be this rank's chunk of ``output`` (in place); it must not
     overlap any other chunk.
@@ -89,4 +117,10 @@ def all_gather(group: dist.ProcessGroup, output: torch.Tensor, input: torch.Tens
     chunks = list(output.view(n, -1))
     if input.data_ptr() != chunks[me].data_ptr():
         chunks[me].copy_(input)
-    exchange(group, [chunks[me]] * n, chunks)
+    works = post_exchange(group, [chunks[me]] * n, chunks)
+    return lambda: _wait_all(works)
+
+
+def all_gather(group: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor) -> None:
+    """``start_all_gather`` and wait."""
+    start_all_gather(group, output, input)()

@@ -67,3 +67,36 @@ def _wrong_size(rank, world):
 def test_reduce_scatter_rejects_mismatched_sizes():
     for message in run_distributed(2, _wrong_size):
         assert message is not None and "reduce-scatter sizes" in message
+
+
+def _calls_in_flight(rank, world, piece_bytes):
+    """Several calls posted on one group before any is waited for, as a link
+    worker with calls in flight does; returns how many results differ bitwise."""
+    import torch.distributed as dist
+
+    from fgpsdp_runtime import gloo_collectives
+    from fgpsdp_runtime.comm import start_all_gather, start_reduce_scatter
+
+    gloo_collectives.PIECE_BYTES = piece_bytes
+    group = dist.new_group(list(range(world)))
+    calls = []
+    for i, chunk in enumerate([1000, 7, 333, 64]):
+        inputs = [_inputs(r + 10 * i, chunk * world, torch.float32) for r in range(world)]
+        out = torch.full((chunk,), float("nan"))
+        finish = start_reduce_scatter(group, out, inputs[rank], scratch_slots=4)
+        expected = torch.sum(torch.stack([x.view(world, -1)[rank] for x in inputs]), dim=0)
+        calls.append((finish, out, expected))
+        gathered = torch.full((chunk * world,), float("nan"))
+        finish = start_all_gather(group, gathered, inputs[rank][:chunk], scratch_slots=4)
+        calls.append((finish, gathered, torch.cat([x[:chunk] for x in inputs])))
+    mismatches = 0
+    for finish, out, expected in calls:  # finished in posting order, as the worker does
+        finish()
+        mismatches += not torch.equal(out, expected)
+    return mismatches
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_calls_in_flight_on_one_group_do_not_mix(world):
+    # 64-byte pieces: every call is many messages per peer with the same tags.
+    assert run_distributed(world, _calls_in_flight, 64) == [0] * world

@@ -6,6 +6,7 @@ import textwrap
 import threading
 import time
 
+import pytest
 import torch
 
 from fgpsdp_runtime import shutdown
@@ -55,3 +56,44 @@ def test_a_worker_never_waits_for_itself():
     done.result(timeout=3.0)  # joining itself would raise RuntimeError here
     worker.join(5.0)
     assert not worker._thread.is_alive()
+
+
+def test_a_worker_posts_ahead_and_resolves_in_order():
+    """With two calls in flight the worker posts the next call while the first one
+    is unfinished; futures resolve in submission order, a failure only its own."""
+    worker = LinkWorker("test-in-flight", torch.device("cpu"), in_flight=2)
+    release_first = threading.Event()
+    second_posted = threading.Event()
+    third_posted = threading.Event()
+    order = []
+
+    def first():
+        def finish():
+            assert release_first.wait(5.0)
+            order.append(1)
+        return finish
+
+    def second():
+        second_posted.set()
+
+        def finish():
+            raise RuntimeError("second failed")
+        return finish
+
+    def third():
+        third_posted.set()  # needs a slot: only once the first has finished
+        order.append(3)
+        return None
+
+    futures = [worker.submit(first), worker.submit(second), worker.submit(third)]
+    assert second_posted.wait(5.0)  # posted while the first is still unfinished
+    assert not third_posted.wait(0.2)  # two calls in flight at most
+    assert not futures[0].done()
+    release_first.set()
+    futures[0].result(timeout=5.0)
+    with pytest.raises(RuntimeError, match="second failed"):
+        futures[1].result(timeout=5.0)
+    futures[2].result(timeout=5.0)
+    assert order == [1, 3]
+    shutdown.stop_and_join([worker], timeout_s=5.0)
+    assert not worker._thread.is_alive() and not worker._finisher.is_alive()

@@ -9,7 +9,8 @@ live in the wrapper).
 Each link class (``flat``, or ``intra`` and ``inter``) has, per phase
 (reduce-scatter, all-gather), a process group of its own and a worker thread
 that issues every collective of that group, one after another, in the order
-they were submitted. Collectives on one group thus have the same order on
+they were submitted (a point-to-point call is issued before the previous one
+has landed: see ``calls_in_flight``). Collectives on one group thus have the same order on
 every rank, while links and phases work at the same time: bucket b's
 inter-node phase runs while bucket b+1's intra-node phase does, and an early
 all-gather (two-stage schedule) runs beside later reduce-scatters. Reduce-

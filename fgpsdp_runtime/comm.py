@@ -10,9 +10,9 @@ Each link class (``flat``, or ``intra`` and ``inter``) has, per phase
 (reduce-scatter, all-gather), a process group of its own and a worker thread
 that issues every collective of that group, one after another, in the order
 they were submitted (a point-to-point call is issued before the previous one
-has landed: see ``calls_in_flight``). Collectives on one group thus have the same order on
-every rank, while links and phases work at the same time: bucket b's
-inter-node phase runs while bucket b+1's intra-node phase does, and an early
+has landed: see ``calls_in_flight``). Collectives on one group thus have
+the same order on every rank, while links and phases work at the same time:
+bucket b's inter-node phase runs while bucket b+1's intra-node phase does, and an early
 all-gather (two-stage schedule) runs beside later reduce-scatters. Reduce-
 scatters are submitted in bucket order and all-gathers in plan order on every
 rank; how the two interleave depends on timing, which is why they never share
@@ -167,7 +167,7 @@ def calls_in_flight() -> int:
 
 
 class LinkWorker:
-    """A daemon thread that runs one link's collectives in submission order.
+    """Daemon thread(s) that run one link's collectives in submission order.
 
     A task may return a function that finishes it (waits for the messages it
     posted): with more than one call in flight, a second thread runs those in
@@ -300,9 +300,7 @@ def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
 def reduce_scatter_blocking(group: dist.ProcessGroup, output: torch.Tensor,
                             input: torch.Tensor) -> None:
     """Sum ``input`` over the group; this rank gets chunk ``group rank`` in ``output``."""
-    finish = start_reduce_scatter(group, output, input)
-    if finish is not None:
-        finish()
+    _run_to_end(start_reduce_scatter(group, output, input))
 
 
 def start_reduce_scatter(group: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor,
@@ -334,7 +332,10 @@ def start_reduce_scatter(group: dist.ProcessGroup, output: torch.Tensor, input: 
 def all_gather_blocking(group: dist.ProcessGroup, output: torch.Tensor,
                         input: torch.Tensor) -> None:
     """Every rank's ``input`` lands at chunk ``group rank`` of ``output`` (may be in place)."""
-    finish = start_all_gather(group, output, input)
+    _run_to_end(start_all_gather(group, output, input))
+
+
+def _run_to_end(finish: Optional[Callable[[], None]]) -> None:
     if finish is not None:
         finish()
 

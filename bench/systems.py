@@ -52,6 +52,7 @@ class System:
 
 class TorchDDP(System):
     name = "ddp"
+    synchronize_norm = False  # TorchZeRO reuses train_step without this __init__
 
     def __init__(self, model, loss_fn, compute_only=False, bucket_cap_mb=BUCKET_CAP_MB,
                  synchronize_norm=False):

@@ -453,9 +453,7 @@ class _Exchange:
                     worker.stream.wait_stream(first_worker.stream)
             if worker.stream is not None:
                 start = timeline.cuda_span_events(worker.stream)
-                finish = fn()
-                if finish is not None:
-                    finish()
+                _run_to_end(fn())
                 timeline.end_cuda_span(worker.name, name, start, worker.stream)
                 done.record(worker.stream)
                 return None
@@ -463,14 +461,13 @@ class _Exchange:
             finish = fn()
 
             def finish_and_trace():
-                if finish is not None:
-                    finish()
+                _run_to_end(finish)
                 if timeline.enabled:
                     timeline.add(worker.name, name, start, time.perf_counter())
-            if finish is None or worker.in_flight == 1:
+            if finish is None:  # finished already: the span ends now
                 finish_and_trace()
                 return None
-            return finish_and_trace
+            return finish_and_trace  # the worker runs it, now or on its finishing thread
         return PendingOp(worker.submit(task, ready), done_event=done)
 
 

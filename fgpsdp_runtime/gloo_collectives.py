@@ -62,12 +62,6 @@ def post_exchange(group: dist.ProcessGroup, sends: Sequence[torch.Tensor],
     return works
 
 
-def exchange(group: dist.ProcessGroup, sends: Sequence[torch.Tensor],
-             recvs: Sequence[torch.Tensor]) -> None:
-    """``post_exchange`` and wait for every message."""
-    _wait_all(post_exchange(group, sends, recvs))
-
-
 def _wait_all(works) -> None:
     for work in works:
         work.wait()
@@ -99,12 +93,6 @@ def start_reduce_scatter(group: dist.ProcessGroup, output: torch.Tensor, input: 
     return finish
 
 
-def reduce_scatter(group: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor,
-                   received: torch.Tensor) -> None:
-    """``start_reduce_scatter`` and wait."""
-    start_reduce_scatter(group, output, input, received)()
-
-
 def start_all_gather(group: dist.ProcessGroup, output: torch.Tensor,
                      input: torch.Tensor) -> Callable[[], None]:
     """Post an all-gather (every rank's ``input`` lands at chunk ``group rank`` of
@@ -119,8 +107,3 @@ def start_all_gather(group: dist.ProcessGroup, output: torch.Tensor,
         chunks[me].copy_(input)
     works = post_exchange(group, [chunks[me]] * n, chunks)
     return lambda: _wait_all(works)
-
-
-def all_gather(group: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor) -> None:
-    """``start_all_gather`` and wait."""
-    start_all_gather(group, output, input)()

@@ -126,7 +126,7 @@ class TorchFSDP(System):
             self.name = "fsdp_grad_op"
             kwargs["sharding_strategy"] = ShardingStrategy.SHARD_GRAD_OP
         self.model = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True,
-                          auto_wrap_policy=_size_wrap_policy(bucket_cap_mb), **kwargs)
+                          auto_wrap_policy=_size_wrap_policy(model, bucket_cap_mb), **kwargs)
         self.opt = torch.optim.AdamW(self.model.parameters(), **ADAMW)
         self.loss_fn = loss_fn
 
@@ -239,12 +239,43 @@ def node_groups():
     return intra, inter
 
 
-def _size_wrap_policy(bucket_cap_mb: float):
-    import functools
+def _size_wrap_policy(model: nn.Module, bucket_cap_mb: float):
+    """FSDP auto-wrap policy: about one wrapped unit per ``bucket_cap_mb``, like the
+    other systems' buckets, never splitting a tied parameter.
+
+    FSDP1 flattens each unit's parameters into one buffer, so a parameter shared by
+    two modules (GPT-2's and BERT's tied embedding and output weight) must sit in a
+    unit that holds both; a module that holds one user of a tied parameter and not
+    the other is therefore never wrapped on its own (the parameter stays with an
+    ancestor that holds both, at worst the root).
+    """
     from torch.distributed.fsdp.wrap import size_based_auto_wrap_policy
-    # About one wrapped unit per bucket_cap_mb, like the other systems' buckets.
-    return functools.partial(size_based_auto_wrap_policy,
-                             min_num_params=int(bucket_cap_mb * 2**20 / 4))
+    min_num_params = int(bucket_cap_mb * 2**20 / 4)
+    splits_a_tie = _modules_splitting_a_tie(model)
+
+    def policy(module: nn.Module, recurse: bool, nonwrapped_numel: int) -> bool:
+        if not recurse and id(module) in splits_a_tie:
+            return False
+        return size_based_auto_wrap_policy(module, recurse, nonwrapped_numel,
+                                           min_num_params=min_num_params)
+    return policy
+
+
+def _modules_splitting_a_tie(model: nn.Module) -> set[int]:
+    """ids of the modules under ``model`` that hold some but not all users of a tied parameter."""
+    owners: dict[int, list[str]] = {}  # parameter id -> names of the modules that hold it
+    for name, module in model.named_modules(remove_duplicate=False):
+        for param in module._parameters.values():
+            if param is not None:
+                owners.setdefault(id(param), []).append(name)
+    tied = [names for names in owners.values() if len(set(names)) > 1]
+    splitting = set()
+    for name, module in model.named_modules():
+        inside = (lambda owner: owner == name or owner.startswith(name + ".")) if name \
+            else (lambda owner: True)
+        if any(0 < sum(map(inside, names)) < len(names) for names in tied):
+            splitting.add(id(module))
+    return splitting
 
 
 SYSTEMS = ("ddp", "ddp_zero1", "fsdp_grad_op", "fsdp_hybrid_zero2", "deepspeed_zero2",

@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
-from systems import build_system, is_system  # noqa: E402
+from systems import build_system, is_system, set_max_norm  # noqa: E402
 from workloads import CONFIGS, WORKLOADS, build_model, loss_fn, make_batch  # noqa: E402
 
 
@@ -42,6 +42,7 @@ def _rank(rank, world, args, queue):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
     cfg = CONFIGS[(args.workload, args.size)]
+    set_max_norm(args.max_norm)  # a spawned process starts from the module default
     torch.manual_seed(0)
     model = build_model(cfg)
     before = rss_mib()
@@ -67,6 +68,9 @@ def main() -> None:
     parser.add_argument("--local-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--port", type=int, default=29731)
+    parser.add_argument("--max-norm", type=float, default=1.0,
+                        help="every system clips at this total norm (1e9: never clips, so "
+                             "fgpsdp's two_stage keeps speculating)")
     args = parser.parse_args()
     ctx = mp.get_context("spawn")
     for i, system in enumerate(s for s in args.systems.split(",") if s):

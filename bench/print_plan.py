@@ -2,8 +2,9 @@
 
     python bench/print_plan.py --workload gpt2 --world-size 4 --local-size 2 --rate-gbit 1
 
-Builds the workload's buckets as a ``--world-size`` run would, prints the plan
-the runtime starts with (from the layout), then profiles a few single-process
+Builds the workload's buckets as a ``--world-size`` run would, prints the plans
+the runtime starts with (``overlap_plan="auto"``: nothing speculated while it
+profiles; ``"layout"``: every bucket but the last in stage 1), then profiles a few single-process
 iterations (when each bucket's gradients are ready in backward) and prints the
 plan the link cost model derives from that profile, as JSON too.
 """
@@ -25,7 +26,8 @@ from workloads import CONFIGS, WORKLOADS, build_model, loss_fn, make_batch  # no
 
 import fgpsdp_runtime as fgp  # noqa: E402
 from fgpsdp_runtime.layout import ParamInfo, default_bucket_cap_mb, plan_buckets  # noqa: E402
-from fgpsdp_runtime.plan import BucketProfile, LinkModel, layout_plan, profile_plan  # noqa: E402
+from fgpsdp_runtime.plan import (BucketProfile, LinkModel, layout_plan, profile_plan,  # noqa: E402
+                                 profiling_plan)
 
 
 def main() -> None:
@@ -55,6 +57,7 @@ def main() -> None:
     order = tuple(reversed(range(len(layouts))))
     print(f"{args.workload} ({args.size}): {sum(p.numel() for p in params):,} parameters, "
           f"{len(layouts)} buckets at {args.bucket_cap_mb:.2f} MB")
+    print("start plan (auto, while profiling):", profiling_plan(len(layouts), order))
     print("start plan (layout):", layout_plan(len(layouts), order))
 
     # Profile: when does backward finish each bucket (single process).

@@ -21,7 +21,7 @@ from .buckets import BucketStorage
 from .comm import CommStats, FlatExchange, HierarchicalExchange, PendingOp
 from .layout import BucketLayout, ParamInfo, default_bucket_cap_mb, owned_numel, plan_buckets
 from .forward_waits import ForwardParamWaiter
-from .plan import OverlapPlan, layout_plan
+from .plan import OverlapPlan, layout_plan, profiling_plan
 from .plan_profiler import PlanProfiler
 from .scheduler import TwoStageScheduler
 from .profiling import nvtx_range
@@ -145,12 +145,14 @@ class DistributedDataParallel(nn.Module):
         self.scheduler: Optional[TwoStageScheduler] = None
         self.plan_profiler: Optional[PlanProfiler] = None
         if schedule == "two_stage":
-            fixed = isinstance(overlap_plan, OverlapPlan)
-            if fixed:
+            if isinstance(overlap_plan, OverlapPlan):
                 _check_plan(overlap_plan, len(self._buckets))
-            self.scheduler = TwoStageScheduler(
-                self, overlap_plan if fixed else
-                layout_plan(len(self._buckets), self.forward_bucket_order))
+                initial = overlap_plan
+            elif overlap_plan == "auto":  # no speculation until the profile is done
+                initial = profiling_plan(len(self._buckets), self.forward_bucket_order)
+            else:
+                initial = layout_plan(len(self._buckets), self.forward_bucket_order)
+            self.scheduler = TwoStageScheduler(self, initial)
             self.reducer.reduce_scatter_listeners.append(self.scheduler.on_reduce_scatter)
             self._gather_lookahead = self.scheduler.plan.lookahead
             if overlap_plan == "auto":

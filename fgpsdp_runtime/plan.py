@@ -50,7 +50,9 @@ class OverlapPlan:
     # intra-node phases (measured on the emulated cluster). A smaller value
     # bounds transport buffers (a fixed plan may set it).
     lookahead: int
-    source: str = "layout"  # "layout" (no profile yet) or "profile"
+    # "layout" (every bucket but the last in stage 1), "profiling" (auto, until
+    # its profile is done: no stage 1), "profile", or a caller's own label
+    source: str = "layout"
     predicted: Optional[dict] = field(default=None, compare=False)
 
     def to_json(self) -> str:
@@ -66,6 +68,20 @@ class OverlapPlan:
     def __str__(self) -> str:
         return (f"OverlapPlan(source={self.source}, stage1={list(self.stage1)}, "
                 f"stage2={list(self.stage2)}, lookahead={self.lookahead})")
+
+
+def profiling_plan(n_buckets: int, forward_order: Sequence[int]) -> OverlapPlan:
+    """While ``overlap_plan="auto"`` profiles its first steps: nothing is speculated.
+
+    Every undo record holds a copy of its slice's parameters and optimizer
+    state, so the layout plan's stage 1 (nearly every bucket) would raise a
+    rank's peak memory by up to one more set of its optimizer state in the
+    first steps, for a few steps' speed. Without speculation the profile also
+    times backward and the reduce-scatters undisturbed by stage-1 steps and
+    all-gathers.
+    """
+    return OverlapPlan(stage1=(), stage2=tuple(forward_order),
+                       lookahead=max(1, n_buckets), source="profiling")
 
 
 def layout_plan(n_buckets: int, forward_order: Sequence[int],

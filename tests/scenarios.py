@@ -276,7 +276,9 @@ def train_many(rank: int, world_size: int, cfgs: dict[str, dict]) -> dict[str, d
 def train_with_inf_gradient(rank: int, world_size: int, schedule: str) -> dict:
     """One step's loss is inf on rank 0: every rank must skip that step, under any schedule."""
     torch.manual_seed(1)
-    model = fgp.DistributedDataParallel(MLP(), bucket_cap_mb=0.0001, schedule=schedule)
+    # "layout": two_stage speculates from the first step (auto waits for its profile).
+    model = fgp.DistributedDataParallel(MLP(), bucket_cap_mb=0.0001, schedule=schedule,
+                                        overlap_plan="layout")
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2, max_grad_norm=1.0)
     for step in range(4):
         x, y = make_batch("mlp", step, 0, rank)
@@ -329,7 +331,7 @@ class FailingInThreadAdamW(torch.optim.AdamW):
 def scheduler_thread_failure(rank: int, world_size: int) -> dict:
     """A failing speculative step must surface on the main thread, at the step."""
     torch.manual_seed(0)
-    model = fgp.DistributedDataParallel(MLP(), bucket_cap_mb=0.0001)
+    model = fgp.DistributedDataParallel(MLP(), bucket_cap_mb=0.0001, overlap_plan="layout")
     opt = fgp.ShardedOptimizer(model, FailingInThreadAdamW, lr=1e-2)
     x, y = make_batch("mlp", 0, 0, rank)
     loss_fn("mlp", model(x), y).backward()
@@ -401,7 +403,8 @@ def traced_steps(rank: int, world_size: int, cfg: dict) -> dict:
 def synchronize_between_backward_and_step(rank: int, world_size: int, schedule: str) -> dict:
     """synchronize() after backward shows the parameters before the step; training goes on exactly."""
     torch.manual_seed(0)
-    model = fgp.DistributedDataParallel(MLP(), bucket_cap_mb=0.0001, schedule=schedule)
+    model = fgp.DistributedDataParallel(MLP(), bucket_cap_mb=0.0001, schedule=schedule,
+                                        overlap_plan="layout")
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
     unchanged = []
     for step in range(4):

@@ -1,11 +1,19 @@
 """The overlap plan: pure, deterministic, serialisable."""
-from fgpsdp_runtime.plan import BucketProfile, LinkModel, OverlapPlan, layout_plan, profile_plan
+from fgpsdp_runtime.plan import (BucketProfile, LinkModel, OverlapPlan, layout_plan, profile_plan,
+                                 profiling_plan)
 
 
 def test_layout_plan_keeps_last_bucket_for_stage2():
     plan = layout_plan(4, (3, 2, 1, 0))
     assert plan.stage1 == (0, 1, 2) and plan.stage2 == (3,)
     assert layout_plan(1, (0,)).stage1 == ()
+
+
+def test_profiling_plan_speculates_nothing_and_sends_in_forward_order():
+    plan = profiling_plan(4, (3, 2, 1, 0))
+    assert plan.stage1 == () and plan.stage2 == (3, 2, 1, 0)
+    assert plan.lookahead == 4 and plan.source == "profiling"
+    assert OverlapPlan.from_json(plan.to_json()) == plan
 
 
 def test_plans_keep_every_bucket_in_flight_by_default():

@@ -1,4 +1,5 @@
 """The two-stage machinery: the scheduler thread, the profile plan, fixed plans, the timeline."""
+import functools
 import json
 
 import pytest
@@ -8,19 +9,41 @@ from .dist_harness import run_distributed
 from .scenarios import (scheduler_thread_failure, step_and_gather_order,
                         synchronize_between_backward_and_step, traced_steps, train_many)
 from .test_equivalence import SCENARIOS, TOL
-from .test_schedules import results
+from .test_schedules import SMALL_BUCKETS_MB, results
+
+
+@functools.lru_cache(maxsize=None)
+def _auto_plan_results(topology: str):
+    extra = {"local_size": 2} if topology == "2x2" else {}
+    cfgs = {case: dict(SCENARIOS[case], bucket_cap_mb=SMALL_BUCKETS_MB, steps=5,
+                       schedule="two_stage", return_params=True, **extra)  # overlap_plan="auto"
+            for case in ("clip_idle", "clip_triggers")}
+    return run_distributed(4, train_many, cfgs, timeout_s=600)
 
 
 @pytest.mark.parametrize("topology", ["flat", "2x2"])
-def test_plan_switches_to_the_profile_plan_on_every_rank(topology):
-    ranks = results("two_stage", topology)
+def test_auto_plan_profiles_without_speculating_then_switches_on_every_rank(topology):
+    ranks = _auto_plan_results(topology)
     plans = {r["clip_idle"]["plan"] for r in ranks}
     assert len(plans) == 1, "every rank must run the same plan"
     plan = json.loads(plans.pop())
     assert plan["source"] == "profile"  # switched after the profiled steps of a 5-step run
     assert plan["predicted"]["link"]["bandwidth_Bps"] > 0
     n = ranks[0]["clip_idle"]["n_buckets"]
+    assert n >= 4
     assert sorted(plan["stage1"] + plan["stage2"]) == list(range(n))
+    serial = results("serial", topology)
+    for rank, res in enumerate(ranks):
+        # Steps 1-3 ran the profiling plan: no undo records, nothing speculated.
+        # Steps 4 and 5 speculated the profile plan's stage 1 and committed it.
+        assert res["clip_idle"]["commits"] == 2 * len(plan["stage1"])
+        assert res["clip_idle"]["rollbacks"] == 0
+        # Clipping from the first step on: the profile plan never speculates either.
+        assert res["clip_triggers"]["commits"] == res["clip_triggers"]["rollbacks"] == 0
+        for case in ("clip_idle", "clip_triggers"):
+            assert res[case]["param_diff"] <= TOL, (rank, case, res[case]["param_diff"])
+            for a, b in zip(res[case]["params"], serial[rank][case]["params"]):
+                assert torch.equal(a, b), f"rank {rank} {case}: auto differs from serial"
 
 
 def _fixed_plan_results():

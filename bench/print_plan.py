@@ -4,9 +4,10 @@
 
 Builds the workload's buckets as a ``--world-size`` run would, prints the plans
 the runtime starts with (``overlap_plan="auto"``: nothing speculated while it
-profiles; ``"layout"``: every bucket but the last in stage 1), then profiles a few single-process
-iterations (when each bucket's gradients are ready in backward) and prints the
-plan the link cost model derives from that profile, as JSON too.
+profiles; ``"layout"``: every bucket but the last in stage 1), then profiles a
+few single-process iterations (when each bucket's gradients are ready in
+backward) and prints the plan the link cost model derives from that profile, as
+JSON too.
 """
 from __future__ import annotations
 

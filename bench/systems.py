@@ -183,9 +183,13 @@ class DeepSpeedZeRO2(System):
 class FGPSDP(System):
     name = "fgpsdp"
 
-    def __init__(self, model, loss_fn, bucket_cap_mb=None, calls_in_flight=None, **ddp_kwargs):
+    def __init__(self, model, loss_fn, bucket_cap_mb=None, calls_in_flight=None,
+                 first_bucket_at_cap=False, **ddp_kwargs):
         if calls_in_flight is not None:  # read when the link workers start
             os.environ["FGPSDP_CALLS_IN_FLIGHT"] = str(calls_in_flight)
+        if first_bucket_at_cap:
+            import fgpsdp_runtime.ddp as fgp_ddp
+            fgp_ddp.FIRST_BUCKET_CAP_MB = None
         # None: fgpsdp's own default (sized to the model, 1-25 MB).
         self.model = fgp.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, **ddp_kwargs)
         self.opt = fgp.ShardedOptimizer(self.model, torch.optim.AdamW, max_grad_norm=MAX_NORM,
@@ -345,6 +349,8 @@ def fgpsdp_variant(name: str):
         return {}
     if name == "fgpsdp_one_call_in_flight":
         return {"calls_in_flight": 1}
+    if name == "fgpsdp_first_bucket_at_cap":
+        return {"first_bucket_at_cap": True}
     if name == "fgpsdp_flat":
         return {"topology": "flat"}
     if name == "fgpsdp_gloo_intra":

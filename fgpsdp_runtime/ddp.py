@@ -117,7 +117,9 @@ class DistributedDataParallel(nn.Module):
             default_bucket_cap_mb(sum(i.numel * i.element_size for i in infos))
         self.bucket_layouts: tuple[BucketLayout, ...] = plan_buckets(
             infos, bucket_cap_bytes=int(self.bucket_cap_mb * 1024 * 1024),
-            world_size=self.world_size)
+            world_size=self.world_size,
+            first_bucket_cap_bytes=int(FIRST_BUCKET_CAP_MB * 1024 * 1024)
+            if FIRST_BUCKET_CAP_MB else None)
         self._buckets = [
             BucketStorage(layout, [self._params[s.param_index] for s in layout.spans],
                           self.slice_index)
@@ -385,6 +387,9 @@ class DistributedDataParallel(nn.Module):
 
 
 SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
+# As torch DDP: the first bucket to be reduced closes at 1 MB (or the bucket
+# cap, if smaller). None: at the bucket cap.
+FIRST_BUCKET_CAP_MB: Optional[float] = 1.0
 
 
 def _check_plan(plan: OverlapPlan, n_buckets: int) -> None:

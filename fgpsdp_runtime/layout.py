@@ -143,6 +143,7 @@ def plan_buckets(
     *,
     bucket_cap_bytes: int,
     world_size: int,
+    first_bucket_cap_bytes: int | None = None,
     order: Iterable[int] | None = None,
     align_bytes: int = SLICE_ALIGN_BYTES,
 ) -> tuple[BucketLayout, ...]:
@@ -151,7 +152,10 @@ def plan_buckets(
     ``order`` is the order gradients are expected to become ready (by default
     reverse registration order, as backward usually produces them). A bucket
     holds one dtype and closes once it reaches the cap (torch DDP's rule), so
-    it exceeds the cap only by its last parameter.
+    it exceeds the cap only by its last parameter. The first bucket to close
+    closes at ``first_bucket_cap_bytes`` when that is smaller (torch DDP's
+    1 MB first bucket): backward fills it first, and the sooner it closes the
+    sooner the links start.
     A new dtype closes the open bucket of another dtype only for that dtype:
     each dtype fills its own open bucket so interleaved dtypes do not produce
     a flood of tiny buckets.
@@ -160,6 +164,10 @@ def plan_buckets(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if bucket_cap_bytes <= 0:
         raise ValueError(f"bucket_cap_bytes must be > 0, got {bucket_cap_bytes}")
+    # The first bucket to close (the last layers, ready first in backward)
+    # closes at this smaller cap, so the link starts early in backward.
+    first_cap = bucket_cap_bytes if first_bucket_cap_bytes is None else \
+        min(bucket_cap_bytes, first_bucket_cap_bytes)
     order = list(range(len(params)))[::-1] if order is None else list(order)
     if sorted(order) != list(range(len(params))):
         raise ValueError("order must be a permutation of the parameter indices")
@@ -192,7 +200,7 @@ def plan_buckets(
         # parameter that would overflow would instead leave a layer's bias
         # (ready just before its weight in backward) a tiny bucket of its own,
         # and every bucket costs a collective per phase.
-        if open_bytes[dtype_name] >= bucket_cap_bytes:
+        if open_bytes[dtype_name] >= (bucket_cap_bytes if closed else first_cap):
             close(dtype_name)
     for dtype_name in list(open_buckets):
         close(dtype_name)

@@ -81,6 +81,18 @@ def test_weight_takes_its_bias_along():
         assert [[s.param_index for s in b.spans] for b in layouts] == [[5, 4], [3, 2], [1, 0]]
 
 
+def test_first_bucket_closes_at_its_own_cap():
+    # Backward produces the last layers first: their bucket closes at the
+    # smaller first cap, so its reduce-scatter starts early; later buckets
+    # close at the full cap. A first cap above the bucket cap changes nothing.
+    infos = [fp32(100) for _ in range(6)]
+    layouts = plan_buckets(infos, bucket_cap_bytes=1200, world_size=2, first_bucket_cap_bytes=400)
+    assert [[s.param_index for s in b.spans] for b in layouts] == [[5], [4, 3, 2], [1, 0]]
+    same = plan_buckets(infos, bucket_cap_bytes=1200, world_size=2, first_bucket_cap_bytes=10**6)
+    assert same == plan_buckets(infos, bucket_cap_bytes=1200, world_size=2)
+    check_layout(infos, layouts, 2)
+
+
 def test_default_bucket_cap_is_sized_to_the_model():
     assert default_bucket_cap_mb(64 * 2**20) == 4.0  # a 16M-parameter fp32 model: 16 buckets
     assert default_bucket_cap_mb(10**4) == 1.0  # small models: never below 1 MB

@@ -26,6 +26,7 @@ sys.path.insert(0, os.path.dirname(HERE))
 from workloads import CONFIGS, WORKLOADS, build_model, loss_fn, make_batch  # noqa: E402
 
 import fgpsdp_runtime as fgp  # noqa: E402
+from fgpsdp_runtime.ddp import FIRST_BUCKET_CAP_MB  # noqa: E402
 from fgpsdp_runtime.layout import ParamInfo, default_bucket_cap_mb, plan_buckets  # noqa: E402
 from fgpsdp_runtime.plan import (BucketProfile, LinkModel, layout_plan, profile_plan,  # noqa: E402
                                  profiling_plan)
@@ -54,7 +55,8 @@ def main() -> None:
     layouts = plan_buckets([ParamInfo(p.numel(), str(p.dtype).replace("torch.", ""),
                                       p.element_size()) for p in params],
                            bucket_cap_bytes=int(args.bucket_cap_mb * 2**20),
-                           world_size=args.world_size)
+                           world_size=args.world_size,
+                           first_bucket_cap_bytes=int(FIRST_BUCKET_CAP_MB * 2**20))
     order = tuple(reversed(range(len(layouts))))
     print(f"{args.workload} ({args.size}): {sum(p.numel() for p in params):,} parameters, "
           f"{len(layouts)} buckets at {args.bucket_cap_mb:.2f} MB")

@@ -424,3 +424,12 @@ def synchronize_between_backward_and_step(rank: int, world_size: int, schedule: 
     return {"params": [p.detach().clone() for p in model.module.parameters()],
             "unchanged": unchanged,
             "rollbacks": model.scheduler.rollbacks if model.scheduler else 0}
+
+
+def default_bucket_sizes(rank: int, world_size: int) -> dict:
+    """Bucket bytes of the wrapper at its default cap, for 64 layers of 0.5 MB."""
+    torch.manual_seed(0)
+    module = nn.ModuleList(nn.Linear(256, 512, bias=False) for _ in range(64))
+    model = fgp.DistributedDataParallel(module)
+    return {"cap_mb": model.bucket_cap_mb,
+            "bucket_bytes": [l.numel * l.element_size for l in model.bucket_layouts]}

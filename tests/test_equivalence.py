@@ -9,7 +9,7 @@ import math
 import pytest
 
 from .dist_harness import run_distributed
-from .scenarios import skip_backward_on_rank1, train_many
+from .scenarios import default_bucket_sizes, skip_backward_on_rank1, train_many
 
 TOL = 2e-5  # max |param difference| after the steps
 
@@ -97,3 +97,13 @@ def test_rank_without_backward_does_not_hang():
     sums = run_distributed(2, skip_backward_on_rank1, timeout_s=120)
     assert all(math.isfinite(v) for v in sums[0])
     assert sums[0] == sums[1]  # replicas stay identical
+
+
+def test_first_bucket_closes_at_one_mb_as_in_torch_ddp():
+    # 32 MB of parameters: a 2 MB cap; the first bucket backward fills closes at 1 MB.
+    from fgpsdp_runtime.ddp import FIRST_BUCKET_CAP_MB
+    for res in run_distributed(2, default_bucket_sizes, timeout_s=120):
+        assert res["cap_mb"] == 2.0 and FIRST_BUCKET_CAP_MB == 1.0
+        first, *rest = res["bucket_bytes"]
+        assert first == 2**20  # two 0.5 MB weights
+        assert all(b == 2 * 2**20 for b in rest[:-1]) and rest[-1] <= 2 * 2**20

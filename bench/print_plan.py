@@ -26,8 +26,8 @@ sys.path.insert(0, os.path.dirname(HERE))
 from workloads import CONFIGS, WORKLOADS, build_model, loss_fn, make_batch  # noqa: E402
 
 import fgpsdp_runtime as fgp  # noqa: E402
-from fgpsdp_runtime.ddp import FIRST_BUCKET_CAP_MB  # noqa: E402
-from fgpsdp_runtime.layout import ParamInfo, default_bucket_cap_mb, plan_buckets  # noqa: E402
+from fgpsdp_runtime.layout import (ParamInfo, default_bucket_cap_mb,  # noqa: E402
+                                   first_bucket_cap_bytes, plan_buckets)
 from fgpsdp_runtime.plan import (BucketProfile, LinkModel, layout_plan, profile_plan,  # noqa: E402
                                  profiling_plan)
 
@@ -56,7 +56,7 @@ def main() -> None:
                                       p.element_size()) for p in params],
                            bucket_cap_bytes=int(args.bucket_cap_mb * 2**20),
                            world_size=args.world_size,
-                           first_bucket_cap_bytes=int(FIRST_BUCKET_CAP_MB * 2**20))
+                           first_bucket_cap_bytes=first_bucket_cap_bytes())
     order = tuple(reversed(range(len(layouts))))
     print(f"{args.workload} ({args.size}): {sum(p.numel() for p in params):,} parameters, "
           f"{len(layouts)} buckets at {args.bucket_cap_mb:.2f} MB")

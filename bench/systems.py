@@ -188,7 +188,7 @@ class FGPSDP(System):
         if calls_in_flight is not None:  # read when the link workers start
             os.environ["FGPSDP_CALLS_IN_FLIGHT"] = str(calls_in_flight)
         if first_bucket_at_cap:  # read when the wrapper builds its buckets
-            fgp.ddp.FIRST_BUCKET_CAP_MB = None
+            fgp.layout.FIRST_BUCKET_CAP_MB = None
         # None: fgpsdp's own default (sized to the model, 1-25 MB).
         self.model = fgp.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, **ddp_kwargs)
         self.opt = fgp.ShardedOptimizer(self.model, torch.optim.AdamW, max_grad_norm=MAX_NORM,
@@ -344,7 +344,7 @@ def fgpsdp_variant(name: str):
     shared memory), ``fgpsdp_one_call_in_flight`` (each link worker waits for
     a call before posting the next: comm.calls_in_flight),
     ``fgpsdp_first_bucket_at_cap`` (the first bucket closes at the bucket cap,
-    not at ddp.FIRST_BUCKET_CAP_MB), ``fgpsdp_<schedule>``.
+    not at layout.FIRST_BUCKET_CAP_MB), ``fgpsdp_<schedule>``.
     """
     if name == "fgpsdp":
         return {}

@@ -19,7 +19,8 @@ from torch import nn
 from . import shutdown
 from .buckets import BucketStorage
 from .comm import CommStats, FlatExchange, HierarchicalExchange, PendingOp
-from .layout import BucketLayout, ParamInfo, default_bucket_cap_mb, owned_numel, plan_buckets
+from .layout import (BucketLayout, ParamInfo, default_bucket_cap_mb, first_bucket_cap_bytes,
+                     owned_numel, plan_buckets)
 from .forward_waits import ForwardParamWaiter
 from .plan import OverlapPlan, layout_plan, profiling_plan
 from .plan_profiler import PlanProfiler
@@ -118,8 +119,7 @@ class DistributedDataParallel(nn.Module):
         self.bucket_layouts: tuple[BucketLayout, ...] = plan_buckets(
             infos, bucket_cap_bytes=int(self.bucket_cap_mb * 1024 * 1024),
             world_size=self.world_size,
-            first_bucket_cap_bytes=int(FIRST_BUCKET_CAP_MB * 1024 * 1024)
-            if FIRST_BUCKET_CAP_MB else None)
+            first_bucket_cap_bytes=first_bucket_cap_bytes())
         self._buckets = [
             BucketStorage(layout, [self._params[s.param_index] for s in layout.spans],
                           self.slice_index)
@@ -387,9 +387,6 @@ class DistributedDataParallel(nn.Module):
 
 
 SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
-# As torch DDP: the first bucket to be reduced closes at 1 MB (or the bucket
-# cap, if smaller). None: at the bucket cap.
-FIRST_BUCKET_CAP_MB: Optional[float] = 1.0
 
 
 def _check_plan(plan: OverlapPlan, n_buckets: int) -> None:

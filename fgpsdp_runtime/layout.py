@@ -117,6 +117,14 @@ class ParamInfo:
 # Default bucket cap: about this many buckets per model, between the bounds.
 DEFAULT_BUCKETS_PER_MODEL = 16
 DEFAULT_BUCKET_CAP_BOUNDS_MB = (1.0, 25.0)
+# As torch DDP: the first bucket backward fills closes at 1 MB (or at the
+# bucket cap, if smaller). None: at the bucket cap.
+FIRST_BUCKET_CAP_MB: float | None = 1.0
+
+
+def first_bucket_cap_bytes() -> int | None:
+    """``plan_buckets``' first_bucket_cap_bytes for FIRST_BUCKET_CAP_MB (read at each call)."""
+    return int(FIRST_BUCKET_CAP_MB * 2**20) if FIRST_BUCKET_CAP_MB else None
 
 
 def default_bucket_cap_mb(param_bytes: int) -> float:

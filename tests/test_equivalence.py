@@ -101,7 +101,7 @@ def test_rank_without_backward_does_not_hang():
 
 def test_first_bucket_closes_at_one_mb_as_in_torch_ddp():
     # 32 MB of parameters: a 2 MB cap; the first bucket backward fills closes at 1 MB.
-    from fgpsdp_runtime.ddp import FIRST_BUCKET_CAP_MB
+    from fgpsdp_runtime.layout import FIRST_BUCKET_CAP_MB
     for res in run_distributed(2, default_bucket_sizes, timeout_s=120):
         assert res["cap_mb"] == 2.0 and FIRST_BUCKET_CAP_MB == 1.0
         first, *rest = res["bucket_bytes"]

@@ -17,14 +17,15 @@ SMALL_BUCKETS_MB = 0.0001
 
 
 @functools.lru_cache(maxsize=None)
-def results(schedule: str, topology: str):
+def results(schedule: str, topology: str, overlap_plan: str = "layout",
+            cases: tuple[str, ...] = CASES):
     extra = {"local_size": 2} if topology == "2x2" else {}
-    # two_stage runs the layout plan: every bucket but the last is stepped
-    # speculatively in every step (the default "auto" speculates only once its
-    # profile is done; tests/test_two_stage.py covers it).
+    # two_stage runs the layout plan by default: every bucket but the last is
+    # stepped speculatively in every step (the default "auto" speculates only
+    # once its profile is done; tests/test_two_stage.py covers it).
     cfgs = {name: dict(dict(SCENARIOS[name], bucket_cap_mb=SMALL_BUCKETS_MB), steps=5,
-                       schedule=schedule, overlap_plan="layout", return_params=True, **extra)
-            for name in CASES}
+                       schedule=schedule, overlap_plan=overlap_plan, return_params=True, **extra)
+            for name in cases}
     return run_distributed(4, train_many, cfgs, timeout_s=600)
 
 

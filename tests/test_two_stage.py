@@ -1,5 +1,4 @@
 """The two-stage machinery: the scheduler thread, the profile plan, fixed plans, the timeline."""
-import functools
 import json
 
 import pytest
@@ -9,21 +8,12 @@ from .dist_harness import run_distributed
 from .scenarios import (scheduler_thread_failure, step_and_gather_order,
                         synchronize_between_backward_and_step, traced_steps, train_many)
 from .test_equivalence import SCENARIOS, TOL
-from .test_schedules import SMALL_BUCKETS_MB, results
-
-
-@functools.lru_cache(maxsize=None)
-def _auto_plan_results(topology: str):
-    extra = {"local_size": 2} if topology == "2x2" else {}
-    cfgs = {case: dict(SCENARIOS[case], bucket_cap_mb=SMALL_BUCKETS_MB, steps=5,
-                       schedule="two_stage", return_params=True, **extra)  # overlap_plan="auto"
-            for case in ("clip_idle", "clip_triggers")}
-    return run_distributed(4, train_many, cfgs, timeout_s=600)
+from .test_schedules import results
 
 
 @pytest.mark.parametrize("topology", ["flat", "2x2"])
 def test_auto_plan_profiles_without_speculating_then_switches_on_every_rank(topology):
-    ranks = _auto_plan_results(topology)
+    ranks = results("two_stage", topology, "auto", ("clip_idle", "clip_triggers"))
     plans = {r["clip_idle"]["plan"] for r in ranks}
     assert len(plans) == 1, "every rank must run the same plan"
     plan = json.loads(plans.pop())

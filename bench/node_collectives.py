@@ -39,7 +39,7 @@ def _measure(fn, iters: int) -> tuple[float, float]:
 
 
 def _rank(rank: int, world: int, port: int, mib: float, iters: int, queue) -> None:
-    from fgpsdp_runtime.comm import all_gather_blocking, reduce_scatter_blocking
+    from fgpsdp_runtime.group_collectives import all_gather_blocking, reduce_scatter_blocking
     from fgpsdp_runtime.shared_memory import SharedMemoryCollectives
 
     torch.set_num_threads(1)

@@ -10,7 +10,7 @@ on a float32 buffer of ``--mib`` MiB, first on rail 0 alone, then on both rails
 at once (they share the one shaped link, as the hierarchy's rails do here).
 Rank 0 prints ms per op, the rate each rail got (bytes one rank sends / time)
 and CPU ms per op (every thread of the process). The gloo rows are what
-comm.py ran before: all_to_all_single plus a sum, and all_gather_into_tensor.
+fgpsdp's exchange ran before: all_to_all_single plus a sum, and all_gather_into_tensor.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def main() -> None:
                         help="fgpsdp's message size (default: gloo_collectives.PIECE_BYTES)")
     args = parser.parse_args()
     from fgpsdp_runtime import gloo_collectives
-    from fgpsdp_runtime.comm import all_gather_blocking, reduce_scatter_blocking
+    from fgpsdp_runtime.group_collectives import all_gather_blocking, reduce_scatter_blocking
 
     if args.piece_kib is not None:
         gloo_collectives.PIECE_BYTES = int(args.piece_kib * 1024)

@@ -342,7 +342,7 @@ def fgpsdp_variant(name: str):
     ``fgpsdp`` (two_stage, topology from torchrun), ``fgpsdp_flat``,
     ``fgpsdp_gloo_intra`` (intra-node bytes over gloo's TCP loopback, not
     shared memory), ``fgpsdp_one_call_in_flight`` (each link worker waits for
-    a call before posting the next: comm.calls_in_flight),
+    a call before posting the next: link_worker.calls_in_flight),
     ``fgpsdp_first_bucket_at_cap`` (the first bucket closes at the bucket cap,
     not at layout.FIRST_BUCKET_CAP_MB), ``fgpsdp_<schedule>``.
     """

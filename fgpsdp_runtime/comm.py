@@ -1,31 +1,11 @@
 """Bucket-level reduce-scatter and all-gather, flat or over two link classes.
 
 Knows nothing of models or optimizers: it moves flat tensors between ranks
-and counts the bytes it sends. Every operation returns a :class:`PendingOp`
-at once; the caller decides when to wait (``start_*`` / ``finish_*`` pairs
-live in the wrapper).
-
-[Note: one thread per link class and phase]
-Each link class (``flat``, or ``intra`` and ``inter``) has, per phase
-(reduce-scatter, all-gather), a process group of its own and a worker thread
-that issues every collective of that group, one after another, in the order
-they were submitted (a point-to-point call is issued before the previous one
-has landed: see ``calls_in_flight``). Collectives on one group thus have
-the same order on every rank, while links and phases work at the same time:
-bucket b's inter-node phase runs while bucket b+1's intra-node phase does, and an early
-all-gather (two-stage schedule) runs beside later reduce-scatters. Reduce-
-scatters are submitted in bucket order and all-gathers in plan order on every
-rank; how the two interleave depends on timing, which is why they never share
-a group. The second phase of a bucket waits, inside its worker, for the
-first; both are submitted together, so every wait points at a task submitted
-earlier and the workers cannot deadlock. The collectives the wrapper issues
-itself (broadcasts, the norm all-reduce) use the wrapper's own group.
-
-Timeline of two buckets under the hierarchy (reduce-scatter)::
-
-    intra worker : [RS_intra b0][RS_intra b1]
-    inter worker :              [RS_inter b0][RS_inter b1]
-    main thread  : backward ... submit b0 ... submit b1 ... wait b0, b1 (step)
+and counts the bytes it sends. Every operation returns a
+:class:`~fgpsdp_runtime.link_worker.PendingOp` at once; the caller decides when
+to wait (``start_*`` / ``finish_*`` pairs live in the wrapper). Each phase of
+each link class runs on a worker thread of its own (link_worker.py), one
+group's collective at a time (group_collectives.py).
 
 [Note: the intra-node link of CPU ranks]
 On CPU the ranks of a node are processes of one machine. With gloo their
@@ -35,20 +15,9 @@ file in /dev/shm, the intra-node phases (and the whole exchange of a
 one-node group) go through shared memory instead (shared_memory.py); the
 inter-node phase stays on gloo. ``Topology(shared_memory=False)`` or
 ``FGPSDP_SHARED_MEMORY=0`` turns it off; ``node_transport`` says which ran.
-
-[Note: collectives on gloo]
-On gloo both collectives of CPU tensors are point-to-point messages in
-pieces, all in flight at once (gloo_collectives.py): gloo's reduce_scatter
-sends as many bytes as an all-reduce (24 MiB per node for a 16 MiB buffer on
-the emulated cluster, against 12 MiB for a ring), and its all_to_all_single
-and all_gather_into_tensor moved 0.46-0.60 Gbit/s on one emulated 1 Gbit/s rail,
-against 0.85-0.87. The reduce-scatter sums in rank order, as shared memory does.
-NCCL's reduce_scatter_tensor and all_gather_into_tensor are used as they are.
 """
 from __future__ import annotations
 
-import os
-import queue
 import threading
 import time
 from collections import defaultdict
@@ -58,56 +27,13 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from . import gloo_collectives, shutdown
+from . import shutdown
+from .group_collectives import run_to_end, start_all_gather, start_reduce_scatter
+from .link_worker import LinkWorker, PendingOp
 from .profiling import nvtx_range
 from .shared_memory import SharedMemoryCollectives
 from .topology import LinkGroups, NodeLayout
 from .tracing import Timeline
-
-# torch 2.13 renamed the flat-tensor collectives; older releases have only the old names.
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-class PendingOp:
-    """A submitted bucket operation and what must happen once it has landed."""
-
-    def __init__(self, future: Optional[Future], done_event=None,
-                 on_done: Optional[Callable[[], None]] = None):
-        self.future = future
-        self._done_event = done_event  # CUDA: recorded on the link's stream
-        self.on_done = on_done
-        self._finished = False
-        # The main thread and the scheduler thread may both wait for one
-        # reduce-scatter: on_done must run once, and before either returns.
-        self._lock = threading.Lock()
-
-    def done(self) -> bool:
-        """True once the work has landed (waiting would not block)."""
-        if self._finished or self.future is None:
-            return True
-        if not self.future.done():
-            return False
-        return self._done_event is None or self._done_event.query()
-
-    def wait(self) -> None:
-        """Block until landed; on CUDA, order the caller's current stream after it."""
-        with self._lock:
-            if not self._finished:
-                if self.future is not None:
-                    self.future.result()  # re-raises what failed in the worker
-                if self._done_event is not None:
-                    torch.cuda.current_stream().wait_event(self._done_event)
-                if self.on_done is not None:
-                    self.on_done()
-                    if self._done_event is not None:
-                        # on_done's kernels went to this stream: later waiters follow them.
-                        self._done_event = torch.cuda.Event()
-                        self._done_event.record()
-                self._finished = True
-                return
-        if self._done_event is not None:
-            torch.cuda.current_stream().wait_event(self._done_event)
 
 
 class CommStats:
@@ -147,233 +73,11 @@ def bytes_sent(total_bytes: int, group_size: int) -> int:
     return total_bytes * (group_size - 1) // group_size
 
 
-def calls_in_flight() -> int:
-    """How many calls a link worker may have posted and not yet finished.
-
-    [Note: calls in flight]
-    A bucket-sized call on one rail leaves the link idle while its last piece
-    lands and the next call is posted (about 6 ms per call on the emulated
-    1 Gbit/s link: 0.67 Gbit/s for 2 MiB calls against 0.85 for 12.5 MiB,
-    docs/benchmarks/2026-11-30-rail-collectives-cpu.md). So a worker posts a
-    call's messages, hands the wait to its completion thread and posts the
-    next one. Only point-to-point calls on gloo can be split so; the others
-    (shared memory, NCCL, gloo's collectives) run whole on the worker.
-    ``FGPSDP_CALLS_IN_FLIGHT=1`` runs one call at a time.
-    """
-    value = int(os.environ.get("FGPSDP_CALLS_IN_FLIGHT", "2"))
-    if value < 1:
-        raise ValueError(f"FGPSDP_CALLS_IN_FLIGHT must be >= 1, got {value}")
-    return value
-
-
-class LinkWorker:
-    """Daemon thread(s) that run one link's collectives in submission order.
-
-    A task may return a function that finishes it (waits for the messages it
-    posted): with more than one call in flight, a second thread runs those in
-    the same order and resolves each task's future, while the worker goes on
-    posting. Futures are resolved in submission order either way.
-    """
-
-    def __init__(self, name: str, device: torch.device, in_flight: Optional[int] = None):
-        self.name = name
-        self.device = device
-        # CUDA: the link's own stream, so that its collectives overlap compute
-        # and the other link's collectives.
-        self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
-        self.in_flight = calls_in_flight() if in_flight is None else in_flight
-        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._finishes: Optional["queue.SimpleQueue"] = None
-        self._slots: Optional[threading.Semaphore] = None
-        self._finisher: Optional[threading.Thread] = None
-        if self.in_flight > 1:
-            self._finishes = queue.SimpleQueue()
-            self._slots = threading.Semaphore(self.in_flight)
-            self._finisher = threading.Thread(target=self._finish_in_order,
-                                              name=f"fgpsdp-{name}-wait", daemon=True)
-            self._finisher.start()
-        self._thread = threading.Thread(target=self._run, name=f"fgpsdp-{name}", daemon=True)
-        self._thread.start()
-        shutdown.register(self)  # stopped and joined at exit: see shutdown.py
-
-    def submit(self, fn: Callable[[], Optional[Callable[[], None]]], ready_event=None) -> Future:
-        future: Future = Future()
-        self._queue.put((fn, future, ready_event))
-        return future
-
-    def _run(self) -> None:
-        while True:
-            item = self._queue.get()
-            if item is None:
-                if self._finishes is not None:
-                    self._finishes.put(None)
-                return
-            fn, future, ready_event = item
-            if not future.set_running_or_notify_cancel():
-                continue
-            if self._slots is not None:
-                self._slots.acquire()  # released once the call has finished
-            try:
-                if self.stream is not None:
-                    with torch.cuda.stream(self.stream):
-                        if ready_event is not None:
-                            self.stream.wait_event(ready_event)
-                        finish = fn()
-                else:
-                    finish = fn()
-            except BaseException as error:  # handed to whoever waits on it
-                finish, failure = None, error
-            else:
-                failure = None
-            if self._finishes is not None:
-                self._finishes.put((finish, failure, future))
-                continue
-            self._resolve(finish, failure, future)
-
-    def _finish_in_order(self) -> None:
-        while True:
-            item = self._finishes.get()
-            if item is None:
-                return
-            self._resolve(*item)
-            self._slots.release()
-
-    @staticmethod
-    def _resolve(finish, failure, future: Future) -> None:
-        if failure is None and finish is not None:
-            try:
-                finish()
-            except BaseException as error:
-                failure = error
-        if failure is not None:
-            future.set_exception(failure)
-        else:
-            future.set_result(None)
-
-    def close(self) -> None:
-        """The threads end once the collectives submitted so far have run."""
-        self._queue.put(None)
-
-    request_stop = close
-
-    def join(self, timeout: Optional[float] = None) -> None:
-        threads = [t for t in (self._thread, self._finisher) if t is not None]
-        if threading.current_thread() in threads:
-            return  # each of the two waits for the other: never join from inside
-        deadline = None if timeout is None else time.monotonic() + timeout
-        for thread in threads:
-            thread.join(None if deadline is None else max(0.0, deadline - time.monotonic()))
-
-
-# Per link-worker thread: one reusable buffer per purpose. A worker runs one
-# collective at a time, and these buffers never outlive the call, so reusing
-# them is safe; allocating them per call made every worker thread's heap hold
-# bucket-sized freed blocks (see docs/benchmarks/2026-11-30-memory-cpu.md).
-_scratch = threading.local()
-
-
-def _next_scratch_slot(purpose: str, slots: int) -> str:
-    """A scratch name that cycles through ``slots`` buffers: a worker has at most
-    that many calls in flight, and finishes them in order, so call k + slots is
-    posted only after call k has finished with its buffer."""
-    counters = _scratch.__dict__.setdefault("counters", {})
-    count = counters.get(purpose, 0)
-    counters[purpose] = count + 1
-    return f"{purpose}#{count % slots}"
-
-
-def _scratch_like(purpose: str, like: torch.Tensor) -> torch.Tensor:
-    buffers = _scratch.__dict__.setdefault("buffers", {})
-    buf = buffers.get(purpose)
-    if buf is None or buf.numel() < like.numel() or buf.dtype != like.dtype \
-            or buf.device != like.device:
-        buf = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
-        buffers[purpose] = buf
-    return buf[:like.numel()].view_as(like)
-
-
-def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a_lo, b_lo = a.data_ptr(), b.data_ptr()
-    return a_lo < b_lo + b.numel() * b.element_size() and b_lo < a_lo + a.numel() * a.element_size()
-
-
-def reduce_scatter_blocking(group: dist.ProcessGroup, output: torch.Tensor,
-                            input: torch.Tensor) -> None:
-    """Sum ``input`` over the group; this rank gets chunk ``group rank`` in ``output``."""
-    _run_to_end(start_reduce_scatter(group, output, input))
-
-
-def start_reduce_scatter(group: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor,
-                         scratch_slots: int = 1) -> Optional[Callable[[], None]]:
-    """``reduce_scatter_blocking``, or, where the call is point-to-point messages,
-    post them and return the function that waits and sums (see LinkWorker).
-    ``scratch_slots``: calls the caller may have in flight at once."""
-    n = dist.get_world_size(group)
-    if input.numel() != output.numel() * n:
-        raise ValueError(f"reduce-scatter sizes: input {input.numel()} != {n} x output {output.numel()}")
-    with nvtx_range(f"fgpsdp.reduce_scatter[{n}]"):
-        if n == 1:
-            output.copy_(input)
-            return None
-        if dist.get_backend(group) == "nccl":
-            _reduce_scatter_single(output, input, group=group)
-            return None
-        if input.device.type == "cpu":
-            received = _scratch_like(_next_scratch_slot("reduce_scatter_received", scratch_slots),
-                                     input)
-            return gloo_collectives.start_reduce_scatter(group, output, input, received)
-        # gloo's point-to-point takes CPU tensors only.
-        received = _scratch_like("reduce_scatter_received", input)
-        dist.all_to_all_single(received, input, group=group)
-        torch.sum(received.view(n, -1), dim=0, out=output)
-        return None
-
-
-def all_gather_blocking(group: dist.ProcessGroup, output: torch.Tensor,
-                        input: torch.Tensor) -> None:
-    """Every rank's ``input`` lands at chunk ``group rank`` of ``output`` (may be in place)."""
-    _run_to_end(start_all_gather(group, output, input))
-
-
-def _run_to_end(finish: Optional[Callable[[], None]]) -> None:
-    if finish is not None:
-        finish()
-
-
-def start_all_gather(group: dist.ProcessGroup, output: torch.Tensor, input: torch.Tensor,
-                     scratch_slots: int = 1) -> Optional[Callable[[], None]]:
-    """``all_gather_blocking``, or, where the call is point-to-point messages,
-    post them and return the function that waits for them (see LinkWorker).
-    ``scratch_slots``: calls the caller may have in flight at once."""
-    n = dist.get_world_size(group)
-    if output.numel() != input.numel() * n:
-        raise ValueError(f"all-gather sizes: output {output.numel()} != {n} x input {input.numel()}")
-    with nvtx_range(f"fgpsdp.all_gather[{n}]"):
-        if n == 1:
-            if input.data_ptr() != output.data_ptr():
-                output.copy_(input)
-            return None
-        if dist.get_backend(group) == "nccl":  # documents in-place
-            _all_gather_single(output, input, group=group)
-            return None
-        point_to_point = input.device.type == "cpu"  # gloo's takes CPU tensors only
-        own = output[dist.get_rank(group) * input.numel():][:input.numel()]
-        # The point-to-point path sends this rank's chunk from where it lies; a host
-        # backend's collective would read what it writes.
-        in_place_ok = point_to_point and input.data_ptr() == own.data_ptr()
-        if _aliases(input, output) and not in_place_ok:
-            input = _scratch_like(_next_scratch_slot("all_gather_input", scratch_slots),
-                                  input).copy_(input)
-        if point_to_point:
-            return gloo_collectives.start_all_gather(group, output, input)
-        _all_gather_single(output, input, group=group)
-        return None
-
-
 def shared_memory_eligible(group: dist.ProcessGroup, device: torch.device) -> bool:
     """Whether a group of one node's ranks may move CPU tensors through shared memory."""
     return device.type == "cpu" and dist.get_backend(group) == "gloo" \
         and dist.get_world_size(group) > 1
+
 
 
 class _Exchange:
@@ -453,7 +157,7 @@ class _Exchange:
                     worker.stream.wait_stream(first_worker.stream)
             if worker.stream is not None:
                 start = timeline.cuda_span_events(worker.stream)
-                _run_to_end(fn())
+                run_to_end(fn())
                 timeline.end_cuda_span(worker.name, name, start, worker.stream)
                 done.record(worker.stream)
                 return None
@@ -461,7 +165,7 @@ class _Exchange:
             finish = fn()
 
             def finish_and_trace():
-                _run_to_end(finish)
+                run_to_end(finish)
                 if timeline.enabled:
                     timeline.add(worker.name, name, start, time.perf_counter())
             if finish is None:  # finished already: the span ends now

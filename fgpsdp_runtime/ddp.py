@@ -18,9 +18,10 @@ from torch import nn
 
 from . import shutdown
 from .buckets import BucketStorage
-from .comm import CommStats, FlatExchange, HierarchicalExchange, PendingOp
+from .comm import CommStats, FlatExchange, HierarchicalExchange
 from .layout import (BucketLayout, ParamInfo, default_bucket_cap_mb, first_bucket_cap_bytes,
                      owned_numel, plan_buckets)
+from .link_worker import PendingOp
 from .forward_waits import ForwardParamWaiter
 from .plan import OverlapPlan, layout_plan, profiling_plan
 from .plan_profiler import PlanProfiler
@@ -97,7 +98,7 @@ class DistributedDataParallel(nn.Module):
         self.timeline = Timeline(self.rank)
         # Bucket traffic goes over groups of its own (one per link class and
         # phase), driven by worker threads; the wrapper's group stays free for
-        # broadcasts and the norm all-reduce. See comm.py.
+        # broadcasts and the norm all-reduce. See link_worker.py.
         if self.topology.uses_hierarchy:
             self._exchange = HierarchicalExchange(
                 self.topology, create_link_groups(self.topology, process_group),

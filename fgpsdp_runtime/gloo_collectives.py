@@ -25,7 +25,7 @@ one tag in the order they were posted, and every rank posts the calls of a
 group in the same order, so calls on one group cannot mix even while several
 are in flight. ``start_*`` posts a call and returns the function that waits
 for it (and, for a reduce-scatter, sums): a link worker posts its next call
-before the previous one has landed (comm.py), so that the link does not
+before the previous one has landed (link_worker.py), so that the link does not
 drain between two bucket-sized calls.
 """
 from __future__ import annotations

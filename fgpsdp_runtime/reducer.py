@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 import torch
 
 from .buckets import BucketStorage
-from .comm import PendingOp
+from .link_worker import PendingOp
 from .ops import multi_tensor_pack
 from .tracing import Timeline
 

@@ -19,7 +19,7 @@ def _check(rank, world, piece_bytes, dtypes, chunk_sizes):
     import torch.distributed as dist
 
     from fgpsdp_runtime import gloo_collectives
-    from fgpsdp_runtime.comm import all_gather_blocking, reduce_scatter_blocking
+    from fgpsdp_runtime.group_collectives import all_gather_blocking, reduce_scatter_blocking
 
     gloo_collectives.PIECE_BYTES = piece_bytes  # many pieces per message
     group = dist.new_group(list(range(world)))
@@ -56,7 +56,7 @@ def test_point_to_point_collectives_are_exact(world):
 def _wrong_size(rank, world):
     import torch.distributed as dist
 
-    from fgpsdp_runtime.comm import reduce_scatter_blocking
+    from fgpsdp_runtime.group_collectives import reduce_scatter_blocking
     try:
         reduce_scatter_blocking(dist.group.WORLD, torch.empty(3), torch.empty(7))
     except ValueError as error:
@@ -75,7 +75,7 @@ def _calls_in_flight(rank, world, piece_bytes):
     import torch.distributed as dist
 
     from fgpsdp_runtime import gloo_collectives
-    from fgpsdp_runtime.comm import start_all_gather, start_reduce_scatter
+    from fgpsdp_runtime.group_collectives import start_all_gather, start_reduce_scatter
 
     gloo_collectives.PIECE_BYTES = piece_bytes
     group = dist.new_group(list(range(world)))

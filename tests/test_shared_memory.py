@@ -17,7 +17,7 @@ def _compare_with_gloo(rank, world, dtypes, sizes, max_slot_bytes):
     """Every op through shared memory and through gloo; returns how many differ bitwise."""
     import torch.distributed as dist
 
-    from fgpsdp_runtime.comm import all_gather_blocking, reduce_scatter_blocking
+    from fgpsdp_runtime.group_collectives import all_gather_blocking, reduce_scatter_blocking
     from fgpsdp_runtime.shared_memory import SharedMemoryCollectives
 
     group = dist.new_group(list(range(world)))

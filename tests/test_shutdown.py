@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from fgpsdp_runtime import shutdown
-from fgpsdp_runtime.comm import LinkWorker
+from fgpsdp_runtime.link_worker import LinkWorker
 
 
 def test_stop_all_ends_idle_workers():
@@ -38,7 +38,7 @@ def test_exit_lets_submitted_work_finish(tmp_path):
     marker = tmp_path / "done"
     code = textwrap.dedent(f"""
         import time, torch
-        from fgpsdp_runtime.comm import LinkWorker
+        from fgpsdp_runtime.link_worker import LinkWorker
         worker = LinkWorker("test-exit", torch.device("cpu"))
         worker.submit(lambda: (time.sleep(0.5), open({str(marker)!r}, "w").write("ok")))
     """)

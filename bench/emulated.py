@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -75,6 +76,29 @@ def run_once(workload, size, system, steps, warmup, out_dir, save_params, port, 
             else:
                 os.remove(trace)
     return proc.returncode, results
+
+
+def host_gflops(size: int = 384, reps: int = 12, tries: int = 3) -> float:
+    """Single-thread fp32 matmul rate of this machine right now (best of ``tries``).
+
+    Taken before every run, while nothing else runs: a shared cloud host's
+    speed changes within minutes (by 3x here, with no steal to show for it),
+    and a run on a slow stretch is then visible in the report.
+    """
+    import torch
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(size, size), torch.randn(size, size)
+        best = float("inf")
+        for _ in range(tries):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                torch.mm(a, b)
+            best = min(best, time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return 2 * size ** 3 * reps / best / 1e9
 
 
 def param_diff(out_dir, system):
@@ -136,6 +160,24 @@ def cpu_roles(ranks) -> dict[str, float]:
     return out
 
 
+def round_steal_share(ranks) -> Optional[float]:
+    """The largest steal share any rank of one round measured, or None if none did."""
+    shares = [x["steal_share"] for x in ranks if x.get("steal_share") is not None]
+    return max(shares) if shares else None
+
+
+def rounds_cell(values, fmt: str) -> str:
+    """Per-round figures as ``"a / b"``; ``-`` where one was not measured."""
+    if not values or all(x is None for x in values):
+        return "-"
+    return " / ".join("-" if x is None else fmt.format(x) for x in values)
+
+
+def steal_cell(shares) -> str:
+    """Per-round steal shares as ``"0.1 / 23.4"`` percent."""
+    return rounds_cell([None if x is None else 100 * x for x in shares or []], "{:.1f}")
+
+
 def summarise(workload, runs, rate_bps, out_dir, systems):
     """runs: {system: [per-round list of rank results]} -> table rows."""
     rows = {}
@@ -160,6 +202,10 @@ def summarise(workload, runs, rate_bps, out_dir, systems):
                 sum(x.get("minor_faults_per_step", 0.0) for x in r) for r in rounds),
             "cpu_by_role": {role: statistics.median(cpu_roles(r)[role] for r in rounds)
                             for role in CPU_ROLES},
+            # Per round: the share of the machine's CPU the hypervisor took while
+            # the steps were timed (every rank reads the same machine-wide figure).
+            "steal_share_rounds": [round_steal_share(r) for r in rounds],
+            "host_gflops_rounds": [r[0].get("host_gflops") for r in rounds],
             "opt_state_bytes": max(x["opt_state_bytes"] for x in rounds[0]),
             "node_tx_bytes_per_step": statistics.median(tx) if tx else None,
             "final_loss": rounds[0][0]["final_loss"],
@@ -244,15 +290,22 @@ def markdown(all_rows, meta, command, rate):
         lines.append("")
         if any((row or {}).get("cpu_by_role") for row in rows.values()):
             lines += ["CPU core-seconds per step, all 4 ranks, by thread; minor page faults per "
-                      "step, all 4 ranks (fresh pages the kernel maps and zeroes):", "",
-                      "| system | " + " | ".join(CPU_ROLES) + " | page faults/step |",
-                      "|---|" + "---:|" * (len(CPU_ROLES) + 1)]
+                      "step, all 4 ranks (fresh pages the kernel maps and zeroes); hypervisor "
+                      "steal, per round: the share of this virtual machine's CPU time the host "
+                      "gave to others while the steps were timed; host GFLOP/s, per round: a "
+                      "single-thread matmul just before the run (a round on a slow stretch of "
+                      "the host measured the host):", "",
+                      "| system | " + " | ".join(CPU_ROLES)
+                      + " | page faults/step | steal % | host GFLOP/s |",
+                      "|---|" + "---:|" * (len(CPU_ROLES) + 3)]
             for system, row in rows.items():
                 if row and row.get("cpu_by_role"):
                     faults = row.get("minor_faults_per_step")
                     lines.append(f"| {system} | " + " | ".join(
                         f"{row['cpu_by_role'][role]:.2f}" for role in CPU_ROLES)
-                        + f" | {'-' if faults is None else f'{faults:,.0f}'} |")
+                        + f" | {'-' if faults is None else f'{faults:,.0f}'} | "
+                        f"{steal_cell(row.get('steal_share_rounds'))} | "
+                        f"{rounds_cell(row.get('host_gflops_rounds'), '{:.1f}')} |")
             lines.append("")
         for system, row in rows.items():
             info = (row or {}).get("schedule_info") or {}
@@ -421,15 +474,18 @@ def main() -> None:
                         port += 1
                         t0 = time.time()
                         traced = rnd == 0 and system.startswith("fgpsdp") and args.trace_steps
+                        speed = host_gflops()
                         rc, res = run_once(
                             workload, args.size, system, args.steps, args.warmup, out_dir,
                             rnd == 0, port, log, trace_steps=args.trace_steps if traced else 0,
                             trace_dest=os.path.join(f"{stem}-traces", f"{workload}-{system}.json"),
                             max_norm=args.max_norm, pin_cpu=args.pin_cpu)
                         if rc == 0 and len(res) == 4:
+                            for x in res:
+                                x["host_gflops"] = speed
                             runs.setdefault(system, []).append(res)
                             step = max(x["step_time_s"] for x in res)
-                            status = f"{step:.3f} s/step"
+                            status = f"{step:.3f} s/step (host {speed:.1f} GFLOP/s)"
                         else:
                             status = f"FAILED (rc {rc}; see {os.path.relpath(log, ROOT)})"
                         print(f"[{workload} round {rnd + 1}/{args.rounds}] {system:<18} {status} "

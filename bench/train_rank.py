@@ -15,6 +15,7 @@ import resource
 import sys
 import time
 from datetime import timedelta
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,32 @@ def link_tx_bytes() -> int:
             return int(f.read())
     except (OSError, ValueError, TypeError):
         return -1
+
+
+def machine_cpu_ticks(stat_path: str = "/proc/stat") -> tuple[int, int]:
+    """(steal, total) clock ticks of the whole machine since boot, or (0, 0).
+
+    Steal is time a virtual machine's cores were runnable but the hypervisor
+    ran someone else: on a shared cloud host it comes and goes, and a timed
+    window that lost a fifth of its CPU to it measures the host, not the system.
+    """
+    try:
+        with open(stat_path) as f:
+            fields = f.readline().split()
+    except OSError:
+        return 0, 0
+    if not fields or fields[0] != "cpu":
+        return 0, 0
+    # user nice system idle iowait irq softirq steal [guest guest_nice]: guest
+    # time is already inside user and nice, so it is not added again.
+    ticks = [int(x) for x in fields[1:9]]
+    return (ticks[7] if len(ticks) > 7 else 0), sum(ticks)
+
+
+def steal_share(start: tuple[int, int], end: tuple[int, int]) -> Optional[float]:
+    """The share of the machine's CPU time the hypervisor took between two readings."""
+    total = end[1] - start[1]
+    return (end[0] - start[0]) / total if total > 0 else None
 
 
 def thread_cpu_seconds() -> dict[str, float]:
@@ -108,6 +135,7 @@ def main() -> None:
     cpu_start = time.process_time()
     threads_start = thread_cpu_seconds()
     faults_start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    ticks_start = machine_cpu_ticks()
     for step in range(total_steps):
         if step == args.warmup:
             # Land what the warm-up deferred (fgpsdp's all-gathers), so that the
@@ -119,6 +147,7 @@ def main() -> None:
             cpu_start = time.process_time()
             threads_start = thread_cpu_seconds()
             faults_start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            ticks_start = machine_cpu_ticks()
         if timeline is not None and step == total_steps - args.trace_steps:
             timeline.enable()
         t0 = time.perf_counter()
@@ -128,6 +157,7 @@ def main() -> None:
     system.finish_step()
     dist.barrier()
     elapsed = time.perf_counter() - start
+    ticks_end = machine_cpu_ticks()
     # All threads of this process (compute, scheduler, link workers, gloo's
     # transport): on a shared machine, the sum over ranks against the cores
     # says whether the step is bound by CPU rather than by the network.
@@ -146,6 +176,7 @@ def main() -> None:
         "step_time_s": elapsed / args.steps, "cpu_s_per_step": cpu_seconds / args.steps,
         "cpu_s_per_step_by_thread": cpu_by_thread, "minor_faults_per_step": faults / args.steps,
         "step_times_s": step_times[args.warmup:],
+        "steal_share": steal_share(ticks_start, ticks_end),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "opt_state_bytes": system.opt_state_bytes(), "final_loss": final_loss,
         "local_rank": int(os.environ.get("LOCAL_RANK", rank)),

@@ -182,3 +182,33 @@ def test_fsdp_small_wrap_units_train_a_tied_model_like_ddp():
     for r in results:
         assert r["units"] > 2  # really wrapped in small units, not just the root
         assert r["max_diff"] < 1e-5
+
+
+def test_steal_share_reads_the_machine_line_of_proc_stat(bench_modules, tmp_path):
+    _, emulated, train_rank = bench_modules
+    stat = tmp_path / "stat"
+    # user nice system idle iowait irq softirq steal guest guest_nice
+    stat.write_text("cpu  100 0 20 860 0 0 0 20 50 0\ncpu0 50 0 10 430 0 0 0 10 25 0\n")
+    start = train_rank.machine_cpu_ticks(str(stat))
+    assert start == (20, 1000)  # guest time is inside user: not counted twice
+    stat.write_text("cpu  200 0 40 1660 0 0 0 100 80 0\n")
+    end = train_rank.machine_cpu_ticks(str(stat))
+    assert train_rank.steal_share(start, end) == pytest.approx(80 / 1000)
+    assert train_rank.steal_share(start, start) is None
+    assert train_rank.machine_cpu_ticks(str(tmp_path / "missing")) == (0, 0)
+    # The report: the worst rank of each round, in percent.
+    ranks = [{"steal_share": 0.01}, {"steal_share": 0.25}, {}]
+    assert emulated.round_steal_share(ranks) == 0.25
+    assert emulated.round_steal_share([{}]) is None
+    assert emulated.steal_cell([0.001, 0.25]) == "0.1 / 25.0"
+    assert emulated.steal_cell([None, 0.05]) == "- / 5.0"
+    assert emulated.steal_cell([None]) == "-" and emulated.steal_cell(None) == "-"
+    assert emulated.rounds_cell([3.14159, None], "{:.1f}") == "3.1 / -"
+
+
+def test_host_speed_probe_is_a_positive_rate_and_keeps_the_thread_count(bench_modules):
+    import torch
+    _, emulated, _ = bench_modules
+    threads = torch.get_num_threads()
+    assert emulated.host_gflops(size=32, reps=2, tries=1) > 0
+    assert torch.get_num_threads() == threads

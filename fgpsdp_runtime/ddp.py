@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import weakref
 from typing import Any, Iterator, Optional, Sequence, Union
 
 import torch
@@ -171,8 +172,36 @@ class DistributedDataParallel(nn.Module):
         # As torch DDP: buffers are broadcast before a forward that follows a
         # synchronised, grad-enabled forward (and before the first one).
         self._sync_buffers_before_forward = True
+        self._land_gathers_before_loads(module)
 
     # -- set-up --------------------------------------------------------------
+
+    def _land_gathers_before_loads(self, module: nn.Module) -> None:
+        """Every ``load_state_dict`` into the model (through the wrapper, ``module``
+        or any submodule) first lands the all-gathers in flight.
+
+        Parameters are views of the bucket buffers, and under the forward-
+        overlapped schedules a step's all-gathers land after ``step()`` has
+        returned: one landing after a load would write the other ranks'
+        pre-load slices over what was loaded. ``assign=True`` would swap the
+        parameters for tensors the buckets do not hold: refused.
+        """
+        model_ref = weakref.ref(self)  # the hooks must not keep a freed wrapper alive
+
+        def land_gathers(_module, _state_dict, _prefix, local_metadata, *_rest) -> None:
+            if local_metadata.get("assign_to_params_buffers"):
+                raise ValueError("fgpsdp: load_state_dict(assign=True) would replace parameters "
+                                 "that are views of the bucket buffers; load with assign=False")
+            model = model_ref()
+            if model is not None:
+                model.synchronize()
+
+        for sub in module.modules():
+            register = getattr(sub, "register_load_state_dict_pre_hook", None)
+            if register is not None:
+                register(land_gathers)
+            else:  # torch before 2.5
+                sub._register_load_state_dict_pre_hook(land_gathers, with_module=True)
 
     def _authoritative_rank(self) -> int:
         return dist.get_global_rank(self.process_group, 0) if self.process_group else 0

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from typing import Any
 
 import torch
@@ -433,3 +434,56 @@ def default_bucket_sizes(rank: int, world_size: int) -> dict:
     model = fgp.DistributedDataParallel(module)
     return {"cap_mb": model.bucket_cap_mb,
             "bucket_bytes": [l.numel * l.element_size for l in model.bucket_layouts]}
+
+
+class SlowOnRank1AdamW(torch.optim.AdamW):
+    """AdamW whose steps take a while on rank 1 only: rank 0's all-gathers of a
+    step are still in flight when its own ``step()`` has returned."""
+
+    def step(self, closure=None):
+        if dist.get_rank() == 1:
+            time.sleep(0.2)
+        return super().step(closure)
+
+
+def load_checkpoint_with_gathers_in_flight(rank: int, world_size: int, schedule: str,
+                                           via: str) -> dict:
+    """Load a checkpoint (through the wrapper, its module, or a submodule) right
+    after a step, while that step's all-gathers are in flight; then train on."""
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(MLP(), bucket_cap_mb=0.0001, schedule=schedule)
+    opt = fgp.ShardedOptimizer(model, SlowOnRank1AdamW, lr=1e-2)
+    checkpoint = None
+    # Past the steps that profile the plan (their end synchronises the ranks).
+    for step in range(5):
+        x, y = make_batch("mlp", step, 0, rank)
+        loss_fn("mlp", model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 3:
+            model.synchronize()
+            checkpoint = copy.deepcopy(model.module.state_dict())
+    before_load = {k: v.clone() for k, v in model.module.state_dict().items()}  # step 4, in flight
+    if via == "wrapper":
+        model.load_state_dict({"module." + k: v for k, v in checkpoint.items()})
+    elif via == "module":
+        model.module.load_state_dict(checkpoint)
+    else:  # the first layer only: its all-gathers are the first to go out
+        checkpoint = {k: v for k, v in checkpoint.items() if k.startswith("net.0.")}
+        model.module.net[0].load_state_dict({k[len("net.0."):]: v for k, v in checkpoint.items()})
+    model.synchronize()
+    loaded = model.module.state_dict()
+    result = {"loaded": all(torch.equal(loaded[k], v) for k, v in checkpoint.items()),
+              # The test can fail: step 2 did change what the checkpoint restores.
+              "step_changed_it": any(not torch.equal(before_load[k], v) for k, v in checkpoint.items())}
+    x, y = make_batch("mlp", 5, 0, rank)  # training goes on from the loaded values
+    loss_fn("mlp", model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    model.synchronize()
+    result["params"] = [p.detach().clone() for p in model.module.parameters()]
+    try:
+        model.load_state_dict(model.state_dict(), assign=True)
+    except ValueError as error:
+        result["assign_refused"] = str(error)
+    return result

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from .dist_harness import run_distributed
-from .scenarios import (scheduler_thread_failure, step_and_gather_order,
-                        synchronize_between_backward_and_step, traced_steps, train_many)
+from .scenarios import (load_checkpoint_with_gathers_in_flight, scheduler_thread_failure,
+                        step_and_gather_order, synchronize_between_backward_and_step,
+                        traced_steps, train_many)
 from .test_equivalence import SCENARIOS, TOL
 from .test_schedules import results
 
@@ -141,3 +142,18 @@ def test_forward_ordered_step_runs_the_inner_optimizer_a_bounded_number_of_times
     assert max(map(len, chunks)) - min(map(len, chunks)) <= 1
     assert _split_evenly([3, 2, 1], _MAX_STEP_CHUNKS) == [[3], [2], [1]]
     assert _split_evenly([], _MAX_STEP_CHUNKS) == []
+
+
+@pytest.mark.parametrize("schedule,via", [("two_stage", "wrapper"), ("next_forward", "module"),
+                                          ("two_stage", "submodule")])
+def test_load_state_dict_lands_the_gathers_in_flight_first(schedule, via):
+    """A checkpoint loaded while a step's all-gathers are in flight is what the model
+    holds afterwards on every rank (they must not land over it), and training goes on."""
+    res = run_distributed(2, load_checkpoint_with_gathers_in_flight, schedule, via,
+                          timeout_s=120)
+    for r in res:
+        assert r["step_changed_it"]
+        assert r["loaded"]
+        assert "assign=True" in r["assign_refused"]
+    for a, b in zip(res[0]["params"], res[1]["params"]):
+        assert torch.equal(a, b)

@@ -42,7 +42,7 @@ def rate_bits_per_s(rate: str) -> float:
 
 
 def run_once(workload, size, system, steps, warmup, out_dir, save_params, port, log,
-             trace_steps=0, trace_dest=None, max_norm=1.0, pin_cpu=False):
+             trace_steps=0, trace_dest=None, max_norm=1.0, pin_cpu=False, flush_denormal=False):
     python = sys.executable
     cmd = (f"OMP_NUM_THREADS=1 {shlex.quote(python)} -m torch.distributed.run --nnodes=2 "
            f"--nproc_per_node=2 --node_rank=$NODE_RANK --master_addr=$MASTER_ADDR "
@@ -50,6 +50,7 @@ def run_once(workload, size, system, steps, warmup, out_dir, save_params, port, 
            f"--workload {workload} --size {size} --system {system} --steps {steps} "
            f"--warmup {warmup} --out {shlex.quote(out_dir)} --trace-steps {trace_steps} "
            f"--max-norm {max_norm}" + (" --pin-cpu" if pin_cpu else "")
+           + (" --flush-denormal" if flush_denormal else "")
            + (" --save-params" if save_params else ""))
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=os.environ.get(
         "TORCH_EXTENSIONS_DIR", os.path.join(tempfile.gettempdir(), "fgpsdp-torch-ext")),
@@ -78,11 +79,12 @@ def run_once(workload, size, system, steps, warmup, out_dir, save_params, port, 
     return proc.returncode, results
 
 
-def host_gflops(size: int = 384, reps: int = 12, tries: int = 3) -> float:
-    """Single-thread fp32 matmul rate of this machine right now (best of ``tries``).
+def host_gflops(size: int = 512, reps: int = 20, tries: int = 3) -> float:
+    """Single-thread fp32 matmul rate of this machine right now (best of ``tries``
+    of about 50 ms each).
 
     Taken before every run, while nothing else runs: a shared cloud host's
-    speed changes within minutes (by 3x here, with no steal to show for it),
+    speed changes within minutes (by up to 3x here, while steal stayed under 1%),
     and a run on a slow stretch is then visible in the report.
     """
     import torch
@@ -242,6 +244,8 @@ def markdown(all_rows, meta, command, rate):
              f"All 4 ranks share this machine's cores, so compute is slower than on real nodes"
              + (" (each rank pinned to core local rank mod cores, so the two ranks on a core "
                 "share it evenly). " if meta.get("pin_cpu") else ". ") +
+             ("Every rank flushes subnormal floats to zero (`torch.set_flush_denormal`). "
+              if meta.get("flush_denormal") else "") +
              f"Step time = wall time of back-to-back steps / steps, the slowest rank, median "
              f"over {meta['rounds']} rounds ({meta['warmup']} warm-up + {meta['steps']} timed "
              f"steps each). Floor = max(compute-only step, 2 x (nodes-1)/nodes x parameter bytes "
@@ -436,6 +440,8 @@ def main() -> None:
                         help="every rank of every system runs on one core (local rank mod "
                              "cores): ranks with one core each time-share it evenly, instead "
                              "of the kernel moving them between cores")
+    parser.add_argument("--flush-denormal", action="store_true",
+                        help="every rank flushes subnormal floats to zero (see train_rank.py)")
     parser.add_argument("--trace-steps", type=int, default=2,
                         help="fgpsdp systems record a timeline of their last N timed steps "
                              "in round 1 (0: none)")
@@ -479,7 +485,8 @@ def main() -> None:
                             workload, args.size, system, args.steps, args.warmup, out_dir,
                             rnd == 0, port, log, trace_steps=args.trace_steps if traced else 0,
                             trace_dest=os.path.join(f"{stem}-traces", f"{workload}-{system}.json"),
-                            max_norm=args.max_norm, pin_cpu=args.pin_cpu)
+                            max_norm=args.max_norm, pin_cpu=args.pin_cpu,
+                            flush_denormal=args.flush_denormal)
                         if rc == 0 and len(res) == 4:
                             for x in res:
                                 x["host_gflops"] = speed
@@ -498,7 +505,8 @@ def main() -> None:
         subprocess.run(["bash", CLUSTER, "down"])
     meta = {"date": date, "machine": machine(), "versions": versions(), "rounds": args.rounds,
             "steps": args.steps, "warmup": args.warmup, "trace_steps": args.trace_steps,
-            "max_norm": args.max_norm, "pin_cpu": args.pin_cpu}
+            "max_norm": args.max_norm, "pin_cpu": args.pin_cpu,
+            "flush_denormal": args.flush_denormal}
     text = markdown(all_rows, meta, command, args.rate) + timeline_markdown(timelines, stem)
     if chart(all_rows, stem + ".png"):
         text += f"\n![step time per system]({os.path.basename(stem)}.png)\n"

@@ -46,6 +46,10 @@ def load_spans(path: str) -> list[tuple[str, str, float, float]]:
     return load_trace(path)[1]
 
 
+# The main thread's phases of a step (the backward span's name carries a suffix).
+PHASES = {"forward", "backward (from first gradient)", "optimizer step"}
+
+
 def from_first_forward(spans):
     """The traced steps proper: drop what ended before the first forward began."""
     starts = [s for l, n, s, _ in spans if l == "compute" and n == "forward"]
@@ -64,8 +68,13 @@ def breakdown(spans, steps: int) -> dict[str, float]:
     for phase in ("forward", "optimizer step"):
         out[phase + "_s"] = sum(d for n, d in compute if n == phase) / steps
     out["backward_s"] = sum(d for n, d in compute if n.startswith("backward")) / steps
+    # A wait counts where a step's phase holds it: the harness's synchronize()
+    # after the last step waits for that step's all-gathers outside any forward.
+    phases = [(s, e) for l, n, s, e in spans if l == "compute" and n in PHASES]
+    waits = [(n, e - s) for l, n, s, e in spans if l == "compute" and n not in PHASES
+             and any(ps <= s and e <= pe for ps, pe in phases)]
     for prefix, label in WAITS.items():
-        out[label] = sum(d for n, d in compute if n.startswith(prefix)) / steps
+        out[label] = sum(d for n, d in waits if n.startswith(prefix)) / steps
     lanes = sorted({l for l, *_ in spans} - {"compute"},
                    key=lambda l: LANE_ORDER.index(l) if l in LANE_ORDER else len(LANE_ORDER))
     for lane in lanes:

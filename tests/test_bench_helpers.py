@@ -212,3 +212,22 @@ def test_host_speed_probe_is_a_positive_rate_and_keeps_the_thread_count(bench_mo
     threads = torch.get_num_threads()
     assert emulated.host_gflops(size=32, reps=2, tries=1) > 0
     assert torch.get_num_threads() == threads
+
+
+def test_breakdown_counts_only_the_waits_inside_a_step(bench_modules):
+    sys.path.insert(0, BENCH)
+    try:
+        import timeline_report
+    finally:
+        sys.path.remove(BENCH)
+    spans = [("compute", "forward", 0.0, 1.0), ("compute", "wait AG b3", 0.2, 0.5),
+             ("compute", "backward (from first gradient)", 1.1, 2.0),
+             ("compute", "optimizer step", 2.0, 3.0), ("compute", "wait reduce-scatters", 2.0, 2.4),
+             ("inter-ag", "AG b3", 0.0, 0.5),
+             # The harness's synchronize() after the last step: not a forward's wait.
+             ("compute", "wait AG b0", 3.0, 3.8)]
+    out = timeline_report.breakdown(spans, steps=1)
+    assert out["forward waits for all-gathers"] == pytest.approx(0.3)
+    assert out["step waits for reduce-scatters"] == pytest.approx(0.4)
+    assert out["forward_s"] == pytest.approx(1.0) and out["backward_s"] == pytest.approx(0.9)
+    assert out["window_s"] == pytest.approx(3.8)

@@ -109,8 +109,8 @@ def main() -> None:
                         help="record the timeline of the last N timed steps (fgpsdp systems)")
     parser.add_argument("--flush-denormal", action="store_true",
                         help="flush subnormal floats to zero (torch.set_flush_denormal): "
-                             "the BERT workload's gradients hold subnormals, which make "
-                             "matmuls 8x slower on some CPUs")
+                             "the BERT workload's gradients hold subnormals, which some "
+                             "CPUs compute on about 9x slower")
     parser.add_argument("--pin-cpu", action="store_true",
                         help="run this rank (every thread it starts) on core LOCAL_RANK "
                              "mod the machine's cores")

@@ -84,8 +84,8 @@ def host_gflops(size: int = 512, reps: int = 20, tries: int = 3) -> float:
     of about 50 ms each).
 
     Taken before every run, while nothing else runs: a shared cloud host's
-    speed changes within minutes (by up to 3x here, while steal stayed under 1%),
-    and a run on a slow stretch is then visible in the report.
+    speed changes within minutes (in one run here a system's second round took
+    3x its first), and a run on a slow stretch is then visible in the report.
     """
     import torch
     threads = torch.get_num_threads()

@@ -474,8 +474,9 @@ def load_checkpoint_with_gathers_in_flight(rank: int, world_size: int, schedule:
     model.synchronize()
     loaded = model.module.state_dict()
     result = {"loaded": all(torch.equal(loaded[k], v) for k, v in checkpoint.items()),
-              # The test can fail: step 2 did change what the checkpoint restores.
-              "step_changed_it": any(not torch.equal(before_load[k], v) for k, v in checkpoint.items())}
+              # The test can fail: step 4 did change what the checkpoint restores.
+              "step_changed_it": any(not torch.equal(before_load[k], v)
+                                     for k, v in checkpoint.items())}
     x, y = make_batch("mlp", 5, 0, rank)  # training goes on from the loaded values
     loss_fn("mlp", model(x), y).backward()
     opt.step()

@@ -172,8 +172,6 @@ def plan_buckets(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if bucket_cap_bytes <= 0:
         raise ValueError(f"bucket_cap_bytes must be > 0, got {bucket_cap_bytes}")
-    # The first bucket to close (the last layers, ready first in backward)
-    # closes at this smaller cap, so the link starts early in backward.
     first_cap = bucket_cap_bytes if first_bucket_cap_bytes is None else \
         min(bucket_cap_bytes, first_bucket_cap_bytes)
     order = list(range(len(params)))[::-1] if order is None else list(order)

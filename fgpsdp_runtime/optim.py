@@ -4,7 +4,8 @@ Per step::
 
     finish reduce-scatters (two_stage: speculative steps of stage-1 buckets)
     -> per-bucket sums of squares + used mask
-    -> one all-reduce [sum, non-finite flag, used mask] -> clip coefficient
+    -> one all-reduce [sum, non-finite flag, hyperparameters-changed flag, used mask]
+    -> clip coefficient
     -> two_stage: commit or roll back each speculative step
     -> inner optimizer step on the remaining slices -> all-gather them
 
@@ -29,7 +30,7 @@ import torch
 from .ddp import DistributedDataParallel
 from .ops import multi_tensor_sq_norm
 from .profiling import nvtx_range
-from .speculation import SliceBackup
+from .speculation import SliceBackup, hyperparameters, same_hyperparameters
 
 # Optimizers whose update is not element-wise: slicing would change the result.
 _NOT_ELEMENTWISE = {"LBFGS", "Adafactor", "SparseAdam"}
@@ -84,6 +85,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._bucket_sq: dict[int, torch.Tensor] = {}  # measured before a speculative step
         self._globally_used: Optional[list[bool]] = None
         self._applied_coefficient = 1.0  # clipping applied to the gradient this step
+        # Some rank's speculative steps ran with other hyperparameters than the step's.
+        self._speculated_with_other_hyperparameters = False
         if model.scheduler is not None:
             model.scheduler.attach(self)
 
@@ -186,16 +189,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _step(self) -> None:
         model = self.model
+        measured_earlier = self._reduced  # by clip_grad_norm_, before this call
         total = self._reduce_and_measure()
         if self.max_grad_norm is not None:
             self._apply_clip(total, self.max_grad_norm)
         finite = math.isfinite(total)
         scheduler = model.scheduler
         speculated = scheduler.speculated if scheduler is not None else {}
+        if measured_earlier and speculated:
+            # The loop may have set hyperparameters after clip_grad_norm_'s all-reduce.
+            self._speculated_with_other_hyperparameters |= self._any_rank(
+                self._speculation_hyperparameters_differ(speculated))
+        other_hyperparameters = self._speculated_with_other_hyperparameters
+        if other_hyperparameters and scheduler is not None:
+            scheduler.stop_speculating(
+                "the optimizer's hyperparameters changed between backward and step()")
         # Roll back what the true gradient contradicts; the decision is the
         # same on every rank (it uses only all-reduced figures).
         rolled_back = [b for b in sorted(speculated)
-                       if not finite or self._applied_coefficient < 1.0
+                       if not finite or self._applied_coefficient < 1.0 or other_hyperparameters
                        or not self._bucket_fully_used(b)
                        or model.reducer.reduce_scatters_since_step[b] != speculated[b][1]]
         for b in rolled_back:
@@ -240,7 +252,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not model.gathers_overlap_forward:
             # serial / overlap_backward: the parameters have landed when the step ends.
             model.finish_param_all_gathers()
-        self._end_step(would_commit=finite and self._applied_coefficient >= 1.0)
+        self._end_step(would_commit=finite and self._applied_coefficient >= 1.0
+                       and not other_hyperparameters)
 
     def speculative_step(self, b: int) -> SliceBackup:
         """Stage 1: step bucket b's slice before the global norm is known; return the undo record."""
@@ -249,8 +262,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.model.finish_param_all_gather(b)
         backup = SliceBackup(storage.param_shard, self._bucket_pieces[b], self.optim.state)
         self._assign_slice_grads(None, [b])
+        ran_with = hyperparameters(self.optim.param_groups)
         with nvtx_range(f"fgpsdp.speculative_step[{b}]"):
             self.optim.step()
+        # The training loop may write them while this runs (on the scheduler
+        # thread): a change in between leaves them unknown, which rolls back.
+        if same_hyperparameters(ran_with, hyperparameters(self.optim.param_groups)):
+            backup.hyperparameters = ran_with
         return backup
 
     def _end_step(self, would_commit: bool) -> None:
@@ -258,6 +276,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._bucket_sq = {}
         self._globally_used = None
         self._applied_coefficient = 1.0
+        self._speculated_with_other_hyperparameters = False
         self.model.reducer.end_step()
         if self.model.scheduler is not None:
             self.model.scheduler.end_step(would_commit)
@@ -313,18 +332,35 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 speculated[b][1] != model.reducer.reduce_scatters_since_step[b]
             local += part if part is not None and not stale \
                 else multi_tensor_sq_norm([storage.grad_shard])
+        differ = torch.tensor([float(self._speculation_hyperparameters_differ(speculated))],
+                              dtype=torch.float64, device=local.device)
         used = model.reducer.locally_used.to(device=local.device, dtype=torch.float64)
-        packet = torch.cat([local, used])
+        packet = torch.cat([local, differ, used])
         with model.timeline.span("compute", "norm all-reduce"):
             model.all_reduce_sum(packet)
         packet = packet.cpu()
         sq_sum, nonfinite = float(packet[0]), float(packet[1])
-        self._globally_used = (packet[2:] > 0).tolist()
+        self._speculated_with_other_hyperparameters = float(packet[2]) > 0
+        self._globally_used = (packet[3:] > 0).tolist()
         self._total_norm = math.inf if nonfinite else math.sqrt(sq_sum)
         if math.isnan(sq_sum):
             self._total_norm = math.nan
         self._reduced = True
         return self._total_norm
+
+    def _speculation_hyperparameters_differ(self, speculated: dict[int, tuple]) -> bool:
+        """This rank's view: did a speculative step run with other hyperparameters than now?"""
+        if not speculated:
+            return False
+        now = hyperparameters(self.optim.param_groups)
+        return any(not same_hyperparameters(backup.hyperparameters, now)
+                   for backup, _ in speculated.values())
+
+    def _any_rank(self, flag: bool) -> bool:
+        device = self.model.buckets[0].device if self.model.buckets else torch.device("cpu")
+        packet = torch.tensor([float(flag)], dtype=torch.float64, device=device)
+        self.model.all_reduce_sum(packet)
+        return float(packet.cpu()[0]) > 0
 
     def _assign_slice_grads(self, globally_used: Optional[Sequence[bool]],
                             buckets: Sequence[int]) -> None:

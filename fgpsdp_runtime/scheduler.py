@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import warnings
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -60,6 +61,10 @@ class TwoStageScheduler:
         # all-gather sent twice. Decided from all-reduced figures, so every
         # rank speculates in the same steps.
         self.speculating = True
+        # Set once speculation can never pay off in this run (and why): the
+        # loop sets the optimizer's hyperparameters between backward and step,
+        # so every speculative step would be redone.
+        self.stopped_because: Optional[str] = None
         # Per step, owned by the thread between the first hand-over and the join.
         self._handed: set[int] = set()  # stage-1 buckets handed to the thread this step
         self._arrived: dict[int, tuple] = {}  # bucket -> (reduce-scatter op, its count)
@@ -210,8 +215,16 @@ class TwoStageScheduler:
         self.speculated = {}
         self._cancelled = True
 
+    def stop_speculating(self, reason: str) -> None:
+        """For the rest of the run (every rank decides it from all-reduced figures)."""
+        if self.stopped_because is None:
+            self.stopped_because = reason
+            warnings.warn(f"fgpsdp: two_stage stops speculating: {reason}. Set them before "
+                          "backward (lr_scheduler.step() after opt.step() does) to keep "
+                          "stage 1.", RuntimeWarning)
+
     def end_step(self, would_commit: bool) -> None:
-        self.speculating = would_commit
+        self.speculating = would_commit and self.stopped_because is None
         self._next = 0
         self.speculated = {}
         self._handed = set()

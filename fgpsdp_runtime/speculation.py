@@ -5,17 +5,53 @@ bucket's parameter slice and the optimizer state of its slice tensors are
 copied; if the norm later asks for clipping (or is not finite, or a
 parameter of the bucket turns out to be unused on every rank), the copies are
 put back bit for bit and the step is redone with the true gradient.
+
+A speculative step also ran with the hyperparameters (learning rate, weight
+decay, ...) of that moment. A training loop may set them between backward
+and ``step()`` (a warm-up written just before the step); the record keeps
+what the step ran with, so that the step can tell and redo it.
 """
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
+
+Hyperparameters = list[dict[str, Any]]  # per param group, every entry but "params"
+
+
+def hyperparameters(param_groups: Sequence[dict]) -> Hyperparameters:
+    """A copy of what an optimizer step reads besides the tensors it updates."""
+    # dict(group) first: one copy under the GIL, even while another thread
+    # writes an entry (the speculative steps run on the scheduler thread).
+    return [{k: (v.clone() if isinstance(v, torch.Tensor) else v)
+             for k, v in dict(group).items() if k != "params"}
+            for group in param_groups]
+
+
+def same_hyperparameters(a: Optional[Hyperparameters], b: Optional[Hyperparameters]) -> bool:
+    """False when either is unknown (None) or any group or entry differs."""
+    if a is None or b is None or len(a) != len(b):
+        return False
+    for x, y in zip(a, b):
+        if x.keys() != y.keys():
+            return False
+        for key, u in x.items():
+            v = y[key]
+            if isinstance(u, torch.Tensor) or isinstance(v, torch.Tensor):
+                if not (isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor)
+                        and u.device == v.device and torch.equal(u, v)):
+                    return False
+            elif u is not v and u != v:
+                return False
+    return True
 
 
 class SliceBackup:
     def __init__(self, param_shard: torch.Tensor, pieces: Sequence[torch.Tensor],
                  state: dict[Any, dict]):
+        # What the speculative step ran with; None if they changed while it ran.
+        self.hyperparameters: Optional[Hyperparameters] = None
         self.param_shard = param_shard.clone()
         self.had_state = {id(p): p in state for p in pieces}
         self.state = {id(p): {k: (v.clone() if isinstance(v, torch.Tensor) else v)

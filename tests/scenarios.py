@@ -202,6 +202,8 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
         sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
         ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
 
+    base_hyper = {id(o): [(g["lr"], g.get("weight_decay", 0.0)) for g in o.param_groups]
+                  for o in (opt, ref_opt)}
     norms, ref_norms, losses = [], [], []
     for step in range(steps):
         for m in range(micro):
@@ -218,11 +220,22 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
                 ref_loss = loss_fn(model_name, ref(x), y) / micro
                 ref_loss.backward()
         losses.append((float(loss.detach()), float(ref_loss.detach())))
+        def set_hyperparameters():
+            # A warm-up written between backward and step, after two_stage's
+            # speculative steps ran with the previous values.
+            for o in (opt, ref_opt):
+                for g, (lr, decay) in zip(o.param_groups, base_hyper[id(o)]):
+                    g["lr"], g["weight_decay"] = lr * (step + 1) / steps, decay * (step % 2)
+
+        if cfg.get("hyperparameters_after_backward") == "before_clip":
+            set_hyperparameters()
         if max_norm is not None:
             ref_norms.append(reference_clip_(ref.parameters(), max_norm))
         if cfg.get("manual_clip"):
             norms.append(float(opt.clip_grad_norm_(cfg["manual_clip"])))
             ref_norms.append(reference_clip_(ref.parameters(), cfg["manual_clip"]))
+        if cfg.get("hyperparameters_after_backward") == "after_clip":
+            set_hyperparameters()  # after clip_grad_norm_'s all-reduce
         opt.step()
         ref_opt.step()
         opt.zero_grad(set_to_none=True)
@@ -265,6 +278,7 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
         "forward_deviations": ours._forward_waiter.deviations if ours._forward_waiter else 0,
         "commits": ours.scheduler.commits if ours.scheduler else 0,
         "rollbacks": ours.scheduler.rollbacks if ours.scheduler else 0,
+        "speculation_stopped": ours.scheduler.stopped_because if ours.scheduler else None,
         "plan": ours.plan.to_json() if ours.plan is not None else None,
     }
 

@@ -29,6 +29,10 @@ SCENARIOS = {
     "attention": {"model": "attention", "bucket_cap_mb": 0.0002},
     "order_change": {"model": "order_change", "bucket_cap_mb": 0.0001},
     "lr_scheduler": {"lr_scheduler": True},
+    "hyperparameters_after_backward": {"hyperparameters_after_backward": "before_clip"},
+    # clip_grad_norm_ with a bound it never reaches, then the hyperparameters, then step().
+    "hyperparameters_after_clip": {"hyperparameters_after_backward": "after_clip",
+                                   "manual_clip": 1e6},
 }
 WORLD_SIZES = (2, 3, 4)
 

@@ -11,7 +11,7 @@ from .test_equivalence import SCENARIOS, TOL
 SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
 CASES = ("adamw_groups", "clip_triggers", "clip_idle", "manual_clip", "no_sync",
          "accumulate_synced", "tied", "bn_frozen", "unused", "small_buckets", "attention",
-         "order_change")
+         "order_change", "hyperparameters_after_backward", "hyperparameters_after_clip")
 # Many small buckets, so that two_stage has stage-1 buckets to speculate on.
 SMALL_BUCKETS_MB = 0.0001
 
@@ -54,6 +54,17 @@ def test_two_stage_commits_and_rolls_back(topology):
     assert res["manual_clip"]["rollbacks"] > 0
     assert res["unused"]["rollbacks"] > 0  # buckets holding a parameter no rank used
     assert res["accumulate_synced"]["rollbacks"] > 0  # forward between backward and step
+    # Hyperparameters set between backward and step: the first step's speculative
+    # steps are redone with them, and two_stage speculates no more.
+    changed = results("two_stage", topology)
+    moved = ("hyperparameters_after_backward", "hyperparameters_after_clip")
+    for rank_results in changed:
+        for case in moved:
+            res = rank_results[case]
+            assert res["rollbacks"] > 0 and res["commits"] == 0, case
+            assert "hyperparameters changed" in res["speculation_stopped"], case
+    assert all(r[case]["speculation_stopped"] is None for r in changed for case in CASES
+               if case not in moved)
 
 
 @functools.lru_cache(maxsize=None)

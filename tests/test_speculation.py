@@ -1,0 +1,74 @@
+"""Undo records of speculative steps and the hyperparameters they ran with (no processes)."""
+import torch
+
+from fgpsdp_runtime.speculation import SliceBackup, hyperparameters, same_hyperparameters
+
+
+def _adamw(lr=1e-2):
+    params = [torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(3))]
+    opt = torch.optim.AdamW([{"params": params[:1]}, {"params": params[1:], "lr": 3e-3}], lr=lr)
+    return params, opt
+
+
+def test_restore_puts_back_parameters_and_state_bit_for_bit():
+    params, opt = _adamw()
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()  # state exists for both
+    shard = torch.cat([p.detach() for p in params])
+    backup = SliceBackup(shard, params, opt.state)
+    saved_shard = shard.clone()
+    saved_state = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in params}
+    shard.add_(1.0)
+    opt.step()
+    backup.restore(shard, params, opt.state)
+    assert torch.equal(shard, saved_shard)
+    for p in params:
+        for k, v in saved_state[id(p)].items():
+            assert torch.equal(opt.state[p][k], v), k
+
+
+def test_restore_drops_state_the_speculative_step_created():
+    params, opt = _adamw()
+    shard = torch.zeros(8)
+    backup = SliceBackup(shard, params, opt.state)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    assert all(p in opt.state for p in params)
+    backup.restore(shard, params, opt.state)
+    assert not any(p in opt.state for p in params)
+
+
+def test_hyperparameters_are_a_copy_and_changes_are_seen():
+    _, opt = _adamw()
+    before = hyperparameters(opt.param_groups)
+    assert all("params" not in g for g in before)
+    assert same_hyperparameters(before, hyperparameters(opt.param_groups))
+    opt.param_groups[1]["lr"] = 1e-3
+    assert before[1]["lr"] == 3e-3  # a copy, not the live groups
+    assert not same_hyperparameters(before, hyperparameters(opt.param_groups))
+    opt.param_groups[1]["lr"] = 3e-3
+    opt.param_groups[0]["betas"] = (0.9, 0.95)
+    assert not same_hyperparameters(before, hyperparameters(opt.param_groups))
+
+
+def test_a_new_entry_a_new_group_or_an_unknown_record_differ():
+    _, opt = _adamw()
+    before = hyperparameters(opt.param_groups)
+    opt.param_groups[0]["initial_lr"] = 1e-2  # as an lr scheduler built later adds
+    assert not same_hyperparameters(before, hyperparameters(opt.param_groups))
+    _, opt = _adamw()
+    opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2))]})
+    assert not same_hyperparameters(before, hyperparameters(opt.param_groups))
+    assert not same_hyperparameters(None, before)
+
+
+def test_tensor_learning_rates_compare_by_value():
+    _, opt = _adamw(lr=torch.tensor(1e-2))
+    before = hyperparameters(opt.param_groups)
+    assert same_hyperparameters(before, hyperparameters(opt.param_groups))
+    opt.param_groups[0]["lr"].fill_(5e-3)  # changed in place: the copy must not follow
+    assert not same_hyperparameters(before, hyperparameters(opt.param_groups))
+    opt.param_groups[0]["lr"] = 1e-2  # the same value as a float is another type
+    assert not same_hyperparameters(before, hyperparameters(opt.param_groups))

@@ -265,6 +265,33 @@ class DistributedDataParallel(nn.Module):
         finally:
             self.reducer.sync_enabled = previous
 
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients: this rank's reduced slices and those no_sync() left.
+
+        The reduced gradient lives in the buckets, not in ``param.grad`` (None
+        after a synchronised backward), so nn.Module's zero_grad would leave it
+        for the next backward to add to. ``ShardedOptimizer.zero_grad`` calls
+        this; loops may call either, as with torch DDP.
+        """
+        if self.scheduler is not None:
+            # Between backward and step: what the speculative steps used is reset.
+            self.scheduler.before_forward()
+        self.reducer.wait_all()
+        for _, param in self.named_trainable_parameters():
+            if param.grad is not None:  # left by no_sync() backwards
+                if set_to_none:
+                    param.grad = None
+                else:
+                    param.grad.zero_()
+        for storage in self.buckets:
+            if set_to_none:
+                storage.invalidate_grad_shard()
+            else:
+                storage.zero_grad_shard()
+        if set_to_none:
+            self.reducer.reset_used()
+        self.reducer.gradients_zeroed()
+
     # -- parameter exchange (driven by the optimizer) -------------------------
 
     def start_param_all_gather(self, bucket: int) -> None:

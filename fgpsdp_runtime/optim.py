@@ -143,27 +143,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return self.model.local_numel
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        reducer = self.model.reducer
-        reducer.wait_all()
-        for _, param in self.model.named_trainable_parameters():
-            if param.grad is not None:  # left by no_sync() backwards
-                if set_to_none:
-                    param.grad = None
-                else:
-                    param.grad.zero_()
-        for storage in self.model.buckets:
-            if set_to_none:
-                storage.invalidate_grad_shard()
-            else:
-                storage.zero_grad_shard()
+        self.model.zero_grad(set_to_none=set_to_none)
         for group in self.optim.param_groups:
             for piece in group["params"]:
                 if set_to_none:
                     piece.grad = None
                 elif piece.grad is not None:
                     piece.grad.zero_()
-        if set_to_none:
-            reducer.reset_used()
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the reduced gradient as torch.nn.utils.clip_grad_norm_ would on DDP.

@@ -21,6 +21,7 @@ parameter can never hang a step.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Callable, Sequence
 
 import torch
@@ -72,6 +73,11 @@ class GradientReducer:
         # Parameters that received a gradient on this rank since the last
         # reset_used(); summed over ranks to tell globally unused ones apart.
         self.locally_used = torch.zeros(len(self.params), dtype=torch.bool)
+        # An optimizer step ran since the last zero_grad(): a backward adding to
+        # the reduced gradients then is most likely a loop that zeroes them
+        # where they are not (model.module, param.grad), and is warned of once.
+        self._stepped_since_zeroed = False
+        self._warned_accumulating_across_step = False
 
     # -- per-backward state -------------------------------------------------
 
@@ -84,6 +90,9 @@ class GradientReducer:
 
     def reset_used(self) -> None:
         self.locally_used.zero_()
+
+    def gradients_zeroed(self) -> None:
+        self._stepped_since_zeroed = False
 
     # -- hooks -------------------------------------------------------------
 
@@ -231,6 +240,13 @@ class GradientReducer:
         send = storage.acquire_send_buffer()
         if storage.grad_shard_valid:
             # Gradients accumulate across backwards until zero_grad().
+            if self._stepped_since_zeroed and not self._warned_accumulating_across_step:
+                self._warned_accumulating_across_step = True
+                warnings.warn(
+                    "fgpsdp: this backward adds to the gradients of the previous step: no "
+                    "opt.zero_grad() or model.zero_grad() since opt.step() (torch DDP would "
+                    "add too). The reduced gradients are not in param.grad: zeroing through "
+                    "model.module or param.grad = None does not reset them.", RuntimeWarning)
             received = torch.empty_like(storage.grad_shard)
 
             def on_done(storage=storage, received=received):
@@ -267,6 +283,7 @@ class GradientReducer:
 
     def end_step(self) -> None:
         self.reduce_scatters_since_step = [0] * len(self.buckets)
+        self._stepped_since_zeroed = True
 
     def landed(self, b: int) -> bool:
         """Bucket b's last reduce-scatter has landed (or none is in flight)."""

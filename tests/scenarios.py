@@ -229,6 +229,11 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
 
         if cfg.get("hyperparameters_after_backward") == "before_clip":
             set_hyperparameters()
+        if cfg.get("zero_before_step"):
+            # Zeroed between backward and step: the step sees zero gradients
+            # (AdamW still decays and moves by its moments), as under DDP.
+            opt.zero_grad(set_to_none=False)
+            ref_opt.zero_grad(set_to_none=False)
         if max_norm is not None:
             ref_norms.append(reference_clip_(ref.parameters(), max_norm))
         if cfg.get("manual_clip"):
@@ -238,8 +243,12 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
             set_hyperparameters()  # after clip_grad_norm_'s all-reduce
         opt.step()
         ref_opt.step()
-        opt.zero_grad(set_to_none=True)
-        ref_opt.zero_grad(set_to_none=True)
+        if cfg.get("zero_grad_via") == "model":  # as DDP loops (and HF's Trainer) do
+            ours.zero_grad(set_to_none=cfg.get("set_to_none", True))
+            ref.zero_grad(set_to_none=cfg.get("set_to_none", True))
+        else:
+            opt.zero_grad(set_to_none=True)
+            ref_opt.zero_grad(set_to_none=True)
         if sched is not None:
             sched.step()
             ref_sched.step()
@@ -307,6 +316,26 @@ def train_with_inf_gradient(rank: int, world_size: int, schedule: str) -> dict:
     return {"params": [p.detach().clone() for p in model.module.parameters()],
             "skipped": opt.skipped_steps,
             "rollbacks": model.scheduler.rollbacks if model.scheduler else 0}
+
+
+def zero_grad_warnings(rank: int, world_size: int, zero_through: str) -> dict:
+    """Warnings of a loop that zeroes gradients through ``zero_through`` after each step."""
+    import warnings
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(MLP(), bucket_cap_mb=0.0001)
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    zero = {"optimizer": opt.zero_grad, "wrapper": model.zero_grad,
+            "inner module": model.module.zero_grad}[zero_through]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            x, y = make_batch("mlp", step, 0, rank)
+            loss_fn("mlp", model(x), y).backward()
+            opt.step()
+            zero()
+    model.synchronize()
+    return {"accumulating": sum("adds to the gradients of the previous step" in str(w.message)
+                                for w in caught)}
 
 
 def skip_backward_on_rank1(rank: int, world_size: int) -> list[float]:

@@ -9,7 +9,8 @@ import math
 import pytest
 
 from .dist_harness import run_distributed
-from .scenarios import default_bucket_sizes, skip_backward_on_rank1, train_many
+from .scenarios import (default_bucket_sizes, skip_backward_on_rank1, train_many,
+                        zero_grad_warnings)
 
 TOL = 2e-5  # max |param difference| after the steps
 
@@ -30,6 +31,9 @@ SCENARIOS = {
     "order_change": {"model": "order_change", "bucket_cap_mb": 0.0001},
     "lr_scheduler": {"lr_scheduler": True},
     "hyperparameters_after_backward": {"hyperparameters_after_backward": "before_clip"},
+    "model_zero_grad": {"zero_grad_via": "model"},
+    "zero_before_step": {"zero_before_step": True, "bucket_cap_mb": 0.0001},
+    "model_zero_grad_to_zero": {"zero_grad_via": "model", "set_to_none": False},
     # clip_grad_norm_ with a bound it never reaches, then the hyperparameters, then step().
     "hyperparameters_after_clip": {"hyperparameters_after_backward": "after_clip",
                                    "manual_clip": 1e6},
@@ -101,6 +105,15 @@ def test_rank_without_backward_does_not_hang():
     sums = run_distributed(2, skip_backward_on_rank1, timeout_s=120)
     assert all(math.isfinite(v) for v in sums[0])
     assert sums[0] == sums[1]  # replicas stay identical
+
+
+@pytest.mark.parametrize("zero_through,warned", [("optimizer", 0), ("wrapper", 0),
+                                                ("inner module", 1)])
+def test_zeroing_where_the_gradients_are_not_is_warned_once(zero_through, warned):
+    # model.zero_grad() resets the reduced gradients (the model_zero_grad scenarios
+    # match DDP); model.module.zero_grad() cannot, and adding to them is warned of.
+    for res in run_distributed(2, zero_grad_warnings, zero_through, timeout_s=120):
+        assert res["accumulating"] == warned
 
 
 def test_first_bucket_closes_at_one_mb_as_in_torch_ddp():

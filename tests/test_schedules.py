@@ -11,7 +11,8 @@ from .test_equivalence import SCENARIOS, TOL
 SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
 CASES = ("adamw_groups", "clip_triggers", "clip_idle", "manual_clip", "no_sync",
          "accumulate_synced", "tied", "bn_frozen", "unused", "small_buckets", "attention",
-         "order_change", "hyperparameters_after_backward", "hyperparameters_after_clip")
+         "order_change", "hyperparameters_after_backward", "hyperparameters_after_clip",
+         "model_zero_grad", "zero_before_step")
 # Many small buckets, so that two_stage has stage-1 buckets to speculate on.
 SMALL_BUCKETS_MB = 0.0001
 
@@ -54,6 +55,7 @@ def test_two_stage_commits_and_rolls_back(topology):
     assert res["manual_clip"]["rollbacks"] > 0
     assert res["unused"]["rollbacks"] > 0  # buckets holding a parameter no rank used
     assert res["accumulate_synced"]["rollbacks"] > 0  # forward between backward and step
+    assert res_zeroed(topology)["rollbacks"] > 0  # zero_grad between backward and step
     # Hyperparameters set between backward and step: the first step's speculative
     # steps are redone with them, and two_stage speculates no more.
     changed = results("two_stage", topology)
@@ -65,6 +67,10 @@ def test_two_stage_commits_and_rolls_back(topology):
             assert "hyperparameters changed" in res["speculation_stopped"], case
     assert all(r[case]["speculation_stopped"] is None for r in changed for case in CASES
                if case not in moved)
+
+
+def res_zeroed(topology: str) -> dict:
+    return results("two_stage", topology)[0]["zero_before_step"]
 
 
 @functools.lru_cache(maxsize=None)

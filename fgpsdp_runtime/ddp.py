@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import warnings
 import weakref
 from typing import Any, Iterator, Optional, Sequence, Union
 
@@ -132,6 +133,12 @@ class DistributedDataParallel(nn.Module):
                                        self._exchange, self.world_size, self.timeline,
                                        launch_during_backward=schedule != "serial")
         self.reducer.register_hooks()
+        # A ShardedOptimizer registers itself: without one, a loop built for torch
+        # DDP (a torch.optim optimizer on module.parameters()) would silently not
+        # train, as param.grad stays None; the first backward warns instead.
+        self.optimizer_attached = False
+        self._warned_no_optimizer = False
+        self.reducer.backward_end_listeners.append(self._warn_if_no_optimizer)
         self._param_gathers: dict[int, PendingOp] = {}
         # The scheduler thread starts stage-1 all-gathers while the main thread
         # may finish others.
@@ -175,6 +182,15 @@ class DistributedDataParallel(nn.Module):
         self._land_gathers_before_loads(module)
 
     # -- set-up --------------------------------------------------------------
+
+    def _warn_if_no_optimizer(self) -> None:
+        if not self.optimizer_attached and not self._warned_no_optimizer:
+            self._warned_no_optimizer = True
+            warnings.warn("fgpsdp: a backward ran but no fgpsdp_runtime.ShardedOptimizer wraps "
+                          "this model. The reduced gradients are not in param.grad (it stays "
+                          "None), so a torch.optim optimizer over model.parameters() does not "
+                          "train: use ShardedOptimizer(model, torch.optim.AdamW, ...).",
+                          RuntimeWarning)
 
     def _land_gathers_before_loads(self, module: nn.Module) -> None:
         """Every ``load_state_dict`` into the model (through the wrapper, ``module``

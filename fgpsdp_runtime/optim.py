@@ -39,6 +39,10 @@ _NOT_ELEMENTWISE = {"LBFGS", "Adafactor", "SparseAdam"}
 class ShardedOptimizer(torch.optim.Optimizer):
     """Runs ``optimizer_class`` on this rank's slices of every bucket."""
 
+    # torch.amp.GradScaler then hands step() the scale instead of unscaling
+    # param.grad itself, which here holds nothing (see step()).
+    _step_supports_amp_scaling = True
+
     def __init__(self, model: DistributedDataParallel, optimizer_class: type, *,
                  param_groups: Optional[Sequence[dict[str, Any]]] = None,
                  max_grad_norm: Optional[float] = None, **defaults: Any):
@@ -89,6 +93,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._speculated_with_other_hyperparameters = False
         if model.scheduler is not None:
             model.scheduler.attach(self)
+        model.optimizer_attached = True
 
     # -- construction helpers ------------------------------------------------
 
@@ -164,6 +169,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        if getattr(self, "grad_scale", None) is not None:
+            # Every rank gets here (the scaler's steps are the same everywhere)
+            # before this step's first collective.
+            raise RuntimeError(
+                "fgpsdp: torch.amp.GradScaler cannot drive a ShardedOptimizer: the reduced "
+                "gradients are not in param.grad, so it can neither unscale them nor see an "
+                "inf. Use bfloat16 autocast (no loss scaling) or float32; a step whose "
+                "gradient norm is inf/NaN is skipped on every rank.")
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -64,3 +64,11 @@ def foreign_param_in_groups(rank, world_size):
     model = fgp.DistributedDataParallel(MLP())
     fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1,
                          param_groups=[{"params": [nn.Parameter(torch.zeros(3))]}])
+
+
+def grad_scaler_step(rank, world_size):
+    model = fgp.DistributedDataParallel(MLP())
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.randn(4, 13)).sum()).backward()
+    scaler.step(opt)

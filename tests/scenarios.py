@@ -338,6 +338,22 @@ def zero_grad_warnings(rank: int, world_size: int, zero_through: str) -> dict:
                                 for w in caught)}
 
 
+def no_sharded_optimizer_warnings(rank: int, world_size: int, sharded: bool) -> int:
+    """How often a loop stepping ``torch.optim`` (or ShardedOptimizer) is warned of."""
+    import warnings
+    model = fgp.DistributedDataParallel(MLP())
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1) if sharded \
+        else torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            x, y = make_batch("mlp", step, 0, rank)
+            loss_fn("mlp", model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    return sum("no fgpsdp_runtime.ShardedOptimizer wraps" in str(w.message) for w in caught)
+
+
 def skip_backward_on_rank1(rank: int, world_size: int) -> list[float]:
     """Rank 1 skips backward entirely on some steps; nobody may hang."""
     torch.manual_seed(0)

@@ -16,6 +16,7 @@ CASES = [
     (bad_inputs.non_torch_optimizer, "TypeError", [r"torch.optim.Optimizer subclass"]),
     (bad_inputs.non_elementwise_optimizer, "TypeError", [r"LBFGS is not element-wise"]),
     (bad_inputs.foreign_param_in_groups, "ValueError", [r"not a trainable parameter"]),
+    (bad_inputs.grad_scaler_step, "RuntimeError", [r"GradScaler cannot drive a ShardedOptimizer"]),
 ]
 
 

@@ -9,8 +9,8 @@ import math
 import pytest
 
 from .dist_harness import run_distributed
-from .scenarios import (default_bucket_sizes, skip_backward_on_rank1, train_many,
-                        zero_grad_warnings)
+from .scenarios import (default_bucket_sizes, no_sharded_optimizer_warnings,
+                        skip_backward_on_rank1, train_many, zero_grad_warnings)
 
 TOL = 2e-5  # max |param difference| after the steps
 
@@ -114,6 +114,12 @@ def test_zeroing_where_the_gradients_are_not_is_warned_once(zero_through, warned
     # match DDP); model.module.zero_grad() cannot, and adding to them is warned of.
     for res in run_distributed(2, zero_grad_warnings, zero_through, timeout_s=120):
         assert res["accumulating"] == warned
+
+
+@pytest.mark.parametrize("sharded,warned", [(True, 0), (False, 1)])
+def test_a_torch_optimizer_on_the_wrapped_model_is_warned_of_once(sharded, warned):
+    # param.grad stays None, so torch.optim.SGD(model.parameters()) would not train.
+    assert run_distributed(2, no_sharded_optimizer_warnings, sharded, timeout_s=120) == [warned] * 2
 
 
 def test_first_bucket_closes_at_one_mb_as_in_torch_ddp():

@@ -81,6 +81,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # One set of groups and state: lr schedulers edit what the inner optimizer reads.
         self.param_groups = self.optim.param_groups
         self.state = self.optim.state
+        self._groups_fixed = True  # see add_param_group
         self._bucket_pieces: list[list[torch.Tensor]] = [[] for _ in model.buckets]
         for pieces in self._pieces.values():
             for tensor, b, _, _ in pieces:
@@ -155,6 +156,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     piece.grad = None
                 elif piece.grad is not None:
                     piece.grad.zero_()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        # torch.optim's would add whole parameters that no bucket slice backs:
+        # they would never get a gradient, so never train.
+        if getattr(self, "_groups_fixed", False):
+            raise NotImplementedError(
+                "fgpsdp: ShardedOptimizer cannot add a param group after construction; list "
+                "every group in param_groups=[...] (a group with lr=0 stays as it is until "
+                "its lr is raised)")
+        super().add_param_group(param_group)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the reduced gradient as torch.nn.utils.clip_grad_norm_ would on DDP.

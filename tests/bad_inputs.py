@@ -72,3 +72,10 @@ def grad_scaler_step(rank, world_size):
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(model(torch.randn(4, 13)).sum()).backward()
     scaler.step(opt)
+
+
+def param_group_added_later(rank, world_size):
+    model = fgp.DistributedDataParallel(MLP())
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2,
+                               param_groups=[{"params": model.module.net[0].parameters()}])
+    opt.add_param_group({"params": model.module.net[2].parameters(), "lr": 1e-3})

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch import nn
 
 import fgpsdp_runtime as fgp
@@ -106,8 +107,26 @@ class OrderChangeNet(nn.Module):
         return self.out(torch.tanh(second(torch.tanh(first(x)))))
 
 
+class CheckpointedNet(nn.Module):
+    """Activation checkpointing: the middle blocks' forwards run again inside backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(13, 19)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(19, 19), nn.Tanh())
+                                    for _ in range(3))
+        self.out = nn.Linear(19, 5)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=False)
+        return self.out(h)
+
+
 MODELS = {"mlp": MLP, "tied": TiedLM, "bn_frozen": BatchNormNet, "unused": BranchyNet,
-          "attention": AttentionNet, "order_change": OrderChangeNet}
+          "attention": AttentionNet, "order_change": OrderChangeNet,
+          "checkpointed": CheckpointedNet}
 
 
 def make_batch(model_name: str, step: int, micro: int, rank: int):

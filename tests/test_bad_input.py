@@ -17,6 +17,8 @@ CASES = [
     (bad_inputs.non_elementwise_optimizer, "TypeError", [r"LBFGS is not element-wise"]),
     (bad_inputs.foreign_param_in_groups, "ValueError", [r"not a trainable parameter"]),
     (bad_inputs.grad_scaler_step, "RuntimeError", [r"GradScaler cannot drive a ShardedOptimizer"]),
+    (bad_inputs.param_group_added_later, "NotImplementedError",
+     [r"cannot add a param group after construction"]),
 ]
 
 

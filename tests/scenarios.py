@@ -337,12 +337,14 @@ def train_with_inf_gradient(rank: int, world_size: int, schedule: str) -> dict:
             "rollbacks": model.scheduler.rollbacks if model.scheduler else 0}
 
 
-def zero_grad_warnings(rank: int, world_size: int, zero_through: str) -> dict:
-    """Warnings of a loop that zeroes gradients through ``zero_through`` after each step."""
+def loop_warnings(rank: int, world_size: int, optimizer: str = "sharded",
+                  zero_through: str = "optimizer") -> dict[str, int]:
+    """The fgpsdp warnings of a 3-step loop: which optimizer steps, where it zeroes."""
     import warnings
     torch.manual_seed(0)
     model = fgp.DistributedDataParallel(MLP(), bucket_cap_mb=0.0001)
-    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2) if optimizer == "sharded" \
+        else torch.optim.AdamW(model.parameters(), lr=1e-2)
     zero = {"optimizer": opt.zero_grad, "wrapper": model.zero_grad,
             "inner module": model.module.zero_grad}[zero_through]
     with warnings.catch_warnings(record=True) as caught:
@@ -353,24 +355,11 @@ def zero_grad_warnings(rank: int, world_size: int, zero_through: str) -> dict:
             opt.step()
             zero()
     model.synchronize()
-    return {"accumulating": sum("adds to the gradients of the previous step" in str(w.message)
-                                for w in caught)}
-
-
-def no_sharded_optimizer_warnings(rank: int, world_size: int, sharded: bool) -> int:
-    """How often a loop stepping ``torch.optim`` (or ShardedOptimizer) is warned of."""
-    import warnings
-    model = fgp.DistributedDataParallel(MLP())
-    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1) if sharded \
-        else torch.optim.SGD(model.parameters(), lr=0.1)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        for step in range(2):
-            x, y = make_batch("mlp", step, 0, rank)
-            loss_fn("mlp", model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-    return sum("no fgpsdp_runtime.ShardedOptimizer wraps" in str(w.message) for w in caught)
+    messages = [str(w.message) for w in caught]
+    return {"accumulating": sum("adds to the gradients of the previous step" in m
+                                for m in messages),
+            "no_optimizer": sum("no fgpsdp_runtime.ShardedOptimizer wraps" in m
+                                for m in messages)}
 
 
 def skip_backward_on_rank1(rank: int, world_size: int) -> list[float]:

@@ -9,8 +9,7 @@ import math
 import pytest
 
 from .dist_harness import run_distributed
-from .scenarios import (default_bucket_sizes, no_sharded_optimizer_warnings,
-                        skip_backward_on_rank1, train_many, zero_grad_warnings)
+from .scenarios import default_bucket_sizes, loop_warnings, skip_backward_on_rank1, train_many
 
 TOL = 2e-5  # max |param difference| after the steps
 
@@ -108,19 +107,17 @@ def test_rank_without_backward_does_not_hang():
     assert sums[0] == sums[1]  # replicas stay identical
 
 
-@pytest.mark.parametrize("zero_through,warned", [("optimizer", 0), ("wrapper", 0),
-                                                ("inner module", 1)])
-def test_zeroing_where_the_gradients_are_not_is_warned_once(zero_through, warned):
-    # model.zero_grad() resets the reduced gradients (the model_zero_grad scenarios
-    # match DDP); model.module.zero_grad() cannot, and adding to them is warned of.
-    for res in run_distributed(2, zero_grad_warnings, zero_through, timeout_s=120):
-        assert res["accumulating"] == warned
-
-
-@pytest.mark.parametrize("sharded,warned", [(True, 0), (False, 1)])
-def test_a_torch_optimizer_on_the_wrapped_model_is_warned_of_once(sharded, warned):
-    # param.grad stays None, so torch.optim.SGD(model.parameters()) would not train.
-    assert run_distributed(2, no_sharded_optimizer_warnings, sharded, timeout_s=120) == [warned] * 2
+@pytest.mark.parametrize("optimizer, zero_through, accumulating, no_optimizer", [
+    ("sharded", "optimizer", 0, 0),
+    ("sharded", "wrapper", 0, 0),  # resets the reduced gradients (model_zero_grad matches DDP)
+    ("sharded", "inner module", 1, 0),  # cannot reach them: adding to them is warned of once
+    ("torch", "optimizer", 0, 1),  # param.grad stays None: torch.optim would not train
+])
+def test_loops_that_would_not_train_as_written_are_warned_once(optimizer, zero_through,
+                                                               accumulating, no_optimizer):
+    expected = {"accumulating": accumulating, "no_optimizer": no_optimizer}
+    assert run_distributed(2, loop_warnings, optimizer, zero_through,
+                           timeout_s=120) == [expected] * 2
 
 
 def test_first_bucket_closes_at_one_mb_as_in_torch_ddp():

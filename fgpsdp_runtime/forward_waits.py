@@ -37,7 +37,10 @@ class ForwardParamWaiter:
         self._mode = "record"  # "record", "follow" or "off" (this forward)
         self.deviations = 0  # forwards whose module order differed from the recording
         self._modules = [m for m in root.modules() if any(True for _ in m.parameters())]
-        self._handles = [m.register_forward_pre_hook(self._pre_hook) for m in self._modules]
+        # First among the module's pre-hooks: those registered before wrapping
+        # (weight_norm's, pruning's, a user's) may read the parameters too.
+        self._handles = [m.register_forward_pre_hook(self._pre_hook, prepend=True)
+                         for m in self._modules]
 
     def remove(self) -> None:
         for h in self._handles:

@@ -124,9 +124,26 @@ class CheckpointedNet(nn.Module):
         return self.out(h)
 
 
+class PreHookNet(nn.Module):
+    """Forward pre-hooks registered before wrapping read their module's parameters
+    (as torch.nn.utils.weight_norm's and pruning's do; weight_norm itself cannot be
+    deep-copied for the reference model)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(13, 19)
+        self.out = nn.Linear(19, 5)
+        for layer in (self.inp, self.out):
+            layer.register_forward_pre_hook(
+                lambda module, args: (args[0] * module.weight.detach().abs().mean(),))
+
+    def forward(self, x):
+        return self.out(torch.tanh(self.inp(x)))
+
+
 MODELS = {"mlp": MLP, "tied": TiedLM, "bn_frozen": BatchNormNet, "unused": BranchyNet,
           "attention": AttentionNet, "order_change": OrderChangeNet,
-          "checkpointed": CheckpointedNet}
+          "checkpointed": CheckpointedNet, "pre_hooks": PreHookNet}
 
 
 def make_batch(model_name: str, step: int, micro: int, rank: int):

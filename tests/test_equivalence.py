@@ -29,6 +29,7 @@ SCENARIOS = {
     "attention": {"model": "attention", "bucket_cap_mb": 0.0002},
     "order_change": {"model": "order_change", "bucket_cap_mb": 0.0001},
     "checkpointed": {"model": "checkpointed", "bucket_cap_mb": 0.0001},
+    "pre_hooks": {"model": "pre_hooks", "bucket_cap_mb": 0.0001},
     "lr_scheduler": {"lr_scheduler": True},
     "hyperparameters_after_backward": {"hyperparameters_after_backward": "before_clip"},
     "model_zero_grad": {"zero_grad_via": "model"},

@@ -314,6 +314,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError("optimizer shard was saved with another bucket layout "
                              "(bucket_cap_mb or model changed)")
         self.optim.load_state_dict(state_dict["shard"])
+        # torch's load_state_dict replaces the inner optimizer's group list and
+        # state: share the new ones, or lr schedulers would write to the old.
+        self.param_groups = self.optim.param_groups
+        self.state = self.optim.state
 
     # -- internals -----------------------------------------------------------
 

@@ -285,6 +285,9 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
         else:
             opt.zero_grad(set_to_none=True)
             ref_opt.zero_grad(set_to_none=True)
+        if step == cfg.get("reload_optimizer_at"):  # resuming: a checkpoint round trip
+            opt.load_state_dict(opt.state_dict())
+            ref_opt.load_state_dict(ref_opt.state_dict())
         if sched is not None:
             sched.step()
             ref_sched.step()
@@ -313,6 +316,7 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
         "losses": losses,
         "n_buckets": len(ours.bucket_layouts),
         "lrs": [g["lr"] for g in opt.param_groups],
+        "inner_lrs": [g["lr"] for g in opt.optim.param_groups],  # what the steps used
         "ref_lrs": [g["lr"] for g in ref_opt.param_groups],
         "trainable": sum(p.numel() for _, p in ours_named),
         "comm_stats": ours.comm_stats(),

@@ -31,6 +31,8 @@ SCENARIOS = {
     "checkpointed": {"model": "checkpointed", "bucket_cap_mb": 0.0001},
     "pre_hooks": {"model": "pre_hooks", "bucket_cap_mb": 0.0001},
     "lr_scheduler": {"lr_scheduler": True},
+    # The schedule must go on driving the learning rate after a checkpoint is loaded.
+    "lr_scheduler_reloaded": {"lr_scheduler": True, "reload_optimizer_at": 1},
     "hyperparameters_after_backward": {"hyperparameters_after_backward": "before_clip"},
     "model_zero_grad": {"zero_grad_via": "model"},
     "zero_before_step": {"zero_before_step": True, "bucket_cap_mb": 0.0001},
@@ -96,9 +98,10 @@ def test_small_buckets_make_many_buckets():
     assert results(3)[0]["small_buckets"]["n_buckets"] >= 4
 
 
-def test_lr_scheduler_drives_param_groups():
-    res = results(2)[0]["lr_scheduler"]
-    assert res["lrs"] == res["ref_lrs"]
+@pytest.mark.parametrize("scenario", ["lr_scheduler", "lr_scheduler_reloaded"])
+def test_lr_scheduler_drives_param_groups(scenario):
+    res = results(2)[0][scenario]
+    assert res["lrs"] == res["inner_lrs"] == res["ref_lrs"]
     assert res["lrs"][0] < 1e-2  # StepLR halved it
 
 

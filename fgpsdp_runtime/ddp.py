@@ -179,7 +179,7 @@ class DistributedDataParallel(nn.Module):
         # As torch DDP: buffers are broadcast before a forward that follows a
         # synchronised, grad-enabled forward (and before the first one).
         self._sync_buffers_before_forward = True
-        self._land_gathers_before_loads(module)
+        self._land_gathers_before_state_dicts(module)
 
     # -- set-up --------------------------------------------------------------
 
@@ -192,9 +192,13 @@ class DistributedDataParallel(nn.Module):
                           "train: use ShardedOptimizer(model, torch.optim.AdamW, ...).",
                           RuntimeWarning)
 
-    def _land_gathers_before_loads(self, module: nn.Module) -> None:
-        """Every ``load_state_dict`` into the model (through the wrapper, ``module``
-        or any submodule) first lands the all-gathers in flight.
+    def _land_gathers_before_state_dicts(self, module: nn.Module) -> None:
+        """Every ``state_dict`` and ``load_state_dict`` of the model (through the
+        wrapper, ``module`` or any submodule) first lands the all-gathers in flight.
+
+        A checkpoint saved from ``model.module`` right after ``step()`` (the
+        usual torch DDP idiom) would otherwise hold a mix of updated and old
+        slices, another mix on every rank.
 
         Parameters are views of the bucket buffers, and under the forward-
         overlapped schedules a step's all-gathers land after ``step()`` has
@@ -212,7 +216,13 @@ class DistributedDataParallel(nn.Module):
             if model is not None:
                 model.synchronize()
 
+        def land_gathers_before_save(*_args) -> None:
+            model = model_ref()
+            if model is not None:
+                model.synchronize()
+
         for sub in module.modules():
+            sub.register_state_dict_pre_hook(land_gathers_before_save)
             register = getattr(sub, "register_load_state_dict_pre_hook", None)
             if register is not None:
                 register(land_gathers)

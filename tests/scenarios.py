@@ -534,6 +534,24 @@ class SlowOnRank1AdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
+def save_checkpoint_with_gathers_in_flight(rank: int, world_size: int, schedule: str,
+                                           via: str) -> dict:
+    """state_dict() of the module (or a submodule) right after a step, while that
+    step's all-gathers are in flight, as torch DDP loops save checkpoints."""
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(MLP(), bucket_cap_mb=0.0001, schedule=schedule)
+    opt = fgp.ShardedOptimizer(model, SlowOnRank1AdamW, lr=1e-2)
+    for step in range(5):
+        x, y = make_batch("mlp", step, 0, rank)
+        loss_fn("mlp", model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    module = model.module if via == "module" else model.module.net[0]
+    saved = {k: v.clone() for k, v in module.state_dict().items()}
+    model.synchronize()
+    return {"saved": saved, "landed": {k: v.clone() for k, v in module.state_dict().items()}}
+
+
 def load_checkpoint_with_gathers_in_flight(rank: int, world_size: int, schedule: str,
                                            via: str) -> dict:
     """Load a checkpoint (through the wrapper, its module, or a submodule) right
@@ -551,7 +569,8 @@ def load_checkpoint_with_gathers_in_flight(rank: int, world_size: int, schedule:
         if step == 3:
             model.synchronize()
             checkpoint = copy.deepcopy(model.module.state_dict())
-    before_load = {k: v.clone() for k, v in model.module.state_dict().items()}  # step 4, in flight
+    # Step 4's values as they are now, gathers in flight (state_dict() would land them).
+    before_load = {k: v.detach().clone() for k, v in model.module.named_parameters()}
     if via == "wrapper":
         model.load_state_dict({"module." + k: v for k, v in checkpoint.items()})
     elif via == "module":

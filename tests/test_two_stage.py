@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from .dist_harness import run_distributed
-from .scenarios import (load_checkpoint_with_gathers_in_flight, scheduler_thread_failure,
+from .scenarios import (load_checkpoint_with_gathers_in_flight,
+                        save_checkpoint_with_gathers_in_flight, scheduler_thread_failure,
                         step_and_gather_order, synchronize_between_backward_and_step,
                         traced_steps, train_many)
 from .test_equivalence import SCENARIOS, TOL
@@ -157,3 +158,16 @@ def test_load_state_dict_lands_the_gathers_in_flight_first(schedule, via):
         assert "assign=True" in r["assign_refused"]
     for a, b in zip(res[0]["params"], res[1]["params"]):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("schedule,via", [("two_stage", "module"), ("next_forward", "submodule")])
+def test_module_state_dict_lands_the_gathers_in_flight_first(schedule, via):
+    """model.module.state_dict() right after opt.step() (torch DDP's way to save) holds
+    the updated parameters, the same on every rank."""
+    res = run_distributed(2, save_checkpoint_with_gathers_in_flight, schedule, via,
+                          timeout_s=120)
+    for r in res:
+        for k, v in r["landed"].items():
+            assert torch.equal(r["saved"][k], v), k
+    for k, v in res[0]["saved"].items():
+        assert torch.equal(v, res[1]["saved"][k]), k

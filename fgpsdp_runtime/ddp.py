@@ -127,6 +127,9 @@ class DistributedDataParallel(nn.Module):
             BucketStorage(layout, [self._params[s.param_index] for s in layout.spans],
                           self.slice_index)
             for layout in self.bucket_layouts]
+        # Where each parameter's storage must stay (see _check_params_in_buckets).
+        self._param_addresses = [(name, p, p.data_ptr()) for name, p in
+                                 zip(self._param_names, self._params) if p.numel() > 0]
         self._broadcast_initial_state(named)
 
         self.reducer = GradientReducer(self._params, self._param_names, self._buckets,
@@ -252,7 +255,20 @@ class DistributedDataParallel(nn.Module):
 
     # -- forward -------------------------------------------------------------
 
+    def _check_params_in_buckets(self) -> None:
+        """The optimizer and the all-gathers write the bucket buffers: a parameter
+        given new storage after wrapping (``model.double()``, ``.to(...)``,
+        ``param.data = ...``) would silently never change again."""
+        for name, param, address in self._param_addresses:
+            if param.data_ptr() != address:
+                raise RuntimeError(
+                    f"fgpsdp: parameter '{name}' no longer lives in its bucket (now "
+                    f"{param.dtype} on {param.device}): it was given new storage after "
+                    "DistributedDataParallel(...) was built, and would not train. Cast or "
+                    "move the module before wrapping it.")
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self._check_params_in_buckets()
         waiter = self._forward_waiter
         if waiter is None:
             self.finish_param_all_gathers()

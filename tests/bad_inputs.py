@@ -79,3 +79,10 @@ def param_group_added_later(rank, world_size):
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2,
                                param_groups=[{"params": model.module.net[0].parameters()}])
     opt.add_param_group({"params": model.module.net[2].parameters(), "lr": 1e-3})
+
+
+def cast_after_wrapping(rank, world_size):
+    model = fgp.DistributedDataParallel(MLP())
+    fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    model.double()  # new storage for every parameter: the buckets no longer back them
+    model(torch.randn(4, 13, dtype=torch.float64))

@@ -19,6 +19,8 @@ CASES = [
     (bad_inputs.grad_scaler_step, "RuntimeError", [r"GradScaler cannot drive a ShardedOptimizer"]),
     (bad_inputs.param_group_added_later, "NotImplementedError",
      [r"cannot add a param group after construction"]),
+    (bad_inputs.cast_after_wrapping, "RuntimeError",
+     [r"parameter 'net\.0\.weight' no longer lives in its bucket", r"torch\.float64"]),
 ]
 
 

@@ -7,10 +7,13 @@ pre-hook, only for the buckets holding parameters it is the first to read.
 [Note: who reads a parameter]
 A module may read its own parameters and those of submodules it does not
 call (``nn.MultiheadAttention`` reads ``out_proj.weight`` without calling
-``out_proj``). So the first forward after construction (nothing pending)
-records which modules run, in which order; each parameter is then assigned to
-the earliest running module that holds it directly, or else to the deepest
-running module that holds it in its subtree. A forward whose module order
+``out_proj``), or a submodule's before calling it (a weight's norm taken by
+its parent). So the first forward after construction (nothing pending)
+records which modules run, in which order, and, through a torch function
+mode, which parameters each torch call reads. Each parameter is then waited
+for at the earliest of: the module running when it was first read, the
+earliest running module that holds it directly, or else the deepest running
+module that holds it in its subtree. A forward whose module order
 differs from the recording (another branch, another module order) waits for
 every pending bucket at the first difference, runs safely, and the next
 forward records again. Parameters read outside any module's forward must be
@@ -18,9 +21,11 @@ synchronised by the caller (``model.synchronize()``).
 """
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
+import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 
 class ForwardParamWaiter:
@@ -33,6 +38,8 @@ class ForwardParamWaiter:
         self._recorded: Optional[list[int]] = None  # id(module) in pre-hook order
         self._needs: list[list[int]] = []  # buckets to wait for at each recorded position
         self._recording: list[int] = []
+        self._first_read: dict[int, int] = {}  # id(param) -> recording position
+        self._read_recorder: Optional[_ParamReadRecorder] = None
         self._cursor = 0
         self._mode = "record"  # "record", "follow" or "off" (this forward)
         self.deviations = 0  # forwards whose module order differed from the recording
@@ -53,11 +60,18 @@ class ForwardParamWaiter:
             self._wait_all()  # nothing may be pending while we learn who reads what
             self._mode = "record"
             self._recording = []
+            self._first_read = {}
+            # Thread-local: only this forward's calls are seen.
+            self._read_recorder = _ParamReadRecorder(self)
+            self._read_recorder.__enter__()
         else:
             self._mode = "follow"
             self._cursor = 0
 
     def end_forward(self) -> None:
+        if self._read_recorder is not None:
+            recorder, self._read_recorder = self._read_recorder, None
+            recorder.__exit__(None, None, None)
         if self._mode == "record":
             self._recorded = self._recording
             self._needs = self._assign(self._recording)
@@ -81,6 +95,14 @@ class ForwardParamWaiter:
                 self._recorded = None
                 self._mode = "off"
 
+    def _note_read(self, tensor: torch.Tensor) -> None:
+        """During a recording forward: ``tensor`` was read by a torch call."""
+        key = id(tensor)
+        if key in self._bucket_of_param and key not in self._first_read:
+            # The module whose pre-hook ran last is running, or has called
+            # modules that already returned: either way no later than the read.
+            self._first_read[key] = max(0, len(self._recording) - 1)
+
     # -- the assignment ----------------------------------------------------------
 
     def _assign(self, order: list[int]) -> list[list[int]]:
@@ -102,6 +124,9 @@ class ForwardParamWaiter:
                                     key=lambda kv: (-depth.get(kv[0], 0), kv[1])):
             for p in by_id[mid].parameters():
                 owner.setdefault(id(p), position)
+        # 3) earlier if a torch call read it before that module ran
+        for pid, position in self._first_read.items():
+            owner[pid] = min(owner.get(pid, position), position)
         needs: list[list[int]] = [[] for _ in order]
         seen_bucket: set[int] = set()
         for pid, position in sorted(owner.items(), key=lambda kv: kv[1]):
@@ -110,3 +135,42 @@ class ForwardParamWaiter:
                     seen_bucket.add(b)
                     needs[position].append(b)
         return needs
+
+
+# Calls that read a tensor's metadata, not its values: a model may look at a
+# parameter's dtype or device long before it reads it (a dtype for its masks
+# at the top of forward), which must not pull the wait forward.
+_METADATA_ONLY = frozenset(
+    [getattr(torch.Tensor, name).__get__
+     for name in ("dtype", "shape", "device", "requires_grad", "ndim", "is_cuda", "layout",
+                  "is_leaf", "is_sparse", "is_quantized", "is_meta")]
+    + [getattr(torch.Tensor, name)
+       for name in ("size", "dim", "numel", "nelement", "is_floating_point", "is_complex",
+                    "element_size", "data_ptr", "stride", "storage_offset", "get_device",
+                    "is_contiguous", "__len__")])
+
+
+class _ParamReadRecorder(TorchFunctionMode):
+    """Tells the waiter which tensors each torch call of a recording forward reads."""
+
+    def __init__(self, waiter: ForwardParamWaiter):
+        super().__init__()
+        self._waiter = waiter
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func not in _METADATA_ONLY:
+            for tensor in _tensors_in((args, kwargs)):
+                self._waiter._note_read(tensor)
+        return func(*args, **kwargs)
+
+
+def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item)

@@ -141,9 +141,23 @@ class PreHookNet(nn.Module):
         return self.out(torch.tanh(self.inp(x)))
 
 
+class ParentReadsNet(nn.Module):
+    """The parent reads a submodule's weight before calling that submodule."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(13, 19)
+        self.out = nn.Linear(19, 5)
+
+    def forward(self, x):
+        scale = self.out.weight.norm()  # before self.out runs (and waits for its bucket)
+        return self.out(torch.tanh(self.inp(x))) / scale
+
+
 MODELS = {"mlp": MLP, "tied": TiedLM, "bn_frozen": BatchNormNet, "unused": BranchyNet,
           "attention": AttentionNet, "order_change": OrderChangeNet,
-          "checkpointed": CheckpointedNet, "pre_hooks": PreHookNet}
+          "checkpointed": CheckpointedNet, "pre_hooks": PreHookNet,
+          "parent_reads": ParentReadsNet}
 
 
 def make_batch(model_name: str, step: int, micro: int, rank: int):

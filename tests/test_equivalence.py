@@ -30,6 +30,7 @@ SCENARIOS = {
     "order_change": {"model": "order_change", "bucket_cap_mb": 0.0001},
     "checkpointed": {"model": "checkpointed", "bucket_cap_mb": 0.0001},
     "pre_hooks": {"model": "pre_hooks", "bucket_cap_mb": 0.0001},
+    "parent_reads": {"model": "parent_reads", "bucket_cap_mb": 0.0001},
     "lr_scheduler": {"lr_scheduler": True},
     # The schedule must go on driving the learning rate after a checkpoint is loaded.
     "lr_scheduler_reloaded": {"lr_scheduler": True, "reload_optimizer_at": 1},

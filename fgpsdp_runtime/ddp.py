@@ -307,6 +307,15 @@ class DistributedDataParallel(nn.Module):
         finally:
             self.reducer.sync_enabled = previous
 
+    @property
+    def require_backward_grad_sync(self) -> bool:
+        """torch DDP's flag (False inside no_sync()); some trainers set it directly."""
+        return self.reducer.sync_enabled
+
+    @require_backward_grad_sync.setter
+    def require_backward_grad_sync(self, value: bool) -> None:
+        self.reducer.sync_enabled = bool(value)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients: this rank's reduced slices and those no_sync() left.
 

@@ -305,6 +305,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                            for l in self.model.bucket_layouts]}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if not {"shard", "rank", "world_size", "layout"} <= set(state_dict):
+            raise ValueError("fgpsdp: not a ShardedOptimizer checkpoint (it holds "
+                             f"{sorted(state_dict)}); each rank loads the state_dict() its "
+                             "own ShardedOptimizer saved")
         expected = (self.model.rank, self.model.world_size)
         got = (state_dict.get("rank"), state_dict.get("world_size"))
         if got != expected:

@@ -86,3 +86,17 @@ def cast_after_wrapping(rank, world_size):
     fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
     model.double()  # new storage for every parameter: the buckets no longer back them
     model(torch.randn(4, 13, dtype=torch.float64))
+
+
+def torch_optimizer_checkpoint(rank, world_size):
+    model = fgp.DistributedDataParallel(MLP())
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    opt.load_state_dict(torch.optim.AdamW(MLP().parameters()).state_dict())
+
+
+def two_optimizers_under_two_stage(rank, world_size):
+    model = fgp.DistributedDataParallel(MLP())
+    fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2,
+                         param_groups=[{"params": model.module.net[0].parameters()}])
+    fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1,
+                         param_groups=[{"params": model.module.net[2].parameters()}])

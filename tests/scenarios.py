@@ -263,6 +263,9 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
             synced = last or cfg.get("accumulate_synced", False)
             ctx_ours = ours.no_sync() if not synced else _null()
             ctx_ref = ref.no_sync() if not synced else _null()
+            if cfg.get("no_sync_via_flag"):  # as some trainers do instead of no_sync()
+                ours.require_backward_grad_sync = ref.require_backward_grad_sync = synced
+                ctx_ours = ctx_ref = _null()
             with ctx_ours:
                 loss = loss_fn(model_name, ours(x), y) / micro
                 loss.backward()

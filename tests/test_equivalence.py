@@ -20,6 +20,7 @@ SCENARIOS = {
     "clip_idle": {"max_grad_norm": 1e6},
     "manual_clip": {"manual_clip": 0.05},
     "no_sync": {"accumulate": 3},
+    "no_sync_via_flag": {"accumulate": 3, "no_sync_via_flag": True},
     "accumulate_synced": {"accumulate": 2, "accumulate_synced": True, "bucket_cap_mb": 0.0001},
     "tied": {"model": "tied"},
     "bn_frozen": {"model": "bn_frozen"},
@@ -97,6 +98,12 @@ def test_optimizer_state_only_for_own_slices(world_size):
 
 def test_small_buckets_make_many_buckets():
     assert results(3)[0]["small_buckets"]["n_buckets"] >= 4
+
+
+def test_require_backward_grad_sync_skips_the_reductions_as_no_sync_does():
+    res = results(2)[0]
+    # Ignoring the flag would reduce every micro-batch: three times the bytes.
+    assert res["no_sync_via_flag"]["comm_stats"] == res["no_sync"]["comm_stats"]
 
 
 @pytest.mark.parametrize("scenario", ["lr_scheduler", "lr_scheduler_reloaded"])

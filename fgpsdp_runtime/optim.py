@@ -56,6 +56,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if optimizer_class.__name__ in _NOT_ELEMENTWISE:
             raise TypeError(f"{optimizer_class.__name__} is not element-wise (or needs a closure "
                             "or sparse gradients); it cannot run on flat slices")
+        if model.optimizer_attached:
+            # Each would clip by the norm of every gradient and reset every
+            # gradient at its zero_grad(), unlike torch optimizers on disjoint
+            # parameters.
+            raise RuntimeError("fgpsdp: one ShardedOptimizer per model; give parts of the "
+                               "model their own hyperparameters with param_groups=[...]")
         if max_grad_norm is not None and not (max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
         self.model = model

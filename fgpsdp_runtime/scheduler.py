@@ -80,10 +80,7 @@ class TwoStageScheduler:
 
     def attach(self, optimizer: "ShardedOptimizer") -> None:
         if self.optimizer is not None and self.optimizer is not optimizer:
-            raise RuntimeError(
-                "fgpsdp: two_stage takes one ShardedOptimizer per model (its speculative steps "
-                "run that optimizer on each bucket); for several optimizers (param_groups "
-                "serve most uses) build the model with schedule='next_forward'")
+            raise RuntimeError("two_stage: one ShardedOptimizer per model")
         self.optimizer = optimizer
 
     def set_plan(self, plan: OverlapPlan) -> None:

@@ -94,7 +94,7 @@ def torch_optimizer_checkpoint(rank, world_size):
     opt.load_state_dict(torch.optim.AdamW(MLP().parameters()).state_dict())
 
 
-def two_optimizers_under_two_stage(rank, world_size):
+def two_optimizers(rank, world_size):
     model = fgp.DistributedDataParallel(MLP())
     fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2,
                          param_groups=[{"params": model.module.net[0].parameters()}])

@@ -21,8 +21,8 @@ CASES = [
      [r"cannot add a param group after construction"]),
     (bad_inputs.torch_optimizer_checkpoint, "ValueError",
      [r"not a ShardedOptimizer checkpoint"]),
-    (bad_inputs.two_optimizers_under_two_stage, "RuntimeError",
-     [r"two_stage takes one ShardedOptimizer per model", r"schedule='next_forward'"]),
+    (bad_inputs.two_optimizers, "RuntimeError",
+     [r"one ShardedOptimizer per model", r"param_groups"]),
     (bad_inputs.cast_after_wrapping, "RuntimeError",
      [r"parameter 'net\.0\.weight' no longer lives in its bucket", r"torch\.float64"]),
 ]

@@ -56,15 +56,17 @@ def test_two_stage_commits_and_rolls_back(topology):
     assert res["unused"]["rollbacks"] > 0  # buckets holding a parameter no rank used
     assert res["accumulate_synced"]["rollbacks"] > 0  # forward between backward and step
     assert res_zeroed(topology)["rollbacks"] > 0  # zero_grad between backward and step
-    # Hyperparameters set between backward and step: the first step's speculative
-    # steps are redone with them, and two_stage speculates no more.
+    # Hyperparameters set after clip_grad_norm_ (which waits for every speculative
+    # step): the first step's are all redone with them, and two_stage speculates no
+    # more. (Set right after backward, they may reach the speculative steps that
+    # have not run yet, which then commit rightly: that case is timing-dependent,
+    # checked above only for its parameters.)
     changed = results("two_stage", topology)
-    moved = ("hyperparameters_after_backward", "hyperparameters_after_clip")
     for rank_results in changed:
-        for case in moved:
-            res = rank_results[case]
-            assert res["rollbacks"] > 0 and res["commits"] == 0, case
-            assert "hyperparameters changed" in res["speculation_stopped"], case
+        res = rank_results["hyperparameters_after_clip"]
+        assert res["rollbacks"] > 0 and res["commits"] == 0
+        assert "hyperparameters changed" in res["speculation_stopped"]
+    moved = ("hyperparameters_after_backward", "hyperparameters_after_clip")
     assert all(r[case]["speculation_stopped"] is None for r in changed for case in CASES
                if case not in moved)
 

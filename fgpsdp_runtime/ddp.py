@@ -127,9 +127,17 @@ class DistributedDataParallel(nn.Module):
             BucketStorage(layout, [self._params[s.param_index] for s in layout.spans],
                           self.slice_index)
             for layout in self.bucket_layouts]
-        # Where each parameter's storage must stay (see _check_params_in_buckets).
-        self._param_addresses = [(name, p, p.data_ptr()) for name, p in
-                                 zip(self._param_names, self._params) if p.numel() > 0]
+        # Where each parameter must stay (see _check_params_in_buckets): the module
+        # attribute that holds it, and its place in its bucket's buffer.
+        self._param_places = []
+        for b, storage in enumerate(self._buckets):
+            for span in storage.layout.spans:
+                name = self._param_names[span.param_index]
+                owner = module.get_submodule(name.rpartition(".")[0])
+                self._param_places.append((name, owner, name.rpartition(".")[2],
+                                           self._params[span.param_index], storage.flat_param,
+                                           storage.flat_param.storage_offset()
+                                           + span.bucket_offset))
         self._broadcast_initial_state(named)
 
         self.reducer = GradientReducer(self._params, self._param_names, self._buckets,
@@ -139,7 +147,7 @@ class DistributedDataParallel(nn.Module):
         # A ShardedOptimizer registers itself: without one, a loop built for torch
         # DDP (a torch.optim optimizer on module.parameters()) would silently not
         # train, as param.grad stays None; the first backward warns instead.
-        self.optimizer_attached = False
+        self._optimizer_ref: Optional[weakref.ref] = None  # see attach_optimizer
         self._warned_no_optimizer = False
         self.reducer.backward_end_listeners.append(self._warn_if_no_optimizer)
         self._param_gathers: dict[int, PendingOp] = {}
@@ -186,6 +194,23 @@ class DistributedDataParallel(nn.Module):
 
     # -- set-up --------------------------------------------------------------
 
+    @property
+    def optimizer_attached(self) -> bool:
+        return self._optimizer_ref is not None and self._optimizer_ref() is not None
+
+    def attach_optimizer(self, optimizer) -> None:
+        """ShardedOptimizer's registration: one at a time, a new one once the last is
+        freed (a weak reference: the model must not keep an optimizer alive)."""
+        if self.optimizer_attached and self._optimizer_ref() is not optimizer:
+            # Each would clip by the norm of every gradient and reset every
+            # gradient at its zero_grad(), unlike torch optimizers on disjoint
+            # parameters.
+            raise RuntimeError("fgpsdp: one ShardedOptimizer per model; give parts of the "
+                               "model their own hyperparameters with param_groups=[...]")
+        self._optimizer_ref = weakref.ref(optimizer)
+        if self.scheduler is not None:
+            self.scheduler.attach(optimizer)
+
     def _warn_if_no_optimizer(self) -> None:
         if not self.optimizer_attached and not self._warned_no_optimizer:
             self._warned_no_optimizer = True
@@ -222,7 +247,7 @@ class DistributedDataParallel(nn.Module):
         def land_gathers_before_save(*_args) -> None:
             model = model_ref()
             if model is not None:
-                model.synchronize()
+                model._land_gathers_for_a_save()
 
         for sub in module.modules():
             sub.register_state_dict_pre_hook(land_gathers_before_save)
@@ -258,14 +283,21 @@ class DistributedDataParallel(nn.Module):
     def _check_params_in_buckets(self) -> None:
         """The optimizer and the all-gathers write the bucket buffers: a parameter
         given new storage after wrapping (``model.double()``, ``.to(...)``,
-        ``param.data = ...``) would silently never change again."""
-        for name, param, address in self._param_addresses:
-            if param.data_ptr() != address:
-                raise RuntimeError(
-                    f"fgpsdp: parameter '{name}' no longer lives in its bucket (now "
-                    f"{param.dtype} on {param.device}): it was given new storage after "
-                    "DistributedDataParallel(...) was built, and would not train. Cast or "
-                    "move the module before wrapping it.")
+        ``param.data = ...``) or replaced by another (``module.weight =
+        nn.Parameter(...)``) would silently never change again. Storage moved
+        as a whole (``share_memory()``) keeps every view in place: allowed."""
+        for name, owner, leaf, param, flat, offset in self._param_places:
+            if owner._parameters.get(leaf) is not param:
+                problem = "was replaced by another tensor"
+            elif (param.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+                  or param.storage_offset() != offset):
+                problem = f"was given new storage (now {param.dtype} on {param.device})"
+            else:
+                continue
+            raise RuntimeError(
+                f"fgpsdp: parameter '{name}' {problem} after DistributedDataParallel(...) "
+                "was built: it no longer lives in its bucket and would not train. Cast, move "
+                "or change the module before wrapping it.")
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         self._check_params_in_buckets()
@@ -429,11 +461,29 @@ class DistributedDataParallel(nn.Module):
         self.scheduler.set_plan(plan)
         self._gather_lookahead = plan.lookahead
 
+    def _land_gathers_for_a_save(self) -> None:
+        """What a ``state_dict`` of ``module`` (or a submodule) waits for.
+
+        Unlike ``synchronize()`` it changes no collective: it may run on one
+        rank only (torch DDP loops save on rank 0). Between backward and step
+        two_stage's speculative updates may be in the parameters, and only a
+        collective (every rank undoing them) could take them out: refused.
+        """
+        if self.scheduler is not None and self.scheduler.holds_speculative_values():
+            raise RuntimeError(
+                "fgpsdp: a state_dict() between backward and opt.step() would hold two_stage's "
+                "speculative updates; save after opt.step(), or call model.synchronize() on "
+                "every rank first")
+        # With the default lookahead every all-gather has started at the step;
+        # with a smaller one, save on every rank (the rest start here).
+        self.finish_param_all_gathers()
+
     def synchronize(self) -> None:
         """Block until every parameter of ``module`` holds its updated value.
 
         Between backward and step it holds the values before the step: the
-        speculative steps of that backward are undone (as for a forward there).
+        speculative steps of that backward are undone (as for a forward there),
+        a collective: call it on every rank.
         """
         if self.scheduler is not None:
             self.scheduler.before_forward()

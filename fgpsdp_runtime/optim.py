@@ -56,10 +56,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if optimizer_class.__name__ in _NOT_ELEMENTWISE:
             raise TypeError(f"{optimizer_class.__name__} is not element-wise (or needs a closure "
                             "or sparse gradients); it cannot run on flat slices")
-        if model.optimizer_attached:
-            # Each would clip by the norm of every gradient and reset every
-            # gradient at its zero_grad(), unlike torch optimizers on disjoint
-            # parameters.
+        if model.optimizer_attached:  # checked again when it attaches, at the end
             raise RuntimeError("fgpsdp: one ShardedOptimizer per model; give parts of the "
                                "model their own hyperparameters with param_groups=[...]")
         if max_grad_norm is not None and not (max_grad_norm > 0):
@@ -98,9 +95,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._applied_coefficient = 1.0  # clipping applied to the gradient this step
         # Some rank's speculative steps ran with other hyperparameters than the step's.
         self._speculated_with_other_hyperparameters = False
-        if model.scheduler is not None:
-            model.scheduler.attach(self)
-        model.optimizer_attached = True
+        model.attach_optimizer(self)
 
     # -- construction helpers ------------------------------------------------
 
@@ -186,7 +181,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        if getattr(self, "grad_scale", None) is not None:
+        if "grad_scale" in self.__dict__ or "found_inf" in self.__dict__:
+            # GradScaler sets them (grad_scale None after an explicit unscale_()).
             # Every rank gets here (the scaler's steps are the same everywhere)
             # before this step's first collective.
             raise RuntimeError(
@@ -337,7 +333,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Each bucket's sum of squares is taken separately (before its
         speculative step, under two_stage) and added in bucket order, so every
         schedule computes the same float64 total. One all-reduce carries
-        [sum of squares, non-finite flag, per-parameter used count].
+        [sum of squares, non-finite flag, hyperparameters-changed flag,
+        per-parameter used count].
         """
         if self._reduced:
             return self._total_norm
@@ -351,6 +348,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                             device=model.buckets[0].device if model.buckets else "cpu")
         speculated = model.scheduler.speculated if model.scheduler is not None else {}
         for b, storage in enumerate(model.buckets):
+            if not storage.grad_shard_valid:
+                continue  # no gradient since zero_grad(set_to_none=True): adds nothing
             part = self._bucket_sq.get(b)
             stale = b in speculated and \
                 speculated[b][1] != model.reducer.reduce_scatters_since_step[b]

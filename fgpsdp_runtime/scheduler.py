@@ -33,6 +33,7 @@ from __future__ import annotations
 import queue
 import threading
 import warnings
+import weakref
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -50,7 +51,8 @@ class TwoStageScheduler:
     def __init__(self, model, plan: OverlapPlan):
         self.model = model
         self.plan = plan
-        self.optimizer: Optional["ShardedOptimizer"] = None
+        # Weak: a ShardedOptimizer the loop has dropped may be freed (and replaced).
+        self._optimizer_ref: Optional[weakref.ref] = None
         # bucket -> (SliceBackup, reduce-scatters it had received when stepped)
         self.speculated: dict[int, tuple] = {}
         self.rollbacks = 0  # buckets rolled back so far (clipping, inf/NaN, unused)
@@ -65,6 +67,7 @@ class TwoStageScheduler:
         # loop sets the optimizer's hyperparameters between backward and step,
         # so every speculative step would be redone.
         self.stopped_because: Optional[str] = None
+        self._stop_to_report = False
         # Per step, owned by the thread between the first hand-over and the join.
         self._handed: set[int] = set()  # stage-1 buckets handed to the thread this step
         self._arrived: dict[int, tuple] = {}  # bucket -> (reduce-scatter op, its count)
@@ -78,10 +81,14 @@ class TwoStageScheduler:
         # CUDA: speculative steps run beside the backward kernels.
         self.speculation_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
 
+    @property
+    def optimizer(self) -> Optional["ShardedOptimizer"]:
+        return self._optimizer_ref() if self._optimizer_ref is not None else None
+
     def attach(self, optimizer: "ShardedOptimizer") -> None:
-        if self.optimizer is not None and self.optimizer is not optimizer:
-            raise RuntimeError("two_stage: one ShardedOptimizer per model")
-        self.optimizer = optimizer
+        """Between steps (the wrapper allows one live ShardedOptimizer at a time)."""
+        self._optimizer_ref = weakref.ref(optimizer)
+        self.speculated = {}
 
     def set_plan(self, plan: OverlapPlan) -> None:
         """Between steps only (the optimizer's step calls it when a profile is done)."""
@@ -183,10 +190,14 @@ class TwoStageScheduler:
 
     # -- main thread: a forward before the step, the step's end --------------------
 
+    def holds_speculative_values(self) -> bool:
+        """Between backward and step: stage-1 steps may have updated parameters."""
+        return bool(self._handed or self.speculated) and not self._cancelled
+
     def before_forward(self) -> None:
-        """Called by every forward and by synchronize(): a reduction since the
-        step means a read between backward and step, which must see the old
-        parameters."""
+        """Called by every forward, synchronize() and zero_grad() (on every rank):
+        a reduction since the step means a read between backward and step,
+        which must see the old parameters, or a reset of what speculation used."""
         if (self.optimizer is not None and not self._cancelled
                 and any(self.model.reducer.reduce_scatters_since_step)):
             self.cancel()
@@ -216,15 +227,20 @@ class TwoStageScheduler:
         self._cancelled = True
 
     def stop_speculating(self, reason: str) -> None:
-        """For the rest of the run (every rank decides it from all-reduced figures)."""
+        """For the rest of the run (every rank decides it from all-reduced figures);
+        said at the end of the step, so that a warning raised as an error cannot
+        leave a step half done."""
         if self.stopped_because is None:
             self.stopped_because = reason
-            warnings.warn(f"fgpsdp: two_stage stops speculating: {reason}. Set them before "
-                          "backward (lr_scheduler.step() after opt.step() does) to keep "
-                          "stage 1.", RuntimeWarning)
+            self._stop_to_report = True
 
     def end_step(self, would_commit: bool) -> None:
         self.speculating = would_commit and self.stopped_because is None
+        if self._stop_to_report:
+            self._stop_to_report = False
+            warnings.warn(f"fgpsdp: two_stage stops speculating: {self.stopped_because}. Set "
+                          "them before backward (lr_scheduler.step() after opt.step() does) "
+                          "to keep stage 1.", RuntimeWarning)
         self._next = 0
         self.speculated = {}
         self._handed = set()

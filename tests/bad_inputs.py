@@ -66,12 +66,19 @@ def foreign_param_in_groups(rank, world_size):
                          param_groups=[{"params": [nn.Parameter(torch.zeros(3))]}])
 
 
-def grad_scaler_step(rank, world_size):
+def grad_scaler_step(rank, world_size, unscale_first=False):
     model = fgp.DistributedDataParallel(MLP())
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(model(torch.randn(4, 13)).sum()).backward()
+    if unscale_first:  # the AMP recipe with clipping
+        scaler.unscale_(opt)
+        opt.clip_grad_norm_(1.0)
     scaler.step(opt)
+
+
+def grad_scaler_unscale_then_step(rank, world_size):
+    grad_scaler_step(rank, world_size, unscale_first=True)
 
 
 def param_group_added_later(rank, world_size):
@@ -96,7 +103,24 @@ def torch_optimizer_checkpoint(rank, world_size):
 
 def two_optimizers(rank, world_size):
     model = fgp.DistributedDataParallel(MLP())
-    fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2,
-                         param_groups=[{"params": model.module.net[0].parameters()}])
+    first = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2,
+                                 param_groups=[{"params": model.module.net[0].parameters()}])
+    del first  # freed: another may take its place
+    first = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)  # noqa: F841 (kept alive)
     fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1,
                          param_groups=[{"params": model.module.net[2].parameters()}])
+
+
+def save_between_backward_and_step(rank, world_size):
+    model = fgp.DistributedDataParallel(MLP(), bucket_cap_mb=0.0001, overlap_plan="layout")
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    model(torch.randn(4, 13)).sum().backward()
+    model.module.state_dict()  # two_stage's speculative updates may be in it
+    opt.step()
+
+
+def parameter_replaced_after_wrapping(rank, world_size):
+    model = fgp.DistributedDataParallel(MLP())
+    fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    model.module.net[2].bias = nn.Parameter(torch.zeros(29))  # no bucket backs it
+    model(torch.randn(4, 13))

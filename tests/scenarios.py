@@ -284,9 +284,10 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
             set_hyperparameters()
         if cfg.get("zero_before_step"):
             # Zeroed between backward and step: the step sees zero gradients
-            # (AdamW still decays and moves by its moments), as under DDP.
-            opt.zero_grad(set_to_none=False)
-            ref_opt.zero_grad(set_to_none=False)
+            # (AdamW still decays and moves by its moments), or none, as under DDP.
+            to_none = cfg["zero_before_step"] == "none"
+            opt.zero_grad(set_to_none=to_none)
+            ref_opt.zero_grad(set_to_none=to_none)
         if max_norm is not None:
             ref_norms.append(reference_clip_(ref.parameters(), max_norm))
         if cfg.get("manual_clip"):
@@ -563,8 +564,12 @@ def save_checkpoint_with_gathers_in_flight(rank: int, world_size: int, schedule:
         loss_fn("mlp", model(x), y).backward()
         opt.step()
         opt.zero_grad()
-    module = model.module if via == "module" else model.module.net[0]
-    saved = {k: v.clone() for k, v in module.state_dict().items()}
+    module = model.module.net[0] if via == "submodule" else model.module
+    if via == "module on rank 0":  # torch DDP's idiom: one rank saves, the others wait
+        saved = {k: v.clone() for k, v in module.state_dict().items()} if rank == 0 else None
+        dist.barrier()
+    else:
+        saved = {k: v.clone() for k, v in module.state_dict().items()}
     model.synchronize()
     return {"saved": saved, "landed": {k: v.clone() for k, v in module.state_dict().items()}}
 

@@ -17,14 +17,20 @@ CASES = [
     (bad_inputs.non_elementwise_optimizer, "TypeError", [r"LBFGS is not element-wise"]),
     (bad_inputs.foreign_param_in_groups, "ValueError", [r"not a trainable parameter"]),
     (bad_inputs.grad_scaler_step, "RuntimeError", [r"GradScaler cannot drive a ShardedOptimizer"]),
+    (bad_inputs.grad_scaler_unscale_then_step, "RuntimeError",
+     [r"GradScaler cannot drive a ShardedOptimizer"]),
     (bad_inputs.param_group_added_later, "NotImplementedError",
      [r"cannot add a param group after construction"]),
     (bad_inputs.torch_optimizer_checkpoint, "ValueError",
      [r"not a ShardedOptimizer checkpoint"]),
     (bad_inputs.two_optimizers, "RuntimeError",
      [r"one ShardedOptimizer per model", r"param_groups"]),
+    (bad_inputs.save_between_backward_and_step, "RuntimeError",
+     [r"state_dict\(\) between backward and opt.step\(\)"]),
     (bad_inputs.cast_after_wrapping, "RuntimeError",
-     [r"parameter 'net\.0\.weight' no longer lives in its bucket", r"torch\.float64"]),
+     [r"parameter 'net\.\d\.(weight|bias)' was given new storage", r"torch\.float64"]),
+    (bad_inputs.parameter_replaced_after_wrapping, "RuntimeError",
+     [r"parameter 'net\.2\.bias' was replaced by another tensor"]),
 ]
 
 

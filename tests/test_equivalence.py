@@ -37,7 +37,9 @@ SCENARIOS = {
     "lr_scheduler_reloaded": {"lr_scheduler": True, "reload_optimizer_at": 1},
     "hyperparameters_after_backward": {"hyperparameters_after_backward": "before_clip"},
     "model_zero_grad": {"zero_grad_via": "model"},
-    "zero_before_step": {"zero_before_step": True, "bucket_cap_mb": 0.0001},
+    "zero_before_step": {"zero_before_step": "zeros", "bucket_cap_mb": 0.0001},
+    # ... and then the norm, which must be 0 as torch's (no gradient left).
+    "zero_to_none_before_step": {"zero_before_step": "none", "manual_clip": 0.05},
     "model_zero_grad_to_zero": {"zero_grad_via": "model", "set_to_none": False},
     # clip_grad_norm_ with a bound it never reaches, then the hyperparameters, then step().
     "hyperparameters_after_clip": {"hyperparameters_after_backward": "after_clip",
@@ -98,6 +100,12 @@ def test_optimizer_state_only_for_own_slices(world_size):
 
 def test_small_buckets_make_many_buckets():
     assert results(3)[0]["small_buckets"]["n_buckets"] >= 4
+
+
+def test_norm_after_zero_grad_to_none_is_zero_as_torch_computes_it():
+    res = results(2)[0]["zero_to_none_before_step"]
+    assert res["ref_norms"] == [0.0] * len(res["ref_norms"])
+    assert res["norms"] == res["ref_norms"]
 
 
 def test_require_backward_grad_sync_skips_the_reductions_as_no_sync_does():

@@ -25,6 +25,7 @@ from .layout import (BucketLayout, ParamInfo, default_bucket_cap_mb, first_bucke
                      owned_numel, plan_buckets)
 from .link_worker import PendingOp
 from .forward_waits import ForwardParamWaiter
+from .param_guards import ParamPlaces, land_gathers_before_state_dicts
 from .plan import OverlapPlan, layout_plan, profiling_plan
 from .plan_profiler import PlanProfiler
 from .scheduler import TwoStageScheduler
@@ -34,6 +35,7 @@ from .tracing import Timeline
 from .topology import (NodeLayout, TopologyArg, check_contiguous_nodes, create_link_groups,
                        resolve)
 from .validation import agree_or_raise, describe, local_problems
+
 
 class DistributedDataParallel(nn.Module):
     """Partially sharded (ZeRO-2) data parallelism with torch DDP's interface.
@@ -127,17 +129,7 @@ class DistributedDataParallel(nn.Module):
             BucketStorage(layout, [self._params[s.param_index] for s in layout.spans],
                           self.slice_index)
             for layout in self.bucket_layouts]
-        # Where each parameter must stay (see _check_params_in_buckets): the module
-        # attribute that holds it, and its place in its bucket's buffer.
-        self._param_places = []
-        for b, storage in enumerate(self._buckets):
-            for span in storage.layout.spans:
-                name = self._param_names[span.param_index]
-                owner = module.get_submodule(name.rpartition(".")[0])
-                self._param_places.append((name, owner, name.rpartition(".")[2],
-                                           self._params[span.param_index], storage.flat_param,
-                                           storage.flat_param.storage_offset()
-                                           + span.bucket_offset))
+        self._param_places = ParamPlaces(module, self._param_names, self._params, self._buckets)
         self._broadcast_initial_state(named)
 
         self.reducer = GradientReducer(self._params, self._param_names, self._buckets,
@@ -190,7 +182,7 @@ class DistributedDataParallel(nn.Module):
         # As torch DDP: buffers are broadcast before a forward that follows a
         # synchronised, grad-enabled forward (and before the first one).
         self._sync_buffers_before_forward = True
-        self._land_gathers_before_state_dicts(module)
+        land_gathers_before_state_dicts(self, module)
 
     # -- set-up --------------------------------------------------------------
 
@@ -220,43 +212,6 @@ class DistributedDataParallel(nn.Module):
                           "train: use ShardedOptimizer(model, torch.optim.AdamW, ...).",
                           RuntimeWarning)
 
-    def _land_gathers_before_state_dicts(self, module: nn.Module) -> None:
-        """Every ``state_dict`` and ``load_state_dict`` of the model (through the
-        wrapper, ``module`` or any submodule) first lands the all-gathers in flight.
-
-        A checkpoint saved from ``model.module`` right after ``step()`` (the
-        usual torch DDP idiom) would otherwise hold a mix of updated and old
-        slices, another mix on every rank.
-
-        Parameters are views of the bucket buffers, and under the forward-
-        overlapped schedules a step's all-gathers land after ``step()`` has
-        returned: one landing after a load would write the other ranks'
-        pre-load slices over what was loaded. ``assign=True`` would swap the
-        parameters for tensors the buckets do not hold: refused.
-        """
-        model_ref = weakref.ref(self)  # the hooks must not keep a freed wrapper alive
-
-        def land_gathers(_module, _state_dict, _prefix, local_metadata, *_rest) -> None:
-            if local_metadata.get("assign_to_params_buffers"):
-                raise ValueError("fgpsdp: load_state_dict(assign=True) would replace parameters "
-                                 "that are views of the bucket buffers; load with assign=False")
-            model = model_ref()
-            if model is not None:
-                model.synchronize()
-
-        def land_gathers_before_save(*_args) -> None:
-            model = model_ref()
-            if model is not None:
-                model._land_gathers_for_a_save()
-
-        for sub in module.modules():
-            sub.register_state_dict_pre_hook(land_gathers_before_save)
-            register = getattr(sub, "register_load_state_dict_pre_hook", None)
-            if register is not None:
-                register(land_gathers)
-            else:  # torch before 2.5
-                sub._register_load_state_dict_pre_hook(land_gathers, with_module=True)
-
     def _authoritative_rank(self) -> int:
         return dist.get_global_rank(self.process_group, 0) if self.process_group else 0
 
@@ -280,27 +235,8 @@ class DistributedDataParallel(nn.Module):
 
     # -- forward -------------------------------------------------------------
 
-    def _check_params_in_buckets(self) -> None:
-        """The optimizer and the all-gathers write the bucket buffers: a parameter
-        given new storage after wrapping (``model.double()``, ``.to(...)``,
-        ``param.data = ...``) or replaced by another (``module.weight =
-        nn.Parameter(...)``) would silently never change again. Storage moved
-        as a whole (``share_memory()``) keeps every view in place: allowed."""
-        for name, owner, leaf, param, flat, offset in self._param_places:
-            if owner._parameters.get(leaf) is not param:
-                problem = "was replaced by another tensor"
-            elif (param.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
-                  or param.storage_offset() != offset):
-                problem = f"was given new storage (now {param.dtype} on {param.device})"
-            else:
-                continue
-            raise RuntimeError(
-                f"fgpsdp: parameter '{name}' {problem} after DistributedDataParallel(...) "
-                "was built: it no longer lives in its bucket and would not train. Cast, move "
-                "or change the module before wrapping it.")
-
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        self._check_params_in_buckets()
+        self._param_places.check()
         waiter = self._forward_waiter
         if waiter is None:
             self.finish_param_all_gathers()
@@ -461,7 +397,7 @@ class DistributedDataParallel(nn.Module):
         self.scheduler.set_plan(plan)
         self._gather_lookahead = plan.lookahead
 
-    def _land_gathers_for_a_save(self) -> None:
+    def land_gathers_for_a_save(self) -> None:
         """What a ``state_dict`` of ``module`` (or a submodule) waits for.
 
         Unlike ``synchronize()`` it changes no collective: it may run on one

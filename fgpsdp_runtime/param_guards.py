@@ -1,0 +1,98 @@
+"""Guards that keep the model's parameters and the bucket buffers one and the same.
+
+Parameters are views of the bucket buffers (see buckets.py): the optimizer and
+the all-gathers write the buffers, and the model reads the views. Two things
+break that silently, and are guarded here:
+
+- a state dict taken or loaded while a step's all-gathers are in flight
+  (under the forward-overlapped schedules they land after ``step()`` has
+  returned): every ``state_dict`` / ``load_state_dict`` of the module or a
+  submodule first lands them;
+- a parameter given new storage or replaced after wrapping (``model.double()``,
+  ``module.weight = nn.Parameter(...)``): the next forward raises.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Sequence
+
+import torch
+from torch import nn
+
+from .buckets import BucketStorage
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .ddp import DistributedDataParallel
+
+
+def land_gathers_before_state_dicts(model: "DistributedDataParallel", module: nn.Module) -> None:
+    """Hooks on every submodule of ``module``: a ``state_dict`` (through the
+    wrapper, ``module`` or any submodule) first lands the all-gathers in flight,
+    a ``load_state_dict`` first synchronises.
+
+    A checkpoint saved from ``model.module`` right after ``step()`` (the usual
+    torch DDP idiom, often on rank 0 alone) would otherwise hold a mix of
+    updated and old slices, another mix on every rank: saving changes no
+    collective (see ``DistributedDataParallel.land_gathers_for_a_save``). An
+    all-gather landing after a load would write the other ranks' pre-load
+    slices over what was loaded. ``assign=True`` would swap the parameters for
+    tensors the buckets do not hold: refused.
+    """
+    model_ref = weakref.ref(model)  # the hooks must not keep a freed wrapper alive
+
+    def land_gathers_before_load(_module, _state_dict, _prefix, local_metadata, *_rest) -> None:
+        if local_metadata.get("assign_to_params_buffers"):
+            raise ValueError("fgpsdp: load_state_dict(assign=True) would replace parameters "
+                             "that are views of the bucket buffers; load with assign=False")
+        wrapper = model_ref()
+        if wrapper is not None:
+            wrapper.synchronize()
+
+    def land_gathers_before_save(*_args) -> None:
+        wrapper = model_ref()
+        if wrapper is not None:
+            wrapper.land_gathers_for_a_save()
+
+    for sub in module.modules():
+        sub.register_state_dict_pre_hook(land_gathers_before_save)
+        register = getattr(sub, "register_load_state_dict_pre_hook", None)
+        if register is not None:
+            register(land_gathers_before_load)
+        else:  # torch before 2.5
+            sub._register_load_state_dict_pre_hook(land_gathers_before_load, with_module=True)
+
+
+class ParamPlaces:
+    """Where each trainable parameter must stay: the module attribute that holds it,
+    and its place in its bucket's buffer."""
+
+    def __init__(self, module: nn.Module, names: Sequence[str],
+                 params: Sequence[torch.nn.Parameter], buckets: Sequence[BucketStorage]):
+        self._places = []
+        for storage in buckets:
+            flat = storage.flat_param
+            for span in storage.layout.spans:
+                name = names[span.param_index]
+                path, _, leaf = name.rpartition(".")
+                self._places.append((name, module.get_submodule(path), leaf,
+                                     params[span.param_index], flat,
+                                     flat.storage_offset() + span.bucket_offset))
+
+    def check(self) -> None:
+        """Raise if a parameter was given new storage (``model.double()``,
+        ``.to(...)``, ``param.data = ...``) or replaced by another
+        (``module.weight = nn.Parameter(...)``) after wrapping: it would
+        silently never change again. Storage moved as a whole
+        (``share_memory()``) keeps every view in place: allowed."""
+        for name, owner, leaf, param, flat, offset in self._places:
+            if owner._parameters.get(leaf) is not param:
+                problem = "was replaced by another tensor"
+            elif (param.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
+                  or param.storage_offset() != offset):
+                problem = f"was given new storage (now {param.dtype} on {param.device})"
+            else:
+                continue
+            raise RuntimeError(
+                f"fgpsdp: parameter '{name}' {problem} after DistributedDataParallel(...) "
+                "was built: it no longer lives in its bucket and would not train. Cast, move "
+                "or change the module before wrapping it.")

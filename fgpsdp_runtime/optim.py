@@ -294,6 +294,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.model.scheduler.end_step(would_commit)
         if self.model.plan_profiler is not None:
             self.model.plan_profiler.end_step()
+        if self.model.scheduler is not None:
+            self.model.scheduler.report_stop()
 
     def _bucket_fully_used(self, b: int) -> bool:
         used = self._globally_used

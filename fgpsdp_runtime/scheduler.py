@@ -228,24 +228,27 @@ class TwoStageScheduler:
 
     def stop_speculating(self, reason: str) -> None:
         """For the rest of the run (every rank decides it from all-reduced figures);
-        said at the end of the step, so that a warning raised as an error cannot
-        leave a step half done."""
+        said by report_stop() at the end of the step, so that a warning raised as
+        an error cannot leave a step half done."""
         if self.stopped_because is None:
             self.stopped_because = reason
             self._stop_to_report = True
 
     def end_step(self, would_commit: bool) -> None:
         self.speculating = would_commit and self.stopped_because is None
-        if self._stop_to_report:
-            self._stop_to_report = False
-            warnings.warn(f"fgpsdp: two_stage stops speculating: {self.stopped_because}. Set "
-                          "them before backward (lr_scheduler.step() after opt.step() does) "
-                          "to keep stage 1.", RuntimeWarning)
         self._next = 0
         self.speculated = {}
         self._handed = set()
         self._arrived = {}
         self._cancelled = False
+
+    def report_stop(self) -> None:
+        """The optimizer's last call in a step: the step is whole even if this raises."""
+        if self._stop_to_report:
+            self._stop_to_report = False
+            warnings.warn(f"fgpsdp: two_stage stops speculating: {self.stopped_because}. Set "
+                          "them before backward (lr_scheduler.step() after opt.step() does) "
+                          "to keep stage 1.", RuntimeWarning)
 
     def close(self) -> None:
         if self._thread is not None:

@@ -56,9 +56,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if optimizer_class.__name__ in _NOT_ELEMENTWISE:
             raise TypeError(f"{optimizer_class.__name__} is not element-wise (or needs a closure "
                             "or sparse gradients); it cannot run on flat slices")
-        if model.optimizer_attached:  # checked again when it attaches, at the end
-            raise RuntimeError("fgpsdp: one ShardedOptimizer per model; give parts of the "
-                               "model their own hyperparameters with param_groups=[...]")
         if max_grad_norm is not None and not (max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
         self.model = model
@@ -346,8 +343,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if model.scheduler is not None:
             with model.timeline.span("compute", "join scheduler"):
                 model.scheduler.finish_stage1()
-        local = torch.zeros(2, dtype=torch.float64,
-                            device=model.buckets[0].device if model.buckets else "cpu")
+        local = torch.zeros(2, dtype=torch.float64, device=self._device)
         speculated = model.scheduler.speculated if model.scheduler is not None else {}
         for b, storage in enumerate(model.buckets):
             if not storage.grad_shard_valid:
@@ -373,6 +369,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._reduced = True
         return self._total_norm
 
+    @property
+    def _device(self) -> torch.device:
+        """Where the buckets (and so the norm's figures) live."""
+        return self.model.buckets[0].device if self.model.buckets else torch.device("cpu")
+
     def _speculation_hyperparameters_differ(self, speculated: dict[int, tuple]) -> bool:
         """This rank's view: did a speculative step run with other hyperparameters than now?"""
         if not speculated:
@@ -382,8 +383,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                    for backup, _ in speculated.values())
 
     def _any_rank(self, flag: bool) -> bool:
-        device = self.model.buckets[0].device if self.model.buckets else torch.device("cpu")
-        packet = torch.tensor([float(flag)], dtype=torch.float64, device=device)
+        packet = torch.tensor([float(flag)], dtype=torch.float64, device=self._device)
         self.model.all_reduce_sum(packet)
         return float(packet.cpu()[0]) > 0
 
@@ -419,8 +419,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _norm_tensor(self, total: float) -> torch.Tensor:
         dtypes = {s.dtype for s in self.model.buckets} or {torch.float32}
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
-        device = self.model.buckets[0].device if self.model.buckets else torch.device("cpu")
-        return torch.tensor(total, dtype=dtype, device=device)
+        return torch.tensor(total, dtype=dtype, device=self._device)
 
 
 # The forward-ordered step (see _step) runs the inner optimizer at most this

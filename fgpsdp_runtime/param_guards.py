@@ -68,31 +68,36 @@ class ParamPlaces:
 
     def __init__(self, module: nn.Module, names: Sequence[str],
                  params: Sequence[torch.nn.Parameter], buckets: Sequence[BucketStorage]):
-        self._places = []
+        # Per bucket: its flat buffer, and per parameter (name, owner module,
+        # attribute, parameter, byte offset from the buffer's start).
+        self._buckets = []
         for storage in buckets:
             flat = storage.flat_param
+            places = []
             for span in storage.layout.spans:
                 name = names[span.param_index]
                 path, _, leaf = name.rpartition(".")
-                self._places.append((name, module.get_submodule(path), leaf,
-                                     params[span.param_index], flat,
-                                     flat.storage_offset() + span.bucket_offset))
+                places.append((name, module.get_submodule(path), leaf, params[span.param_index],
+                               span.bucket_offset * flat.element_size()))
+            self._buckets.append((flat, places))
 
     def check(self) -> None:
         """Raise if a parameter was given new storage (``model.double()``,
         ``.to(...)``, ``param.data = ...``) or replaced by another
         (``module.weight = nn.Parameter(...)``) after wrapping: it would
         silently never change again. Storage moved as a whole
-        (``share_memory()``) keeps every view in place: allowed."""
-        for name, owner, leaf, param, flat, offset in self._places:
-            if owner._parameters.get(leaf) is not param:
-                problem = "was replaced by another tensor"
-            elif (param.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr()
-                  or param.storage_offset() != offset):
-                problem = f"was given new storage (now {param.dtype} on {param.device})"
-            else:
-                continue
-            raise RuntimeError(
-                f"fgpsdp: parameter '{name}' {problem} after DistributedDataParallel(...) "
-                "was built: it no longer lives in its bucket and would not train. Cast, move "
-                "or change the module before wrapping it.")
+        (``share_memory()``) keeps every view in place: allowed, as the check
+        is relative to the buffer. Runs before every forward: addresses only."""
+        for flat, places in self._buckets:
+            start = flat.data_ptr()
+            for name, owner, leaf, param, offset in places:
+                if owner._parameters.get(leaf) is not param:
+                    problem = "was replaced by another tensor"
+                elif param.data_ptr() - start != offset:
+                    problem = f"was given new storage (now {param.dtype} on {param.device})"
+                else:
+                    continue
+                raise RuntimeError(
+                    f"fgpsdp: parameter '{name}' {problem} after DistributedDataParallel(...) "
+                    "was built: it no longer lives in its bucket and would not train. Cast, "
+                    "move or change the module before wrapping it.")

@@ -25,8 +25,8 @@ from . import gloo_collectives
 from .profiling import nvtx_range
 
 # torch 2.13 renamed the flat-tensor collectives; older releases have only the old names.
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 # Per link-worker thread: one reusable buffer per purpose. A worker runs one
@@ -80,7 +80,7 @@ def start_reduce_scatter(group: dist.ProcessGroup, output: torch.Tensor, input: 
             output.copy_(input)
             return None
         if dist.get_backend(group) == "nccl":
-            _reduce_scatter_single(output, input, group=group)
+            reduce_scatter_single(output, input, group=group)
             return None
         if input.device.type == "cpu":
             received = _scratch_like(_next_scratch_slot("reduce_scatter_received", scratch_slots),
@@ -118,7 +118,7 @@ def start_all_gather(group: dist.ProcessGroup, output: torch.Tensor, input: torc
                 output.copy_(input)
             return None
         if dist.get_backend(group) == "nccl":  # documents in-place
-            _all_gather_single(output, input, group=group)
+            all_gather_single(output, input, group=group)
             return None
         point_to_point = input.device.type == "cpu"  # gloo's takes CPU tensors only
         own = output[dist.get_rank(group) * input.numel():][:input.numel()]
@@ -130,6 +130,6 @@ def start_all_gather(group: dist.ProcessGroup, output: torch.Tensor, input: torc
                                   input).copy_(input)
         if point_to_point:
             return gloo_collectives.start_all_gather(group, output, input)
-        _all_gather_single(output, input, group=group)
+        all_gather_single(output, input, group=group)
         return None
 

@@ -27,6 +27,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from . import optim_checkpoint
 from .ddp import DistributedDataParallel
 from .ops import multi_tensor_sq_norm
 from .profiling import nvtx_range
@@ -97,17 +98,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # -- construction helpers ------------------------------------------------
 
     def _normalise_groups(self, param_groups) -> list[dict[str, Any]]:
+        # _numbered_params: every group's parameters as torch.optim would
+        # number them in a state dict (frozen ones included), for
+        # full_state_dict(); by default those of AdamW(model.parameters()).
         trainable = [p for _, p in self.model.named_trainable_parameters()]
+        self._default_groups = param_groups is None
         if param_groups is None:
+            self._numbered_params = [list(self.model.module.parameters())]
             return [{"params": trainable}]
         if isinstance(param_groups, dict):
             param_groups = [param_groups]
         groups, seen = [], set()
+        self._numbered_params = []
         for i, group in enumerate(param_groups):
             if not isinstance(group, dict) or "params" not in group:
                 raise TypeError(f"param_groups[{i}] must be a dict with a 'params' entry")
             params = group["params"]
             params = [params] if isinstance(params, torch.Tensor) else list(params)
+            self._numbered_params.append(params)
             kept = []
             for p in params:
                 if id(p) in seen:
@@ -299,30 +307,65 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return all(used[span.param_index] for span in self.model.buckets[b].layout.spans)
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's shard of the optimizer state, with the layout it belongs to."""
+        """This rank's shard of the optimizer state, with the layout it belongs to.
+
+        Local and quick; it loads only on this rank of a world of this size
+        with these buckets. ``full_state_dict()`` is torch.optim's format.
+        """
+        self._refuse_speculative_state("state_dict()")
         return {"shard": self.optim.state_dict(), "rank": self.model.rank,
                 "world_size": self.model.world_size,
                 "layout": [(l.dtype_name, l.padded_numel, len(l.spans))
                            for l in self.model.bucket_layouts]}
 
+    def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, Any]:
+        """The state dict a torch.optim optimizer over the whole model would hold.
+
+        A collective: call it on every rank. Tensors are on the CPU. With
+        ``rank0_only`` the other ranks return ``{}`` (and hold no copy). It
+        loads into a ShardedOptimizer at any world size or bucket size, and
+        into a torch optimizer built with the same param groups.
+        """
+        self._refuse_speculative_state("full_state_dict()")
+        return optim_checkpoint.full_state_dict(self, rank0_only)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if not {"shard", "rank", "world_size", "layout"} <= set(state_dict):
-            raise ValueError("fgpsdp: not a ShardedOptimizer checkpoint (it holds "
-                             f"{sorted(state_dict)}); each rank loads the state_dict() its "
-                             "own ShardedOptimizer saved")
-        expected = (self.model.rank, self.model.world_size)
-        got = (state_dict.get("rank"), state_dict.get("world_size"))
-        if got != expected:
-            raise ValueError(f"optimizer shard saved by rank/world {got}, loading on {expected}")
-        layout = [(l.dtype_name, l.padded_numel, len(l.spans)) for l in self.model.bucket_layouts]
-        if [tuple(x) for x in state_dict["layout"]] != layout:
-            raise ValueError("optimizer shard was saved with another bucket layout "
-                             "(bucket_cap_mb or model changed)")
-        self.optim.load_state_dict(state_dict["shard"])
+        """Load a ``state_dict()`` shard (this rank's), or a whole-model dict in
+        torch.optim's format (``full_state_dict()``, or a torch optimizer's, as
+        a torch DDP run saves it) on every rank."""
+        self._refuse_speculative_state("load_state_dict()")
+        if {"state", "param_groups"} <= set(state_dict) and "shard" not in state_dict:
+            optim_checkpoint.load_full_state_dict(self, state_dict)
+        else:
+            self._load_shard(state_dict)
         # torch's load_state_dict replaces the inner optimizer's group list and
         # state: share the new ones, or lr schedulers would write to the old.
         self.param_groups = self.optim.param_groups
         self.state = self.optim.state
+
+    def _load_shard(self, state_dict: dict[str, Any]) -> None:
+        if not {"shard", "rank", "world_size", "layout"} <= set(state_dict):
+            raise ValueError("fgpsdp: not an optimizer checkpoint (it holds "
+                             f"{sorted(state_dict)}); load what state_dict() or "
+                             "full_state_dict() saved")
+        expected = (self.model.rank, self.model.world_size)
+        got = (state_dict.get("rank"), state_dict.get("world_size"))
+        if got != expected:
+            raise ValueError(f"optimizer shard saved by rank/world {got}, loading on {expected}; "
+                             "full_state_dict() loads at any world size")
+        layout = [(l.dtype_name, l.padded_numel, len(l.spans)) for l in self.model.bucket_layouts]
+        if [tuple(x) for x in state_dict["layout"]] != layout:
+            raise ValueError("optimizer shard was saved with another bucket layout "
+                             "(bucket_cap_mb or model changed); full_state_dict() loads "
+                             "with any buckets")
+        self.optim.load_state_dict(state_dict["shard"])
+
+    def _refuse_speculative_state(self, what: str) -> None:
+        scheduler = self.model.scheduler
+        if scheduler is not None and scheduler.holds_speculative_values():
+            raise RuntimeError(
+                f"fgpsdp: opt.{what} between backward and opt.step() would see two_stage's "
+                "speculative updates of the optimizer state; call it after opt.step()")
 
     # -- internals -----------------------------------------------------------
 

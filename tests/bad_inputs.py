@@ -95,10 +95,16 @@ def cast_after_wrapping(rank, world_size):
     model(torch.randn(4, 13, dtype=torch.float64))
 
 
-def torch_optimizer_checkpoint(rank, world_size):
+def other_models_optimizer_checkpoint(rank, world_size):
     model = fgp.DistributedDataParallel(MLP())
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
-    opt.load_state_dict(torch.optim.AdamW(MLP().parameters()).state_dict())
+    opt.load_state_dict(torch.optim.AdamW(nn.Linear(3, 3).parameters()).state_dict())
+
+
+def not_an_optimizer_checkpoint(rank, world_size):
+    model = fgp.DistributedDataParallel(MLP())
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    opt.load_state_dict(model.module.state_dict())
 
 
 def two_optimizers(rank, world_size):
@@ -116,6 +122,14 @@ def save_between_backward_and_step(rank, world_size):
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
     model(torch.randn(4, 13)).sum().backward()
     model.module.state_dict()  # two_stage's speculative updates may be in it
+    opt.step()
+
+
+def optimizer_state_dict_between_backward_and_step(rank, world_size):
+    model = fgp.DistributedDataParallel(MLP(), bucket_cap_mb=0.0001, overlap_plan="layout")
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    model(torch.randn(4, 13)).sum().backward()
+    opt.state_dict()  # the speculative steps have updated the optimizer state
     opt.step()
 
 

@@ -1,0 +1,219 @@
+"""Optimizer checkpoints in torch.optim's own format, at any world size.
+
+[Note: full optimizer state dicts]
+``ShardedOptimizer.state_dict()`` is this rank's shard: quick and local, but it
+loads only on the same rank of a world of the same size with the same buckets.
+``full_state_dict()`` instead gathers every rank's slices into the dict that a
+``torch.optim`` optimizer over the whole (unwrapped) model would hold:
+
+- parameters numbered as torch numbers them, in param-group order (the groups
+  as the user listed them, frozen parameters included; by default
+  ``module.parameters()``, as ``AdamW(model.parameters())`` would);
+- each per-element state tensor (``exp_avg``, ``momentum_buffer``, ...) whole,
+  in its parameter's shape; scalar entries (``step``) once per parameter;
+- the param groups' hyperparameters.
+
+So it loads into a ShardedOptimizer at another world size or bucket size, into
+a torch optimizer on the unwrapped model (fine-tuning on one device), and the
+``state_dict()`` of a torch DDP run's optimizer loads into a ShardedOptimizer
+(moving a run from DDP). Loading slices the dict locally: no collective.
+
+Gathering, a collective: one ``all_gather_object`` of per-parameter metadata
+(which parameters have state, their scalar entries, the names and dtypes of the
+per-element ones), then per bucket and per-element key one
+all-gather of this rank's slice (every rank's slice of a bucket
+has the same length by construction), cut into parameters by the bucket layout.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .group_collectives import all_gather_single
+
+if TYPE_CHECKING:  # imported for annotations only: optim imports this module
+    from .optim import ShardedOptimizer
+
+# Scalar state entries of torch's element-wise optimizers. Only needed to load
+# the state of a 0-dim parameter (a learnable temperature), where a scalar
+# entry and a per-element one have the same shape; everywhere else the shape
+# tells them apart.
+_SCALAR_STATE_KEYS = frozenset({"step", "mu_product", "eta", "mu"})
+
+
+def _is_per_element(value: Any, piece: torch.Tensor) -> bool:
+    """In the inner optimizer's state: a tensor with one entry per element of the piece."""
+    return torch.is_tensor(value) and value.dim() == 1 and value.shape == piece.shape
+
+
+def _local_metadata(opt: ShardedOptimizer) -> dict[int, dict[str, Any]]:
+    """Per parameter (wrapper's index) this rank holds a piece of, with state:
+    the order of its state keys, its scalar entries and its per-element keys' dtypes."""
+    meta = {}
+    for index, pieces in opt._pieces.items():
+        tensor = pieces[0][0]  # one piece per parameter per rank (a span meets a slice once)
+        state = opt.optim.state.get(tensor)
+        if not state:
+            continue
+        scalars, per_element = {}, {}
+        for key, value in state.items():
+            if _is_per_element(value, tensor):
+                per_element[key] = str(value.dtype).replace("torch.", "")
+            else:
+                scalars[key] = value.detach().cpu().clone() if torch.is_tensor(value) else value
+        meta[index] = {"order": list(state), "scalars": scalars, "per_element": per_element}
+    return meta
+
+
+def _merge_metadata(gathered: Sequence[dict]) -> dict[int, dict[str, Any]]:
+    """One entry per parameter; the ranks sharing a parameter must agree on its scalars."""
+    merged: dict[int, dict[str, Any]] = {}
+    for rank_meta in gathered:
+        for index, meta in rank_meta["params"].items():
+            seen = merged.setdefault(index, meta)
+            if seen is meta:
+                continue
+            same = seen["per_element"] == meta["per_element"] and \
+                seen["scalars"].keys() == meta["scalars"].keys() and \
+                all(_same_scalar(seen["scalars"][k], meta["scalars"][k]) for k in meta["scalars"])
+            if not same:  # every rank sees the same gathered figures, so all raise
+                raise RuntimeError(f"fgpsdp: the ranks holding parameter {index} disagree on its "
+                                   f"optimizer state: {seen} vs {meta}")
+    return merged
+
+
+def _same_scalar(a: Any, b: Any) -> bool:
+    if torch.is_tensor(a) and torch.is_tensor(b):
+        return a.shape == b.shape and a.dtype == b.dtype and bool(torch.equal(a, b))
+    return type(a) is type(b) and a == b
+
+
+def full_state_dict(opt: ShardedOptimizer, rank0_only: bool) -> dict[str, Any]:
+    """torch.optim's state dict for the whole model, on every rank (or on rank 0 only)."""
+    model = opt.model
+    group = model.process_group
+    world = model.world_size
+    local = {"slice_index": model.slice_index, "params": _local_metadata(opt)}
+    gathered: list = [None] * world
+    if world > 1:
+        dist.all_gather_object(gathered, local, group=group)
+    else:
+        gathered = [local]
+    merged = _merge_metadata(gathered)
+    keep = not rank0_only or model.rank == 0
+    params = [p for _, p in model.named_trainable_parameters()]
+
+    per_element: dict[int, dict[str, torch.Tensor]] = {}
+    # Group rank r holds slice gathered[r]["slice_index"]: reorder the gathered slices.
+    slice_of_rank = torch.tensor([g["slice_index"] for g in gathered])
+    rank_of_slice = torch.argsort(slice_of_rank)
+    for b, storage in enumerate(model.buckets):
+        layout = storage.layout
+        keys = sorted({(key, dtype) for span in layout.spans
+                       for key, dtype in merged.get(span.param_index, {})
+                       .get("per_element", {}).items()})
+        for key, dtype_name in keys:
+            dtype = getattr(torch, dtype_name)
+            mine = torch.zeros(layout.shard_numel, dtype=dtype, device=storage.device)
+            for span in layout.spans:
+                for tensor, pb, start, end in opt._pieces.get(span.param_index, ()):
+                    state = opt.optim.state.get(tensor)
+                    if pb == b and state and key in state:
+                        lo = start - storage.shard_start
+                        mine[lo:lo + (end - start)].copy_(state[key])
+            if world > 1:
+                out = torch.empty(world * layout.shard_numel, dtype=dtype, device=storage.device)
+                all_gather_single(out, mine, group=group)
+                whole = out.view(world, layout.shard_numel)[rank_of_slice.to(out.device)].reshape(-1)
+            else:
+                whole = mine
+            if not keep:
+                continue
+            for span in layout.spans:
+                if key in merged.get(span.param_index, {}).get("per_element", {}):
+                    value = whole[span.bucket_offset:span.bucket_end]
+                    shape = params[span.param_index].shape
+                    per_element.setdefault(span.param_index, {})[key] = \
+                        value.reshape(shape).to("cpu", copy=True)
+    if not keep:
+        return {}
+
+    state, groups, number = {}, [], 0
+    for inner_group, numbered in zip(opt.optim.param_groups, opt._numbered_params):
+        indices = []
+        for param in numbered:
+            index = model.param_index(param)
+            if index is not None and index in merged:
+                meta = merged[index]
+                entry = {**meta["scalars"], **per_element.get(index, {})}
+                state[number] = {key: entry[key] for key in meta["order"]}
+            indices.append(number)
+            number += 1
+        groups.append({**{k: v for k, v in inner_group.items() if k != "params"},
+                       "params": indices})
+    return {"state": state, "param_groups": groups}
+
+
+def load_full_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
+    """Load torch.optim's whole-model format into this rank's slices (local, no collective)."""
+    model = opt.model
+    saved_groups = state_dict["param_groups"]
+    saved_state = state_dict["state"]
+    if len(saved_groups) != len(opt._numbered_params):
+        raise ValueError(f"fgpsdp: the optimizer state dict has {len(saved_groups)} param "
+                         f"groups; this optimizer has {len(opt._numbered_params)}")
+    spans = {span.param_index: span for layout in model.bucket_layouts for span in layout.spans}
+    inner_number = {id(piece): i for i, piece in
+                    enumerate(p for g in opt.optim.param_groups for p in g["params"])}
+    inner_state: dict[int, dict[str, Any]] = {}
+    inner_groups = []
+    for g, (saved, inner_group) in enumerate(zip(saved_groups, opt.optim.param_groups)):
+        numbered = _numbering_for(opt, g, len(saved["params"]))
+        for saved_index, param in zip(saved["params"], numbered):
+            index = model.param_index(param)
+            entry = saved_state.get(saved_index)
+            if index is None or not entry:
+                continue  # frozen, or never stepped (torch creates state at the first step)
+            for tensor, _, start, end in opt._pieces.get(index, ()):
+                offset = start - spans[index].bucket_offset
+                inner_state[inner_number[id(tensor)]] = {
+                    key: _slice_of(key, value, param, offset, end - start, saved_index)
+                    for key, value in entry.items()}
+        inner_groups.append({**{k: v for k, v in saved.items()
+                                if k not in ("params", "param_names")},
+                             "params": [inner_number[id(p)] for p in inner_group["params"]]})
+    # torch's loader casts each value to its piece's device and dtype ("step" kept).
+    opt.optim.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+
+
+def _numbering_for(opt: ShardedOptimizer, g: int, saved_count: int) -> list[torch.Tensor]:
+    numbered = opt._numbered_params[g]
+    if saved_count == len(numbered):
+        return numbered
+    if opt._default_groups:
+        # Default groups number module.parameters(); a torch optimizer built over
+        # the trainable ones only (filter(lambda p: p.requires_grad, ...)) loads too.
+        trainable = [p for p in numbered if opt.model.param_index(p) is not None]
+        if saved_count == len(trainable):
+            return trainable
+    raise ValueError(f"fgpsdp: param group {g} of the optimizer state dict holds {saved_count} "
+                     f"parameters; this optimizer's holds {len(numbered)} (a state dict of "
+                     "another model, or of other param groups)")
+
+
+def _slice_of(key: str, value: Any, param: torch.Tensor, offset: int, numel: int,
+              saved_index: int) -> Any:
+    """This rank's piece of one saved entry: per-element tensors are cut, scalars copied."""
+    if not torch.is_tensor(value):
+        return value
+    per_element = value.shape == param.shape and (param.dim() > 0 or key not in _SCALAR_STATE_KEYS)
+    if not per_element:
+        if value.dim() > 0 and value.numel() > 1:
+            raise ValueError(f"fgpsdp: state '{key}' of saved parameter {saved_index} has shape "
+                             f"{tuple(value.shape)}; the parameter has {tuple(param.shape)}")
+        return value.clone()
+    # A copy: the optimizer updates it in place, and must neither write into
+    # the caller's checkpoint nor keep the whole tensor alive.
+    return value.reshape(-1)[offset:offset + numel].clone()

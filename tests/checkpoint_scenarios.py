@@ -1,0 +1,159 @@
+"""Optimizer checkpoints in torch's format: saved at one world size, resumed at another.
+
+Imported by the spawned ranks (module-level functions only).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+import fgpsdp_runtime as fgp
+
+from .scenarios import MODELS, loss_fn, make_batch, reference_clip_
+
+
+class TemperatureNet(nn.Module):
+    """A 0-dim parameter (a learnable temperature, as CLIP's logit_scale)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(13, 5)
+        self.temperature = nn.Parameter(torch.tensor(0.7))
+
+    def forward(self, x):
+        return self.body(x) * self.temperature
+
+
+CHECKPOINT_MODELS = {**MODELS, "temperature": TemperatureNet}
+
+OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}),
+    "adamw_amsgrad": (torch.optim.AdamW, {"lr": 1e-2, "amsgrad": True}),
+    "sgd_momentum": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+    "sgd": (torch.optim.SGD, {"lr": 0.05}),  # state: momentum_buffer None
+    "adagrad": (torch.optim.Adagrad, {"lr": 0.05}),  # state made at construction
+    "nadam": (torch.optim.NAdam, {"lr": 1e-2}),  # scalar state besides step: mu_product
+}
+
+
+def _groups(module: nn.Module, how: str):
+    """torch.optim groups; "default" means ShardedOptimizer's param_groups=None."""
+    if how == "default":
+        return list(module.parameters())  # frozen ones too, as AdamW(model.parameters())
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    return [{"params": [p for n, p in named if p.ndim >= 2]},
+            {"params": [p for n, p in named if p.ndim < 2], "weight_decay": 0.0, "lr": 3e-3}]
+
+
+def _build(rank: int, cfg: dict[str, Any], module_state=None):
+    torch.manual_seed(1234 + rank)  # differs per rank: the broadcast must fix it
+    base = CHECKPOINT_MODELS[cfg["model"]]()
+    if module_state is not None:
+        base.load_state_dict(module_state)
+    ref_module = type(base)()
+    ref_module.load_state_dict(base.state_dict())
+    if cfg["model"] == "bn_frozen":
+        ref_module.frozen.requires_grad_(False)
+    ref = nn.parallel.DistributedDataParallel(ref_module)
+    topology = fgp.Topology(local_size=cfg["local_size"]) if "local_size" in cfg else None
+    ours = fgp.DistributedDataParallel(base, bucket_cap_mb=cfg.get("bucket_cap_mb"),
+                                       schedule=cfg.get("schedule", "two_stage"),
+                                       topology=topology)
+    cls, defaults = OPTIMIZERS[cfg["optimizer"]]
+    groups = cfg.get("groups", "split")
+    ref_opt = cls(_groups(ref.module, groups), **defaults)
+    opt = fgp.ShardedOptimizer(ours, cls, max_grad_norm=cfg.get("max_grad_norm"),
+                               param_groups=None if groups == "default"
+                               else _groups(ours.module, groups), **defaults)
+    return ours, opt, ref, ref_opt
+
+
+def _train(rank, cfg, ours, opt, ref, ref_opt, first_step: int, steps: int) -> None:
+    model_name = "mlp" if cfg["model"] == "temperature" else cfg["model"]
+    for step in range(first_step, first_step + steps):
+        x, y = make_batch(model_name, step, 0, rank)
+        loss_fn(model_name, ours(x), y).backward()
+        loss_fn(model_name, ref(x), y).backward()
+        if cfg.get("max_grad_norm") is not None:
+            reference_clip_(ref.parameters(), cfg["max_grad_norm"])
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+    ours.synchronize()
+
+
+def compare_state_dicts(ours: dict, theirs: dict) -> dict[str, Any]:
+    """How far a torch-format optimizer state dict is from another."""
+    same_groups = ours["param_groups"] == theirs["param_groups"]
+    same_layout = set(ours["state"]) == set(theirs["state"]) and all(
+        list(ours["state"][i]) == list(theirs["state"][i]) for i in theirs["state"])
+    worst, mismatched = 0.0, []
+    if same_layout:
+        for i, entry in theirs["state"].items():
+            for key, value in entry.items():
+                mine = ours["state"][i][key]
+                if torch.is_tensor(value):
+                    if not (torch.is_tensor(mine) and mine.shape == value.shape
+                            and mine.dtype == value.dtype):
+                        mismatched.append((i, key))
+                        continue
+                    worst = max(worst, float((mine.double() - value.double()).abs().max())
+                                if value.numel() else 0.0)
+                elif mine != value:
+                    mismatched.append((i, key))
+    return {"same_groups": same_groups, "same_layout": same_layout, "mismatched": mismatched,
+            "max_diff": worst, "bitwise": same_groups and same_layout and not mismatched
+            and _bitwise(ours["state"], theirs["state"])}
+
+
+def _bitwise(a: dict, b: dict) -> bool:
+    return all(torch.equal(a[i][k], v) if torch.is_tensor(v) else a[i][k] == v
+               for i, entry in b.items() for k, v in entry.items())
+
+
+def train_and_save(rank: int, world_size: int, cfg: dict[str, Any], path: str) -> dict[str, Any]:
+    """Train side by side with torch DDP; compare full_state_dict() with torch's state_dict()."""
+    ours, opt, ref, ref_opt = _build(rank, cfg)
+    _train(rank, cfg, ours, opt, ref, ref_opt, 0, cfg.get("steps", 3))
+    full = opt.full_state_dict(rank0_only=cfg.get("rank0_only", False))
+    result: dict[str, Any] = {"empty": full == {}}
+    if full:
+        result.update(compare_state_dicts(full, ref_opt.state_dict()))
+        result["on_cpu"] = all(v.device.type == "cpu" for e in full["state"].values()
+                               for v in e.values() if torch.is_tensor(v))
+    if rank == 0:
+        torch.save({"ours_module": ours.module.state_dict(), "ours_opt": full,
+                    "torch_module": ref.module.state_dict(), "torch_opt": ref_opt.state_dict()},
+                   path)
+    return result
+
+
+def train_and_save_many(rank: int, world_size: int, cfgs: dict[str, dict],
+                        directory: str) -> dict[str, dict]:
+    return {name: train_and_save(rank, world_size, cfg, f"{directory}/{name}.pt")
+            for name, cfg in cfgs.items()}
+
+
+def resume_many(rank: int, world_size: int, cfgs: dict[str, dict], directory: str,
+                which: str) -> dict[str, dict]:
+    return {name: resume(rank, world_size, cfg, f"{directory}/{name}.pt", which)
+            for name, cfg in cfgs.items()}
+
+
+def resume(rank: int, world_size: int, cfg: dict[str, Any], path: str,
+           which: str) -> dict[str, Any]:
+    """Load a torch-format optimizer dict (``which``: "ours" or "torch"'s) at this world
+    size and bucket size, into fgpsdp and into torch DDP alike; train on side by side."""
+    saved = torch.load(path, weights_only=True)
+    ours, opt, ref, ref_opt = _build(rank, cfg, module_state=saved[f"{which}_module"])
+    opt.load_state_dict(saved[f"{which}_opt"])
+    ref_opt.load_state_dict(saved[f"{which}_opt"])
+    round_trip = compare_state_dicts(opt.full_state_dict(), saved[f"{which}_opt"])
+    _train(rank, cfg, ours, opt, ref, ref_opt, 100, cfg.get("steps", 3))
+    param_diff = max(float((a.detach() - b.detach()).abs().max())
+                     for a, b in zip(ours.module.parameters(), ref.module.parameters()))
+    return {"round_trip": round_trip, "param_diff": param_diff,
+            "after": compare_state_dicts(opt.full_state_dict(), ref_opt.state_dict())}

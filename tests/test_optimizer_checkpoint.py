@@ -1,0 +1,87 @@
+"""full_state_dict() is torch.optim's state dict, and loads at another world size.
+
+Trained side by side with torch DDP + the same torch optimizer: on 2 ranks the
+gathered dict equals torch's bit for bit; saved on 4 ranks (two nodes of two,
+so slices are not in rank order) it resumes on 3 with other buckets, as does
+the dict torch DDP's optimizer saved, and the run goes on like torch DDP's.
+"""
+import pytest
+
+from . import checkpoint_scenarios
+from .dist_harness import run_distributed
+
+TOL = 2e-5  # max |param difference|, as in test_equivalence
+
+CONFIGS = {
+    "adamw_groups": {"model": "mlp", "optimizer": "adamw", "max_grad_norm": 0.5},
+    # param_groups=None numbers module.parameters(), the frozen layer included.
+    "adamw_default_groups_frozen": {"model": "bn_frozen", "optimizer": "adamw",
+                                    "groups": "default"},
+    "amsgrad_small_buckets": {"model": "mlp", "optimizer": "adamw_amsgrad",
+                              "bucket_cap_mb": 0.0001},
+    "sgd_momentum_tied": {"model": "tied", "optimizer": "sgd_momentum"},
+    "sgd_no_state_tensors": {"model": "mlp", "optimizer": "sgd"},
+    "adagrad": {"model": "mlp", "optimizer": "adagrad", "schedule": "serial"},
+    "nadam_scalar_param": {"model": "temperature", "optimizer": "nadam"},
+}
+
+
+@pytest.fixture(scope="module")
+def two_rank_results(tmp_path_factory):
+    return run_distributed(2, checkpoint_scenarios.train_and_save_many, CONFIGS,
+                           str(tmp_path_factory.mktemp("two")))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_full_state_dict_equals_torch_ddp_optimizer_bitwise(two_rank_results, name):
+    for rank, results in enumerate(two_rank_results):
+        res = results[name]
+        assert res["same_groups"] and res["same_layout"] and not res["mismatched"], (rank, res)
+        assert res["bitwise"], (rank, res)
+        assert res["on_cpu"]
+
+
+HIERARCHICAL = {name: {**cfg, "local_size": 2} for name, cfg in CONFIGS.items()
+                if name in ("adamw_groups", "sgd_momentum_tied", "nadam_scalar_param")}
+
+
+@pytest.fixture(scope="module")
+def saved_on_four(tmp_path_factory):
+    directory = str(tmp_path_factory.mktemp("four"))
+    results = run_distributed(4, checkpoint_scenarios.train_and_save_many, HIERARCHICAL,
+                              directory)
+    return directory, results
+
+
+def test_full_state_dict_on_two_nodes_matches_torch(saved_on_four):
+    _, results = saved_on_four
+    for rank, per_config in enumerate(results):
+        for name, res in per_config.items():
+            assert res["same_groups"] and res["same_layout"] and not res["mismatched"], \
+                (rank, name, res)
+            # Four ranks sum gradients in another order than torch's ring: rounding only.
+            assert res["max_diff"] <= 1e-6, (rank, name, res)
+
+
+@pytest.mark.parametrize("which", ["ours", "torch"])
+def test_resume_on_another_world_size_and_buckets(saved_on_four, which):
+    """Saved on 4 ranks (fgpsdp's dict, or torch DDP's optimizer's), resumed on 3
+    with one bucket per parameter: what is loaded gathers back bit for bit, and
+    training goes on as torch DDP's does from the same dict."""
+    directory, _ = saved_on_four
+    resumed = {name: {k: v for k, v in cfg.items() if k != "local_size"}
+               | {"bucket_cap_mb": 0.0001} for name, cfg in HIERARCHICAL.items()}
+    results = run_distributed(3, checkpoint_scenarios.resume_many, resumed, directory, which)
+    for rank, per_config in enumerate(results):
+        for name, res in per_config.items():
+            assert res["round_trip"]["bitwise"], (rank, name, res["round_trip"])
+            assert res["param_diff"] <= TOL, (rank, name, res)
+            assert res["after"]["same_layout"] and res["after"]["same_groups"], (rank, name, res)
+
+
+def test_rank0_only_leaves_the_other_ranks_empty(tmp_path):
+    cfg = {"model": "mlp", "optimizer": "adamw", "rank0_only": True}
+    results = run_distributed(3, checkpoint_scenarios.train_and_save, cfg,
+                              str(tmp_path / "rank0.pt"))
+    assert not results[0]["empty"] and results[0]["same_layout"]
+    assert all(res["empty"] for res in results[1:])

@@ -24,7 +24,7 @@ from .comm import CommStats, FlatExchange, HierarchicalExchange
 from .layout import (BucketLayout, ParamInfo, default_bucket_cap_mb, first_bucket_cap_bytes,
                      owned_numel, plan_buckets)
 from .link_worker import PendingOp
-from .forward_waits import ForwardParamWaiter
+from .forward_waits import ForwardParamWaiter, is_compiling
 from .param_guards import ParamPlaces, land_gathers_before_state_dicts
 from .plan import OverlapPlan, layout_plan, profiling_plan
 from .plan_profiler import PlanProfiler
@@ -236,18 +236,18 @@ class DistributedDataParallel(nn.Module):
     # -- forward -------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        self._param_places.check()
+        if is_compiling():
+            # [Note: torch.compile]
+            # Traced by torch.compile: our bookkeeping runs eagerly at every call
+            # (a graph break each side of the module), and the forward waits
+            # for every pending all-gather first, since the per-module pre-hooks
+            # are no-ops in compiled code (forward_waits.py).
+            inputs, kwargs = self._before_forward_eagerly(inputs, kwargs, wait_all=True)
+            output = self.module(*inputs, **kwargs)
+            self._after_forward_eagerly()
+            return output
         waiter = self._forward_waiter
-        if waiter is None:
-            self.finish_param_all_gathers()
-        if self.scheduler is not None:
-            self.scheduler.before_forward()
-        if self._sync_buffers_before_forward and self.broadcast_buffers:
-            self._broadcast_buffers()
-        if self.device_ids is not None:
-            device = torch.device(self.device_ids[0]) if not isinstance(self.device_ids[0], int) \
-                else torch.device("cuda", self.device_ids[0])
-            inputs, kwargs = _move_to(inputs, device), _move_to(kwargs, device)
+        inputs, kwargs = self._before_forward(inputs, kwargs, wait_all=waiter is None)
         with nvtx_range("fgpsdp.forward"), self.timeline.span("compute", "forward"):
             if waiter is not None:
                 waiter.begin_forward()  # each module waits for its buckets in its pre-hook
@@ -257,13 +257,34 @@ class DistributedDataParallel(nn.Module):
                     waiter.end_forward()
             else:
                 output = self.module(*inputs, **kwargs)
+        self._after_forward()
+        return output
+
+    def _before_forward(self, inputs: tuple, kwargs: dict, wait_all: bool) -> tuple[tuple, dict]:
+        self._param_places.check()
+        if wait_all:
+            self.finish_param_all_gathers()
+        if self.scheduler is not None:
+            self.scheduler.before_forward()
+        if self._sync_buffers_before_forward and self.broadcast_buffers:
+            self._broadcast_buffers()
+        if self.device_ids is not None:
+            device = torch.device(self.device_ids[0]) if not isinstance(self.device_ids[0], int) \
+                else torch.device("cuda", self.device_ids[0])
+            inputs, kwargs = _move_to(inputs, device), _move_to(kwargs, device)
+        return inputs, kwargs
+
+    def _after_forward(self) -> None:
         if self._queued_gathers:
             # Buckets this forward did not use: started now, so that every rank
             # has issued all of them before backward issues stage-1 all-gathers.
             self._start_queued_gathers(all_of_them=True)
         self.forward_ended_at = time.perf_counter()
         self._sync_buffers_before_forward = torch.is_grad_enabled() and self.reducer.sync_enabled
-        return output
+
+    # What a compiled forward calls: dynamo runs them as they are, every call.
+    _before_forward_eagerly = torch.compiler.disable(_before_forward)
+    _after_forward_eagerly = torch.compiler.disable(_after_forward)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:

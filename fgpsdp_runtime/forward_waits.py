@@ -28,6 +28,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 
+# torch < 2.3 has it under torch._dynamo only.
+is_compiling = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
+
+
 class ForwardParamWaiter:
     def __init__(self, root: nn.Module, bucket_of_param: dict[int, list[int]],
                  wait_bucket: Callable[[int], None], wait_all: Callable[[], None]):
@@ -80,6 +84,12 @@ class ForwardParamWaiter:
         self._mode = "off"
 
     def _pre_hook(self, module: nn.Module, args) -> None:
+        if is_compiling():
+            # Traced by torch.compile, this would run once at tracing and never
+            # again. Compiled code waits earlier instead: the wrapper's compiled
+            # forward waits for everything, a compiled submodule in its own
+            # pre-hook (it runs eagerly) for the buckets of its subtree.
+            return
         if self._mode == "record":
             self._recording.append(id(module))
         elif self._mode == "follow":

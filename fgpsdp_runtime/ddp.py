@@ -24,7 +24,7 @@ from .comm import CommStats, FlatExchange, HierarchicalExchange
 from .layout import (BucketLayout, ParamInfo, default_bucket_cap_mb, first_bucket_cap_bytes,
                      owned_numel, plan_buckets)
 from .link_worker import PendingOp
-from .forward_waits import ForwardParamWaiter, is_compiling
+from .forward_waits import ForwardParamWaiter, is_traced_by_dynamo
 from .param_guards import ParamPlaces, land_gathers_before_state_dicts
 from .plan import OverlapPlan, layout_plan, profiling_plan
 from .plan_profiler import PlanProfiler
@@ -130,6 +130,7 @@ class DistributedDataParallel(nn.Module):
                           self.slice_index)
             for layout in self.bucket_layouts]
         self._param_places = ParamPlaces(module, self._param_names, self._params, self._buckets)
+        self._modules_in_tree = list(module.modules())  # see _compiled_in_place
         self._broadcast_initial_state(named)
 
         self.reducer = GradientReducer(self._params, self._param_names, self._buckets,
@@ -236,7 +237,7 @@ class DistributedDataParallel(nn.Module):
     # -- forward -------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        if is_compiling():
+        if is_traced_by_dynamo():
             # [Note: torch.compile]
             # Traced by torch.compile: our bookkeeping runs eagerly at every call
             # (a graph break each side of the module), and the forward waits
@@ -247,6 +248,8 @@ class DistributedDataParallel(nn.Module):
             self._after_forward_eagerly()
             return output
         waiter = self._forward_waiter
+        if waiter is not None and self._compiled_in_place():
+            waiter = None  # its pre-hooks would be no-ops in the compiled modules
         inputs, kwargs = self._before_forward(inputs, kwargs, wait_all=waiter is None)
         with nvtx_range("fgpsdp.forward"), self.timeline.span("compute", "forward"):
             if waiter is not None:
@@ -262,10 +265,12 @@ class DistributedDataParallel(nn.Module):
 
     def _before_forward(self, inputs: tuple, kwargs: dict, wait_all: bool) -> tuple[tuple, dict]:
         self._param_places.check()
+        if self.scheduler is not None:
+            # First: between backward and step it undoes the speculative steps
+            # and sends the restored slices again, which the waits must cover.
+            self.scheduler.before_forward()
         if wait_all:
             self.finish_param_all_gathers()
-        if self.scheduler is not None:
-            self.scheduler.before_forward()
         if self._sync_buffers_before_forward and self.broadcast_buffers:
             self._broadcast_buffers()
         if self.device_ids is not None:
@@ -281,6 +286,12 @@ class DistributedDataParallel(nn.Module):
             self._start_queued_gathers(all_of_them=True)
         self.forward_ended_at = time.perf_counter()
         self._sync_buffers_before_forward = torch.is_grad_enabled() and self.reducer.sync_enabled
+
+    def _compiled_in_place(self) -> bool:
+        """Some module was compiled by ``nn.Module.compile()``: its own pre-hooks,
+        ours among them, then run inside compiled code (and do nothing there)."""
+        return any(m.__dict__.get("_compiled_call_impl") is not None
+                   for m in self._modules_in_tree)
 
     # What a compiled forward calls: dynamo runs them as they are, every call.
     _before_forward_eagerly = torch.compiler.disable(_before_forward)
@@ -304,6 +315,21 @@ class DistributedDataParallel(nn.Module):
     @require_backward_grad_sync.setter
     def require_backward_grad_sync(self, value: bool) -> None:
         self.reducer.sync_enabled = bool(value)
+
+    # torch DDP methods with no meaning here: a clear error instead of
+    # nn.Module's "has no attribute", which reads like a version mismatch.
+
+    def join(self, *args: Any, **kwargs: Any):
+        raise NotImplementedError(
+            "fgpsdp: join() (uneven inputs) is not supported: a rank that runs out of data "
+            "still owns slices every step must update. Give every rank the same number of "
+            "batches (DistributedSampler pads to equal shares unless drop_last=True)")
+
+    def register_comm_hook(self, state: object, hook: Any) -> None:
+        raise NotImplementedError(
+            "fgpsdp: register_comm_hook() is not supported: gradients are reduce-scattered "
+            "bucket by bucket (inside a node, then across nodes), not all-reduced, so a torch "
+            "DDP communication hook has no all-reduce to replace")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients: this rank's reduced slices and those no_sync() left.

@@ -28,8 +28,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 
-# torch < 2.3 has it under torch._dynamo only.
-is_compiling = getattr(torch.compiler, "is_compiling", None) or torch._dynamo.is_compiling
+# True only in code dynamo traces (torch.compiler.is_compiling() is True in
+# every thread while any thread compiles); torch < 2.3 has it under _dynamo.
+is_traced_by_dynamo = getattr(torch.compiler, "is_dynamo_compiling", None) or \
+    torch._dynamo.is_compiling
 
 
 class ForwardParamWaiter:
@@ -84,11 +86,13 @@ class ForwardParamWaiter:
         self._mode = "off"
 
     def _pre_hook(self, module: nn.Module, args) -> None:
-        if is_compiling():
+        if is_traced_by_dynamo():
             # Traced by torch.compile, this would run once at tracing and never
             # again. Compiled code waits earlier instead: the wrapper's compiled
-            # forward waits for everything, a compiled submodule in its own
-            # pre-hook (it runs eagerly) for the buckets of its subtree.
+            # forward waits for everything, as does its eager forward when some
+            # module was compiled in place (nn.Module.compile()); a submodule
+            # compiled by torch.compile(m) waits in the pre-hook of the
+            # OptimizedModule around it (which runs eagerly) for its subtree.
             return
         if self._mode == "record":
             self._recording.append(id(module))
@@ -108,10 +112,12 @@ class ForwardParamWaiter:
     def _note_read(self, tensor: torch.Tensor) -> None:
         """During a recording forward: ``tensor`` was read by a torch call."""
         key = id(tensor)
+        if not self._recording:
+            return  # no pre-hook has run (compiled modules): nowhere to wait earlier
         if key in self._bucket_of_param and key not in self._first_read:
             # The module whose pre-hook ran last is running, or has called
             # modules that already returned: either way no later than the read.
-            self._first_read[key] = max(0, len(self._recording) - 1)
+            self._first_read[key] = len(self._recording) - 1
 
     # -- the assignment ----------------------------------------------------------
 

@@ -31,7 +31,8 @@ from . import optim_checkpoint
 from .ddp import DistributedDataParallel
 from .ops import multi_tensor_sq_norm
 from .profiling import nvtx_range
-from .speculation import SliceBackup, hyperparameters, same_hyperparameters
+from .speculation import (SliceBackup, compile_session_active, hyperparameters,
+                          same_hyperparameters, wait_out_compile_session)
 
 # Optimizers whose update is not element-wise: slicing would change the result.
 _NOT_ELEMENTWISE = {"LBFGS", "Adafactor", "SparseAdam"}
@@ -279,9 +280,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.model.finish_param_all_gather(b)
         backup = SliceBackup(storage.param_shard, self._bucket_pieces[b], self.optim.state)
         self._assign_slice_grads(None, [b])
-        ran_with = hyperparameters(self.optim.param_groups)
-        with nvtx_range(f"fgpsdp.speculative_step[{b}]"):
-            self.optim.step()
+        while True:  # see [Note: speculative steps during a torch.compile session]
+            wait_out_compile_session()
+            ran_with = hyperparameters(self.optim.param_groups)
+            with nvtx_range(f"fgpsdp.speculative_step[{b}]"):
+                self.optim.step()
+            if not compile_session_active():
+                break
+            backup.restore(storage.param_shard, self._bucket_pieces[b], self.optim.state)
         # The training loop may write them while this runs (on the scheduler
         # thread): a change in between leaves them unknown, which rolls back.
         if same_hyperparameters(ran_with, hyperparameters(self.optim.param_groups)):

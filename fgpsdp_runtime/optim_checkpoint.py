@@ -11,6 +11,8 @@ loads only on the same rank of a world of the same size with the same buckets.
   ``module.parameters()``, as ``AdamW(model.parameters())`` would);
 - each per-element state tensor (``exp_avg``, ``momentum_buffer``, ...) whole,
   in its parameter's shape; scalar entries (``step``) once per parameter;
+  listed parameters no slice backs (frozen ones) hold what torch's optimizer
+  would give them at construction (nothing, or Adagrad's initial ``sum``);
 - the param groups' hyperparameters.
 
 So it loads into a ShardedOptimizer at another world size or bucket size, into
@@ -140,6 +142,7 @@ def full_state_dict(opt: ShardedOptimizer, rank0_only: bool) -> dict[str, Any]:
     if not keep:
         return {}
 
+    untrained = _state_of_untrained_params(opt)
     state, groups, number = {}, [], 0
     for inner_group, numbered in zip(opt.optim.param_groups, opt._numbered_params):
         indices = []
@@ -149,11 +152,35 @@ def full_state_dict(opt: ShardedOptimizer, rank0_only: bool) -> dict[str, Any]:
                 meta = merged[index]
                 entry = {**meta["scalars"], **per_element.get(index, {})}
                 state[number] = {key: entry[key] for key in meta["order"]}
+            elif id(param) in untrained:
+                state[number] = untrained[id(param)]
             indices.append(number)
             number += 1
         groups.append({**{k: v for k, v in inner_group.items() if k != "params"},
                        "params": indices})
     return {"state": state, "param_groups": groups}
+
+
+def _state_of_untrained_params(opt: ShardedOptimizer) -> dict[int, dict[str, Any]]:
+    """What torch's optimizer holds for listed parameters no slice backs (frozen ones).
+
+    Most optimizers create state at a parameter's first step, so none; some
+    (Adagrad) at construction, for every listed parameter. A throwaway
+    optimizer of the same class and hyperparameters over those parameters
+    shows which: never stepped, that state is what torch's would still hold.
+    """
+    groups = []
+    for inner_group, numbered in zip(opt.optim.param_groups, opt._numbered_params):
+        untrained = [p for p in numbered if opt.model.param_index(p) is None]
+        if untrained:
+            groups.append({**{k: v for k, v in inner_group.items() if k != "params"},
+                           "params": untrained})
+    if not groups:
+        return {}
+    throwaway = type(opt.optim)(groups)
+    return {id(p): {key: value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
+                    for key, value in entry.items()}
+            for p, entry in throwaway.state.items() if entry}
 
 
 def load_full_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> None:
@@ -167,20 +194,29 @@ def load_full_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> N
     spans = {span.param_index: span for layout in model.bucket_layouts for span in layout.spans}
     inner_number = {id(piece): i for i, piece in
                     enumerate(p for g in opt.optim.param_groups for p in g["params"])}
-    inner_state: dict[int, dict[str, Any]] = {}
-    inner_groups = []
-    for g, (saved, inner_group) in enumerate(zip(saved_groups, opt.optim.param_groups)):
+    # Every saved parameter is checked first, on every rank alike, whether or
+    # not this rank holds a piece of it: a rank raising alone would leave the
+    # others to hang in the next collective.
+    to_load = []  # (parameter index, saved entry, {key: per-element?})
+    for g, saved in enumerate(saved_groups):
         numbered = _numbering_for(opt, g, len(saved["params"]))
         for saved_index, param in zip(saved["params"], numbered):
             index = model.param_index(param)
             entry = saved_state.get(saved_index)
             if index is None or not entry:
                 continue  # frozen, or never stepped (torch creates state at the first step)
-            for tensor, _, start, end in opt._pieces.get(index, ()):
-                offset = start - spans[index].bucket_offset
-                inner_state[inner_number[id(tensor)]] = {
-                    key: _slice_of(key, value, param, offset, end - start, saved_index)
-                    for key, value in entry.items()}
+            kinds = {key: _is_saved_per_element(key, value, param, saved_index)
+                     for key, value in entry.items()}
+            to_load.append((index, entry, kinds))
+    inner_state: dict[int, dict[str, Any]] = {}
+    for index, entry, kinds in to_load:
+        for tensor, _, start, end in opt._pieces.get(index, ()):
+            offset = start - spans[index].bucket_offset
+            inner_state[inner_number[id(tensor)]] = {
+                key: _piece_of(value, kinds[key], offset, end - start)
+                for key, value in entry.items()}
+    inner_groups = []
+    for saved, inner_group in zip(saved_groups, opt.optim.param_groups):
         inner_groups.append({**{k: v for k, v in saved.items()
                                 if k not in ("params", "param_names")},
                              "params": [inner_number[id(p)] for p in inner_group["params"]]})
@@ -203,17 +239,27 @@ def _numbering_for(opt: ShardedOptimizer, g: int, saved_count: int) -> list[torc
                      "another model, or of other param groups)")
 
 
-def _slice_of(key: str, value: Any, param: torch.Tensor, offset: int, numel: int,
-              saved_index: int) -> Any:
-    """This rank's piece of one saved entry: per-element tensors are cut, scalars copied."""
+def _is_saved_per_element(key: str, value: Any, param: torch.Tensor, saved_index: int) -> bool:
+    """Whether a saved entry has one value per element of its parameter (raises if
+    a tensor entry fits neither that nor a scalar)."""
+    if not torch.is_tensor(value):
+        return False
+    if value.shape == param.shape and (param.dim() > 0 or key not in _SCALAR_STATE_KEYS):
+        return True
+    if value.numel() > 1:
+        raise ValueError(f"fgpsdp: state '{key}' of saved parameter {saved_index} has shape "
+                         f"{tuple(value.shape)}; the parameter has {tuple(param.shape)}")
+    return False
+
+
+def _piece_of(value: Any, per_element: bool, offset: int, numel: int) -> Any:
+    """This rank's piece of one saved entry: per-element tensors are cut, scalars copied.
+
+    Copies: the optimizer updates them in place, and must neither write into
+    the caller's checkpoint nor keep its whole tensors alive.
+    """
     if not torch.is_tensor(value):
         return value
-    per_element = value.shape == param.shape and (param.dim() > 0 or key not in _SCALAR_STATE_KEYS)
-    if not per_element:
-        if value.dim() > 0 and value.numel() > 1:
-            raise ValueError(f"fgpsdp: state '{key}' of saved parameter {saved_index} has shape "
-                             f"{tuple(value.shape)}; the parameter has {tuple(param.shape)}")
-        return value.clone()
-    # A copy: the optimizer updates it in place, and must neither write into
-    # the caller's checkpoint nor keep the whole tensor alive.
-    return value.reshape(-1)[offset:offset + numel].clone()
+    if per_element:
+        return value.reshape(-1)[offset:offset + numel].clone()
+    return value.clone()

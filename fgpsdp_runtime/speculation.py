@@ -13,11 +13,29 @@ what the step ran with, so that the step can tell and redo it.
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Optional, Sequence
 
 import torch
 
 Hyperparameters = list[dict[str, Any]]  # per param group, every entry but "params"
+
+# [Note: speculative steps during a torch.compile session]
+# torch.compiler.is_compiling() is one flag for the whole process, True for as
+# long as any thread compiles, and torch's optimizers read it: Adam then
+# counts steps and corrects bias by another path, which rounds otherwise
+# (AdamW parameters 2.5e-7 off torch DDP's after 4 steps). The main thread may
+# compile while the scheduler thread steps (a backward compiled lazily, after a
+# graph break whose later graph has already handed over gradients), so a
+# speculative step waits for the session to end and is redone if one began
+# while it ran. Skipping the step instead is no way out: every rank must
+# speculate the same buckets, in the same order, for the all-gathers to pair.
+compile_session_active = getattr(torch.compiler, "is_compiling", None) or torch._utils.is_compiling
+
+
+def wait_out_compile_session(poll_s: float = 0.001) -> None:
+    while compile_session_active():
+        time.sleep(poll_s)
 
 
 def hyperparameters(param_groups: Sequence[dict]) -> Hyperparameters:

@@ -138,3 +138,30 @@ def parameter_replaced_after_wrapping(rank, world_size):
     fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
     model.module.net[2].bias = nn.Parameter(torch.zeros(29))  # no bucket backs it
     model(torch.randn(4, 13))
+
+
+def ddp_join(rank, world_size):
+    model = fgp.DistributedDataParallel(MLP())
+    with model.join():
+        pass
+
+
+def ddp_comm_hook(rank, world_size):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    model = fgp.DistributedDataParallel(MLP())
+    model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+
+
+def optimizer_checkpoint_of_another_shape(rank, world_size):
+    """A state tensor that fits another shape: every rank raises, also those holding
+    no piece of that parameter (default buckets on 3 ranks)."""
+    torch.manual_seed(0)
+    module = MLP()
+    torch_opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+    module(torch.randn(4, 13)).sum().backward()
+    torch_opt.step()
+    saved = torch_opt.state_dict()
+    saved["state"][4]["exp_avg"] = saved["state"][4]["exp_avg"].t().contiguous()  # net.4.weight
+    model = fgp.DistributedDataParallel(MLP())
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    opt.load_state_dict(saved)

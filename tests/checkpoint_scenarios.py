@@ -28,11 +28,33 @@ class TemperatureNet(nn.Module):
 
 CHECKPOINT_MODELS = {**MODELS, "temperature": TemperatureNet}
 
+
+class CountingSGD(torch.optim.Optimizer):
+    """A user's element-wise optimizer with a Python number in its state."""
+
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["count"] = 0
+                    state["trace"] = torch.zeros_like(p)
+                state["count"] += 1
+                state["trace"].mul_(0.5).add_(p.grad)
+                p.add_(state["trace"], alpha=-group["lr"] / state["count"])
+
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}),
     "adamw_amsgrad": (torch.optim.AdamW, {"lr": 1e-2, "amsgrad": True}),
     "sgd_momentum": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
-    "sgd": (torch.optim.SGD, {"lr": 0.05}),  # state: momentum_buffer None
+    "sgd": (torch.optim.SGD, {"lr": 0.05}),  # no momentum: no state at all
+    "counting_sgd": (CountingSGD, {"lr": 0.05}),
     "adagrad": (torch.optim.Adagrad, {"lr": 0.05}),  # state made at construction
     "nadam": (torch.optim.NAdam, {"lr": 1e-2}),  # scalar state besides step: mu_product
 }

@@ -5,6 +5,7 @@ Imported by the spawned ranks (module-level functions only).
 from __future__ import annotations
 
 import copy
+import time
 
 import torch
 from torch import nn
@@ -13,31 +14,86 @@ import fgpsdp_runtime as fgp
 
 from .scenarios import MLP, make_batch
 
+BACKEND = "aot_eager"  # dynamo and AOTAutograd as inductor sees them, without its C++ build
+
 
 def compiled_side_by_side(rank: int, world_size: int, how: str, schedule: str,
-                          steps: int = 5) -> float:
-    """Largest parameter difference to torch DDP (compiled alike) after ``steps`` steps.
+                          accumulate: int = 1, steps: int = 4) -> dict:
+    """fgpsdp's parameters after ``steps`` steps and their largest difference to
+    torch DDP's (compiled around its wrapper), fgpsdp compiled ``how``:
 
-    aot_eager: dynamo and AOTAutograd as inductor sees them, without its
-    C++ compile time (inductor gave the same results when tried).
+    - "eager": not compiled;
+    - "wrapper": torch.compile(fgpsdp wrapper);
+    - "module" / "submodule": torch.compile(m) (an OptimizedModule) before wrapping;
+    - "module_in_place" / "module_in_place_later" / "submodule_in_place_later":
+      nn.Module.compile(), before wrapping or after the first step.
+
+    ``accumulate`` > 1 runs that many forward/backward pairs per step without
+    no_sync(): forwards between backward and step, which undo two_stage's
+    speculative steps and send the restored slices again.
     """
     torch.manual_seed(0)
     base = MLP()
     reference = copy.deepcopy(base)
     if how == "module":
-        base = torch.compile(base, backend="aot_eager")
+        base = torch.compile(base, backend=BACKEND)
     elif how == "submodule":
-        base.net[2] = torch.compile(base.net[2], backend="aot_eager")
-    ours = fgp.DistributedDataParallel(base, schedule=schedule, bucket_cap_mb=0.0001)
+        base.net[2] = torch.compile(base.net[2], backend=BACKEND)
+    elif how == "module_in_place":
+        base.compile(backend=BACKEND)
+    # overlap_plan="layout": two_stage speculates from the first step.
+    kw = {"overlap_plan": "layout"} if schedule == "two_stage" else {}
+    ours = fgp.DistributedDataParallel(base, schedule=schedule, bucket_cap_mb=0.0001, **kw)
     ref = nn.parallel.DistributedDataParallel(reference)
     opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    run_ours = torch.compile(ours, backend="aot_eager") if how == "wrapper" else ours
-    run_ref = torch.compile(ref, backend="aot_eager")
+    run_ours = torch.compile(ours, backend=BACKEND) if how == "wrapper" else ours
+    run_ref = torch.compile(ref, backend=BACKEND)
+    for step in range(steps):
+        if step == 1 and how == "module_in_place_later":
+            ours.module.compile(backend=BACKEND)
+        if step == 1 and how == "submodule_in_place_later":
+            ours.module.net[2].compile(backend=BACKEND)
+        for m in range(accumulate):
+            x, y = make_batch("mlp", step, m, rank)
+            nn.functional.mse_loss(run_ours(x), y).backward()
+            nn.functional.mse_loss(run_ref(x), y).backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    ours.synchronize()
+    return {"params": [p.detach().clone() for p in ours.module.parameters()],
+            "diff_to_ddp": max(float((a.detach() - b.detach()).abs().max())
+                               for a, b in zip(ours.module.parameters(),
+                                               ref.module.parameters()))}
+
+
+def compiled_many(rank: int, world_size: int, cases: list[tuple]) -> dict:
+    return {case: compiled_side_by_side(rank, world_size, *case) for case in cases}
+
+
+def speculation_during_a_compile(rank: int, world_size: int, steps: int = 4) -> float:
+    """two_stage's speculative AdamW steps run on the scheduler thread while the main
+    thread compiles something else (a fresh module each step, right after backward;
+    rank 1 late to its backward, so that rank 0's steps wait into that compile).
+    Largest parameter difference to torch DDP (eager)."""
+    torch.manual_seed(0)
+    base = MLP()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    ours = fgp.DistributedDataParallel(base, schedule="two_stage", bucket_cap_mb=0.0001,
+                                       overlap_plan="layout")
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for step in range(steps):
         x, y = make_batch("mlp", step, 0, rank)
-        nn.functional.mse_loss(run_ours(x), y).backward()
-        nn.functional.mse_loss(run_ref(x), y).backward()
+        loss = nn.functional.mse_loss(ours(x), y)
+        if rank == 1:
+            time.sleep(0.3)  # rank 0's reduce-scatters, so its speculative steps, wait
+        loss.backward()
+        other = nn.Sequential(nn.Linear(13, 13), nn.Tanh(), nn.Linear(13, 3))
+        torch.compile(other, backend=BACKEND)(x).sum().backward()  # a compile session
+        nn.functional.mse_loss(ref(x), y).backward()
         opt.step()
         ref_opt.step()
         opt.zero_grad()
@@ -45,7 +101,3 @@ def compiled_side_by_side(rank: int, world_size: int, how: str, schedule: str,
     ours.synchronize()
     return max(float((a.detach() - b.detach()).abs().max())
                for a, b in zip(ours.module.parameters(), ref.module.parameters()))
-
-
-def compiled_many(rank: int, world_size: int, cases: list[tuple[str, str]]) -> dict:
-    return {case: compiled_side_by_side(rank, world_size, *case) for case in cases}

@@ -24,6 +24,8 @@ CASES = [
     (bad_inputs.other_models_optimizer_checkpoint, "ValueError",
      [r"param group 0 of the optimizer state dict holds 2 parameters; this optimizer's "
       r"holds 6"]),
+    (bad_inputs.optimizer_checkpoint_of_another_shape, "ValueError",
+     [r"state 'exp_avg' of saved parameter 4 has shape \(29, 5\); the parameter has \(5, 29\)"]),
     (bad_inputs.not_an_optimizer_checkpoint, "ValueError", [r"not an optimizer checkpoint"]),
     (bad_inputs.two_optimizers, "RuntimeError",
      [r"one ShardedOptimizer per model", r"param_groups"]),
@@ -33,6 +35,9 @@ CASES = [
      [r"opt\.state_dict\(\) between backward and opt\.step\(\)"]),
     (bad_inputs.cast_after_wrapping, "RuntimeError",
      [r"parameter 'net\.\d\.(weight|bias)' was given new storage", r"torch\.float64"]),
+    (bad_inputs.ddp_join, "NotImplementedError", [r"join\(\) \(uneven inputs\) is not supported"]),
+    (bad_inputs.ddp_comm_hook, "NotImplementedError",
+     [r"register_comm_hook\(\) is not supported"]),
     (bad_inputs.parameter_replaced_after_wrapping, "RuntimeError",
      [r"parameter 'net\.2\.bias' was replaced by another tensor"]),
 ]

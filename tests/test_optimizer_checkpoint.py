@@ -20,8 +20,11 @@ CONFIGS = {
     "amsgrad_small_buckets": {"model": "mlp", "optimizer": "adamw_amsgrad",
                               "bucket_cap_mb": 0.0001},
     "sgd_momentum_tied": {"model": "tied", "optimizer": "sgd_momentum"},
-    "sgd_no_state_tensors": {"model": "mlp", "optimizer": "sgd"},
-    "adagrad": {"model": "mlp", "optimizer": "adagrad", "schedule": "serial"},
+    "sgd_stateless": {"model": "mlp", "optimizer": "sgd"},
+    "custom_optimizer_python_number": {"model": "mlp", "optimizer": "counting_sgd"},
+    # Adagrad makes state at construction, for the frozen layer too.
+    "adagrad_frozen": {"model": "bn_frozen", "optimizer": "adagrad", "groups": "default",
+                       "schedule": "serial"},
     "nadam_scalar_param": {"model": "temperature", "optimizer": "nadam"},
 }
 

@@ -131,6 +131,8 @@ class DistributedDataParallel(nn.Module):
             for layout in self.bucket_layouts]
         self._param_places = ParamPlaces(module, self._param_names, self._params, self._buckets)
         self._modules_in_tree = list(module.modules())  # see _compiled_in_place
+        self._params_of_bucket = [[self._params[s.param_index] for s in layout.spans]
+                                  for layout in self.bucket_layouts]
         self._broadcast_initial_state(named)
 
         self.reducer = GradientReducer(self._params, self._param_names, self._buckets,
@@ -169,6 +171,7 @@ class DistributedDataParallel(nn.Module):
                 initial = layout_plan(len(self._buckets), self.forward_bucket_order)
             self.scheduler = TwoStageScheduler(self, initial)
             self.reducer.reduce_scatter_listeners.append(self.scheduler.on_reduce_scatter)
+            self.reducer.backward_end_listeners.append(self.scheduler.on_backward_end)
             self._gather_lookahead = self.scheduler.plan.lookahead
             if overlap_plan == "auto":
                 # Profiles a few steps, then every rank switches to rank 0's plan.
@@ -258,6 +261,7 @@ class DistributedDataParallel(nn.Module):
                     output = self.module(*inputs, **kwargs)
                 finally:
                     waiter.end_forward()
+                waiter.note_saved_values(output)
             else:
                 output = self.module(*inputs, **kwargs)
         self._after_forward()
@@ -286,6 +290,25 @@ class DistributedDataParallel(nn.Module):
             self._start_queued_gathers(all_of_them=True)
         self.forward_ended_at = time.perf_counter()
         self._sync_buffers_before_forward = torch.is_grad_enabled() and self.reducer.sync_enabled
+
+    @property
+    def backward_reads_saved_param_values(self) -> bool:
+        """The recording forward saved a parameter's value for backward other than
+        towards its own gradient (see scheduler.py, [Note: parameters the backward
+        still reads])."""
+        waiter = self._forward_waiter
+        return waiter is not None and waiter.saves_param_values_without_grad
+
+    def mark_params_changed(self, buckets: Sequence[int]) -> None:
+        """The parameters of ``buckets`` changed in place (a step, an undo).
+
+        They change through the flat buffers, which do not share the parameters'
+        autograd version counters: bump those, as torch's optimizers' in-place
+        updates do, so that a backward still holding the old values raises.
+        """
+        for b in buckets:
+            for param in self._params_of_bucket[b]:
+                _increment_version(param)
 
     def _compiled_in_place(self) -> bool:
         """Some module was compiled by ``nn.Module.compile()``: its own pre-hooks,
@@ -552,6 +575,13 @@ def _broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int,
             n = t.numel()
             t.detach().copy_(flat[offset:offset + n].view_as(t))
             offset += n
+
+
+def _increment_version(tensor: torch.Tensor) -> None:
+    # torch.autograd.graph.increment_version: torch >= 2.1 (no-op before).
+    bump = getattr(torch.autograd.graph, "increment_version", None)
+    if bump is not None:
+        bump(tensor)
 
 
 def _move_to(obj: Any, device: torch.device) -> Any:

@@ -232,6 +232,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             model.finish_param_all_gather(b)  # the speculative values must have landed
             speculated[b][0].restore(model.buckets[b].param_shard, self._bucket_pieces[b],
                                      self.optim.state)
+        model.mark_params_changed(rolled_back)
         if scheduler is not None:
             scheduler.rollbacks += len(rolled_back)
             scheduler.commits += len(speculated) - len(rolled_back)
@@ -257,6 +258,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self._assign_slice_grads(self._globally_used, chunk)
                 with nvtx_range("fgpsdp.optimizer_step"):
                     self.optim.step()
+                model.mark_params_changed(chunk)
                 for b in chunk:
                     model.queue_param_all_gather(b)
         else:
@@ -288,6 +290,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if not compile_session_active():
                 break
             backup.restore(storage.param_shard, self._bucket_pieces[b], self.optim.state)
+        self.model.mark_params_changed([b])
         # The training loop may write them while this runs (on the scheduler
         # thread): a change in between leaves them unknown, which rolls back.
         if same_hyperparameters(ran_with, hyperparameters(self.optim.param_groups)):

@@ -19,6 +19,20 @@ reduce-scatter has landed by then) and joins; only then does it read the
 speculative results, so nothing is shared while the thread runs except
 tensors the backward no longer reads (a ready bucket's parameters).
 
+[Note: parameters the backward still reads]
+A ready bucket's parameters are read by no later backward node when every
+saved copy of them leads to their own gradient. A model may also save one
+through ``.detach()`` (``F.linear(h, self.out.weight.detach())``): a node
+that runs after the gradient is complete then reads the value. The
+recording forward notes such saves (forward_waits.py); a rank that saw one
+hands its stage-1 buckets to the thread only when the backward has ended (the
+same buckets in the same order: the all-gathers still pair across ranks).
+Every in-place change of the parameters (a step, an undo) also bumps their
+autograd version counters, as torch's optimizers' in-place updates do: a
+backward that still holds their old values (a second backward through a
+retained graph) raises torch's "modified by an inplace operation" instead of
+computing with the new ones.
+
 [Note: scheduler thread lifetime and errors]
 The thread is a daemon: it never keeps the process alive. It is started at
 the first step that speculates. An exception raised in it stops speculation
@@ -70,6 +84,8 @@ class TwoStageScheduler:
         self._stop_to_report = False
         # Per step, owned by the thread between the first hand-over and the join.
         self._handed: set[int] = set()  # stage-1 buckets handed to the thread this step
+        # Handed over at the backward's end (see [Note: parameters the backward still reads]).
+        self._deferred: list[tuple] = []
         self._arrived: dict[int, tuple] = {}  # bucket -> (reduce-scatter op, its count)
         self._next = 0  # position in plan.stage1 of the next bucket to speculate
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -102,6 +118,18 @@ class TwoStageScheduler:
                 or self._error is not None or b in self._handed or b not in self.plan.stage1):
             return
         self._handed.add(b)
+        if self.model.backward_reads_saved_param_values:
+            self._deferred.append((b, op, count))
+            return
+        self._hand_over(b, op, count)
+
+    def on_backward_end(self) -> None:
+        """Reducer listener (main thread): the backward reads no parameter any more."""
+        deferred, self._deferred = self._deferred, []
+        for item in deferred:
+            self._hand_over(*item)
+
+    def _hand_over(self, b: int, op, count: int) -> None:
         self._start_thread()
         if self.speculation_stream is not None:
             # The speculative step must follow what this stream queued so far.
@@ -116,6 +144,7 @@ class TwoStageScheduler:
         if self.optimizer is None or not self.speculating or self._cancelled:
             self._raise_error()
             return
+        self.on_backward_end()  # anything still deferred
         self._start_thread()
         self._joined.clear()
         self._queue.put(_JOIN)
@@ -220,6 +249,7 @@ class TwoStageScheduler:
             self.model.finish_param_all_gather(b)
             self.speculated[b][0].restore(self.model.buckets[b].param_shard,
                                           optimizer._bucket_pieces[b], optimizer.optim.state)
+            self.model.mark_params_changed([b])
             optimizer._bucket_sq.pop(b, None)
             self.model.start_param_all_gather(b)
             self.rollbacks += 1
@@ -239,6 +269,7 @@ class TwoStageScheduler:
         self._next = 0
         self.speculated = {}
         self._handed = set()
+        self._deferred = []
         self._arrived = {}
         self._cancelled = False
 

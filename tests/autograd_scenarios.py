@@ -1,0 +1,95 @@
+"""Parameters the backward still reads after their gradient is complete.
+
+Imported by the spawned ranks (module-level functions only).
+"""
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fgpsdp_runtime as fgp
+
+
+class DetachedReadNet(nn.Module):
+    """out.weight is also read through .detach() early on: saved for the gradient of
+    h0 only, it is read by backward after out.weight's own gradient is complete."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(12, 32)
+        self.body = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh())
+                                    for _ in range(3)])
+        self.out = nn.Linear(32, 4)
+
+    def forward(self, x):
+        h0 = torch.tanh(self.inp(x))
+        side = F.linear(h0, self.out.weight.detach())
+        return self.out(self.body(h0)) + 0.5 * torch.tanh(side)
+
+
+def _batch(step: int, rank: int):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(16, 12, generator=g), torch.randn(16, 4, generator=g)
+
+
+def detached_read_side_by_side(rank: int, world_size: int, schedule: str,
+                               steps: int = 4) -> float:
+    """Largest parameter difference to torch DDP (AdamW, one bucket per parameter)."""
+    torch.manual_seed(1234 + rank)
+    base = DetachedReadNet()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    kw = {"overlap_plan": "layout"} if schedule == "two_stage" else {}
+    ours = fgp.DistributedDataParallel(base, bucket_cap_mb=0.0001, schedule=schedule, **kw)
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(steps):
+        x, y = _batch(step, rank)
+        for model, optimizer in ((ours, opt), (ref, ref_opt)):
+            optimizer.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            optimizer.step()
+    ours.synchronize()
+    return max(float((a.detach() - b.detach()).abs().max())
+               for a, b in zip(ours.module.parameters(), ref.module.parameters()))
+
+
+def backward_after_step_through_old_graph(rank: int, world_size: int, schedule: str) -> None:
+    """GAN loops' classic bug: a retained graph's second backward after the step. torch
+    DDP raises "modified by an inplace operation"; so must every schedule."""
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(DetachedReadNet(), bucket_cap_mb=0.0001,
+                                        schedule=schedule)
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    x, y = _batch(0, rank)
+    loss = F.mse_loss(model(x), y)
+    loss.backward(retain_graph=True)
+    opt.step()
+    loss.backward()
+
+
+class PlainNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                                 nn.Linear(32, 4))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def second_backward_through_retained_graph(rank: int, world_size: int) -> None:
+    """two_stage steps parameters speculatively during the first backward: the second
+    one through the same graph must raise, not use the new values."""
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(PlainNet(), bucket_cap_mb=0.0001,
+                                        schedule="two_stage", overlap_plan="layout")
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)  # noqa: F841 (held)
+    x, y = _batch(0, rank)
+    out = model(x)
+    F.mse_loss(out, y).backward(retain_graph=True)
+    time.sleep(0.5)  # the scheduler thread's speculative steps are done
+    out.square().mean().backward()

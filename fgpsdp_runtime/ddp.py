@@ -133,6 +133,9 @@ class DistributedDataParallel(nn.Module):
         self._modules_in_tree = list(module.modules())  # see _compiled_in_place
         self._params_of_bucket = [[self._params[s.param_index] for s in layout.spans]
                                   for layout in self.bucket_layouts]
+        # Version counters after our last in-place change (see mark_params_changed).
+        self._versions_after_change = [[p._version for p in params]
+                                       for params in self._params_of_bucket]
         self._broadcast_initial_state(named)
 
         self.reducer = GradientReducer(self._params, self._param_names, self._buckets,
@@ -309,6 +312,24 @@ class DistributedDataParallel(nn.Module):
         for b in buckets:
             for param in self._params_of_bucket[b]:
                 _increment_version(param)
+            self._versions_after_change[b] = [p._version for p in self._params_of_bucket[b]]
+
+    def _check_not_written_since_change(self, b: int) -> None:
+        """After bucket b's all-gather landed: had the loop written a parameter of it
+        in place meanwhile (a clamp right after opt.step()), the gathered slices
+        overwrote part of that write, depending on timing."""
+        params = self._params_of_bucket[b]
+        before = self._versions_after_change[b]
+        now = [p._version for p in params]
+        if now == before:
+            return
+        self._versions_after_change[b] = now  # said once
+        name = next(self._param_names[self._param_index[id(p)]]
+                    for p, v, w in zip(params, now, before) if v != w)
+        raise RuntimeError(
+            f"fgpsdp: parameter {name!r} was changed in place after opt.step() while its "
+            f"updated values were still being all-gathered ({self.schedule} finishes them "
+            "during the next forward): call model.synchronize() first, on every rank")
 
     def _compiled_in_place(self) -> bool:
         """Some module was compiled by ``nn.Module.compile()``: its own pre-hooks,
@@ -439,16 +460,20 @@ class DistributedDataParallel(nn.Module):
             self.start_param_all_gather(queue.pop(0))
 
     def finish_param_all_gather(self, bucket: int) -> None:
-        if bucket in self._queued_gathers:
+        pending = bucket in self._queued_gathers
+        if pending:
             self._start_queued_gathers(until=bucket)
         with self._gathers_lock:
             op = self._param_gathers.pop(bucket, None)
         if op is not None:
+            pending = True
             if op.done():
                 op.wait()
             else:
                 with self.timeline.span("compute", f"wait AG b{bucket}"):
                     op.wait()
+        if pending:
+            self._check_not_written_since_change(bucket)
         if self._queued_gathers:
             self._start_queued_gathers()
 

@@ -93,3 +93,29 @@ def second_backward_through_retained_graph(rank: int, world_size: int) -> None:
     F.mse_loss(out, y).backward(retain_graph=True)
     time.sleep(0.5)  # the scheduler thread's speculative steps are done
     out.square().mean().backward()
+
+
+def clamp_after_step(rank: int, world_size: int, schedule: str, synchronize_first: bool,
+                     steps: int = 4) -> float:
+    """WGAN's weight clipping (OpenCLIP clamps logit_scale alike): parameters written in
+    place right after opt.step(). Largest parameter difference to torch DDP."""
+    torch.manual_seed(1234 + rank)
+    base = PlainNet()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    ours = fgp.DistributedDataParallel(base, bucket_cap_mb=0.0001, schedule=schedule)
+    opt = fgp.ShardedOptimizer(ours, torch.optim.SGD, lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    for step in range(steps):
+        x, y = _batch(step, rank)
+        for model, optimizer in ((ours, opt), (ref, ref_opt)):
+            F.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if model is ours and synchronize_first:
+                ours.synchronize()
+            with torch.no_grad():
+                for p in model.module.parameters():
+                    p.clamp_(-0.1, 0.1)
+    ours.synchronize()
+    return max(float((a.detach() - b.detach()).abs().max())
+               for a, b in zip(ours.module.parameters(), ref.module.parameters()))

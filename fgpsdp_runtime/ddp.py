@@ -185,7 +185,8 @@ class DistributedDataParallel(nn.Module):
                 for span in layout.spans:
                     buckets_of.setdefault(id(self._params[span.param_index]), []).append(b)
             self._forward_waiter = ForwardParamWaiter(
-                module, buckets_of, self.finish_param_all_gather, self.finish_param_all_gathers)
+                module, buckets_of, self.finish_param_all_gather, self.finish_param_all_gathers,
+                self._land_gathers_for_a_direct_call)
         # As torch DDP: buffers are broadcast before a forward that follows a
         # synchronised, grad-enabled forward (and before the first one).
         self._sync_buffers_before_forward = True
@@ -363,6 +364,12 @@ class DistributedDataParallel(nn.Module):
     # torch DDP methods with no meaning here: a clear error instead of
     # nn.Module's "has no attribute", which reads like a version mismatch.
 
+    def __deepcopy__(self, memo: dict) -> "DistributedDataParallel":
+        raise TypeError(
+            "fgpsdp: a DistributedDataParallel cannot be copied (it holds process groups, "
+            "threads and the buckets); copy model.module instead, after model.synchronize() "
+            "(the copy is not wrapped)")
+
     def join(self, *args: Any, **kwargs: Any):
         raise NotImplementedError(
             "fgpsdp: join() (uneven inputs) is not supported: a rank that runs out of data "
@@ -509,6 +516,19 @@ class DistributedDataParallel(nn.Module):
         # with a smaller one, save on every rank (the rest start here).
         self.finish_param_all_gathers()
 
+    def _land_gathers_for_a_direct_call(self) -> None:
+        """``model.module(x)``, bypassing the wrapper (an eval, ``generate()``, often on
+        rank 0 alone): as a save does, land the all-gathers in flight first."""
+        if _in_backward():
+            return  # recomputation (activation checkpointing) reads what backward does
+        if self.scheduler is not None and self.scheduler.holds_speculative_values():
+            raise RuntimeError(
+                "fgpsdp: model.module(...) between backward and opt.step() would read "
+                "two_stage's speculative updates; call the wrapper, model(...), which undoes "
+                "them (on every rank), or call it after opt.step()")
+        if self._param_gathers or self._queued_gathers:
+            self.finish_param_all_gathers()
+
     def synchronize(self) -> None:
         """Block until every parameter of ``module`` holds its updated value.
 
@@ -600,6 +620,11 @@ def _broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int,
             n = t.numel()
             t.detach().copy_(flat[offset:offset + n].view_as(t))
             offset += n
+
+
+def _in_backward() -> bool:
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
 
 
 def _increment_version(tensor: torch.Tensor) -> None:

@@ -27,6 +27,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .param_guards import ModuleHook
+
 
 # True only in code dynamo traces (torch.compiler.is_compiling() is True in
 # every thread while any thread compiles); torch < 2.3 has it under _dynamo.
@@ -36,8 +38,11 @@ is_traced_by_dynamo = getattr(torch.compiler, "is_dynamo_compiling", None) or \
 
 class ForwardParamWaiter:
     def __init__(self, root: nn.Module, bucket_of_param: dict[int, list[int]],
-                 wait_bucket: Callable[[int], None], wait_all: Callable[[], None]):
+                 wait_bucket: Callable[[int], None], wait_all: Callable[[], None],
+                 direct_call: Callable[[], None]):
         self._root = root
+        # Called when ``root`` runs outside the wrapper's forward (model.module(x)).
+        self._direct_call = direct_call
         self._bucket_of_param = bucket_of_param  # id(param) -> buckets holding it
         self._wait_bucket = wait_bucket
         self._wait_all = wait_all
@@ -56,8 +61,8 @@ class ForwardParamWaiter:
         self._modules = [m for m in root.modules() if any(True for _ in m.parameters())]
         # First among the module's pre-hooks: those registered before wrapping
         # (weight_norm's, pruning's, a user's) may read the parameters too.
-        self._handles = [m.register_forward_pre_hook(self._pre_hook, prepend=True)
-                         for m in self._modules]
+        hook = ModuleHook(self._pre_hook)
+        self._handles = [m.register_forward_pre_hook(hook, prepend=True) for m in self._modules]
 
     def remove(self) -> None:
         for h in self._handles:
@@ -99,7 +104,14 @@ class ForwardParamWaiter:
             # compiled by torch.compile(m) waits in the pre-hook of the
             # OptimizedModule around it (which runs eagerly) for its subtree.
             return
-        if self._mode == "record":
+        if self._mode == "off":
+            # Outside the wrapper's forward. The root called directly (an eval or
+            # generate() through model.module) would read what the gathers have
+            # not yet written; submodules run so by activation checkpointing's
+            # recomputation in backward need nothing.
+            if module is self._root:
+                self._direct_call()
+        elif self._mode == "record":
             self._recording.append(id(module))
         elif self._mode == "follow":
             position = self._cursor

@@ -25,6 +25,33 @@ if TYPE_CHECKING:  # pragma: no cover
     from .ddp import DistributedDataParallel
 
 
+class ModuleHook:
+    """A hook of ours on the user's module; a copy or a pickle of the module gets an
+    inert one. ``copy.deepcopy(model.module)`` (``swa_utils.AveragedModel``, EMA
+    teachers) would otherwise copy what the hook refers to, the wrapper with its
+    threads and locks, and fail; the copy is not wrapped, so nothing to do there."""
+
+    def __init__(self, fn):
+        self._fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self._fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        return inert_hook
+
+    def __reduce__(self):
+        return (_inert, ())
+
+
+def inert_hook(*_args, **_kwargs) -> None:
+    return None
+
+
+def _inert():
+    return inert_hook
+
+
 def land_gathers_before_state_dicts(model: "DistributedDataParallel", module: nn.Module) -> None:
     """Hooks on every submodule of ``module``: a ``state_dict`` (through the
     wrapper, ``module`` or any submodule) first lands the all-gathers in flight,
@@ -53,13 +80,14 @@ def land_gathers_before_state_dicts(model: "DistributedDataParallel", module: nn
         if wrapper is not None:
             wrapper.land_gathers_for_a_save()
 
+    save_hook, load_hook = ModuleHook(land_gathers_before_save), ModuleHook(land_gathers_before_load)
     for sub in module.modules():
-        sub.register_state_dict_pre_hook(land_gathers_before_save)
+        sub.register_state_dict_pre_hook(save_hook)
         register = getattr(sub, "register_load_state_dict_pre_hook", None)
         if register is not None:
-            register(land_gathers_before_load)
+            register(load_hook)
         else:  # torch before 2.5
-            sub._register_load_state_dict_pre_hook(land_gathers_before_load, with_module=True)
+            sub._register_load_state_dict_pre_hook(load_hook, with_module=True)
 
 
 class ParamPlaces:

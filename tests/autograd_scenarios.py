@@ -119,3 +119,41 @@ def clamp_after_step(rank: int, world_size: int, schedule: str, synchronize_firs
     ours.synchronize()
     return max(float((a.detach() - b.detach()).abs().max())
                for a, b in zip(ours.module.parameters(), ref.module.parameters()))
+
+
+def copies_and_direct_calls(rank: int, world_size: int, schedule: str) -> dict:
+    """After a step: copy.deepcopy(model.module) and AveragedModel (SWA) work, a pickle of
+    the module loads, and model.module(x) called directly (an eval, generate())
+    sees the updated parameters, as under torch DDP."""
+    import io
+    torch.manual_seed(1234 + rank)
+    base = PlainNet()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    ours = fgp.DistributedDataParallel(base, bucket_cap_mb=0.0001, schedule=schedule)
+    opt = fgp.ShardedOptimizer(ours, torch.optim.SGD, lr=0.5)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    outputs = []
+    for step in range(3):
+        x, y = _batch(step, rank)
+        for model, optimizer in ((ours, opt), (ref, ref_opt)):
+            F.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        with torch.no_grad():  # right after the step, gathers in flight
+            outputs.append(float((ours.module(x) - ref.module(x)).abs().max()))
+    ours.synchronize()
+    copied = copy.deepcopy(ours.module)
+    averaged = torch.optim.swa_utils.AveragedModel(ours.module)
+    buffer = io.BytesIO()
+    torch.save(ours.module, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    x, _ = _batch(9, rank)
+    with torch.no_grad():
+        expected = ref.module(x)
+        copies = [float((m(x) - expected).abs().max()) for m in (copied, averaged, loaded)]
+    return {"direct_call_diffs": outputs, "copy_diffs": copies}
+
+
+def copy_the_wrapper(rank: int, world_size: int) -> None:
+    copy.deepcopy(fgp.DistributedDataParallel(PlainNet()))

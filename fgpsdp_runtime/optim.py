@@ -310,6 +310,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.model.plan_profiler.end_step()
         if self.model.scheduler is not None:
             self.model.scheduler.report_stop()
+        self.model.reducer.report_accumulation()
 
     def _bucket_fully_used(self, b: int) -> bool:
         used = self._globally_used

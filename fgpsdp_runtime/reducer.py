@@ -74,9 +74,13 @@ class GradientReducer:
         # reset_used(); summed over ranks to tell globally unused ones apart.
         self.locally_used = torch.zeros(len(self.params), dtype=torch.bool)
         # An optimizer step ran since the last zero_grad(): a backward adding to
-        # the reduced gradients then is most likely a loop that zeroes them
-        # where they are not (model.module, param.grad), and is warned of once.
+        # the reduced gradients then, and a step using them, is most likely a loop
+        # that zeroes them where they are not (model.module, param.grad): warned
+        # of once, at that step. (GAN loops add to D's gradients in G's backward,
+        # after D's step, and zero them before D's next backward: no warning.)
         self._stepped_since_zeroed = False
+        self._added_after_step = False
+        self._report_accumulation = False  # said at the end of the step (end_step)
         self._warned_accumulating_across_step = False
 
     # -- per-backward state -------------------------------------------------
@@ -93,6 +97,7 @@ class GradientReducer:
 
     def gradients_zeroed(self) -> None:
         self._stepped_since_zeroed = False
+        self._added_after_step = False
 
     # -- hooks -------------------------------------------------------------
 
@@ -240,13 +245,7 @@ class GradientReducer:
         send = storage.acquire_send_buffer()
         if storage.grad_shard_valid:
             # Gradients accumulate across backwards until zero_grad().
-            if self._stepped_since_zeroed and not self._warned_accumulating_across_step:
-                self._warned_accumulating_across_step = True
-                warnings.warn(
-                    "fgpsdp: this backward adds to the gradients of the previous step: no "
-                    "opt.zero_grad() or model.zero_grad() since opt.step() (torch DDP would "
-                    "add too). The reduced gradients are not in param.grad: zeroing through "
-                    "model.module or param.grad = None does not reset them.", RuntimeWarning)
+            self._added_after_step |= self._stepped_since_zeroed
             received = torch.empty_like(storage.grad_shard)
 
             def on_done(storage=storage, received=received):
@@ -283,7 +282,20 @@ class GradientReducer:
 
     def end_step(self) -> None:
         self.reduce_scatters_since_step = [0] * len(self.buckets)
+        self._report_accumulation = self._added_after_step
         self._stepped_since_zeroed = True
+        self._added_after_step = False
+
+    def report_accumulation(self) -> None:
+        """At the very end of a step (a warning raised as an error leaves it whole)."""
+        if self._report_accumulation and not self._warned_accumulating_across_step:
+            self._warned_accumulating_across_step = True
+            warnings.warn(
+                "fgpsdp: opt.step() used gradients added to those of the previous step: no "
+                "opt.zero_grad() or model.zero_grad() between them (torch DDP would add "
+                "too). The reduced gradients are not in param.grad: zeroing through "
+                "model.module or param.grad = None does not reset them.", RuntimeWarning)
+        self._report_accumulation = False
 
     def landed(self, b: int) -> bool:
         """Bucket b's last reduce-scatter has landed (or none is in flight)."""

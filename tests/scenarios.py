@@ -385,17 +385,26 @@ def loop_warnings(rank: int, world_size: int, optimizer: str = "sharded",
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2) if optimizer == "sharded" \
         else torch.optim.AdamW(model.parameters(), lr=1e-2)
     zero = {"optimizer": opt.zero_grad, "wrapper": model.zero_grad,
-            "inner module": model.module.zero_grad}[zero_through]
+            "inner module": model.module.zero_grad,
+            "before backward": opt.zero_grad}[zero_through]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(3):
             x, y = make_batch("mlp", step, 0, rank)
+            if zero_through == "before backward":
+                # As DCGAN's D: zeroed before its backward; after its step it gets
+                # gradients again (from G's backward), which are never stepped.
+                zero()
+                loss_fn("mlp", model(x), y).backward()
+                opt.step()
+                loss_fn("mlp", model(x), y).backward()
+                continue
             loss_fn("mlp", model(x), y).backward()
             opt.step()
             zero()
     model.synchronize()
     messages = [str(w.message) for w in caught]
-    return {"accumulating": sum("adds to the gradients of the previous step" in m
+    return {"accumulating": sum("used gradients added to those of the previous step" in m
                                 for m in messages),
             "no_optimizer": sum("no fgpsdp_runtime.ShardedOptimizer wraps" in m
                                 for m in messages)}

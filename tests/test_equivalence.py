@@ -131,6 +131,7 @@ def test_rank_without_backward_does_not_hang():
     ("sharded", "optimizer", 0, 0),
     ("sharded", "wrapper", 0, 0),  # resets the reduced gradients (model_zero_grad matches DDP)
     ("sharded", "inner module", 1, 0),  # cannot reach them: adding to them is warned of once
+    ("sharded", "before backward", 0, 0),  # gradients added after a step, zeroed unstepped
     ("torch", "optimizer", 0, 1),  # param.grad stays None: torch.optim would not train
 ])
 def test_loops_that_would_not_train_as_written_are_warned_once(optimizer, zero_through,

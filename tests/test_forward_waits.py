@@ -27,7 +27,8 @@ def waits_in_a_followed_forward(read: str) -> list:
     bucket_of.update({id(p): [0] for p in model.out.parameters()})
     log = []
     waiter = ForwardParamWaiter(model, bucket_of, lambda b: log.append(f"wait b{b}"),
-                                lambda: log.append("wait all"))
+                                lambda: log.append("wait all"),
+                                lambda: log.append("direct call"))
     for name in ("inp", "out"):  # after the waiter's hooks, which run first
         getattr(model, name).register_forward_pre_hook(lambda *_, n=name: log.append(f"run {n}"))
     for _ in range(2):  # the first forward records, the second follows the recording

@@ -25,7 +25,7 @@ from .layout import (BucketLayout, ParamInfo, default_bucket_cap_mb, first_bucke
                      owned_numel, plan_buckets)
 from .link_worker import PendingOp
 from .forward_waits import ForwardParamWaiter, is_traced_by_dynamo
-from .param_guards import ParamPlaces, land_gathers_before_state_dicts
+from .param_guards import ParamPlaces, ParamVersions, land_gathers_before_state_dicts
 from .plan import OverlapPlan, layout_plan, profiling_plan
 from .plan_profiler import PlanProfiler
 from .scheduler import TwoStageScheduler
@@ -131,11 +131,9 @@ class DistributedDataParallel(nn.Module):
             for layout in self.bucket_layouts]
         self._param_places = ParamPlaces(module, self._param_names, self._params, self._buckets)
         self._modules_in_tree = list(module.modules())  # see _compiled_in_place
-        self._params_of_bucket = [[self._params[s.param_index] for s in layout.spans]
-                                  for layout in self.bucket_layouts]
-        # Version counters after our last in-place change (see mark_params_changed).
-        self._versions_after_change = [[p._version for p in params]
-                                       for params in self._params_of_bucket]
+        self.param_versions = ParamVersions(
+            [[self._params[s.param_index] for s in layout.spans] for layout in self.bucket_layouts],
+            {id(p): name for name, p in zip(self._param_names, self._params)})
         self._broadcast_initial_state(named)
 
         self.reducer = GradientReducer(self._params, self._param_names, self._buckets,
@@ -265,7 +263,6 @@ class DistributedDataParallel(nn.Module):
                     output = self.module(*inputs, **kwargs)
                 finally:
                     waiter.end_forward()
-                waiter.note_saved_values(output)
             else:
                 output = self.module(*inputs, **kwargs)
         self._after_forward()
@@ -296,41 +293,16 @@ class DistributedDataParallel(nn.Module):
         self._sync_buffers_before_forward = torch.is_grad_enabled() and self.reducer.sync_enabled
 
     @property
-    def backward_reads_saved_param_values(self) -> bool:
-        """The recording forward saved a parameter's value for backward other than
-        towards its own gradient (see scheduler.py, [Note: parameters the backward
-        still reads])."""
+    def backward_may_read_detached_params(self) -> bool:
+        """A recording forward took a parameter's ``.detach()`` or ``.data``, which the
+        backward may read after the parameter's gradient is complete (see
+        scheduler.py, [Note: parameters the backward still reads])."""
         waiter = self._forward_waiter
-        return waiter is not None and waiter.saves_param_values_without_grad
+        return waiter is not None and waiter.reads_detached_params
 
     def mark_params_changed(self, buckets: Sequence[int]) -> None:
-        """The parameters of ``buckets`` changed in place (a step, an undo).
-
-        They change through the flat buffers, which do not share the parameters'
-        autograd version counters: bump those, as torch's optimizers' in-place
-        updates do, so that a backward still holding the old values raises.
-        """
-        for b in buckets:
-            for param in self._params_of_bucket[b]:
-                _increment_version(param)
-            self._versions_after_change[b] = [p._version for p in self._params_of_bucket[b]]
-
-    def _check_not_written_since_change(self, b: int) -> None:
-        """After bucket b's all-gather landed: had the loop written a parameter of it
-        in place meanwhile (a clamp right after opt.step()), the gathered slices
-        overwrote part of that write, depending on timing."""
-        params = self._params_of_bucket[b]
-        before = self._versions_after_change[b]
-        now = [p._version for p in params]
-        if now == before:
-            return
-        self._versions_after_change[b] = now  # said once
-        name = next(self._param_names[self._param_index[id(p)]]
-                    for p, v, w in zip(params, now, before) if v != w)
-        raise RuntimeError(
-            f"fgpsdp: parameter {name!r} was changed in place after opt.step() while its "
-            f"updated values were still being all-gathered ({self.schedule} finishes them "
-            "during the next forward): call model.synchronize() first, on every rank")
+        """The parameters of ``buckets`` changed in place (a step, an undo)."""
+        self.param_versions.mark_changed(buckets)
 
     def _compiled_in_place(self) -> bool:
         """Some module was compiled by ``nn.Module.compile()``: its own pre-hooks,
@@ -480,7 +452,15 @@ class DistributedDataParallel(nn.Module):
                 with self.timeline.span("compute", f"wait AG b{bucket}"):
                     op.wait()
         if pending:
-            self._check_not_written_since_change(bucket)
+            # Written by the loop while the gather landed (a clamp right after
+            # opt.step()): the gathered slices overwrote part of it, by timing.
+            name = self.param_versions.written_since_change(bucket)
+            if name is not None:
+                raise RuntimeError(
+                    f"fgpsdp: parameter {name!r} was changed in place after opt.step() while "
+                    f"its updated values were still being all-gathered ({self.schedule} "
+                    "finishes them during the next forward): call model.synchronize() "
+                    "first, on every rank")
         if self._queued_gathers:
             self._start_queued_gathers()
 
@@ -523,10 +503,16 @@ class DistributedDataParallel(nn.Module):
             return  # recomputation (activation checkpointing) reads what backward does
         if self.scheduler is not None and self.scheduler.holds_speculative_values():
             raise RuntimeError(
-                "fgpsdp: model.module(...) between backward and opt.step() would read "
-                "two_stage's speculative updates; call the wrapper, model(...), which undoes "
-                "them (on every rank), or call it after opt.step()")
-        if self._param_gathers or self._queued_gathers:
+                "fgpsdp: model.module(...) between a backward through it and opt.step() (or "
+                "zero_grad()) would read two_stage's speculative updates; call the wrapper, "
+                "model(...), which undoes them (on every rank), or call it after the step")
+        if self._queued_gathers:
+            # Not started yet (a plan's lookahead below the bucket count): starting
+            # them on this rank alone could wait on peers that wait on it.
+            raise RuntimeError(
+                "fgpsdp: model.module(...) while all-gathers wait to start (a plan with a "
+                "small lookahead): call model.synchronize() on every rank first")
+        if self._param_gathers:
             self.finish_param_all_gathers()
 
     def synchronize(self) -> None:
@@ -625,13 +611,6 @@ def _broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int,
 def _in_backward() -> bool:
     task = getattr(torch._C, "_current_graph_task_id", None)
     return task is not None and task() != -1
-
-
-def _increment_version(tensor: torch.Tensor) -> None:
-    # torch.autograd.graph.increment_version: torch >= 2.1 (no-op before).
-    bump = getattr(torch.autograd.graph, "increment_version", None)
-    if bump is not None:
-        bump(tensor)
 
 
 def _move_to(obj: Any, device: torch.device) -> Any:

@@ -51,10 +51,9 @@ class ForwardParamWaiter:
         self._recording: list[int] = []
         self._first_read: dict[int, int] = {}  # id(param) -> recording position
         self._read_recorder: Optional[_ParamReadRecorder] = None
-        # The recording forward saved a parameter's value for backward without
-        # its gradient (a .detach()ed read): see scheduler.py.
-        self.saves_param_values_without_grad = False
-        self._just_recorded = False
+        # A recording forward took a parameter's .detach() or .data: it may be
+        # saved for backward apart from its gradient (see scheduler.py).
+        self.reads_detached_params = False
         self._cursor = 0
         self._mode = "record"  # "record", "follow" or "off" (this forward)
         self.deviations = 0  # forwards whose module order differed from the recording
@@ -90,7 +89,6 @@ class ForwardParamWaiter:
         if self._mode == "record":
             self._recorded = self._recording
             self._needs = self._assign(self._recording)
-            self._just_recorded = True  # note_saved_values() looks at its graph
         # Buckets no module waited for (modules skipped this time): land them now.
         self._wait_all()
         self._mode = "off"
@@ -126,33 +124,10 @@ class ForwardParamWaiter:
                 self._recorded = None
                 self._mode = "off"
 
-    def note_saved_values(self, output: Any) -> None:
-        """After a recording forward: does its autograd graph hold a tensor sharing
-        a bucketed parameter's memory but not its gradient (a saved
-        ``param.detach()``)? The backward reads that after the parameter's
-        gradient is complete. Walks the graph once; a saved-tensor hook would
-        instead switch off autograd's in-place checks for the whole graph."""
-        if self._recorded is None or self._mode != "off" or not self._just_recorded:
-            return
-        self._just_recorded = False
-        buffers = set()
-        for m in self._modules:
-            for p in m.parameters(recurse=False):
-                if id(p) in self._bucket_of_param:
-                    buffers.add(p.untyped_storage().data_ptr())
-        found = False
-        seen: set[int] = set()
-        stack = [t.grad_fn for t in _tensors_in(output) if t.grad_fn is not None]
-        while stack and not found:
-            node = stack.pop()
-            if node is None or id(node) in seen:
-                continue
-            seen.add(id(node))
-            for value in _saved_values(node):
-                if not value.requires_grad and _storage_ptr(value) in buffers:
-                    found = True
-            stack.extend(next_node for next_node, _ in node.next_functions)
-        self.saves_param_values_without_grad = found
+    def _note_detached(self, tensor: torch.Tensor) -> None:
+        """During a recording forward: ``tensor.detach()`` (or ``.data``) was taken."""
+        if id(tensor) in self._bucket_of_param:
+            self.reads_detached_params = True  # sticky: a later recording may not see it
 
     def _note_read(self, tensor: torch.Tensor) -> None:
         """During a recording forward: ``tensor`` was read by a torch call."""
@@ -223,28 +198,15 @@ class _ParamReadRecorder(TorchFunctionMode):
         if func not in _METADATA_ONLY:
             for tensor in _tensors_in((args, kwargs)):
                 self._waiter._note_read(tensor)
+            if func in _DETACHING and args:
+                self._waiter._note_detached(args[0])
         return func(*args, **kwargs)
 
 
-def _saved_values(node: Any) -> Iterator[torch.Tensor]:
-    """The tensors an autograd node saved: built-in nodes show them as
-    ``_saved_<name>`` attributes, custom Functions as ``saved_tensors``."""
-    names = [n for n in dir(node) if n.startswith("_saved_")]
-    if hasattr(node, "saved_tensors"):
-        names.append("saved_tensors")
-    for name in names:
-        try:
-            value = getattr(node, name)
-        except Exception:  # freed, or a field torch cannot show: only a missed hint
-            continue
-        yield from _tensors_in(value)
-
-
-def _storage_ptr(tensor: torch.Tensor) -> Optional[int]:
-    try:
-        return tensor.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # no storage (a tensor subclass)
-        return None
+# Calls that alias a tensor's memory without its autograd history: a parameter
+# read so may be saved for backward apart from its own gradient (see
+# scheduler.py, [Note: parameters the backward still reads]).
+_DETACHING = frozenset([torch.Tensor.detach, torch.detach, torch.Tensor.data.__get__])
 
 
 def _tensors_in(value: Any) -> Iterator[torch.Tensor]:

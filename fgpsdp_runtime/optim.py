@@ -218,6 +218,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
             # The loop may have set hyperparameters after clip_grad_norm_'s all-reduce.
             self._speculated_with_other_hyperparameters |= self._any_rank(
                 self._speculation_hyperparameters_differ(speculated))
+        for b in sorted(speculated):
+            # Written by the loop between backward and step: after the speculative
+            # step, over values the all-gather may be overwriting; undoing would
+            # drop the write. Nothing of this step has changed yet.
+            name = model.param_versions.written_since_change(b)
+            if name is not None:
+                raise RuntimeError(
+                    f"fgpsdp: parameter {name!r} was changed in place between backward and "
+                    "opt.step(), after two_stage's speculative step of it; change parameters "
+                    "before backward or after the step, or use schedule='next_forward'")
         other_hyperparameters = self._speculated_with_other_hyperparameters
         if other_hyperparameters and scheduler is not None:
             scheduler.stop_speculating(

@@ -9,12 +9,14 @@ break that silently, and are guarded here:
   returned): every ``state_dict`` / ``load_state_dict`` of the module or a
   submodule first lands them;
 - a parameter given new storage or replaced after wrapping (``model.double()``,
-  ``module.weight = nn.Parameter(...)``): the next forward raises.
+  ``module.weight = nn.Parameter(...)``): the next forward raises;
+- a parameter changed in place by the loop while its all-gather lands (or after a
+  speculative step): its autograd version counter tells (``ParamVersions``).
 """
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 from torch import nn
@@ -129,3 +131,39 @@ class ParamPlaces:
                     f"fgpsdp: parameter '{name}' {problem} after DistributedDataParallel(...) "
                     "was built: it no longer lives in its bucket and would not train. Cast, "
                     "move or change the module before wrapping it.")
+
+
+class ParamVersions:
+    """The bucketed parameters' autograd version counters, as our own changes left them.
+
+    Steps, undos and speculative steps change parameters through the flat
+    buffers, which do not share the parameters' version counters; each such
+    change bumps them here, as torch's optimizers' in-place updates do, so that
+    a backward still holding the old values raises torch's "modified by an
+    inplace operation". What else moves a counter afterwards is the loop
+    writing a parameter in place (``p.clamp_()`` under no_grad; ``p.data`` has
+    a counter of its own and is not seen).
+    """
+
+    def __init__(self, params_of_bucket: Sequence[Sequence[torch.Tensor]],
+                 names: dict[int, str]):
+        self._params_of_bucket = params_of_bucket
+        self._names = names  # id(param) -> name
+        self._after_change = [[p._version for p in params] for params in params_of_bucket]
+
+    def mark_changed(self, buckets: Sequence[int]) -> None:
+        bump = getattr(torch.autograd.graph, "increment_version", None)  # torch >= 2.1
+        for b in buckets:
+            params = self._params_of_bucket[b]
+            if bump is not None:
+                for p in params:
+                    bump(p)
+            self._after_change[b] = [p._version for p in params]
+
+    def written_since_change(self, b: int) -> Optional[str]:
+        """The name of a parameter of bucket b written in place since our last change
+        (said once: the change is taken as known afterwards)."""
+        params = self._params_of_bucket[b]
+        now = [p._version for p in params]
+        before, self._after_change[b] = self._after_change[b], now
+        return next((self._names[id(p)] for p, v, w in zip(params, now, before) if v != w), None)

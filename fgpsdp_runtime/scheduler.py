@@ -23,10 +23,12 @@ tensors the backward no longer reads (a ready bucket's parameters).
 A ready bucket's parameters are read by no later backward node when every
 saved copy of them leads to their own gradient. A model may also save one
 through ``.detach()`` (``F.linear(h, self.out.weight.detach())``): a node
-that runs after the gradient is complete then reads the value. The
-recording forward notes such saves (forward_waits.py); a rank that saw one
-hands its stage-1 buckets to the thread only when the backward has ended (the
-same buckets in the same order: the all-gathers still pair across ranks).
+that runs after the gradient is complete then reads the value. Recording
+forwards note a parameter's ``.detach()`` or ``.data`` taken (forward_waits.py;
+whether it is saved is not looked at: unpacking saved tensors would rerun
+checkpointed regions); a rank that saw one hands its stage-1 buckets to the
+thread only when the backward has ended (the same buckets in the same order:
+the all-gathers still pair across ranks).
 Every in-place change of the parameters (a step, an undo) also bumps their
 autograd version counters, as torch's optimizers' in-place updates do: a
 backward that still holds their old values (a second backward through a
@@ -118,7 +120,7 @@ class TwoStageScheduler:
                 or self._error is not None or b in self._handed or b not in self.plan.stage1):
             return
         self._handed.add(b)
-        if self.model.backward_reads_saved_param_values:
+        if self.model.backward_may_read_detached_params:
             self._deferred.append((b, op, count))
             return
         self._hand_over(b, op, count)

@@ -37,8 +37,9 @@ def _batch(step: int, rank: int):
 
 
 def detached_read_side_by_side(rank: int, world_size: int, schedule: str,
-                               steps: int = 4) -> float:
-    """Largest parameter difference to torch DDP (AdamW, one bucket per parameter)."""
+                               steps: int = 4, eval_first: bool = False) -> float:
+    """Largest parameter difference to torch DDP (AdamW, one bucket per parameter).
+    ``eval_first``: a no-grad forward (an evaluation, a sanity check) comes first."""
     torch.manual_seed(1234 + rank)
     base = DetachedReadNet()
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
@@ -46,6 +47,10 @@ def detached_read_side_by_side(rank: int, world_size: int, schedule: str,
     ours = fgp.DistributedDataParallel(base, bucket_cap_mb=0.0001, schedule=schedule, **kw)
     opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    if eval_first:
+        with torch.no_grad():
+            ours(_batch(99, rank)[0])
+            ref(_batch(99, rank)[0])
     for step in range(steps):
         x, y = _batch(step, rank)
         for model, optimizer in ((ours, opt), (ref, ref_opt)):
@@ -157,3 +162,19 @@ def copies_and_direct_calls(rank: int, world_size: int, schedule: str) -> dict:
 
 def copy_the_wrapper(rank: int, world_size: int) -> None:
     copy.deepcopy(fgp.DistributedDataParallel(PlainNet()))
+
+
+def clamp_between_backward_and_step(rank: int, world_size: int) -> None:
+    """Under two_stage the speculative steps have run when backward returns: a
+    parameter written then would be partly lost. Raises at the step, before any change."""
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(PlainNet(), bucket_cap_mb=0.0001,
+                                        schedule="two_stage", overlap_plan="layout")
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    x, y = _batch(0, rank)
+    F.mse_loss(model(x), y).backward()
+    time.sleep(0.3)  # the speculative steps are done
+    with torch.no_grad():
+        for p in model.module.parameters():
+            p.clamp_(-0.1, 0.1)
+    opt.step()

@@ -3,7 +3,7 @@ loop while their all-gathers land.
 
 A model may save a parameter for backward through ``.detach()``: two_stage's
 speculative steps then wait for the backward's end (before: 0.025 off torch
-DDP after 4 steps). A backward through a graph whose parameters a step (or a
+DDP after 4 steps), also when a no-grad forward came first. A backward through a graph whose parameters a step (or a
 speculative step) has changed raises torch's in-place error, as torch DDP does,
 instead of computing with the new values.
 """
@@ -13,9 +13,11 @@ from . import autograd_scenarios
 from .dist_harness import run_distributed
 
 
-@pytest.mark.parametrize("schedule", ["two_stage", "next_forward"])
-def test_detached_parameter_read_trains_like_torch_ddp(schedule):
-    diffs = run_distributed(2, autograd_scenarios.detached_read_side_by_side, schedule)
+@pytest.mark.parametrize("schedule, eval_first", [("two_stage", False), ("two_stage", True),
+                                                  ("next_forward", False)])
+def test_detached_parameter_read_trains_like_torch_ddp(schedule, eval_first):
+    diffs = run_distributed(2, autograd_scenarios.detached_read_side_by_side, schedule, 4,
+                            eval_first)
     assert diffs == [0.0, 0.0], diffs  # 2 ranks: bitwise
 
 
@@ -73,3 +75,11 @@ def test_copying_the_wrapper_says_what_to_copy():
     for rank, res in results.items():
         assert not res["ok"] and res["type"] == "TypeError" \
             and "copy model.module instead" in res["message"], (rank, res)
+
+
+def test_parameters_written_between_backward_and_step_raise_under_two_stage():
+    results = run_distributed(2, autograd_scenarios.clamp_between_backward_and_step,
+                              allow_errors=True, timeout_s=90)
+    for rank, res in results.items():
+        assert not res["ok"] and "between backward and opt.step()" in res["message"] \
+            and "speculative step" in res["message"], (rank, res)

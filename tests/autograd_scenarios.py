@@ -100,16 +100,21 @@ def second_backward_through_retained_graph(rank: int, world_size: int) -> None:
     out.square().mean().backward()
 
 
-def clamp_after_step(rank: int, world_size: int, schedule: str, synchronize_first: bool,
-                     steps: int = 4) -> float:
-    """WGAN's weight clipping (OpenCLIP clamps logit_scale alike): parameters written in
-    place right after opt.step(). Largest parameter difference to torch DDP."""
+def _plain_side_by_side(rank: int, schedule: str):
+    """PlainNet under fgpsdp (one bucket per parameter) and torch DDP, SGD on both."""
     torch.manual_seed(1234 + rank)
     base = PlainNet()
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     ours = fgp.DistributedDataParallel(base, bucket_cap_mb=0.0001, schedule=schedule)
     opt = fgp.ShardedOptimizer(ours, torch.optim.SGD, lr=0.5)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    return ours, opt, ref, torch.optim.SGD(ref.parameters(), lr=0.5)
+
+
+def clamp_after_step(rank: int, world_size: int, schedule: str, synchronize_first: bool,
+                     steps: int = 4) -> float:
+    """WGAN's weight clipping (OpenCLIP clamps logit_scale alike): parameters written in
+    place right after opt.step(). Largest parameter difference to torch DDP."""
+    ours, opt, ref, ref_opt = _plain_side_by_side(rank, schedule)
     for step in range(steps):
         x, y = _batch(step, rank)
         for model, optimizer in ((ours, opt), (ref, ref_opt)):
@@ -131,12 +136,7 @@ def copies_and_direct_calls(rank: int, world_size: int, schedule: str) -> dict:
     the module loads, and model.module(x) called directly (an eval, generate())
     sees the updated parameters, as under torch DDP."""
     import io
-    torch.manual_seed(1234 + rank)
-    base = PlainNet()
-    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-    ours = fgp.DistributedDataParallel(base, bucket_cap_mb=0.0001, schedule=schedule)
-    opt = fgp.ShardedOptimizer(ours, torch.optim.SGD, lr=0.5)
-    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    ours, opt, ref, ref_opt = _plain_side_by_side(rank, schedule)
     outputs = []
     for step in range(3):
         x, y = _batch(step, rank)

@@ -333,14 +333,14 @@ class DistributedDataParallel(nn.Module):
     def require_backward_grad_sync(self, value: bool) -> None:
         self.reducer.sync_enabled = bool(value)
 
-    # torch DDP methods with no meaning here: a clear error instead of
-    # nn.Module's "has no attribute", which reads like a version mismatch.
-
     def __deepcopy__(self, memo: dict) -> "DistributedDataParallel":
         raise TypeError(
             "fgpsdp: a DistributedDataParallel cannot be copied (it holds process groups, "
             "threads and the buckets); copy model.module instead, after model.synchronize() "
             "(the copy is not wrapped)")
+
+    # torch DDP methods with no meaning here: a clear error instead of
+    # nn.Module's "has no attribute", which reads like a version mismatch.
 
     def join(self, *args: Any, **kwargs: Any):
         raise NotImplementedError(

@@ -6,6 +6,7 @@
 from .ddp import DistributedDataParallel
 from .topology import Topology
 from .optim import ShardedOptimizer
+from .grad_scaler import ShardedGradScaler
 
-__all__ = ["DistributedDataParallel", "ShardedOptimizer", "Topology"]
+__all__ = ["DistributedDataParallel", "ShardedGradScaler", "ShardedOptimizer", "Topology"]
 __version__ = "0.1.0"

@@ -3,6 +3,7 @@
 Per step::
 
     finish reduce-scatters (two_stage: speculative steps of stage-1 buckets)
+    -> [ShardedGradScaler.unscale_: slices times the inverse loss scale]
     -> per-bucket sums of squares + used mask
     -> one all-reduce [sum, non-finite flag, hyperparameters-changed flag, used mask]
     -> clip coefficient
@@ -42,7 +43,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """Runs ``optimizer_class`` on this rank's slices of every bucket."""
 
     # torch.amp.GradScaler then hands step() the scale instead of unscaling
-    # param.grad itself, which here holds nothing (see step()).
+    # param.grad itself, which here holds nothing: step() refuses it and
+    # names ShardedGradScaler, which unscales the reduced slices instead.
     _step_supports_amp_scaling = True
 
     def __init__(self, model: DistributedDataParallel, optimizer_class: type, *,
@@ -89,6 +91,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for tensor, b, _, _ in pieces:
                 self._bucket_pieces[b].append(tensor)
         self._reduced = False  # reduce-scatters finished and norm measured this step
+        self._reduce_scatters_finished = False  # this step's (finishing twice would relaunch)
+        self._loss_unscaled = False  # ShardedGradScaler.unscale_ ran this step
+        # two_stage stepped some slices before the loss scale was taken out of them.
+        self._speculated_on_scaled_gradients = False
         self._bucket_sq: dict[int, torch.Tensor] = {}  # measured before a speculative step
         self._globally_used: Optional[list[bool]] = None
         self._applied_coefficient = 1.0  # clipping applied to the gradient this step
@@ -194,8 +200,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise RuntimeError(
                 "fgpsdp: torch.amp.GradScaler cannot drive a ShardedOptimizer: the reduced "
                 "gradients are not in param.grad, so it can neither unscale them nor see an "
-                "inf. Use bfloat16 autocast (no loss scaling) or float32; a step whose "
-                "gradient norm is inf/NaN is skipped on every rank.")
+                "inf on another rank. Use fgpsdp_runtime.ShardedGradScaler, the same API "
+                "(scale, unscale_, step, update, state_dict).")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -236,6 +242,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # same on every rank (it uses only all-reduced figures).
         rolled_back = [b for b in sorted(speculated)
                        if not finite or self._applied_coefficient < 1.0 or other_hyperparameters
+                       or self._speculated_on_scaled_gradients
                        or not self._bucket_fully_used(b)
                        or model.reducer.reduce_scatters_since_step[b] != speculated[b][1]]
         for b in rolled_back:
@@ -274,8 +281,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         else:
             # Same decision on every rank: the total is all-reduced.
             self.skipped_steps += 1
-            warnings.warn(f"fgpsdp: gradient norm is {total}; step skipped "
-                          f"({self.skipped_steps} so far)", RuntimeWarning)
+            if not self._loss_unscaled:  # under loss scaling a skip is routine, as in torch
+                warnings.warn(f"fgpsdp: gradient norm is {total}; step skipped "
+                              f"({self.skipped_steps} so far)", RuntimeWarning)
             model.begin_param_exchange()
             for b in rolled_back:  # peers hold the speculative values: send the restored ones
                 model.queue_param_all_gather(b)
@@ -283,7 +291,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             # serial / overlap_backward: the parameters have landed when the step ends.
             model.finish_param_all_gathers()
         self._end_step(would_commit=finite and self._applied_coefficient >= 1.0
-                       and not other_hyperparameters)
+                       and not other_hyperparameters
+                       and not self._speculated_on_scaled_gradients)
 
     def speculative_step(self, b: int) -> SliceBackup:
         """Stage 1: step bucket b's slice before the global norm is known; return the undo record."""
@@ -307,8 +316,45 @@ class ShardedOptimizer(torch.optim.Optimizer):
             backup.hyperparameters = ran_with
         return backup
 
+    def unscale_gradients_(self, inv_scale: torch.Tensor) -> bool:
+        """For ShardedGradScaler.unscale_: multiply every reduced slice by ``inv_scale``.
+
+        A collective (every rank calls it, through the scaler). Returns whether
+        any rank's slices hold an inf or NaN, the same on every rank. The norm
+        measured from then on (clipping, clip_grad_norm_) is the unscaled
+        gradient's, as after torch's unscale_.
+        """
+        if any(s.dtype == torch.float16 for s in self.model.buckets):
+            raise ValueError("Attempting to unscale FP16 gradients.")  # torch's refusal
+        self._finish_reduce_scatters()
+        scheduler = self.model.scheduler
+        if scheduler is not None:
+            # A speculative step runs during backward, before the scale is known
+            # (the first step of a run that speculates from the start): undone
+            # at the step. Stage 1 stays off for the run: see the README.
+            self._speculated_on_scaled_gradients = bool(scheduler.speculated)
+            scheduler.stop_speculating("the gradients are loss-scaled (ShardedGradScaler)",
+                                       warn=False)
+        shards = [s.grad_shard for s in self.model.buckets if s.grad_shard_valid]
+        by_kind: dict[tuple, list[torch.Tensor]] = {}
+        for shard in shards:
+            by_kind.setdefault((shard.device, shard.dtype), []).append(shard)
+        for (device, _), grads in by_kind.items():
+            found = torch.zeros((), dtype=torch.float32, device=device)  # the norm sees infs too
+            torch._amp_foreach_non_finite_check_and_unscale_(
+                grads, found, inv_scale.to(device=device, dtype=torch.float32))
+        # Sums of squares taken before (a speculative step's, or clip_grad_norm_'s
+        # before unscale_, as torch allows) were of the scaled gradients.
+        self._bucket_sq = {}
+        self._reduced = False
+        self._loss_unscaled = True
+        return not math.isfinite(self._reduce_and_measure())
+
     def _end_step(self, would_commit: bool) -> None:
         self._reduced = False
+        self._reduce_scatters_finished = False
+        self._loss_unscaled = False
+        self._speculated_on_scaled_gradients = False
         self._bucket_sq = {}
         self._globally_used = None
         self._applied_coefficient = 1.0
@@ -401,11 +447,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._reduced:
             return self._total_norm
         model = self.model
-        with model.timeline.span("compute", "wait reduce-scatters"):
-            model.reducer.finish_gradient_sync()
-        if model.scheduler is not None:
-            with model.timeline.span("compute", "join scheduler"):
-                model.scheduler.finish_stage1()
+        self._finish_reduce_scatters()
         local = torch.zeros(2, dtype=torch.float64, device=self._device)
         speculated = model.scheduler.speculated if model.scheduler is not None else {}
         for b, storage in enumerate(model.buckets):
@@ -431,6 +473,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._total_norm = math.nan
         self._reduced = True
         return self._total_norm
+
+    def _finish_reduce_scatters(self) -> None:
+        """Once per step: every reduce-scatter has landed, every stage-1 step is taken."""
+        if self._reduce_scatters_finished:
+            return
+        model = self.model
+        with model.timeline.span("compute", "wait reduce-scatters"):
+            model.reducer.finish_gradient_sync()
+        if model.scheduler is not None:
+            with model.timeline.span("compute", "join scheduler"):
+                model.scheduler.finish_stage1()
+        self._reduce_scatters_finished = True
 
     @property
     def _device(self) -> torch.device:

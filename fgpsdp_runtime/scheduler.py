@@ -258,13 +258,14 @@ class TwoStageScheduler:
         self.speculated = {}
         self._cancelled = True
 
-    def stop_speculating(self, reason: str) -> None:
-        """For the rest of the run (every rank decides it from all-reduced figures);
-        said by report_stop() at the end of the step, so that a warning raised as
-        an error cannot leave a step half done."""
+    def stop_speculating(self, reason: str, warn: bool = True) -> None:
+        """For the rest of the run (every rank decides it alike: from all-reduced
+        figures, or from a call every rank makes); said by report_stop() at the
+        end of the step, so that a warning raised as an error cannot leave a
+        step half done. ``stopped_because`` keeps the reason either way."""
         if self.stopped_because is None:
             self.stopped_because = reason
-            self._stop_to_report = True
+            self._stop_to_report = warn
 
     def end_step(self, would_commit: bool) -> None:
         self.speculating = would_commit and self.stopped_because is None

@@ -81,6 +81,15 @@ def grad_scaler_unscale_then_step(rank, world_size):
     grad_scaler_step(rank, world_size, unscale_first=True)
 
 
+def sharded_grad_scaler_fp16_params(rank, world_size):
+    # torch's GradScaler refuses float16 parameters' gradients too (no fp32 master).
+    model = fgp.DistributedDataParallel(MLP().half())
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=1e-2)
+    scaler = fgp.ShardedGradScaler("cpu")
+    scaler.scale(model(torch.randn(4, 13, dtype=torch.float16)).float().sum()).backward()
+    scaler.step(opt)
+
+
 def param_group_added_later(rank, world_size):
     model = fgp.DistributedDataParallel(MLP())
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2,

@@ -1,0 +1,73 @@
+"""ShardedGradScaler: torch.amp.GradScaler (float16 loss scaling) for a ShardedOptimizer.
+
+torch's scaler unscales ``param.grad`` and looks there for infs. Here the
+reduced gradient lives in this rank's slices, not in ``param.grad``, and an
+inf in one rank's slice is not in another's. This scaler keeps torch's API
+and bookkeeping (the scale, its growth and backoff, ``state_dict()``) and
+changes two things for a ShardedOptimizer:
+
+- ``unscale_`` multiplies the reduced slices by the inverse scale (torch's
+  kernel, so the same values as after torch DDP) and takes the inf/NaN flag
+  from the optimizer's norm all-reduce: every rank sees the same flag, so
+  every rank skips the same steps and moves the scale alike.
+- ``step`` always calls ``optimizer.step()``, which skips the update on every
+  rank when the flag is set: the step must run anyway, to undo two_stage's
+  speculative steps and to keep the ranks' collectives paired.
+
+Other optimizers given to the same scaler go through torch's code unchanged.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.amp.grad_scaler import OptState
+
+from .optim import ShardedOptimizer
+
+
+class ShardedGradScaler(torch.amp.GradScaler):
+    """``torch.amp.GradScaler`` whose ``unscale_`` and ``step`` understand ShardedOptimizer.
+
+    Used as torch's: ``scaler.scale(loss).backward()``, optionally
+    ``scaler.unscale_(opt)`` then ``opt.clip_grad_norm_(max_norm)``,
+    ``scaler.step(opt)``, ``scaler.update()``. ``unscale_`` and ``step`` are
+    collectives for a ShardedOptimizer: call them on every rank.
+    """
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        if not isinstance(optimizer, ShardedOptimizer):
+            return super().unscale_(optimizer)
+        if not self._enabled:
+            return
+        self._check_scale_growth_tracker("unscale_")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update().")
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        # The reciprocal in float64, as torch takes it (float32 division can round otherwise).
+        inv_scale = self._scale.double().reciprocal().float()
+        found_inf = optimizer.unscale_gradients_(inv_scale)
+        device = self._scale.device
+        state["found_inf_per_device"] = {
+            device: torch.full((), float(found_inf), dtype=torch.float32, device=device)}
+        state["stage"] = OptState.UNSCALED
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(optimizer, ShardedOptimizer) or not self._enabled:
+            return super().step(optimizer, *args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        self._check_scale_growth_tracker("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+        if state["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+        # Not skipped on an inf, unlike torch's: the optimizer sees the same
+        # flag in its norm and skips the update itself, on every rank.
+        result = optimizer.step(*args, **kwargs)
+        state["stage"] = OptState.STEPPED
+        return result

@@ -1,0 +1,90 @@
+"""Loss scaling: fgpsdp + ShardedGradScaler beside torch DDP + torch.amp.GradScaler.
+
+Imported by the spawned ranks (module-level functions only).
+"""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import torch
+from torch import nn
+
+import fgpsdp_runtime as fgp
+
+from .scenarios import MLP, make_batch, reference_clip_
+
+
+def scaled_side_by_side(rank: int, world_size: int, case: dict) -> dict:
+    """Train both on the same data with a loss scale that overflows at first.
+
+    case keys: ``schedule``; ``precision`` "float32" or "autocast_float16"
+    (CPU autocast, from a scale that overflows float16 in the first
+    backwards); ``clip`` None, "optimizer" (``max_grad_norm``) or "manual"
+    (``scaler.unscale_`` then ``opt.clip_grad_norm_``, the AMP recipe);
+    ``rank0_overflows_at``: a step whose loss overflows on rank 0 only (the
+    inf lands in some ranks' slices only); ``enabled``.
+    """
+    schedule = case["schedule"]
+    clip = case.get("clip")
+    autocast = case.get("precision", "float32") == "autocast_float16"
+    steps = case.get("steps", 8)
+    torch.manual_seed(0)
+    base = MLP()
+    reference = copy.deepcopy(base)
+    # overlap_plan="layout": two_stage speculates from the first step, before
+    # the scaler is known, so the undo of those steps is exercised.
+    kw = {"overlap_plan": "layout"} if schedule == "two_stage" else {}
+    ours = fgp.DistributedDataParallel(base, schedule=schedule, bucket_cap_mb=0.0001, **kw)
+    ref = nn.parallel.DistributedDataParallel(reference)
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2,
+                               max_grad_norm=1.0 if clip == "optimizer" else None)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    scaler_kw = {"init_scale": 2.0 ** (20 if autocast else 16), "growth_interval": 2,
+                 "enabled": case.get("enabled", True)}
+    scaler = fgp.ShardedGradScaler("cpu", **scaler_kw)
+    ref_scaler = torch.amp.GradScaler("cpu", **scaler_kw)
+    scales, ref_scales, norms, ref_norms, step_warnings = [], [], [], [], []
+    for step in range(steps):
+        x, y = make_batch("mlp", step, 0, rank)
+        overflow = 1e38 if step == case.get("rank0_overflows_at") and rank == 0 else 1.0
+        for model, sc in ((ours, scaler), (ref, ref_scaler)):
+            with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+                out = model(x)
+            sc.scale(nn.functional.mse_loss(out.float(), y) * overflow).backward()
+        if clip == "manual":
+            scaler.unscale_(opt)
+            norms.append(float(opt.clip_grad_norm_(1.0)))
+        ref_scaler.unscale_(ref_opt)
+        if clip is not None:
+            ref_norms.append(reference_clip_(ref.parameters(), 1.0))
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            scaler.step(opt)
+        step_warnings += [str(w.message) for w in caught]
+        ref_scaler.step(ref_opt)
+        scaler.update()
+        ref_scaler.update()
+        scales.append(scaler.get_scale())
+        ref_scales.append(ref_scaler.get_scale())
+        opt.zero_grad(set_to_none=True)
+        ref_opt.zero_grad(set_to_none=True)
+    ours.synchronize()
+    diff = max(float((a.detach() - b.detach()).abs().max())
+               for a, b in zip(ours.module.parameters(), ref.module.parameters()))
+    first = scaler_kw["init_scale"] if scaler_kw["enabled"] else 1.0
+    ref_skipped = sum(1 for before, after in zip([first] + ref_scales, ref_scales)
+                      if after < before)  # a skipped step backs the scale off
+    return {"diff_to_ddp": diff, "scales": scales, "ref_scales": ref_scales,
+            "skipped": opt.skipped_steps, "ref_skipped": ref_skipped,
+            "norms": norms, "ref_norms": ref_norms,
+            "step_warnings": step_warnings,
+            "rollbacks": ours.scheduler.rollbacks if ours.scheduler else 0,
+            "commits": ours.scheduler.commits if ours.scheduler else 0,
+            "speculation_stopped": ours.scheduler.stopped_because if ours.scheduler else None,
+            "scaler_state": scaler.state_dict(), "ref_scaler_state": ref_scaler.state_dict()}
+
+
+def scaled_many(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    """Several cases in one set of processes (spawning costs seconds)."""
+    return [scaled_side_by_side(rank, world_size, case) for case in cases]

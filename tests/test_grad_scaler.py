@@ -1,0 +1,84 @@
+"""float16 loss scaling: fgpsdp + ShardedGradScaler trains as torch DDP + torch.amp.GradScaler.
+
+The reduced gradients live in each rank's slices, so torch's scaler can
+neither unscale them nor see an inf that landed in another rank's slice.
+Every case overflows at least once: at first under float16 autocast (a scale
+of 2**20), and on rank 0 alone at step 5 (its loss times 1e38), where the
+inf reaches only the ranks whose slices hold those elements: every rank must
+still skip that step and back the scale off.
+"""
+import math
+
+import pytest
+
+from . import grad_scaler_scenarios
+from .dist_harness import run_distributed
+
+SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
+CASES = [{"schedule": s, "precision": "autocast_float16", "clip": clip, "rank0_overflows_at": 5}
+         for s in SCHEDULES for clip in (None, "optimizer", "manual")]
+CASES += [{"schedule": s, "precision": "float32", "clip": "optimizer", "rank0_overflows_at": 5}
+          for s in SCHEDULES]
+DISABLED = {"schedule": "two_stage", "enabled": False}
+THREE_RANK_CASES = [{"schedule": s, "precision": "autocast_float16", "clip": "manual",
+                     "rank0_overflows_at": 5} for s in ("next_forward", "two_stage")]
+
+
+def _name(case):
+    return "-".join(str(case.get(k)) for k in ("schedule", "precision", "clip"))
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_distributed(2, grad_scaler_scenarios.scaled_many, CASES + [DISABLED],
+                           timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def three_ranks():
+    return run_distributed(3, grad_scaler_scenarios.scaled_many, THREE_RANK_CASES,
+                           timeout_s=600)
+
+
+def _check(case, per_rank, tolerance):
+    for rank, res in enumerate(per_rank):
+        where = (rank, _name(case))
+        assert res["diff_to_ddp"] <= tolerance, (where, res["diff_to_ddp"])
+        # The same steps skipped and the same scale after every update, on every rank.
+        assert res["scales"] == res["ref_scales"], where
+        assert res["scaler_state"] == res["ref_scaler_state"], where
+        assert res["skipped"] == res["ref_skipped"] >= (4 if case["precision"] ==
+                                                        "autocast_float16" else 1), where
+        assert res["step_warnings"] == [], where  # a skip under loss scaling is routine
+        if case["clip"] == "manual":
+            assert list(map(repr, res["norms"])) == list(map(repr, per_rank[0]["norms"])), where
+            for ours, ref in zip(res["norms"], res["ref_norms"]):
+                if math.isfinite(ref):  # clip_grad_norm_'s total is float32, as torch's
+                    assert ours == pytest.approx(ref, rel=1e-6), where
+                else:
+                    assert not math.isfinite(ours), where
+        if case["schedule"] == "two_stage":
+            # It speculated at the first step, before the scale was known: undone, then off.
+            assert res["rollbacks"] > 0 and res["commits"] == 0, where
+            assert "loss-scaled" in res["speculation_stopped"], where
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[_name(c) for c in CASES])
+def test_loss_scaled_training_matches_torch_ddp_on_two_ranks(two_ranks, index):
+    _check(CASES[index], [per_rank[index] for per_rank in two_ranks], tolerance=0.0)
+
+
+@pytest.mark.parametrize("index", range(len(THREE_RANK_CASES)),
+                         ids=[_name(c) for c in THREE_RANK_CASES])
+def test_loss_scaled_training_matches_torch_ddp_on_three_ranks(three_ranks, index):
+    # Three ranks sum in another order than torch DDP's all-reduce.
+    _check(THREE_RANK_CASES[index], [per_rank[index] for per_rank in three_ranks],
+           tolerance=2e-5)
+
+
+def test_disabled_scaler_steps_directly_and_keeps_speculation(two_ranks):
+    for rank, per_rank in enumerate(two_ranks):
+        res = per_rank[len(CASES)]
+        assert res["diff_to_ddp"] == 0.0, rank
+        assert res["scales"] == res["ref_scales"] == [1.0] * len(res["scales"]), rank
+        assert res["commits"] > 0 and res["speculation_stopped"] is None, rank

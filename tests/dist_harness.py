@@ -95,3 +95,35 @@ def run_distributed(world_size: int, fn: Callable, *args: Any,
     if not all(res["ok"] for res in results.values()):
         raise RankError(results)
     return [results[r]["value"] for r in range(world_size)]
+
+
+def call_many(rank: int, world_size: int, calls: list[tuple],
+              allow_errors: bool = False) -> dict[tuple, Any]:
+    """Several rank functions in turn in one set of processes (spawning costs seconds):
+    ``call = (function, *arguments)``; returns {call: that rank's result}.
+
+    Pass it to run_distributed. Between calls the previous call's objects are
+    freed (a wrapper's threads stop with it) and the ranks meet at a barrier.
+    A call that raises fails them all, as one run_distributed would; with
+    ``allow_errors`` each result is {"ok", "type", "message"} instead. A call
+    that raises on some ranks only leaves the others waiting in a collective:
+    the run times out without naming it.
+    """
+    import gc
+
+    import torch.distributed as dist
+    results = {}
+    for call in calls:
+        if not allow_errors:
+            results[call] = call[0](rank, world_size, *call[1:])
+        else:
+            try:
+                call[0](rank, world_size, *call[1:])
+                results[call] = {"ok": True}
+            except Exception as error:  # noqa: BLE001 - the test checks its type and message
+                results[call] = {"ok": False, "type": type(error).__name__,
+                                 "message": str(error)}
+                del error  # its traceback would keep the call's wrapper (and threads) alive
+        gc.collect()
+        dist.barrier()
+    return results

@@ -4,7 +4,7 @@ import re
 import pytest
 
 from . import bad_inputs
-from .dist_harness import run_distributed
+from .dist_harness import call_many, run_distributed
 
 CASES = [
     (bad_inputs.models_differ, "ValueError",
@@ -46,12 +46,17 @@ CASES = [
 ]
 
 
+@pytest.fixture(scope="module")
+def outcomes():
+    """Every case in one set of processes: [{(fn,): outcome} per rank]."""
+    calls = [(fn,) for fn, _, _ in CASES]
+    return run_distributed(3, call_many, calls, True, timeout_s=300, pg_timeout_s=30)
+
+
 @pytest.mark.parametrize("fn, error_type, patterns", CASES, ids=[c[0].__name__ for c in CASES])
-def test_every_rank_raises(fn, error_type, patterns):
-    world_size = 3
-    results = run_distributed(world_size, fn, allow_errors=True, timeout_s=90, pg_timeout_s=30)
-    for rank in range(world_size):
-        res = results[rank]
+def test_every_rank_raises(outcomes, fn, error_type, patterns):
+    for rank, per_case in enumerate(outcomes):
+        res = per_case[(fn,)]
         assert not res["ok"], f"rank {rank} accepted bad input"
         assert res["type"] == error_type, f"rank {rank}: {res['type']}: {res['message']}"
         for pattern in patterns:

@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from .dist_harness import run_distributed
+from .dist_harness import call_many, run_distributed
 from .scenarios import (load_checkpoint_with_gathers_in_flight,
                         save_checkpoint_with_gathers_in_flight, scheduler_thread_failure,
                         step_and_gather_order, synchronize_between_backward_and_step,
@@ -71,13 +71,32 @@ def test_fixed_plans_and_lookahead_match_serial():
     assert r0["clip_triggers-stage1-3"]["rollbacks"] > 0
 
 
-@pytest.mark.parametrize("schedule", ["two_stage", "next_forward", "serial"])
-def test_step_and_all_gathers_run_in_forward_order(schedule):
+# The two-rank scenarios of this file, run in one set of processes.
+ORDER_SCHEDULES = ["two_stage", "next_forward", "serial"]
+LOAD_CASES = [("two_stage", "wrapper"), ("next_forward", "module"), ("two_stage", "submodule")]
+SAVE_CASES = [("two_stage", "module"), ("next_forward", "submodule"),
+              ("two_stage", "module on rank 0")]
+TWO_RANK_CALLS = ([(step_and_gather_order, s) for s in ORDER_SCHEDULES]
+                  + [(scheduler_thread_failure,)]
+                  + [(synchronize_between_backward_and_step, s) for s in ("two_stage", "serial")]
+                  + [(load_checkpoint_with_gathers_in_flight, *case) for case in LOAD_CASES]
+                  + [(save_checkpoint_with_gathers_in_flight, *case) for case in SAVE_CASES])
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    """call -> [rank 0's result, rank 1's]."""
+    per_rank = run_distributed(2, call_many, TWO_RANK_CALLS, timeout_s=300)
+    return {call: [r[call] for r in per_rank] for call in TWO_RANK_CALLS}
+
+
+@pytest.mark.parametrize("schedule", ORDER_SCHEDULES)
+def test_step_and_all_gathers_run_in_forward_order(two_ranks, schedule):
     # Clipping is active, so nothing is speculated in the logged step: every
     # bucket is stepped after the norm. Under the forward-overlapped schedules
     # each bucket's all-gather starts right after its own slice is stepped, in
     # forward order; serial steps everything, then gathers.
-    for res in run_distributed(2, step_and_gather_order, schedule, timeout_s=120):
+    for res in two_ranks[(step_and_gather_order, schedule)]:
         log, order = res["log"], res["forward_order"]
         assert len(order) >= 4
         gathers = [b for kind, b in log if kind == "gather"]
@@ -91,8 +110,8 @@ def test_step_and_all_gathers_run_in_forward_order(schedule):
             assert sum(n for kind, n in log if kind == "step") > 0
 
 
-def test_scheduler_thread_failure_is_raised_on_every_rank():
-    for res in run_distributed(2, scheduler_thread_failure, timeout_s=120):
+def test_scheduler_thread_failure_is_raised_on_every_rank(two_ranks):
+    for res in two_ranks[(scheduler_thread_failure,)]:
         assert res["error"] is not None and "scheduler thread failed" in res["error"]
         assert "injected failure" in res["cause"]
 
@@ -124,9 +143,9 @@ def test_timeline_has_every_lane_and_bucket(schedule):
         assert all(e["dur"] >= 0 for e in trace["traceEvents"] if e["ph"] == "X")
 
 
-def test_synchronize_between_backward_and_step_sees_the_old_parameters():
-    ours = run_distributed(2, synchronize_between_backward_and_step, "two_stage", timeout_s=120)
-    serial = run_distributed(2, synchronize_between_backward_and_step, "serial", timeout_s=120)
+def test_synchronize_between_backward_and_step_sees_the_old_parameters(two_ranks):
+    ours = two_ranks[(synchronize_between_backward_and_step, "two_stage")]
+    serial = two_ranks[(synchronize_between_backward_and_step, "serial")]
     for res, ref in zip(ours, serial):
         assert res["unchanged"] == [True]
         assert res["rollbacks"] > 0, "speculative steps were undone"
@@ -145,13 +164,11 @@ def test_forward_ordered_step_runs_the_inner_optimizer_a_bounded_number_of_times
     assert _split_evenly([], _MAX_STEP_CHUNKS) == []
 
 
-@pytest.mark.parametrize("schedule,via", [("two_stage", "wrapper"), ("next_forward", "module"),
-                                          ("two_stage", "submodule")])
-def test_load_state_dict_lands_the_gathers_in_flight_first(schedule, via):
+@pytest.mark.parametrize("schedule,via", LOAD_CASES)
+def test_load_state_dict_lands_the_gathers_in_flight_first(two_ranks, schedule, via):
     """A checkpoint loaded while a step's all-gathers are in flight is what the model
     holds afterwards on every rank (they must not land over it), and training goes on."""
-    res = run_distributed(2, load_checkpoint_with_gathers_in_flight, schedule, via,
-                          timeout_s=120)
+    res = two_ranks[(load_checkpoint_with_gathers_in_flight, schedule, via)]
     for r in res:
         assert r["step_changed_it"]
         assert r["loaded"]
@@ -160,13 +177,11 @@ def test_load_state_dict_lands_the_gathers_in_flight_first(schedule, via):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("schedule,via", [("two_stage", "module"), ("next_forward", "submodule"),
-                                          ("two_stage", "module on rank 0")])
-def test_module_state_dict_lands_the_gathers_in_flight_first(schedule, via):
+@pytest.mark.parametrize("schedule,via", SAVE_CASES)
+def test_module_state_dict_lands_the_gathers_in_flight_first(two_ranks, schedule, via):
     """model.module.state_dict() right after opt.step() (torch DDP's way to save, on
     rank 0 alone too) holds the updated parameters, the same on every rank."""
-    res = run_distributed(2, save_checkpoint_with_gathers_in_flight, schedule, via,
-                          timeout_s=120)
+    res = two_ranks[(save_checkpoint_with_gathers_in_flight, schedule, via)]
     saved_by = [r for r in res if r["saved"] is not None]
     for r in saved_by:
         for k, v in r["landed"].items():

@@ -27,7 +27,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 CLUSTER = os.path.join(HERE, "cluster.sh")
 sys.path.insert(0, HERE)
-from systems import SYSTEMS, is_system, split_bucket_suffix  # noqa: E402
+from systems import SYSTEMS, is_system, split_reduce_dtype_suffix, system_base  # noqa: E402
 from timeline_report import WAITS, breakdown, load_spans, overlap_chart  # noqa: E402
 from workloads import CONFIGS, WORKLOADS  # noqa: E402
 
@@ -265,10 +265,14 @@ def markdown(all_rows, meta, command, rate):
              f"{meta.get('max_norm', 1.0):g}).", ""]
     for workload, (rows, floor) in all_rows.items():
         info = floor["workload"] or {}
-        # Sharded peers at any bucket size (a _bucket<MB> variant counts as its system).
-        peers = [row["step_time_s"] for s, row in rows.items()
-                 if row and split_bucket_suffix(s)[0] in PEERS and split_bucket_suffix(s)[0] != "ddp"]
-        best_peer = min(peers) if peers else None
+        # Sharded peers at any bucket size (a _bucket<MB> variant counts as its
+        # system); a row is compared with the peers that reduce in its dtype.
+        def best_peer_for(system):
+            dtype = split_reduce_dtype_suffix(system)[1]
+            peers = [row["step_time_s"] for s, row in rows.items()
+                     if row and system_base(s) in PEERS and system_base(s) != "ddp"
+                     and split_reduce_dtype_suffix(s)[1] == dtype]
+            return min(peers) if peers else None
         lines += [f"## {workload}", "",
                   f"Configuration: `{json.dumps({k: v for k, v in info.items() if k not in ('name',)})}`; "
                   f"floor {floor['floor_s']:.3f} s (compute {floor['compute_s'] or 0:.3f} s, "
@@ -281,6 +285,7 @@ def markdown(all_rows, meta, command, rate):
             if row is None:
                 lines.append(f"| {system} | failed (see log) | | | | | | | |")
                 continue
+            best_peer = best_peer_for(system)
             ratio = f"{row['step_time_s'] / best_peer:.2f}" if best_peer else "-"
             tx = row["node_tx_bytes_per_step"]
             diff = row["param_diff_to_ddp"]

@@ -55,8 +55,11 @@ class TorchDDP(System):
     synchronize_norm = False  # TorchZeRO reuses train_step without this __init__
 
     def __init__(self, model, loss_fn, compute_only=False, bucket_cap_mb=BUCKET_CAP_MB,
-                 synchronize_norm=False):
+                 synchronize_norm=False, reduce_dtype=None):
         self.model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
+        if reduce_dtype == torch.bfloat16:  # torch's own hook for it
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            self.model.register_comm_hook(None, default_hooks.bf16_compress_hook)
         self.opt = torch.optim.AdamW(self.model.parameters(), **ADAMW)
         self.loss_fn = loss_fn
         self.compute_only = compute_only
@@ -113,11 +116,14 @@ class TorchZeRO(TorchDDP):
 class TorchFSDP(System):
     """FSDP1 with SHARD_GRAD_OP (ZeRO-2) or _HYBRID_SHARD_ZERO2 (per-node sharding)."""
 
-    def __init__(self, model, loss_fn, hybrid: bool, bucket_cap_mb=BUCKET_CAP_MB):
+    def __init__(self, model, loss_fn, hybrid: bool, bucket_cap_mb=BUCKET_CAP_MB,
+                 reduce_dtype=None):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp import ShardingStrategy
+        from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
         self.FSDP = FSDP
         kwargs = {}
+        if reduce_dtype is not None:
+            kwargs["mixed_precision"] = MixedPrecision(reduce_dtype=reduce_dtype)
         if hybrid:
             self.name = "fsdp_hybrid_zero2"
             kwargs["sharding_strategy"] = ShardingStrategy._HYBRID_SHARD_ZERO2
@@ -149,7 +155,8 @@ class TorchFSDP(System):
 class DeepSpeedZeRO2(System):
     name = "deepspeed_zero2"
 
-    def __init__(self, model, loss_fn, batch: int, bucket_cap_mb=BUCKET_CAP_MB):
+    def __init__(self, model, loss_fn, batch: int, bucket_cap_mb=BUCKET_CAP_MB,
+                 reduce_dtype=None):
         import deepspeed
         config = {
             "train_micro_batch_size_per_gpu": batch,
@@ -161,6 +168,8 @@ class DeepSpeedZeRO2(System):
             "steps_per_print": 10**9,
             "wall_clock_breakdown": False,
         }
+        if reduce_dtype == torch.bfloat16:
+            config["communication_data_type"] = "bf16"
         opt = torch.optim.AdamW(model.parameters(), **ADAMW)
         self.engine, self.opt, _, _ = deepspeed.initialize(model=model, optimizer=opt,
                                                            config=config)
@@ -302,12 +311,18 @@ def set_max_norm(max_norm: float) -> None:
 def build_system(name: str, model: nn.Module, loss_fn: Callable, batch: int) -> System:
     """``name`` is one of SYSTEMS or an fgpsdp variant, optionally suffixed
     ``_bucket<MB>`` for another bucket size (FSDP: wrap unit; DeepSpeed:
-    reduce and all-gather bucket), e.g. ``ddp_bucket8``."""
-    base, bucket_cap_mb = split_bucket_suffix(name)
+    reduce and all-gather bucket), e.g. ``ddp_bucket8``, then ``_bf16grads``
+    for gradients reduced in bfloat16, e.g. ``ddp_bucket8_bf16grads``."""
+    base, reduce_dtype = split_reduce_dtype_suffix(name)
+    base, bucket_cap_mb = split_bucket_suffix(base)
     # Without a suffix every system runs at its own default: the peers at 25 MB
     # (torch DDP's default; FSDP's wrap unit and DeepSpeed's buckets set to
     # match), fgpsdp at its model-sized default.
     kw = {"bucket_cap_mb": bucket_cap_mb if bucket_cap_mb is not None else BUCKET_CAP_MB}
+    if reduce_dtype is not None:
+        if not _sets_reduce_dtype(base):
+            raise ValueError(f"{name!r}: {base} has no reduction dtype to set")
+        kw["reduce_dtype"] = reduce_dtype
     if base == "ddp":
         system = TorchDDP(model, loss_fn, **kw)
     elif base == "compute":
@@ -323,11 +338,28 @@ def build_system(name: str, model: nn.Module, loss_fn: Callable, batch: int) -> 
     elif base == "deepspeed_zero2":
         system = DeepSpeedZeRO2(model, loss_fn, batch, **kw)
     elif fgpsdp_variant(base) is not None:
-        system = FGPSDP(model, loss_fn, **fgpsdp_variant(base), bucket_cap_mb=bucket_cap_mb)
+        extra = {"reduce_dtype": reduce_dtype} if reduce_dtype is not None else {}
+        system = FGPSDP(model, loss_fn, **fgpsdp_variant(base), bucket_cap_mb=bucket_cap_mb,
+                        **extra)
     else:
         raise ValueError(f"unknown system {name!r}; choose from {SYSTEMS}")
     system.name = name
     return system
+
+
+def split_reduce_dtype_suffix(name: str) -> tuple[str, Optional[torch.dtype]]:
+    """``"ddp_bf16grads"`` -> ``("ddp", torch.bfloat16)``: gradients reduced in
+    bfloat16 (DDP: bf16_compress_hook; FSDP: MixedPrecision(reduce_dtype);
+    DeepSpeed: communication_data_type; fgpsdp: reduce_dtype). No suffix: None."""
+    if name.endswith("_bf16grads"):
+        return name[:-len("_bf16grads")], torch.bfloat16
+    return name, None
+
+
+def system_base(name: str) -> str:
+    """The system without its suffixes: ``"fsdp_hybrid_zero2_bucket8_bf16grads"`` ->
+    ``"fsdp_hybrid_zero2"``."""
+    return split_bucket_suffix(split_reduce_dtype_suffix(name)[0])[0]
 
 
 def split_bucket_suffix(name: str) -> tuple[str, Optional[float]]:
@@ -360,6 +392,14 @@ def fgpsdp_variant(name: str):
     return {"schedule": schedule} if schedule in FGPSDP_SCHEDULES else None
 
 
+def _sets_reduce_dtype(base: str) -> bool:
+    return base in ("ddp", "fsdp_grad_op", "fsdp_hybrid_zero2", "deepspeed_zero2") \
+        or fgpsdp_variant(base) is not None
+
+
 def is_system(name: str) -> bool:
-    base, _ = split_bucket_suffix(name)
+    base, reduce_dtype = split_reduce_dtype_suffix(name)
+    base, _ = split_bucket_suffix(base)
+    if reduce_dtype is not None and not _sets_reduce_dtype(base):
+        return False
     return base in SYSTEMS or fgpsdp_variant(base) is not None

@@ -28,13 +28,16 @@ class BucketStorage:
     """Flat parameter buffer, persistent gradient slice and transient send buffer."""
 
     def __init__(self, layout: BucketLayout, params: Sequence[torch.nn.Parameter],
-                 slice_index: int):
+                 slice_index: int, reduce_dtype: Optional[torch.dtype] = None):
         # params[i] is the parameter of layout.spans[i]; slice_index is the
         # slice this rank owns (topology.NodeLayout.slice_index).
         self.layout = layout
         first = params[0]
         self.dtype = first.dtype
         self.device = first.device
+        # What gradients travel in: packed (scaled, cast) into it, reduced in
+        # it, and cast back into grad_shard when their reduce-scatter lands.
+        self.reduce_dtype = reduce_dtype or self.dtype
         self.flat_param = torch.zeros(layout.padded_numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for span, param in zip(layout.spans, params):
@@ -59,7 +62,8 @@ class BucketStorage:
     def acquire_send_buffer(self) -> torch.Tensor:
         """The bucket-sized buffer that gradients are packed into."""
         if self.send_buffer is None:
-            buf = torch.empty(self.layout.padded_numel, dtype=self.dtype, device=self.device)
+            buf = torch.empty(self.layout.padded_numel, dtype=self.reduce_dtype,
+                              device=self.device)
             buf[self.layout.numel:].zero_()  # padding takes part in the sum
             self.send_buffer = buf
         return self.send_buffer

@@ -246,10 +246,19 @@ class GradientReducer:
         if storage.grad_shard_valid:
             # Gradients accumulate across backwards until zero_grad().
             self._added_after_step |= self._stepped_since_zeroed
-            received = torch.empty_like(storage.grad_shard)
+            received = torch.empty(storage.grad_shard.numel(), dtype=send.dtype,
+                                   device=send.device)
 
             def on_done(storage=storage, received=received):
                 storage.grad_shard.add_(received)
+                storage.release_send_buffer()
+        elif send.dtype != storage.grad_shard.dtype:  # reduced in another dtype
+            received = torch.empty(storage.grad_shard.numel(), dtype=send.dtype,
+                                   device=send.device)
+            storage.grad_shard_valid = True
+
+            def on_done(storage=storage, received=received):
+                storage.grad_shard.copy_(received)
                 storage.release_send_buffer()
         else:
             received = storage.grad_shard

@@ -90,6 +90,10 @@ def sharded_grad_scaler_fp16_params(rank, world_size):
     scaler.step(opt)
 
 
+def integer_reduce_dtype(rank, world_size):
+    fgp.DistributedDataParallel(MLP(), reduce_dtype=torch.int8)
+
+
 def param_group_added_later(rank, world_size):
     model = fgp.DistributedDataParallel(MLP())
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2,

@@ -22,6 +22,8 @@ CASES = [
      [r"GradScaler cannot drive a ShardedOptimizer", r"fgpsdp_runtime\.ShardedGradScaler"]),
     (bad_inputs.sharded_grad_scaler_fp16_params, "ValueError",
      [r"Attempting to unscale FP16 gradients"]),
+    (bad_inputs.integer_reduce_dtype, "ValueError",
+     [r"reduce_dtype must be a floating dtype", r"torch\.int8"]),
     (bad_inputs.param_group_added_later, "NotImplementedError",
      [r"cannot add a param group after construction"]),
     (bad_inputs.other_models_optimizer_checkpoint, "ValueError",

@@ -5,6 +5,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
 
@@ -36,6 +37,11 @@ def test_system_names(bench_modules):
     assert systems.split_bucket_suffix("fsdp_hybrid_zero2") == ("fsdp_hybrid_zero2", None)
     assert systems.is_system("ddp") and systems.is_system("fsdp_grad_op_bucket4")
     assert not systems.is_system("fgpsdp_bucket") and not systems.is_system("mpi_bucket8")
+    assert systems.split_reduce_dtype_suffix("ddp_bucket8_bf16grads") == ("ddp_bucket8",
+                                                                          torch.bfloat16)
+    assert systems.system_base("fsdp_hybrid_zero2_bucket8_bf16grads") == "fsdp_hybrid_zero2"
+    assert systems.is_system("fgpsdp_next_forward_bf16grads")
+    assert not systems.is_system("compute_bf16grads")  # nothing is reduced
 
 
 def test_thread_cpu_seconds_names_python_threads(bench_modules):

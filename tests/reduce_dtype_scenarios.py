@@ -1,0 +1,88 @@
+"""Gradients reduced in another dtype than the parameters': fgpsdp's ``reduce_dtype``
+beside torch DDP with the communication hook that does the same.
+
+Imported by the spawned ranks (module-level functions only).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fgpsdp_runtime as fgp
+
+from .scenarios import MLP, make_batch, reference_clip_
+
+
+def _reduce_in(dtype: torch.dtype):
+    """A torch DDP comm hook: cast the bucket to ``dtype``, divide by the world
+    size there, all-reduce, cast back (torch's bf16_compress_hook for bfloat16)."""
+    def hook(state, bucket):
+        world_size = dist.get_world_size()
+        buffer = bucket.buffer()
+        wire = buffer.to(dtype).div_(world_size)
+
+        def back(fut):
+            buffer.copy_(fut.value()[0])
+            return buffer
+        return dist.all_reduce(wire, async_op=True).get_future().then(back)
+    return hook
+
+
+def reduced_side_by_side(rank: int, world_size: int, case: dict) -> dict:
+    """case: ``reduce_dtype`` and ``param_dtype`` (names of torch dtypes),
+    ``schedule``, ``local_size`` (hierarchical) and ``accumulate``: micro-batches
+    per step ("no_sync": all but the last under no_sync(); "synced": every one
+    reduced)."""
+    reduce_dtype = getattr(torch, case["reduce_dtype"])
+    param_dtype = getattr(torch, case.get("param_dtype", "float32"))
+    schedule = case.get("schedule", "two_stage")
+    micro = case.get("micro", 1)
+    torch.manual_seed(0)
+    base = MLP().to(param_dtype)
+    reference = copy.deepcopy(base)
+    kw = {"overlap_plan": "layout"} if schedule == "two_stage" else {}
+    if "local_size" in case:
+        kw["topology"] = fgp.Topology(local_size=case["local_size"])
+    ours = fgp.DistributedDataParallel(base, schedule=schedule, bucket_cap_mb=0.0001,
+                                       reduce_dtype=reduce_dtype, **kw)
+    ref = nn.parallel.DistributedDataParallel(reference)
+    ref.register_comm_hook(None, _reduce_in(reduce_dtype))
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2, max_grad_norm=case.get("clip"))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(5):
+        for m in range(micro):
+            x, y = make_batch("mlp", step, m, rank)
+            synced = m == micro - 1 or case.get("accumulate") == "synced"
+            for model in (ours, ref):
+                context = model.no_sync() if not synced else _Null()
+                with context:
+                    loss = nn.functional.mse_loss(model(x.to(param_dtype)).float(), y) / micro
+                    loss.backward()
+        if case.get("clip") is not None:
+            reference_clip_(list(ref.parameters()), case["clip"])
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    ours.synchronize()
+    diff = max(float((a.detach().double() - b.detach().double()).abs().max())
+               for a, b in zip(ours.module.parameters(), ref.module.parameters()))
+    stats = ours.comm_stats()
+    return {"diff_to_ddp": diff, "comm_stats": stats,
+            "send_dtypes": sorted({str(s.reduce_dtype) for s in ours.buckets}),
+            "grad_dtypes": sorted({str(s.grad_shard.dtype) for s in ours.buckets})}
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def reduced_many(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    return [reduced_side_by_side(rank, world_size, case) for case in cases]

@@ -10,9 +10,10 @@ changes two things for a ShardedOptimizer:
   kernel, so the same values as after torch DDP) and takes the inf/NaN flag
   from the optimizer's norm all-reduce: every rank sees the same flag, so
   every rank skips the same steps and moves the scale alike.
-- ``step`` always calls ``optimizer.step()``, which skips the update on every
-  rank when the flag is set: the step must run anyway, to undo two_stage's
-  speculative steps and to keep the ranks' collectives paired.
+- ``step`` runs the optimizer's step work even when the flag is set (without
+  its step hooks, as torch skips ``step()``): it skips the update on every
+  rank, but must run, to undo two_stage's speculative steps and to keep the
+  ranks' collectives paired.
 
 Other optimizers given to the same scaler go through torch's code unchanged.
 """
@@ -66,8 +67,12 @@ class ShardedGradScaler(torch.amp.GradScaler):
             raise RuntimeError("step() has already been called since the last update().")
         if state["stage"] is OptState.READY:
             self.unscale_(optimizer)
-        # Not skipped on an inf, unlike torch's: the optimizer sees the same
-        # flag in its norm and skips the update itself, on every rank.
-        result = optimizer.step(*args, **kwargs)
+        result = None
+        if sum(v.item() for v in state["found_inf_per_device"].values()):
+            # The optimizer sees the same flag in its norm and skips the update
+            # itself, on every rank; its step hooks do not run, as under torch.
+            optimizer.run_step()
+        else:
+            result = optimizer.step(*args, **kwargs)
         state["stage"] = OptState.STEPPED
         return result

@@ -90,16 +90,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for pieces in self._pieces.values():
             for tensor, b, _, _ in pieces:
                 self._bucket_pieces[b].append(tensor)
-        self._reduced = False  # reduce-scatters finished and norm measured this step
-        self._reduce_scatters_finished = False  # this step's (finishing twice would relaunch)
-        self._loss_unscaled = False  # ShardedGradScaler.unscale_ ran this step
-        # two_stage stepped some slices before the loss scale was taken out of them.
-        self._speculated_on_scaled_gradients = False
-        self._bucket_sq: dict[int, torch.Tensor] = {}  # measured before a speculative step
-        self._globally_used: Optional[list[bool]] = None
-        self._applied_coefficient = 1.0  # clipping applied to the gradient this step
-        # Some rank's speculative steps ran with other hyperparameters than the step's.
-        self._speculated_with_other_hyperparameters = False
+        # reducer.reduce_scatters_launched when this step's were finished: see
+        # _forget_stale_measurements.
+        self._finished_at: Optional[int] = None
+        self._reset_step_measurements()
         model.attach_optimizer(self)
 
     # -- construction helpers ------------------------------------------------
@@ -206,13 +200,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        model = self.model
-        with model.timeline.span("compute", "optimizer step"):
-            self._step()
+        self.run_step()
         return loss
+
+    @torch.no_grad()
+    def run_step(self) -> None:
+        """step()'s work without torch's optimizer hooks: ShardedGradScaler runs it
+        for a step that an inf skips (torch's scaler does not call step() then, so
+        step hooks such as an EMA update do not run; every rank must still take
+        part, to undo speculative steps and keep the collectives paired)."""
+        with self.model.timeline.span("compute", "optimizer step"):
+            self._step()
 
     def _step(self) -> None:
         model = self.model
+        self._forget_stale_measurements()
         measured_earlier = self._reduced  # by clip_grad_norm_, before this call
         total = self._reduce_and_measure()
         if self.max_grad_norm is not None:
@@ -350,15 +352,32 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._loss_unscaled = True
         return not math.isfinite(self._reduce_and_measure())
 
-    def _end_step(self, would_commit: bool) -> None:
-        self._reduced = False
-        self._reduce_scatters_finished = False
-        self._loss_unscaled = False
+    def _reset_step_measurements(self) -> None:
+        """What the optimizer learned about this step's gradients (all-reduced or
+        the same on every rank, so every rank resets alike)."""
+        self._reduced = False  # reduce-scatters finished and norm measured this step
+        self._reduce_scatters_finished = False  # this step's (finishing twice would relaunch)
+        self._loss_unscaled = False  # ShardedGradScaler.unscale_ ran this step
+        # two_stage stepped some slices before the loss scale was taken out of them.
         self._speculated_on_scaled_gradients = False
-        self._bucket_sq = {}
-        self._globally_used = None
-        self._applied_coefficient = 1.0
+        self._bucket_sq: dict[int, torch.Tensor] = {}  # measured before a speculative step
+        self._globally_used: Optional[list[bool]] = None
+        self._applied_coefficient = 1.0  # clipping applied to the gradient this step
+        # Some rank's speculative steps ran with other hyperparameters than the step's.
         self._speculated_with_other_hyperparameters = False
+
+    def _forget_stale_measurements(self) -> None:
+        """Reduce-scatters launched since this step's were finished: the loop did
+        not call step() after measuring (a step it skipped after clip_grad_norm_
+        or scaler.unscale_ saw an inf, as torch allows), or ran another
+        backward. What was measured is of older gradients: finish and measure
+        again. (Every rank launches the same reduce-scatters.)"""
+        if (self._reduce_scatters_finished
+                and self.model.reducer.reduce_scatters_launched != self._finished_at):
+            self._reset_step_measurements()
+
+    def _end_step(self, would_commit: bool) -> None:
+        self._reset_step_measurements()
         self.model.reducer.end_step()
         if self.model.scheduler is not None:
             self.model.scheduler.end_step(would_commit)
@@ -444,6 +463,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         [sum of squares, non-finite flag, hyperparameters-changed flag,
         per-parameter used count].
         """
+        self._forget_stale_measurements()
         if self._reduced:
             return self._total_norm
         model = self.model
@@ -476,6 +496,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _finish_reduce_scatters(self) -> None:
         """Once per step: every reduce-scatter has landed, every stage-1 step is taken."""
+        self._forget_stale_measurements()
         if self._reduce_scatters_finished:
             return
         model = self.model
@@ -485,6 +506,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with model.timeline.span("compute", "join scheduler"):
                 model.scheduler.finish_stage1()
         self._reduce_scatters_finished = True
+        self._finished_at = model.reducer.reduce_scatters_launched
 
     @property
     def _device(self) -> torch.device:

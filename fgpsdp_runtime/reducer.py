@@ -63,8 +63,9 @@ class GradientReducer:
         self.backward_started_at = 0.0  # perf_counter at the first hook of a backward
         # Called once a synchronised backward has ended and its buckets are launched.
         self.backward_end_listeners: list[Callable[[], None]] = []
-        # Reduce-scatters launched per bucket since the last step.
+        # Reduce-scatters launched per bucket since the last step, and in all.
         self.reduce_scatters_since_step = [0] * len(self.buckets)
+        self.reduce_scatters_launched = 0
         self._hook_handles = []
         self._in_flight: dict[int, PendingOp] = {}
         self._callback_queued = False
@@ -270,6 +271,7 @@ class GradientReducer:
         op.on_done = on_done
         self._in_flight[b] = op
         self.reduce_scatters_since_step[b] += 1
+        self.reduce_scatters_launched += 1
         for listener in self.reduce_scatter_listeners:
             listener(b, op, self.reduce_scatters_since_step[b])
 

@@ -5,6 +5,7 @@ Imported by the spawned ranks (module-level functions only).
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 
 import torch
@@ -22,8 +23,10 @@ def scaled_side_by_side(rank: int, world_size: int, case: dict) -> dict:
     (CPU autocast, from a scale that overflows float16 in the first
     backwards); ``clip`` None, "optimizer" (``max_grad_norm``) or "manual"
     (``scaler.unscale_`` then ``opt.clip_grad_norm_``, the AMP recipe);
-    ``rank0_overflows_at``: a step whose loss overflows on rank 0 only (the
-    inf lands in some ranks' slices only); ``enabled``.
+    ``rank0_overflows_at``: a step whose loss is inf on rank 0 only (the
+    inf lands in some ranks' slices only); ``enabled``; ``loop_skips``: with
+    clip "manual", the loop itself skips ``scaler.step`` when the norm is not
+    finite (torch allows it: ``update()`` reads the flag ``unscale_`` noted).
     """
     schedule = case["schedule"]
     clip = case.get("clip")
@@ -45,9 +48,12 @@ def scaled_side_by_side(rank: int, world_size: int, case: dict) -> dict:
     scaler = fgp.ShardedGradScaler("cpu", **scaler_kw)
     ref_scaler = torch.amp.GradScaler("cpu", **scaler_kw)
     scales, ref_scales, norms, ref_norms, step_warnings = [], [], [], [], []
+    hook_calls = {"ours": 0, "ref": 0}  # step hooks (an EMA, say) run on taken steps only
+    opt.register_step_post_hook(lambda *_: hook_calls.__setitem__("ours", hook_calls["ours"] + 1))
+    ref_opt.register_step_post_hook(lambda *_: hook_calls.__setitem__("ref", hook_calls["ref"] + 1))
     for step in range(steps):
         x, y = make_batch("mlp", step, 0, rank)
-        overflow = 1e38 if step == case.get("rank0_overflows_at") and rank == 0 else 1.0
+        overflow = math.inf if step == case.get("rank0_overflows_at") and rank == 0 else 1.0
         for model, sc in ((ours, scaler), (ref, ref_scaler)):
             with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
                 out = model(x)
@@ -58,11 +64,14 @@ def scaled_side_by_side(rank: int, world_size: int, case: dict) -> dict:
         ref_scaler.unscale_(ref_opt)
         if clip is not None:
             ref_norms.append(reference_clip_(ref.parameters(), 1.0))
+        skip = case.get("loop_skips") and not math.isfinite(ref_norms[-1])
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            scaler.step(opt)
+            if not skip:
+                scaler.step(opt)
         step_warnings += [str(w.message) for w in caught]
-        ref_scaler.step(ref_opt)
+        if not skip:
+            ref_scaler.step(ref_opt)
         scaler.update()
         ref_scaler.update()
         scales.append(scaler.get_scale())
@@ -78,7 +87,7 @@ def scaled_side_by_side(rank: int, world_size: int, case: dict) -> dict:
     return {"diff_to_ddp": diff, "scales": scales, "ref_scales": ref_scales,
             "skipped": opt.skipped_steps, "ref_skipped": ref_skipped,
             "norms": norms, "ref_norms": ref_norms,
-            "step_warnings": step_warnings,
+            "step_warnings": step_warnings, "hook_calls": hook_calls,
             "rollbacks": ours.scheduler.rollbacks if ours.scheduler else 0,
             "commits": ours.scheduler.commits if ours.scheduler else 0,
             "speculation_stopped": ours.scheduler.stopped_because if ours.scheduler else None,

@@ -2,10 +2,11 @@
 
 The reduced gradients live in each rank's slices, so torch's scaler can
 neither unscale them nor see an inf that landed in another rank's slice.
-Every case overflows at least once: at first under float16 autocast (a scale
-of 2**20), and on rank 0 alone at step 5 (its loss times 1e38), where the
-inf reaches only the ranks whose slices hold those elements: every rank must
-still skip that step and back the scale off.
+Every case overflows at least once: on rank 0 alone at step 5 (its loss
+times inf), and under float16 autocast in the first steps (a scale of 2**20),
+where only some gradient elements overflow, so the inf lands in some ranks'
+slices only (with each rank's own flag instead, 15 cases here failed): every
+rank must still skip those steps and back the scale off alike.
 """
 import math
 
@@ -19,13 +20,22 @@ CASES = [{"schedule": s, "precision": "autocast_float16", "clip": clip, "rank0_o
          for s in SCHEDULES for clip in (None, "optimizer", "manual")]
 CASES += [{"schedule": s, "precision": "float32", "clip": "optimizer", "rank0_overflows_at": 5}
           for s in SCHEDULES]
+# The loop skips scaler.step itself when clip_grad_norm_ says inf (with the scaler
+# off, the same loop without loss scaling).
+CASES += [{"schedule": s, "precision": p, "clip": "manual", "rank0_overflows_at": 5,
+           "loop_skips": True, "enabled": enabled}
+          for s, p, enabled in (("two_stage", "autocast_float16", True),
+                                ("next_forward", "float32", True),
+                                ("two_stage", "float32", False))]
 DISABLED = {"schedule": "two_stage", "enabled": False}
 THREE_RANK_CASES = [{"schedule": s, "precision": "autocast_float16", "clip": "manual",
                      "rank0_overflows_at": 5} for s in ("next_forward", "two_stage")]
 
 
 def _name(case):
-    return "-".join(str(case.get(k)) for k in ("schedule", "precision", "clip"))
+    name = "-".join(str(case.get(k)) for k in ("schedule", "precision", "clip"))
+    return name + ("-loop_skips" if case.get("loop_skips") else "") + \
+        ("-disabled" if case.get("enabled") is False else "")
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +57,17 @@ def _check(case, per_rank, tolerance):
         # The same steps skipped and the same scale after every update, on every rank.
         assert res["scales"] == res["ref_scales"], where
         assert res["scaler_state"] == res["ref_scaler_state"], where
-        assert res["skipped"] == res["ref_skipped"] >= (4 if case["precision"] ==
-                                                        "autocast_float16" else 1), where
-        assert res["step_warnings"] == [], where  # a skip under loss scaling is routine
+        assert res["hook_calls"]["ours"] == res["hook_calls"]["ref"], where
+        if case.get("enabled", True):
+            assert res["step_warnings"] == [], where  # a skip under loss scaling is routine
+        if case.get("loop_skips"):
+            # Skipped by the loop (the next steps must measure their own gradients):
+            # none left for the optimizer to skip.
+            assert res["skipped"] == 0, where
+            assert res["hook_calls"]["ours"] < len(res["scales"]), where
+        else:
+            assert res["skipped"] == res["ref_skipped"] >= (4 if case["precision"] ==
+                                                            "autocast_float16" else 1), where
         if case["clip"] == "manual":
             assert list(map(repr, res["norms"])) == list(map(repr, per_rank[0]["norms"])), where
             for ours, ref in zip(res["norms"], res["ref_norms"]):
@@ -57,7 +75,7 @@ def _check(case, per_rank, tolerance):
                     assert ours == pytest.approx(ref, rel=1e-6), where
                 else:
                     assert not math.isfinite(ours), where
-        if case["schedule"] == "two_stage":
+        if case["schedule"] == "two_stage" and case.get("enabled", True):
             # It speculated at the first step, before the scale was known: undone, then off.
             assert res["rollbacks"] > 0 and res["commits"] == 0, where
             assert "loss-scaled" in res["speculation_stopped"], where

@@ -57,9 +57,8 @@ class TorchDDP(System):
     def __init__(self, model, loss_fn, compute_only=False, bucket_cap_mb=BUCKET_CAP_MB,
                  synchronize_norm=False, reduce_dtype=None):
         self.model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
-        if reduce_dtype == torch.bfloat16:  # torch's own hook for it
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-            self.model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+        if reduce_dtype is not None:
+            self.model.register_comm_hook(None, reduce_in_dtype_hook(reduce_dtype))
         self.opt = torch.optim.AdamW(self.model.parameters(), **ADAMW)
         self.loss_fn = loss_fn
         self.compute_only = compute_only
@@ -94,6 +93,21 @@ class TorchDDP(System):
 
     def final_params(self):
         return [p.detach() for p in self.model.module.parameters()]
+
+
+def reduce_in_dtype_hook(dtype: torch.dtype):
+    """A DDP comm hook: the bucket cast to ``dtype``, divided by the world size
+    there, all-reduced, cast back. What torch's bf16_compress_hook does, which
+    refuses to run without CUDA/NCCL."""
+    def hook(state, bucket):
+        buffer = bucket.buffer()
+        wire = buffer.to(dtype).div_(dist.get_world_size())
+
+        def cast_back(fut):
+            buffer.copy_(fut.value()[0])
+            return buffer
+        return dist.all_reduce(wire, async_op=True).get_future().then(cast_back)
+    return hook
 
 
 class TorchZeRO(TorchDDP):
@@ -349,7 +363,7 @@ def build_system(name: str, model: nn.Module, loss_fn: Callable, batch: int) -> 
 
 def split_reduce_dtype_suffix(name: str) -> tuple[str, Optional[torch.dtype]]:
     """``"ddp_bf16grads"`` -> ``("ddp", torch.bfloat16)``: gradients reduced in
-    bfloat16 (DDP: bf16_compress_hook; FSDP: MixedPrecision(reduce_dtype);
+    bfloat16 (DDP: reduce_in_dtype_hook; FSDP: MixedPrecision(reduce_dtype);
     DeepSpeed: communication_data_type; fgpsdp: reduce_dtype). No suffix: None."""
     if name.endswith("_bf16grads"):
         return name[:-len("_bf16grads")], torch.bfloat16

@@ -36,6 +36,13 @@ class BucketProfile:
 
     bytes: int
     ready_s: float  # since backward started
+    # The reduce-scatter's bytes when gradients travel in another dtype than
+    # the parameters (DistributedDataParallel's reduce_dtype); None: ``bytes``.
+    reduce_bytes: Optional[int] = None
+
+    @property
+    def reduce_scatter_bytes(self) -> int:
+        return self.bytes if self.reduce_bytes is None else self.reduce_bytes
 
 
 @dataclass(frozen=True)
@@ -111,10 +118,10 @@ def profile_plan(buckets: Sequence[BucketProfile], backward_s: float, forward_or
     link_free = 0.0
     stage1, finish = [], {}
     for b, bucket in enumerate(buckets):
-        nbytes = bucket.bytes * reduce_fraction
-        rs_done = max(link_free, bucket.ready_s) + link.seconds(nbytes)
+        rs_done = max(link_free, bucket.ready_s) + link.seconds(
+            bucket.reduce_scatter_bytes * reduce_fraction)
         link_free = rs_done
-        ag_done = rs_done + link.seconds(nbytes)
+        ag_done = rs_done + link.seconds(bucket.bytes * reduce_fraction)
         finish[b] = ag_done
         if ag_done <= backward_s and b < len(buckets) - 1:
             stage1.append(b)

@@ -98,12 +98,18 @@ class PlanProfiler:
         model = self.model
         layouts = model.bucket_layouts
         backward_s = statistics.median(self._backward) if self._backward else 0.0
+        reduce_itemsize = [s.reduce_dtype.itemsize for s in model.buckets]
         buckets = [BucketProfile(bytes=l.padded_numel * l.element_size,
                                  ready_s=statistics.median(self._ready[b])
-                                 if self._ready.get(b) else backward_s)
+                                 if self._ready.get(b) else backward_s,
+                                 reduce_bytes=l.padded_numel * reduce_itemsize[b])
                    for b, l in enumerate(layouts)]
         fraction = link_fraction(model.topology, model.world_size)
-        link = fit_link([(buckets[_bucket_of(name)].bytes * fraction, end - start)
+
+        def span_bytes(lane, name):
+            bucket = buckets[_bucket_of(name)]
+            return bucket.reduce_scatter_bytes if lane.endswith("-rs") else bucket.bytes
+        link = fit_link([(span_bytes(lane, name) * fraction, end - start)
                          for lane, name, start, end in spans
                          if lane in _BOTTLENECK_LANES[model.topology.uses_hierarchy]])
         plan = profile_plan(buckets, backward_s, model.forward_bucket_order, link=link,

@@ -33,7 +33,8 @@ def _reduce_in(dtype: torch.dtype):
 
 def reduced_side_by_side(rank: int, world_size: int, case: dict) -> dict:
     """case: ``reduce_dtype`` and ``param_dtype`` (names of torch dtypes),
-    ``schedule``, ``local_size`` (hierarchical) and ``accumulate``: micro-batches
+    ``schedule``, ``plan`` (two_stage's overlap_plan, "layout" unless given),
+    ``local_size`` (hierarchical) and ``accumulate``: micro-batches
     per step ("no_sync": all but the last under no_sync(); "synced": every one
     reduced)."""
     reduce_dtype = getattr(torch, case["reduce_dtype"])
@@ -43,7 +44,7 @@ def reduced_side_by_side(rank: int, world_size: int, case: dict) -> dict:
     torch.manual_seed(0)
     base = MLP().to(param_dtype)
     reference = copy.deepcopy(base)
-    kw = {"overlap_plan": "layout"} if schedule == "two_stage" else {}
+    kw = {"overlap_plan": case.get("plan", "layout")} if schedule == "two_stage" else {}
     if "local_size" in case:
         kw["topology"] = fgp.Topology(local_size=case["local_size"])
     ours = fgp.DistributedDataParallel(base, schedule=schedule, bucket_cap_mb=0.0001,
@@ -72,6 +73,7 @@ def reduced_side_by_side(rank: int, world_size: int, case: dict) -> dict:
                for a, b in zip(ours.module.parameters(), ref.module.parameters()))
     stats = ours.comm_stats()
     return {"diff_to_ddp": diff, "comm_stats": stats,
+            "plan_source": ours.plan.source if ours.plan is not None else None,
             "send_dtypes": sorted({str(s.reduce_dtype) for s in ours.buckets}),
             "grad_dtypes": sorted({str(s.grad_shard.dtype) for s in ours.buckets})}
 

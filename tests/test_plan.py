@@ -89,3 +89,15 @@ def test_timeline_records_only_when_enabled_and_exports_chrome_json():
              if e["name"] == "thread_name"}
     assert names[complete[1]["tid"]] == "inter-ag"
     assert abs(complete[1]["dur"] - 0.5e6) < 1.0
+
+
+def test_profile_plan_times_reduce_scatters_in_their_own_bytes():
+    # Gradients reduced in bfloat16 (reduce_dtype): the reduce-scatters take half
+    # as long, which leaves room for bucket 1's all-gather before backward ends.
+    link = LinkModel(latency_s=0.0, bandwidth_Bps=100.0)  # 1 s per 100 bytes
+    same = [BucketProfile(bytes=100, ready_s=0.0), BucketProfile(bytes=100, ready_s=1.0),
+            BucketProfile(bytes=100, ready_s=3.0)]
+    halved = [BucketProfile(bytes=b.bytes, ready_s=b.ready_s, reduce_bytes=50) for b in same]
+    assert profile_plan(same, backward_s=3.5, forward_order=(2, 1, 0), link=link).stage1 == (0,)
+    assert profile_plan(halved, backward_s=3.5, forward_order=(2, 1, 0),
+                        link=link).stage1 == (0, 1)

@@ -16,6 +16,8 @@ TWO_RANK_CASES = [
     {"reduce_dtype": "bfloat16", "schedule": "next_forward", "micro": 2, "accumulate": "no_sync"},
     {"reduce_dtype": "bfloat16", "schedule": "two_stage"},
     {"reduce_dtype": "bfloat16", "schedule": "two_stage", "clip": 1.0},
+    # The profile plan from step 4 on, its link fitted to half-size reduce-scatters.
+    {"reduce_dtype": "bfloat16", "schedule": "two_stage", "plan": "auto"},
     {"reduce_dtype": "bfloat16", "schedule": "two_stage", "micro": 2, "accumulate": "synced"},
     # Megatron's grad_reduce_in_fp32: bfloat16 parameters, float32 reduction.
     {"reduce_dtype": "float32", "param_dtype": "bfloat16", "schedule": "two_stage"},
@@ -48,6 +50,8 @@ def test_matches_torch_ddp_with_the_same_reduction_bitwise(two_ranks, index):
         assert res["diff_to_ddp"] <= tolerance, (rank, case, res["diff_to_ddp"])
         assert res["send_dtypes"] == [f"torch.{case['reduce_dtype']}"]
         assert res["grad_dtypes"] == [f"torch.{case.get('param_dtype', 'float32')}"]
+        if case.get("plan") == "auto":
+            assert res["plan_source"] == "profile", (rank, res["plan_source"])
 
 
 def test_bfloat16_reduction_halves_the_reduce_scatter_bytes(two_ranks):

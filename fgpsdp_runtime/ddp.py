@@ -279,6 +279,8 @@ class DistributedDataParallel(nn.Module):
 
     def _before_forward(self, inputs: tuple, kwargs: dict, wait_all: bool) -> tuple[tuple, dict]:
         self._param_places.check()
+        if self.optimizer_attached:
+            self._optimizer_ref().note_forward()
         if self.scheduler is not None:
             # First: between backward and step it undoes the speculative steps
             # and sends the restored slices again, which the waits must cover.

@@ -366,6 +366,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # Some rank's speculative steps ran with other hyperparameters than the step's.
         self._speculated_with_other_hyperparameters = False
 
+    def note_forward(self) -> None:
+        """The wrapper's forward (every rank runs it): one after this step's
+        gradients were finished starts another round (the loop skipped step(),
+        or accumulates on), so what was measured is forgotten and the step
+        finishes and measures again. A backward under no_sync() launches no
+        reduce-scatter to tell; the forward before it does, on every rank, even
+        one whose backward reaches no parameter. (A forward only between
+        clip_grad_norm_ or unscale_ and the step costs a round of
+        reduce-scatters adding zeros.)"""
+        if self._reduce_scatters_finished:
+            self._reset_step_measurements()
+
     def _forget_stale_measurements(self) -> None:
         """Reduce-scatters launched since this step's were finished: the loop did
         not call step() after measuring (a step it skipped after clip_grad_norm_

@@ -376,6 +376,30 @@ def train_with_inf_gradient(rank: int, world_size: int, schedule: str) -> dict:
             "rollbacks": model.scheduler.rollbacks if model.scheduler else 0}
 
 
+def skip_on_inf_norm(rank: int, world_size: int, schedule: str, all_no_sync: bool) -> dict:
+    """A loop that skips opt.step() when clip_grad_norm_ says inf (step 0: rank 0's
+    loss is inf), accumulating two micro-batches per step: the first under
+    no_sync(), the second synced or (``all_no_sync``) also under no_sync(), which
+    fgpsdp reduces at the step. Returns the norms and the parameters."""
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(MLP(), bucket_cap_mb=0.0001, schedule=schedule)
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    norms = []
+    for step in range(4):
+        for m in range(2):
+            x, y = make_batch("mlp", step, m, rank)
+            synced = m == 1 and not all_no_sync
+            with model.no_sync() if not synced else _null():
+                loss = loss_fn("mlp", model(x), y) / 2
+                (loss * math.inf if step == 0 and rank == 0 else loss).backward()
+        norms.append(float(opt.clip_grad_norm_(1.0)))
+        if math.isfinite(norms[-1]):
+            opt.step()
+        opt.zero_grad()
+    model.synchronize()
+    return {"norms": norms, "params": [p.detach().clone() for p in model.module.parameters()]}
+
+
 def loop_warnings(rank: int, world_size: int, optimizer: str = "sharded",
                   zero_through: str = "optimizer") -> dict[str, int]:
     """The fgpsdp warnings of a 3-step loop: which optimizer steps, where it zeroes."""

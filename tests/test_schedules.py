@@ -1,11 +1,12 @@
 """Every schedule trains like torch DDP and gives bitwise the same parameters as "serial"."""
 import functools
+import math
 
 import pytest
 import torch
 
-from .dist_harness import run_distributed
-from .scenarios import train_many, train_with_inf_gradient
+from .dist_harness import call_many, run_distributed
+from .scenarios import skip_on_inf_norm, train_many, train_with_inf_gradient
 from .test_equivalence import SCENARIOS, TOL
 
 SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
@@ -96,3 +97,18 @@ def test_unknown_schedule_is_refused():
     import fgpsdp_runtime as fgp
     with pytest.raises(ValueError, match="schedule must be one of"):
         fgp.DistributedDataParallel(torch.nn.Linear(2, 2), schedule="eager")
+
+
+@pytest.mark.parametrize("schedule", ["two_stage", "serial"])
+def test_a_step_the_loop_skips_leaves_the_next_steps_whole(schedule):
+    """After a step skipped by the loop (clip_grad_norm_ said inf), the next steps
+    measure and reduce their own gradients, also when every micro-batch ran under
+    no_sync() (before, their norm stayed inf and the model never trained again)."""
+    calls = [(skip_on_inf_norm, schedule, all_no_sync) for all_no_sync in (False, True)]
+    for per_call in run_distributed(2, call_many, calls, timeout_s=300):
+        synced, all_no_sync = (per_call[c] for c in calls)
+        assert not math.isfinite(synced["norms"][0])
+        assert all(math.isfinite(n) for n in synced["norms"][1:]), synced["norms"]
+        # The same sum of micro-batch gradients, reduced at the step: the same bits.
+        assert all_no_sync["norms"][1:] == synced["norms"][1:]
+        assert all(torch.equal(a, b) for a, b in zip(all_no_sync["params"], synced["params"]))

@@ -244,22 +244,20 @@ class GradientReducer:
     def _start_reduce_scatter(self, b: int) -> None:
         storage = self.buckets[b]
         send = storage.acquire_send_buffer()
-        if storage.grad_shard_valid:
-            # Gradients accumulate across backwards until zero_grad().
-            self._added_after_step |= self._stepped_since_zeroed
+        if storage.grad_shard_valid or send.dtype != storage.grad_shard.dtype:
+            # Received apart, then added (gradients accumulate across backwards
+            # until zero_grad()) or cast in (reduced in another dtype).
             received = torch.empty(storage.grad_shard.numel(), dtype=send.dtype,
                                    device=send.device)
+            if storage.grad_shard_valid:
+                self._added_after_step |= self._stepped_since_zeroed
+                land = storage.grad_shard.add_
+            else:
+                land = storage.grad_shard.copy_
+                storage.grad_shard_valid = True
 
-            def on_done(storage=storage, received=received):
-                storage.grad_shard.add_(received)
-                storage.release_send_buffer()
-        elif send.dtype != storage.grad_shard.dtype:  # reduced in another dtype
-            received = torch.empty(storage.grad_shard.numel(), dtype=send.dtype,
-                                   device=send.device)
-            storage.grad_shard_valid = True
-
-            def on_done(storage=storage, received=received):
-                storage.grad_shard.copy_(received)
+            def on_done(storage=storage, received=received, land=land):
+                land(received)
                 storage.release_send_buffer()
         else:
             received = storage.grad_shard

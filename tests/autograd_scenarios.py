@@ -179,7 +179,3 @@ def clamp_between_backward_and_step(rank: int, world_size: int) -> None:
             p.clamp_(-0.1, 0.1)
     opt.step()
 
-
-def run_many(rank: int, world_size: int, cases: list[tuple]) -> dict:
-    """Several scenarios in one set of processes: case = (function name, *arguments)."""
-    return {case: globals()[case[0]](rank, world_size, *case[1:]) for case in cases}

@@ -5,6 +5,7 @@ Imported by the spawned ranks (module-level functions only).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import torch
@@ -58,7 +59,7 @@ def reduced_side_by_side(rank: int, world_size: int, case: dict) -> dict:
             x, y = make_batch("mlp", step, m, rank)
             synced = m == micro - 1 or case.get("accumulate") == "synced"
             for model in (ours, ref):
-                context = model.no_sync() if not synced else _Null()
+                context = model.no_sync() if not synced else contextlib.nullcontext()
                 with context:
                     loss = nn.functional.mse_loss(model(x.to(param_dtype)).float(), y) / micro
                     loss.backward()
@@ -76,14 +77,6 @@ def reduced_side_by_side(rank: int, world_size: int, case: dict) -> dict:
             "plan_source": ours.plan.source if ours.plan is not None else None,
             "send_dtypes": sorted({str(s.reduce_dtype) for s in ours.buckets}),
             "grad_dtypes": sorted({str(s.grad_shard.dtype) for s in ours.buckets})}
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def reduced_many(rank: int, world_size: int, cases: list[dict]) -> list[dict]:

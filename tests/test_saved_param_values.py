@@ -10,23 +10,22 @@ instead of computing with the new values.
 import pytest
 
 from . import autograd_scenarios
-from .dist_harness import run_distributed
+from .dist_harness import call_many, run_distributed
 
 
-DETACHED = [("detached_read_side_by_side", schedule, 4, eval_first)
+DETACHED = [(autograd_scenarios.detached_read_side_by_side, schedule, 4, eval_first)
             for schedule, eval_first in [("two_stage", False), ("two_stage", True),
                                          ("next_forward", False)]]
 # serial lands the all-gathers within the step: no synchronize() needed there.
-CLAMPED = [("clamp_after_step", schedule, schedule != "serial")
+CLAMPED = [(autograd_scenarios.clamp_after_step, schedule, schedule != "serial")
            for schedule in ("serial", "next_forward", "two_stage")]
-COPIES = [("copies_and_direct_calls", schedule) for schedule in ("next_forward", "two_stage")]
+COPIES = [(autograd_scenarios.copies_and_direct_calls, schedule) for schedule in ("next_forward", "two_stage")]
 
 
 @pytest.fixture(scope="module")
 def trained():
     """The scenarios that end normally, in one set of processes (2 ranks)."""
-    results = run_distributed(2, autograd_scenarios.run_many, DETACHED + CLAMPED + COPIES,
-                              timeout_s=300)
+    results = run_distributed(2, call_many, DETACHED + CLAMPED + COPIES, timeout_s=300)
     return {case: [r[case] for r in results] for case in results[0]}
 
 

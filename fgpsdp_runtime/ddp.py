@@ -34,6 +34,7 @@ from .reducer import GradientReducer
 from .tracing import Timeline
 from .topology import (NodeLayout, TopologyArg, check_contiguous_nodes, create_link_groups,
                        resolve)
+from .uneven_inputs import AnnouncedCall, UnevenInputs
 from .validation import agree_or_raise, describe, local_problems
 
 
@@ -143,12 +144,15 @@ class DistributedDataParallel(nn.Module):
         self.param_versions = ParamVersions(
             [[self._params[s.param_index] for s in layout.spans] for layout in self.bucket_layouts],
             {id(p): name for name, p in zip(self._param_names, self._params)})
+        # Set inside ``with model.join():`` (see uneven_inputs.py).
+        self._uneven_inputs: Optional[UnevenInputs] = None
         self._broadcast_initial_state(named)
 
         self.reducer = GradientReducer(self._params, self._param_names, self._buckets,
                                        self._exchange, self.world_size, self.timeline,
                                        launch_during_backward=schedule != "serial")
         self.reducer.register_hooks()
+        self.reducer.round_start_listeners.append(self._announce_reduce_round)
         # A ShardedOptimizer registers itself: without one, a loop built for torch
         # DDP (a torch.optim optimizer on module.parameters()) would silently not
         # train, as param.grad stays None; the first backward warns instead.
@@ -228,7 +232,11 @@ class DistributedDataParallel(nn.Module):
                           RuntimeWarning)
 
     def _authoritative_rank(self) -> int:
-        return dist.get_global_rank(self.process_group, 0) if self.process_group else 0
+        """The global rank buffers are broadcast from: the group's first, or under
+        join() its highest active one (as torch DDP: rank 0 may have joined)."""
+        uneven = self._uneven_inputs
+        rank = uneven.authoritative_rank if uneven is not None else 0
+        return dist.get_global_rank(self.process_group, rank) if self.process_group else rank
 
     @torch.no_grad()
     def _broadcast_initial_state(self, named_params) -> None:
@@ -278,6 +286,11 @@ class DistributedDataParallel(nn.Module):
         return output
 
     def _before_forward(self, inputs: tuple, kwargs: dict, wait_all: bool) -> tuple[tuple, dict]:
+        if self._uneven_inputs is not None:
+            buffers_first = self._sync_buffers_before_forward and self.broadcast_buffers
+            synchronised = torch.is_grad_enabled() and self.reducer.sync_enabled
+            self._uneven_inputs.notify(AnnouncedCall.FORWARD, float(buffers_first),
+                                       float(synchronised))
         self._param_places.check()
         if self.optimizer_attached:
             self._optimizer_ref().note_forward()
@@ -302,6 +315,17 @@ class DistributedDataParallel(nn.Module):
             self._start_queued_gathers(all_of_them=True)
         self.forward_ended_at = time.perf_counter()
         self._sync_buffers_before_forward = torch.is_grad_enabled() and self.reducer.sync_enabled
+
+    def _shadow_forward(self, buffers_first: bool, synchronised: bool) -> None:
+        """A joined rank's part in the active ranks' forward (uneven_inputs.py): the
+        same collectives, no compute."""
+        self._sync_buffers_before_forward = buffers_first
+        self._before_forward((), {}, wait_all=True)
+        self._sync_buffers_before_forward = synchronised
+
+    def _announce_reduce_round(self) -> None:
+        if self._uneven_inputs is not None:
+            self._uneven_inputs.notify(AnnouncedCall.REDUCE_ROUND)
 
     @property
     def backward_may_read_detached_params(self) -> bool:
@@ -350,15 +374,16 @@ class DistributedDataParallel(nn.Module):
             "threads and the buckets); copy model.module instead, after model.synchronize() "
             "(the copy is not wrapped)")
 
-    # torch DDP methods with no meaning here: a clear error instead of
+    def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
+             throw_on_early_termination: bool = False) -> UnevenInputs:
+        """torch DDP's context manager for uneven inputs: ranks may run different
+        numbers of iterations inside it. A rank whose loop has ended keeps
+        stepping its slices with the others' gradients (see uneven_inputs.py)."""
+        return UnevenInputs(self, divide_by_initial_world_size=divide_by_initial_world_size,
+                            enable=enable, throw_on_early_termination=throw_on_early_termination)
+
+    # A torch DDP method with no meaning here: a clear error instead of
     # nn.Module's "has no attribute", which reads like a version mismatch.
-
-    def join(self, *args: Any, **kwargs: Any):
-        raise NotImplementedError(
-            "fgpsdp: join() (uneven inputs) is not supported: a rank that runs out of data "
-            "still owns slices every step must update. Give every rank the same number of "
-            "batches (DistributedSampler pads to equal shares unless drop_last=True)")
-
     def register_comm_hook(self, state: object, hook: Any) -> None:
         raise NotImplementedError(
             "fgpsdp: register_comm_hook() is not supported: gradients are reduce-scattered "
@@ -373,6 +398,8 @@ class DistributedDataParallel(nn.Module):
         for the next backward to add to. ``ShardedOptimizer.zero_grad`` calls
         this; loops may call either, as with torch DDP.
         """
+        if self._uneven_inputs is not None:
+            self._uneven_inputs.notify(AnnouncedCall.ZERO_GRAD, float(set_to_none))
         if self.scheduler is not None:
             # Between backward and step: what the speculative steps used is reset.
             self.scheduler.before_forward()
@@ -534,6 +561,8 @@ class DistributedDataParallel(nn.Module):
         a collective: call it on every rank.
         """
         if self.scheduler is not None:
+            if self._uneven_inputs is not None and self.scheduler.holds_speculative_values():
+                self._uneven_inputs.notify(AnnouncedCall.SYNCHRONIZE)
             self.scheduler.before_forward()
         self.finish_param_all_gathers()
 

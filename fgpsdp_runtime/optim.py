@@ -34,6 +34,7 @@ from .ops import multi_tensor_sq_norm
 from .profiling import nvtx_range
 from .speculation import (SliceBackup, compile_session_active, hyperparameters,
                           same_hyperparameters, wait_out_compile_session)
+from .uneven_inputs import AnnouncedCall
 
 # Optimizers whose update is not element-wise: slicing would change the result.
 _NOT_ELEMENTWISE = {"LBFGS", "Adafactor", "SparseAdam"}
@@ -181,6 +182,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         if float(norm_type) != 2.0:
             raise ValueError("only the L2 norm (norm_type=2) is supported")
+        if self.model._uneven_inputs is not None:
+            self.model._uneven_inputs.notify(AnnouncedCall.CLIP, float(max_norm))
         total = self._reduce_and_measure()
         self._apply_clip(total, float(max_norm))
         return self._norm_tensor(total)
@@ -209,6 +212,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for a step that an inf skips (torch's scaler does not call step() then, so
         step hooks such as an EMA update do not run; every rank must still take
         part, to undo speculative steps and keep the collectives paired)."""
+        if self.model._uneven_inputs is not None:
+            self.model._uneven_inputs.announce_step(self)
         with self.model.timeline.span("compute", "optimizer step"):
             self._step()
 
@@ -328,6 +333,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         if any(s.dtype == torch.float16 for s in self.model.buckets):
             raise ValueError("Attempting to unscale FP16 gradients.")  # torch's refusal
+        if self.model._uneven_inputs is not None:
+            # A joined rank's scaler would miss the others' update(): its scale
+            # would differ after the join.
+            self.model._uneven_inputs.refuse(
+                "fgpsdp: ShardedGradScaler is not supported inside model.join() (a joined "
+                "rank's loss scale would stop following the others')")
         self._finish_reduce_scatters()
         scheduler = self.model.scheduler
         if scheduler is not None:
@@ -424,6 +435,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         into a torch optimizer built with the same param groups.
         """
         self._refuse_speculative_state("full_state_dict()")
+        if self.model._uneven_inputs is not None:
+            self.model._uneven_inputs.notify(AnnouncedCall.FULL_STATE, float(rank0_only))
         return optim_checkpoint.full_state_dict(self, rank0_only)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -63,6 +63,10 @@ class GradientReducer:
         self.backward_started_at = 0.0  # perf_counter at the first hook of a backward
         # Called once a synchronised backward has ended and its buckets are launched.
         self.backward_end_listeners: list[Callable[[], None]] = []
+        # Called before a backward launches its round's first reduce-scatter (not
+        # one the step launches: see finish_gradient_sync); model.join() announces it.
+        self.round_start_listeners: list[Callable[[], None]] = []
+        self._launching_for_step = False
         # Reduce-scatters launched per bucket since the last step, and in all.
         self.reduce_scatters_since_step = [0] * len(self.buckets)
         self.reduce_scatters_launched = 0
@@ -242,6 +246,9 @@ class GradientReducer:
         self._launch_ready_in_order()
 
     def _start_reduce_scatter(self, b: int) -> None:
+        if b == 0 and not self._launching_for_step:
+            for listener in self.round_start_listeners:
+                listener()
         storage = self.buckets[b]
         send = storage.acquire_send_buffer()
         if storage.grad_shard_valid or send.dtype != storage.grad_shard.dtype:
@@ -285,9 +292,20 @@ class GradientReducer:
         sequence of collectives matches the other ranks'.
         """
         if self._round_in_progress() or not self._round_launched:
-            self._fill_missing_and_launch()
+            self._launching_for_step = True
+            try:
+                self._fill_missing_and_launch()
+            finally:
+                self._launching_for_step = False
         self.wait_all()
         self._round_launched = False
+
+    def launch_round_of_zeros(self) -> None:
+        """A joined rank's part in the others' backward (model.join()): a round of
+        reduce-scatters of zero gradients, as a backward reaching no parameter."""
+        self._fill_missing_and_launch()
+        for listener in self.backward_end_listeners:
+            listener()
 
     def end_step(self) -> None:
         self.reduce_scatters_since_step = [0] * len(self.buckets)

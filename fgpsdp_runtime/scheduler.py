@@ -83,6 +83,8 @@ class TwoStageScheduler:
         # loop sets the optimizer's hyperparameters between backward and step,
         # so every speculative step would be redone.
         self.stopped_because: Optional[str] = None
+        # While a rank has joined (model.join()): see suspend_speculation.
+        self._suspended = False
         self._stop_to_report = False
         # Per step, owned by the thread between the first hand-over and the join.
         self._handed: set[int] = set()  # stage-1 buckets handed to the thread this step
@@ -267,8 +269,21 @@ class TwoStageScheduler:
             self.stopped_because = reason
             self._stop_to_report = warn
 
+    def suspend_speculation(self) -> None:
+        """Speculate no more until resume_speculation(): from now if no round of
+        reduce-scatters has begun since the step (every rank tells alike), else
+        from the step's end. Under model.join() a joined rank's speculative
+        steps would run before the step shares the hyperparameters."""
+        self._suspended = True
+        if not any(self.model.reducer.reduce_scatters_since_step):
+            self.speculating = False
+
+    def resume_speculation(self) -> None:
+        """From the next step that would commit on."""
+        self._suspended = False
+
     def end_step(self, would_commit: bool) -> None:
-        self.speculating = would_commit and self.stopped_because is None
+        self.speculating = would_commit and self.stopped_because is None and not self._suspended
         self._next = 0
         self.speculated = {}
         self._handed = set()

@@ -153,10 +153,11 @@ def parameter_replaced_after_wrapping(rank, world_size):
     model(torch.randn(4, 13))
 
 
-def ddp_join(rank, world_size):
+def nested_join(rank, world_size):
     model = fgp.DistributedDataParallel(MLP())
     with model.join():
-        pass
+        with model.join():
+            pass
 
 
 def ddp_comm_hook(rank, world_size):

@@ -40,7 +40,7 @@ CASES = [
      [r"opt\.state_dict\(\) between backward and opt\.step\(\)"]),
     (bad_inputs.cast_after_wrapping, "RuntimeError",
      [r"parameter 'net\.\d\.(weight|bias)' was given new storage", r"torch\.float64"]),
-    (bad_inputs.ddp_join, "NotImplementedError", [r"join\(\) \(uneven inputs\) is not supported"]),
+    (bad_inputs.nested_join, "RuntimeError", [r"model\.join\(\) contexts cannot be nested"]),
     (bad_inputs.ddp_comm_hook, "NotImplementedError",
      [r"register_comm_hook\(\) is not supported"]),
     (bad_inputs.parameter_replaced_after_wrapping, "RuntimeError",

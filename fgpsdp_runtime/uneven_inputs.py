@@ -1,0 +1,253 @@
+"""Uneven inputs: ``model.join()``, torch DDP's context manager, for sharded state.
+
+A rank that runs out of data still owns a slice of every bucket: each step
+the others take must reduce-scatter into that slice, step it with its share
+of the optimizer state and all-gather it back. Under torch DDP a joined rank
+only has to add zeros to the all-reduces; here it has to keep training its
+slices, so it shadows every call of the loop that communicates.
+
+[Note: the join protocol]
+Inside ``with model.join():`` each active rank announces every call that
+communicates with one small all-reduce on the wrapper's group, before the
+call's first collective: a forward, a round of reduce-scatters (the first
+bucket a backward launches), ``opt.step()``, ``opt.clip_grad_norm_()``,
+``zero_grad()``, a ``synchronize()`` that undoes speculative steps, and
+``opt.full_state_dict()``. A rank whose loop has ended loops in ``__exit__``:
+it adds zeros to the same all-reduce, learns from the sum how many ranks are
+still active, which call they make and with which arguments, and makes the
+same call itself, contributing zero gradients. Its reducer, optimizer and
+scheduler thus go through the same states as the active ranks', and every
+later collective pairs up as it does without a join. When the all-reduce
+sums to zero active ranks every rank has left its loop: the buffers are
+broadcast from the last rank to join (as torch DDP does; the parameters are
+the same everywhere already) and the context ends.
+
+    active rank : notify(F) forward  notify(R) RS RS RS  notify(S) norm AG AG
+    joined rank : notify    -> F     notify    RS RS RS  notify    norm AG AG
+                  (zeros)      (lands gathers, buffers)  (zeros)    (steps its slices)
+
+A round of reduce-scatters that the step itself launches (a backward that
+reached no parameter) is not announced: the joined rank's own step launches
+it alike. Hyperparameters set on the active ranks (a learning-rate schedule)
+are broadcast to the joined ranks at each step. While a rank is joined
+``two_stage`` does not speculate (its speculative steps would run before
+that broadcast); it resumes after the context.
+"""
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING, Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .ddp import DistributedDataParallel
+
+
+class AnnouncedCall(enum.IntEnum):
+    """What the active ranks are about to do (one slot each in the notification)."""
+    FORWARD = 0        # args: (buffers broadcast before it, a synchronised grad-enabled forward)
+    REDUCE_ROUND = 1   # a backward launches its round of reduce-scatters
+    STEP = 2
+    CLIP = 3           # args: (max_norm,)
+    ZERO_GRAD = 4      # args: (set_to_none,)
+    SYNCHRONIZE = 5    # one that undoes two_stage's speculative steps (a collective then)
+    FULL_STATE = 6     # args: (rank0_only,)
+    REFUSED = 7        # the active ranks raise: so does the joined one
+
+
+_N_CALLS = len(AnnouncedCall)
+_N_ARGS = 2
+EARLY_TERMINATION = ("fgpsdp: detected at least one rank that exhausted its inputs; raising on "
+                     "every rank (join(throw_on_early_termination=True))")
+
+
+class UnevenInputs:
+    """What ``model.join(...)`` returns; see the module docstring."""
+
+    def __init__(self, model: "DistributedDataParallel", *, divide_by_initial_world_size: bool,
+                 enable: bool, throw_on_early_termination: bool):
+        self.model = model
+        self.enable = enable
+        self.divide_by_initial_world_size = divide_by_initial_world_size
+        self.throw_on_early_termination = throw_on_early_termination
+        self.joined = False  # this rank's loop has ended; it shadows the others
+        self.active_ranks: Sequence[int] = range(model.world_size)  # group ranks
+        self._someone_joined = False
+
+    # -- the context -----------------------------------------------------------
+
+    def __enter__(self) -> "UnevenInputs":
+        if self.enable:
+            if self.model._uneven_inputs is not None:
+                raise RuntimeError("fgpsdp: model.join() contexts cannot be nested")
+            self.model._uneven_inputs = self
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        if not self.enable:
+            return False
+        optimizer = self.model._optimizer_ref() if self.model.optimizer_attached else None
+        # The step shares the active ranks' hyperparameters with the joined ones;
+        # after the join each rank's are its own again (its lr schedule's).
+        own = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] \
+            if optimizer is not None else None
+        try:
+            if exc_type is None:
+                self.joined = True
+                self._shadow_until_all_joined()
+        finally:
+            self._leave()
+            if own is not None:
+                for group, values in zip(optimizer.param_groups, own):
+                    group.update(values)
+        return False
+
+    def _leave(self) -> None:
+        model = self.model
+        model._uneven_inputs = None
+        model.reducer.grad_scale = 1.0 / model.world_size
+        if model.scheduler is not None:
+            model.scheduler.resume_speculation()
+
+    # -- active ranks ------------------------------------------------------------
+
+    @property
+    def authoritative_rank(self) -> int:
+        """The group rank buffers come from: the highest active one (torch DDP's choice)."""
+        return max(self.active_ranks)
+
+    def notify(self, call: AnnouncedCall, *args: float) -> None:
+        """An active rank announces ``call``: before its first collective, on every active rank."""
+        if self.joined:
+            return  # a joined rank making the call it shadows
+        packet = torch.zeros(1 + _N_CALLS + _N_ARGS + self.model.world_size, dtype=torch.float64)
+        packet[0] = 1.0
+        packet[1 + int(call)] = 1.0
+        for i, value in enumerate(args):
+            packet[1 + _N_CALLS + i] = float(value)
+        packet[1 + _N_CALLS + _N_ARGS + self.model.rank] = 1.0
+        packet = packet.to(self._device)
+        self._all_reduce(packet)
+        self._learn(packet)
+        if call is AnnouncedCall.FORWARD and not self.divide_by_initial_world_size:
+            # torch DDP's option: average over the ranks that contribute.
+            self.model.reducer.grad_scale = 1.0 / len(self.active_ranks)
+
+    def announce_step(self, optimizer) -> None:
+        """opt.step()'s notification; once a rank has joined, the step's
+        hyperparameters follow it (the joined ranks' schedules stopped with their loops)."""
+        if self.joined:
+            return  # received in _shadow
+        self.notify(AnnouncedCall.STEP)
+        if self._someone_joined:
+            _share_hyperparameters(self.model, optimizer, self.authoritative_rank)
+
+    def refuse(self, message: str) -> None:
+        """Raise ``message`` on every rank (the joined ones are told first)."""
+        self.notify(AnnouncedCall.REFUSED)
+        raise NotImplementedError(message)
+
+    # -- joined ranks --------------------------------------------------------------
+
+    def _shadow_until_all_joined(self) -> None:
+        model = self.model
+        # Gradients a no_sync() backward left count for nothing, as under torch
+        # DDP (a joined rank contributes zeros).
+        for _, param in model.named_trainable_parameters():
+            param.grad = None
+        last_to_join = True
+        while True:
+            packet = torch.zeros(1 + _N_CALLS + _N_ARGS + model.world_size, dtype=torch.float64,
+                                 device=self._device)
+            self._all_reduce(packet)
+            active = int(round(float(packet[0])))
+            if active == 0:
+                break
+            last_to_join = False
+            self._learn(packet)
+            calls = [c for c in AnnouncedCall if int(round(float(packet[1 + int(c)]))) == active]
+            if len(calls) != 1:
+                raise RuntimeError(
+                    "fgpsdp: under model.join() the active ranks made different calls at the same "
+                    "point of their loops; every rank must run the same loop")
+            args = [float(packet[1 + _N_CALLS + i]) / active for i in range(_N_ARGS)]
+            self._shadow(calls[0], args)
+        self._finish(last_to_join)
+
+    def _shadow(self, call: AnnouncedCall, args: list[float]) -> None:
+        model = self.model
+        optimizer = model._optimizer_ref() if model.optimizer_attached else None
+        if call is AnnouncedCall.FORWARD:
+            model._shadow_forward(buffers_first=args[0] > 0.5, synchronised=args[1] > 0.5)
+        elif call is AnnouncedCall.REDUCE_ROUND:
+            model.reducer.launch_round_of_zeros()
+        elif call is AnnouncedCall.STEP:
+            _share_hyperparameters(model, optimizer, self.authoritative_rank)
+            optimizer.step()
+            # Every all-gather starts now: an active rank may wait for any of
+            # them (a save, a direct call of model.module) without a forward.
+            model.begin_param_exchange()
+        elif call is AnnouncedCall.CLIP:
+            optimizer.clip_grad_norm_(args[0])
+        elif call is AnnouncedCall.ZERO_GRAD:
+            if optimizer is not None:
+                optimizer.zero_grad(set_to_none=args[0] > 0.5)
+            else:
+                model.zero_grad(set_to_none=args[0] > 0.5)
+        elif call is AnnouncedCall.SYNCHRONIZE:
+            model.synchronize()
+        elif call is AnnouncedCall.FULL_STATE:
+            optimizer.full_state_dict(rank0_only=args[0] > 0.5)
+        elif call is AnnouncedCall.REFUSED:
+            raise NotImplementedError("fgpsdp: the active ranks raised under model.join() "
+                                      "(their error says why)")
+
+    def _finish(self, last_to_join: bool) -> None:
+        model = self.model
+        model.finish_param_all_gathers()
+        # The buffers of the last rank to join, as torch DDP ends a join: a
+        # joined rank's are stale. (Its parameters are not: it took part in
+        # every all-gather.)
+        candidate = torch.tensor([model.rank if last_to_join else -1], dtype=torch.float64,
+                                 device=self._device)
+        if model.world_size > 1:
+            dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=model.process_group)
+        self.active_ranks = (int(candidate.item()),)
+        if model.broadcast_buffers:
+            model._broadcast_buffers()
+
+    # -- shared ------------------------------------------------------------------------
+
+    def _learn(self, packet: torch.Tensor) -> None:
+        world_size = self.model.world_size
+        mask = packet[1 + _N_CALLS + _N_ARGS:].cpu()
+        self.active_ranks = tuple(r for r in range(world_size) if mask[r] > 0.5)
+        if len(self.active_ranks) < world_size and not self._someone_joined:
+            self._someone_joined = True
+            if self.throw_on_early_termination:
+                raise RuntimeError(EARLY_TERMINATION)
+            if self.model.scheduler is not None:
+                self.model.scheduler.suspend_speculation()
+
+    def _all_reduce(self, packet: torch.Tensor) -> None:
+        if self.model.world_size > 1:
+            dist.all_reduce(packet, op=dist.ReduceOp.SUM, group=self.model.process_group)
+
+    @property
+    def _device(self) -> torch.device:
+        buckets = self.model.buckets
+        return buckets[0].device if buckets else torch.device("cpu")
+
+
+def _share_hyperparameters(model: "DistributedDataParallel", optimizer, src: int) -> None:
+    """Every param group's hyperparameters from group rank ``src`` to every rank (a collective)."""
+    groups = optimizer.param_groups
+    box: list[Any] = [[{k: v for k, v in g.items() if k != "params"} for g in groups]
+                      if model.rank == src else None]
+    global_src = dist.get_global_rank(model.process_group, src) if model.process_group else src
+    dist.broadcast_object_list(box, src=global_src, group=model.process_group)
+    if model.rank != src:
+        for group, values in zip(groups, box[0]):
+            group.update(values)

@@ -1,0 +1,202 @@
+"""Uneven inputs: fgpsdp's model.join() beside torch DDP's, on the same data.
+
+Each rank trains on its own number of batches; the ranks that run out first
+join. Imported by the spawned ranks (module-level functions only).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+
+import fgpsdp_runtime as fgp
+from .scenarios import (MODELS, loss_fn, make_batch, make_groups, optimizer_class_and_defaults,
+                       reference_clip_)
+
+
+def _loop(model, opt, sched, cfg: dict, rank: int, clip) -> list[float]:
+    """The training loop both systems run: ``cfg["batches"][rank]`` steps."""
+    model_name = cfg.get("model", "mlp")
+    micro = cfg.get("accumulate", 1)
+    losses = []
+    for step in range(cfg["batches"][rank]):
+        if cfg.get("eval_every_step"):  # an evaluation forward between steps
+            model.eval()
+            with torch.no_grad():
+                model(make_batch(model_name, 99, 0, rank)[0])
+            model.train()
+        for m in range(micro):
+            x, y = make_batch(model_name, step, m, rank)
+            ctx = model.no_sync() if m < micro - 1 else contextlib.nullcontext()
+            with ctx:
+                loss = loss_fn(model_name, model(x), y) / micro
+                loss.backward()
+        clip()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if sched is not None:
+            sched.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def train_uneven(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Train fgpsdp under join(), then torch DDP under join(); return their differences."""
+    model_name = cfg.get("model", "mlp")
+    optimizer = cfg.get("optimizer", "adamw_groups")
+    join_kw = cfg.get("join", {})
+    torch.manual_seed(1234 + rank)  # the broadcast at construction fixes it
+    base = MODELS[model_name]()
+    ref_module = copy.deepcopy(base)
+    kw = {k: cfg[k] for k in ("schedule", "overlap_plan", "bucket_cap_mb") if k in cfg}
+    if "local_size" in cfg:
+        kw["topology"] = fgp.Topology(local_size=cfg["local_size"])
+    ours = fgp.DistributedDataParallel(base, **kw)
+    ref = nn.parallel.DistributedDataParallel(ref_module)
+    cls, defaults = optimizer_class_and_defaults(optimizer)
+    named = [(n, p) for n, p in ours.module.named_parameters() if p.requires_grad]
+    ref_named = [(n, p) for n, p in ref.module.named_parameters() if p.requires_grad]
+    opt = fgp.ShardedOptimizer(ours, cls, param_groups=make_groups(named, optimizer),
+                               max_grad_norm=cfg.get("max_grad_norm"), **defaults)
+    ref_opt = cls(make_groups(ref_named, optimizer), **defaults)
+    sched = ref_sched = None
+    if cfg.get("lr_scheduler"):
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        ref_sched = torch.optim.lr_scheduler.StepLR(ref_opt, step_size=2, gamma=0.5)
+
+    manual = cfg.get("manual_clip")
+    max_norm = cfg.get("max_grad_norm")
+    norms: list[float] = []
+
+    def ours_clip():
+        if manual:
+            norms.append(float(opt.clip_grad_norm_(manual)))
+
+    def ref_clip():
+        for limit in (max_norm, manual):
+            if limit is not None:
+                reference_clip_(ref.parameters(), limit)
+
+    with ours.join(**join_kw):
+        losses = _loop(ours, opt, sched, cfg, rank, ours_clip)
+    commits_in_join = ours.scheduler.commits if ours.scheduler else 0
+    ref_losses = []
+    if not cfg.get("skip_reference"):
+        with ref.join(**join_kw):
+            ref_losses = _loop(ref, ref_opt, ref_sched, cfg, rank, ref_clip)
+    if cfg.get("then_even_steps"):  # training goes on after the join, every rank alike
+        even = dict(cfg, batches=[cfg["then_even_steps"]] * world_size)
+        _loop(ours, opt, sched, even, rank, ours_clip)
+        if not cfg.get("skip_reference"):
+            _loop(ref, ref_opt, ref_sched, even, rank, ref_clip)
+    ours.synchronize()
+    param_diff = max(float((a.detach() - b.detach()).abs().max())
+                     for a, b in zip(ours.module.parameters(), ref.module.parameters()))
+    buffer_diff = max([float((a.double() - b.double()).abs().max())
+                       for a, b in zip(ours.module.buffers(), ref.module.buffers())] or [0.0])
+    return {"param_diff": param_diff, "buffer_diff": buffer_diff, "losses": losses,
+            "ref_losses": ref_losses, "lrs": [g["lr"] for g in opt.param_groups],
+            "params": [p.detach().clone() for p in ours.module.parameters()],
+            "own_lrs": sched.get_last_lr() if sched is not None else None,
+            "speculating_stopped": ours.scheduler.stopped_because if ours.scheduler else None,
+            "commits": ours.scheduler.commits if ours.scheduler else 0,
+            "commits_in_join": commits_in_join,
+            "stage1_buckets": len(ours.plan.stage1) if ours.plan else 0}
+
+
+# Cases by name (call_many's calls must be hashable). "batches": per rank.
+CASES = {
+    **{f"2r-{s}": {"schedule": s, "batches": [3, 5], "max_grad_norm": 1.0, "lr_scheduler": True}
+       for s in ("serial", "overlap_backward", "next_forward", "two_stage")},
+    # The layout plan speculates from the first step, before any rank has joined.
+    "2r-layout-plan-rank1-first": {"schedule": "two_stage", "overlap_plan": "layout",
+                                   "bucket_cap_mb": 0.002, "batches": [5, 2],
+                                   "optimizer": "sgd_momentum"},
+    "2r-speculation-resumes": {"schedule": "two_stage", "overlap_plan": "layout",
+                               "bucket_cap_mb": 0.002, "batches": [5, 2], "then_even_steps": 3,
+                               "optimizer": "sgd_momentum", "skip_reference": True},
+    "2r-average-over-active": {"batches": [4, 2], "optimizer": "sgd_momentum",
+                               "join": {"divide_by_initial_world_size": False}},
+    "2r-disabled-even": {"batches": [3, 3], "model": "bn_frozen", "join": {"enable": False}},
+    # Even inputs, then training goes on outside the context.
+    "2r-even-then-on": {"batches": [4, 4], "model": "bn_frozen", "then_even_steps": 2},
+    # Evaluation forwards under no_grad (torch DDP's join cannot shadow them).
+    "2r-eval-forwards": {"batches": [2, 4], "model": "bn_frozen", "eval_every_step": True,
+                         "skip_reference": True},
+    "2r-no-eval-forwards": {"batches": [2, 4], "model": "bn_frozen", "skip_reference": True},
+    "3r-accumulate-clip": {"batches": [2, 4, 5], "accumulate": 2, "manual_clip": 0.5,
+                           "model": "bn_frozen"},
+    "3r-next-forward": {"schedule": "next_forward", "batches": [5, 2, 4], "max_grad_norm": 1.0},
+    # After the join the ranks train on; torch DDP's joined ranks' optimizer
+    # state went stale, ours did not: checked for agreement across ranks only.
+    "3r-uneven-then-on": {"batches": [5, 2, 4], "then_even_steps": 2, "skip_reference": True},
+    "4r-2x2": {"batches": [2, 3, 1, 2], "local_size": 2, "max_grad_norm": 1.0},
+}
+
+
+def train_case(rank: int, world_size: int, name: str) -> dict[str, Any]:
+    return train_uneven(rank, world_size, CASES[name])
+
+
+def join_then_save(rank: int, world_size: int, schedule: str) -> dict[str, Any]:
+    """Rank 0 runs out first; the others save a full optimizer checkpoint and the
+    model (synchronize between backward and step) while it is joined."""
+    torch.manual_seed(5)
+    ours = fgp.DistributedDataParallel(MODELS["mlp"](), schedule=schedule,
+                                       overlap_plan="layout")
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
+    saved = None
+    with ours.join():
+        for step in range(2 if rank == 0 else 4):
+            x, y = make_batch("mlp", step, 0, rank)
+            loss_fn("mlp", ours(x), y).backward()
+            ours.synchronize()  # between backward and step: undoes speculative steps
+            opt.step()
+            opt.zero_grad()
+            if step == 3:
+                saved = opt.full_state_dict()
+    ours.synchronize()
+    return {"saved_steps": None if saved is None else
+            sorted({int(s["step"]) for s in saved["state"].values()}),
+            "params": torch.cat([p.detach().reshape(-1) for p in ours.module.parameters()])}
+
+
+def _error_of(fn, *args) -> dict[str, str]:
+    try:
+        fn(*args)
+    except Exception as error:  # noqa: BLE001 - the test checks its type and message
+        return {"type": type(error).__name__, "message": str(error)}
+    return {"type": None, "message": ""}
+
+
+def join_with_grad_scaler(rank: int, world_size: int) -> dict[str, str]:
+    """ShardedGradScaler inside join(): refused on every rank, no hang."""
+    return _error_of(_join_with_grad_scaler, rank)
+
+
+def _join_with_grad_scaler(rank: int) -> None:
+    ours = fgp.DistributedDataParallel(MODELS["mlp"]())
+    opt = fgp.ShardedOptimizer(ours, torch.optim.SGD, lr=0.1)
+    scaler = fgp.ShardedGradScaler("cpu")
+    with ours.join():
+        for step in range(1 if rank == 0 else 3):
+            x, y = make_batch("mlp", step, 0, rank)
+            scaler.scale(loss_fn("mlp", ours(x), y)).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+
+
+def train_case_throwing(rank: int, world_size: int) -> dict[str, str]:
+    """join(throw_on_early_termination=True): rank 0 runs out first."""
+    return _error_of(_train_throwing, rank)
+
+
+def _train_throwing(rank: int) -> None:
+    ours = fgp.DistributedDataParallel(MODELS["mlp"]())
+    opt = fgp.ShardedOptimizer(ours, torch.optim.SGD, lr=0.1)
+    with ours.join(throw_on_early_termination=True):
+        _loop(ours, opt, None, {"batches": [1, 3]}, rank, lambda: None)

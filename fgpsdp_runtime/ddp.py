@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import shutdown
+from . import lifecycle, shutdown
 from .buckets import BucketStorage
 from .comm import CommStats, FlatExchange, HierarchicalExchange
 from .layout import (BucketLayout, ParamInfo, default_bucket_cap_mb, first_bucket_cap_bytes,
@@ -30,7 +30,7 @@ from .plan import OverlapPlan, layout_plan, profiling_plan
 from .plan_profiler import PlanProfiler
 from .scheduler import TwoStageScheduler
 from .profiling import nvtx_range
-from .reducer import GradientReducer
+from .reducer import GradientReducer, in_backward
 from .tracing import Timeline
 from .topology import (NodeLayout, TopologyArg, check_contiguous_nodes, create_link_groups,
                        resolve)
@@ -93,7 +93,7 @@ class DistributedDataParallel(nn.Module):
 
         named = list(module.named_parameters())  # tied parameters appear once
         trainable = [(n, p) for n, p in named if p.requires_grad]
-        problems = local_problems(module, trainable)
+        problems = local_problems(module, trainable) + lifecycle.wrapped_elsewhere(trainable)
         placement = check_contiguous_nodes(self.topology, process_group) \
             if self.topology.uses_hierarchy else None
         agree_or_raise(process_group, problems + ([placement] if placement else []),
@@ -101,6 +101,9 @@ class DistributedDataParallel(nn.Module):
 
         self._params = [p for _, p in trainable]
         self._param_names = [n for n, _ in trainable]
+        lifecycle.claim(trainable, self)
+        # Unfrozen later, they would never be reduced nor stepped: see _check_frozen.
+        self._frozen_at_wrap = [(n, p) for n, p in named if not p.requires_grad]
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
         device = self._params[0].device if self._params else torch.device("cpu")
         self._comm_stats = CommStats()
@@ -110,15 +113,18 @@ class DistributedDataParallel(nn.Module):
         # phase), driven by worker threads; the wrapper's group stays free for
         # broadcasts and the norm all-reduce. See link_worker.py.
         if self.topology.uses_hierarchy:
+            rs_groups = create_link_groups(self.topology, process_group)
+            ag_groups = create_link_groups(self.topology, process_group)
+            self._own_groups = [rs_groups.intra, rs_groups.inter, ag_groups.intra,
+                                ag_groups.inter]
             self._exchange = HierarchicalExchange(
-                self.topology, create_link_groups(self.topology, process_group),
-                create_link_groups(self.topology, process_group), device, self._comm_stats,
+                self.topology, rs_groups, ag_groups, device, self._comm_stats,
                 self.timeline, intra_shared_memory=self.topology.shared_memory)
         else:
             ranks = dist.get_process_group_ranks(process_group) if process_group else None
+            self._own_groups = [dist.new_group(ranks), dist.new_group(ranks)]
             self._exchange = FlatExchange(
-                dist.new_group(ranks), dist.new_group(ranks), device, self._comm_stats,
-                self.timeline,
+                *self._own_groups, device, self._comm_stats, self.timeline,
                 one_node_shared_memory=self.topology.shared_memory and self.topology.nodes == 1)
 
         infos = [ParamInfo(p.numel(), str(p.dtype).replace("torch.", ""), p.element_size())
@@ -195,9 +201,11 @@ class DistributedDataParallel(nn.Module):
             for b, layout in enumerate(self.bucket_layouts):
                 for span in layout.spans:
                     buckets_of.setdefault(id(self._params[span.param_index]), []).append(b)
+            # Weakly: the module's hooks must not keep a dropped wrapper alive.
             self._forward_waiter = ForwardParamWaiter(
-                module, buckets_of, self.finish_param_all_gather, self.finish_param_all_gathers,
-                self._land_gathers_for_a_direct_call)
+                module, buckets_of, lifecycle.weak_call(self.finish_param_all_gather),
+                lifecycle.weak_call(self.finish_param_all_gathers),
+                lifecycle.weak_call(self._land_gathers_for_a_direct_call))
         # As torch DDP: buffers are broadcast before a forward that follows a
         # synchronised, grad-enabled forward (and before the first one).
         self._sync_buffers_before_forward = True
@@ -217,7 +225,9 @@ class DistributedDataParallel(nn.Module):
             # gradient at its zero_grad(), unlike torch optimizers on disjoint
             # parameters.
             raise RuntimeError("fgpsdp: one ShardedOptimizer per model; give parts of the "
-                               "model their own hyperparameters with param_groups=[...]")
+                               "model their own hyperparameters with param_groups=[...]. To "
+                               "replace it, drop every reference to the old one first (an lr "
+                               "scheduler holds one)")
         self._optimizer_ref = weakref.ref(optimizer)
         if self.scheduler is not None:
             self.scheduler.attach(optimizer)
@@ -292,6 +302,11 @@ class DistributedDataParallel(nn.Module):
             self._uneven_inputs.notify(AnnouncedCall.FORWARD, float(buffers_first),
                                        float(synchronised))
         self._param_places.check()
+        self._check_frozen()
+        if self.reducer.discard_unfinished_backward():
+            warnings.warn("fgpsdp: the last backward did not finish (an exception raised in "
+                          "it?); the gradients it had not reduced yet are dropped. Call "
+                          "zero_grad() to drop those it had (as with torch).", RuntimeWarning)
         if self.optimizer_attached:
             self._optimizer_ref().note_forward()
         if self.scheduler is not None:
@@ -315,6 +330,16 @@ class DistributedDataParallel(nn.Module):
             self._start_queued_gathers(all_of_them=True)
         self.forward_ended_at = time.perf_counter()
         self._sync_buffers_before_forward = torch.is_grad_enabled() and self.reducer.sync_enabled
+
+    def _check_frozen(self) -> None:
+        for name, param in self._frozen_at_wrap:
+            if param.requires_grad:
+                raise RuntimeError(
+                    f"fgpsdp: parameter {name!r} was frozen (requires_grad=False) when the module "
+                    "was wrapped and requires grad now: no bucket holds it, so it would never "
+                    "be reduced or stepped. Wrap the module with it trainable (in a param group "
+                    "at lr=0 until it should train), or drop the wrapper and its optimizer and "
+                    "wrap the module again")
 
     def _shadow_forward(self, buffers_first: bool, synchronised: bool) -> None:
         """A joined rank's part in the active ranks' forward (uneven_inputs.py): the
@@ -400,6 +425,7 @@ class DistributedDataParallel(nn.Module):
         """
         if self._uneven_inputs is not None:
             self._uneven_inputs.notify(AnnouncedCall.ZERO_GRAD, float(set_to_none))
+        self.reducer.discard_unfinished_backward()
         if self.scheduler is not None:
             # Between backward and step: what the speculative steps used is reset.
             self.scheduler.before_forward()
@@ -537,7 +563,7 @@ class DistributedDataParallel(nn.Module):
     def _land_gathers_for_a_direct_call(self) -> None:
         """``model.module(x)``, bypassing the wrapper (an eval, ``generate()``, often on
         rank 0 alone): as a save does, land the all-gathers in flight first."""
-        if _in_backward():
+        if in_backward():
             return  # recomputation (activation checkpointing) reads what backward does
         if self.scheduler is not None and self.scheduler.holds_speculative_values():
             raise RuntimeError(
@@ -611,6 +637,13 @@ class DistributedDataParallel(nn.Module):
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
 
     def __del__(self):
+        # The module may outlive its wrapper (wrapped again later): our hooks go.
+        reducer = self.__dict__.get("reducer")
+        if reducer is not None:
+            reducer.remove_hooks()
+        waiter = self.__dict__.get("_forward_waiter")
+        if waiter is not None:
+            waiter.remove()
         # Stops and joins this model's threads (bounded), so that a later
         # destroy_process_group() finds none of them still ending.
         scheduler = self.__dict__.get("scheduler")
@@ -619,6 +652,8 @@ class DistributedDataParallel(nn.Module):
         exchange = self.__dict__.get("_exchange")
         if exchange is not None:
             exchange.close()
+        for group in self.__dict__.get("_own_groups", ()):
+            lifecycle.destroy_gloo_group(group)
 
 
 SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
@@ -646,11 +681,6 @@ def _broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int,
             n = t.numel()
             t.detach().copy_(flat[offset:offset + n].view_as(t))
             offset += n
-
-
-def _in_backward() -> bool:
-    task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
 
 
 def _move_to(obj: Any, device: torch.device) -> Any:

@@ -127,7 +127,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     if isinstance(p, torch.nn.Parameter) and not p.requires_grad:
                         continue  # frozen: never stepped, as with torch.optim
                     raise ValueError(f"param_groups[{i}]: a tensor of shape {tuple(p.shape)} "
-                                     "is not a trainable parameter of the wrapped module")
+                                     "is not a trainable parameter of the wrapped module (was "
+                                     "it frozen when the module was wrapped?)")
                 kept.append(p)
             groups.append({**group, "params": kept})
         return groups

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 from typing import Callable, Sequence
 
 import torch
@@ -30,6 +31,12 @@ from .buckets import BucketStorage
 from .link_worker import PendingOp
 from .ops import multi_tensor_pack
 from .tracing import Timeline
+
+
+def in_backward() -> bool:
+    """Called from inside a backward (a hook, a recomputation)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
 
 
 class GradientReducer:
@@ -97,6 +104,20 @@ class GradientReducer:
         self._bucket_packed = [False] * len(self.buckets)
         self._next_to_launch = 0
 
+    def discard_unfinished_backward(self) -> bool:
+        """Outside backward: a backward whose end-of-backward callback never ran
+        (an exception raised in it, caught by the loop) left gradients held or
+        packed and not reduced. Drop them, so the next backward starts a round
+        of its own; reductions it launched have landed in the slices, where
+        zero_grad() resets them. Every rank whose backward raised alike drops
+        alike. Returns whether there was one."""
+        if not self._callback_queued or in_backward():
+            return False
+        self._callback_queued = False
+        self.wait_all()
+        self._reset_backward_state()
+        return True
+
     def reset_used(self) -> None:
         self.locally_used.zero_()
 
@@ -119,8 +140,16 @@ class GradientReducer:
         self._hook_handles.clear()
 
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        # Weak: a tensor's hooks live in C++, where the garbage collector cannot
+        # see them, so a strong reference would keep this reducer (and the
+        # wrapper, its threads and buckets) alive as long as the parameter,
+        # and its hooks taking the gradients of a later wrapper of the module.
+        reducer_ref = weakref.ref(self)
+
         def hook(param: torch.Tensor) -> None:
-            self._on_grad_accumulated(index, param)
+            reducer = reducer_ref()
+            if reducer is not None:
+                reducer._on_grad_accumulated(index, param)
         return hook
 
     def _on_grad_accumulated(self, index: int, param: torch.Tensor) -> None:

@@ -65,7 +65,9 @@ _JOIN = object()  # queue marker: speculate what is left of stage 1, then report
 
 class TwoStageScheduler:
     def __init__(self, model, plan: OverlapPlan):
-        self.model = model
+        # Weak: the thread must not keep a wrapper the loop has dropped alive
+        # (its __del__ stops the thread).
+        self._model_ref = weakref.ref(model)
         self.plan = plan
         # Weak: a ShardedOptimizer the loop has dropped may be freed (and replaced).
         self._optimizer_ref: Optional[weakref.ref] = None
@@ -100,6 +102,10 @@ class TwoStageScheduler:
         self.device = device
         # CUDA: speculative steps run beside the backward kernels.
         self.speculation_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+
+    @property
+    def model(self):
+        return self._model_ref()
 
     @property
     def optimizer(self) -> Optional["ShardedOptimizer"]:

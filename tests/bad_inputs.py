@@ -153,6 +153,22 @@ def parameter_replaced_after_wrapping(rank, world_size):
     model(torch.randn(4, 13))
 
 
+def wrapped_twice(rank, world_size):
+    module = MLP()
+    first = fgp.DistributedDataParallel(module)  # kept alive
+    fgp.DistributedDataParallel(module)
+    del first
+
+
+def unfrozen_after_wrapping(rank, world_size):
+    module = MLP()
+    module.net[0].requires_grad_(False)
+    model = fgp.DistributedDataParallel(module)
+    fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    module.net[0].requires_grad_(True)  # progressive unfreezing, after wrapping
+    model(torch.randn(4, 13))
+
+
 def nested_join(rank, world_size):
     model = fgp.DistributedDataParallel(MLP())
     with model.join():

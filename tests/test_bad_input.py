@@ -40,6 +40,11 @@ CASES = [
      [r"opt\.state_dict\(\) between backward and opt\.step\(\)"]),
     (bad_inputs.cast_after_wrapping, "RuntimeError",
      [r"parameter 'net\.\d\.(weight|bias)' was given new storage", r"torch\.float64"]),
+    (bad_inputs.wrapped_twice, "ValueError",
+     [r"parameter 'net\.0\.weight' is held by another fgpsdp DistributedDataParallel"]),
+    (bad_inputs.unfrozen_after_wrapping, "RuntimeError",
+     [r"parameter 'net\.0\.weight' was frozen \(requires_grad=False\) when the module was "
+      r"wrapped"]),
     (bad_inputs.nested_join, "RuntimeError", [r"model\.join\(\) contexts cannot be nested"]),
     (bad_inputs.ddp_comm_hook, "NotImplementedError",
      [r"register_comm_hook\(\) is not supported"]),

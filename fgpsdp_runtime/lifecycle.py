@@ -1,0 +1,82 @@
+"""What a wrapper claims from the process and gives back when it is dropped.
+
+A module may outlive its wrapper (wrapped again to unfreeze layers, a
+hyperparameter sweep in one process). The wrapper's gradient hooks live in
+C++ on the parameters, where the garbage collector cannot see them, and its
+forward hooks on the module, which the loop keeps: both reach the wrapper
+only weakly, so a dropped wrapper is freed, and its ``__del__`` removes the
+hooks, stops the threads and destroys the process groups it created. While a
+wrapper lives, its parameters are claimed: a second wrapper of them would
+take their gradients too, and is refused.
+"""
+from __future__ import annotations
+
+import gc
+import weakref
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .ddp import DistributedDataParallel
+
+# id(parameter) -> (the parameter, the wrapper whose buckets hold it), both weakly.
+_WRAPPER_OF_PARAM: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def _live_wrapper_of(param: torch.Tensor) -> Optional["DistributedDataParallel"]:
+    entry = _WRAPPER_OF_PARAM.get(id(param))
+    if entry is None or entry[0]() is not param:
+        return None
+    return entry[1]()
+
+
+def wrapped_elsewhere(trainable: Sequence[tuple[str, nn.Parameter]]) -> list[str]:
+    """Parameters a live wrapper holds in its buckets: both would take their
+    gradients. A wrapper the loop dropped may wait in a reference cycle for
+    the garbage collector: collected first."""
+    if not any(_live_wrapper_of(p) is not None for _, p in trainable):
+        return []
+    gc.collect()
+    taken = [n for n, p in trainable if _live_wrapper_of(p) is not None]
+    if not taken:
+        return []
+    return [f"parameter '{taken[0]}' is held by another fgpsdp DistributedDataParallel that is "
+            "still alive; drop every reference to it (and to its ShardedOptimizer and lr "
+            "scheduler) before wrapping the module again"]
+
+
+def claim(trainable: Sequence[tuple[str, nn.Parameter]],
+          wrapper: "DistributedDataParallel") -> None:
+    """``wrapper`` holds these parameters while it lives (see wrapped_elsewhere)."""
+    for stale in [k for k, (p, w) in _WRAPPER_OF_PARAM.items() if p() is None or w() is None]:
+        del _WRAPPER_OF_PARAM[stale]
+    wrapper_ref = weakref.ref(wrapper)
+    for _, param in trainable:
+        _WRAPPER_OF_PARAM[id(param)] = (weakref.ref(param), wrapper_ref)
+
+
+def destroy_gloo_group(group) -> None:
+    """Free a group's sockets and threads (a wrapper rebuilt many times in one
+    process would run out of file descriptors). Only gloo's: destroying is
+    local there, while NCCL's abort was a collective in some versions, which a
+    finalizer on one rank cannot run."""
+    try:
+        if (group is None or group == dist.GroupMember.NON_GROUP_MEMBER
+                or not dist.is_initialized() or dist.get_backend(group) != "gloo"):
+            return
+        dist.destroy_process_group(group)
+    except (ValueError, RuntimeError):
+        pass  # already gone with the default group (destroy_process_group() at exit)
+
+
+def weak_call(method):
+    """``method`` called while its object lives (a no-op after)."""
+    method_ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        bound = method_ref()
+        return bound(*args) if bound is not None else None
+    return call

@@ -1,0 +1,147 @@
+"""A wrapper's life: dropped and rebuilt on the same module, freed with its
+threads and groups, and a backward that raises. Imported by the spawned ranks.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import threading
+import warnings
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+import fgpsdp_runtime as fgp
+
+from .scenarios import MLP, loss_fn, make_batch
+
+
+def _train(model, opt, rank: int, steps: range) -> None:
+    for step in steps:
+        x, y = make_batch("mlp", step, 0, rank)
+        loss_fn("mlp", model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def wrap_again(rank: int, world_size: int, schedule: str) -> dict[str, Any]:
+    """Wrap, train, drop the wrapper (no gc.collect()), wrap the same module
+    again and train on; torch DDP does the same on a copy."""
+    torch.manual_seed(0)
+    module = MLP()
+    ref_module = copy.deepcopy(module)
+    moved = []
+    for phase in range(2):
+        before = [p.detach().clone() for p in module.parameters()]
+        model = fgp.DistributedDataParallel(module, schedule=schedule, bucket_cap_mb=0.002)
+        opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+        ref = nn.parallel.DistributedDataParallel(ref_module)
+        ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+        _train(model, opt, rank, range(3 * phase, 3 * phase + 3))
+        _train(ref, ref_opt, rank, range(3 * phase, 3 * phase + 3))
+        model.synchronize()
+        moved.append(max(float((a - b).abs().max()) for a, b in zip(before, module.parameters())))
+        del model, opt, ref, ref_opt
+    diff = max(float((a - b).abs().max())
+               for a, b in zip(module.parameters(), ref_module.parameters()))
+    return {"moved": moved, "diff_to_ddp": diff}
+
+
+def _resources() -> tuple[int, int]:
+    return len(os.listdir("/proc/self/fd")), len(os.listdir("/proc/self/task"))
+
+
+def dropped_wrapper_is_freed(rank: int, world_size: int, schedule: str) -> dict[str, Any]:
+    """Build, train and drop a wrapper three times: it is freed, with its
+    threads, file descriptors and groups (the module lives on)."""
+    module = MLP()
+    counts, freed = [], []
+    for _ in range(3):
+        model = fgp.DistributedDataParallel(module, schedule=schedule, bucket_cap_mb=0.002)
+        opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+        _train(model, opt, rank, range(2))
+        ref = weakref.ref(model)
+        del model, opt
+        gc.collect()
+        freed.append(ref() is None)
+        counts.append(_resources())
+    return {"freed": freed, "counts": counts, "python_threads": threading.active_count()}
+
+
+class _Boom(Exception):
+    pass
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    armed = False
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if _RaiseInBackward.armed:
+            raise _Boom("raised in backward")
+        return grad
+
+
+class _NetRaisingInBackward(nn.Module):
+    """The backward raises between its last and first layers when armed: the
+    last layers' gradients are reduced or held, the first's never come."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(13, 37), nn.Linear(37, 29), nn.Linear(29, 5)
+
+    def forward(self, x):
+        h = _RaiseInBackward.apply(torch.tanh(self.a(x)))
+        return self.c(torch.tanh(self.b(h)))
+
+
+def backward_raises(rank: int, world_size: int, schedule: str, zero_grad: bool) -> dict[str, Any]:
+    """The backward of step 2 raises on every rank and the loop catches it (with
+    ``zero_grad``: then zeroes, as a loop that skips the batch does). torch DDP
+    cannot go on after that (it raises at the next forward); compared with
+    torch DDP skipping that batch."""
+    results, caught = {}, []
+    for system in ("fgpsdp", "ddp_skipping"):
+        torch.manual_seed(0)
+        net = _NetRaisingInBackward()
+        if system == "fgpsdp":
+            model = fgp.DistributedDataParallel(net, schedule=schedule, bucket_cap_mb=0.002)
+            opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+        else:
+            model = nn.parallel.DistributedDataParallel(net)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for step in range(5):
+                x, y = make_batch("mlp", step, 0, rank)
+                if step == 2:
+                    if system == "ddp_skipping":
+                        continue
+                    _RaiseInBackward.armed = True
+                    try:
+                        loss_fn("mlp", model(x), y).backward()
+                    except _Boom:
+                        caught.append(step)
+                    finally:
+                        _RaiseInBackward.armed = False
+                    if zero_grad:
+                        opt.zero_grad()
+                    continue
+                loss_fn("mlp", model(x), y).backward()
+                opt.step()
+                opt.zero_grad()
+        if system == "fgpsdp":
+            model.synchronize()
+            results["warnings"] = sorted({str(w.message)[:60] for w in seen
+                                          if "did not finish" in str(w.message)})
+        results[system] = [p.detach().clone() for p in net.parameters()]
+    diff = max(float((a - b).abs().max())
+               for a, b in zip(results["fgpsdp"], results["ddp_skipping"]))
+    return {"diff_to_ddp_skipping": diff, "caught": caught, "warnings": results["warnings"]}

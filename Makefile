@@ -30,7 +30,7 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -W ignore::FutureWarning examples/demo.py --world-size 4 --steps 30
 
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q --durations=15 tests
 
 $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet deepspeed matplotlib

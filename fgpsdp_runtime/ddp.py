@@ -209,7 +209,7 @@ class DistributedDataParallel(nn.Module):
         # As torch DDP: buffers are broadcast before a forward that follows a
         # synchronised, grad-enabled forward (and before the first one).
         self._sync_buffers_before_forward = True
-        land_gathers_before_state_dicts(self, module)
+        self._state_dict_hooks = land_gathers_before_state_dicts(self, module)
 
     # -- set-up --------------------------------------------------------------
 
@@ -241,11 +241,17 @@ class DistributedDataParallel(nn.Module):
                           "train: use ShardedOptimizer(model, torch.optim.AdamW, ...).",
                           RuntimeWarning)
 
-    def _authoritative_rank(self) -> int:
-        """The global rank buffers are broadcast from: the group's first, or under
-        join() its highest active one (as torch DDP: rank 0 may have joined)."""
+    @property
+    def authoritative_rank(self) -> int:
+        """The group rank whose buffers (and profile plan) every rank takes: the
+        first, or under join() the highest active one (as torch DDP: rank 0 may
+        have joined, and its buffers and timings are then stale)."""
         uneven = self._uneven_inputs
-        rank = uneven.authoritative_rank if uneven is not None else 0
+        return uneven.authoritative_rank if uneven is not None else 0
+
+    def _authoritative_rank(self) -> int:
+        """``authoritative_rank`` as a global rank (what broadcasts take)."""
+        rank = self.authoritative_rank
         return dist.get_global_rank(self.process_group, rank) if self.process_group else rank
 
     @torch.no_grad()
@@ -644,6 +650,9 @@ class DistributedDataParallel(nn.Module):
         waiter = self.__dict__.get("_forward_waiter")
         if waiter is not None:
             waiter.remove()
+        state_dict_hooks = self.__dict__.get("_state_dict_hooks")
+        if state_dict_hooks is not None:
+            state_dict_hooks.remove()
         # Stops and joins this model's threads (bounded), so that a later
         # destroy_process_group() finds none of them still ending.
         scheduler = self.__dict__.get("scheduler")

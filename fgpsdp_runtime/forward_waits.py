@@ -27,6 +27,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from .lifecycle import HookHandles
 from .param_guards import ModuleHook
 
 
@@ -61,11 +62,12 @@ class ForwardParamWaiter:
         # First among the module's pre-hooks: those registered before wrapping
         # (weight_norm's, pruning's, a user's) may read the parameters too.
         hook = ModuleHook(self._pre_hook)
-        self._handles = [m.register_forward_pre_hook(hook, prepend=True) for m in self._modules]
+        self._handles = HookHandles()
+        for m in self._modules:
+            self._handles.add(m.register_forward_pre_hook(hook, prepend=True))
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
+        self._handles.remove()
 
     # -- per forward -----------------------------------------------------------
 

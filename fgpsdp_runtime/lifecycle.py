@@ -80,3 +80,23 @@ def weak_call(method):
         bound = method_ref()
         return bound(*args) if bound is not None else None
     return call
+
+
+class HookHandles:
+    """Hook handles whose removal also works from a finalizer the garbage
+    collector runs: it clears the weak references a torch ``RemovableHandle``
+    holds to its hook dicts before it runs finalizers, so ``handle.remove()``
+    there does nothing. These keep the dicts (the module's or tensor's own)."""
+
+    def __init__(self):
+        self._entries: list[tuple[int, list[dict]]] = []
+
+    def add(self, handle) -> None:
+        refs = [handle.hooks_dict_ref, *getattr(handle, "extra_dict_ref", ())]
+        self._entries.append((handle.id, [d for d in (r() for r in refs) if d is not None]))
+
+    def remove(self) -> None:
+        for hook_id, dicts in self._entries:
+            for hooks in dicts:
+                hooks.pop(hook_id, None)
+        self._entries.clear()

@@ -34,7 +34,7 @@ from .ops import multi_tensor_sq_norm
 from .profiling import nvtx_range
 from .speculation import (SliceBackup, compile_session_active, hyperparameters,
                           same_hyperparameters, wait_out_compile_session)
-from .uneven_inputs import AnnouncedCall
+from .uneven_inputs import AnnouncedCall, UnevenInputs
 
 # Optimizers whose update is not element-wise: slicing would change the result.
 _NOT_ELEMENTWISE = {"LBFGS", "Adafactor", "SparseAdam"}
@@ -183,8 +183,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         if float(norm_type) != 2.0:
             raise ValueError("only the L2 norm (norm_type=2) is supported")
-        if self.model._uneven_inputs is not None:
-            self.model._uneven_inputs.notify(AnnouncedCall.CLIP, float(max_norm))
+        self._announce(AnnouncedCall.CLIP, float(max_norm))
         total = self._reduce_and_measure()
         self._apply_clip(total, float(max_norm))
         return self._norm_tensor(total)
@@ -213,8 +212,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for a step that an inf skips (torch's scaler does not call step() then, so
         step hooks such as an EMA update do not run; every rank must still take
         part, to undo speculative steps and keep the collectives paired)."""
-        if self.model._uneven_inputs is not None:
-            self.model._uneven_inputs.announce_step(self)
+        uneven = self._announce(AnnouncedCall.STEP)
+        if uneven is not None:
+            uneven.share_hyperparameters(self)
         with self.model.timeline.span("compute", "optimizer step"):
             self._step()
 
@@ -363,6 +363,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._reduced = False
         self._loss_unscaled = True
         return not math.isfinite(self._reduce_and_measure())
+
+    def _announce(self, call: AnnouncedCall, *args: float) -> Optional[UnevenInputs]:
+        """Under model.join() (see uneven_inputs.py): announce a call that finishes
+        the gradients. The round of reduce-scatters it would launch itself (a
+        backward that reached no parameter on this rank) is launched first, and
+        announced as a backward's is, so every rank announces the same
+        sequence whichever launched the round."""
+        uneven = self.model._uneven_inputs
+        if uneven is None or uneven.joined:
+            return uneven
+        self._forget_stale_measurements()
+        if not self._reduce_scatters_finished:
+            self.model.reducer.launch_pending_round()
+        uneven.notify(call, *args)
+        return uneven
 
     def _reset_step_measurements(self) -> None:
         """What the optimizer learned about this step's gradients (all-reduced or

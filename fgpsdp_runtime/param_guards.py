@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from .buckets import BucketStorage
+from .lifecycle import HookHandles
 
 if TYPE_CHECKING:  # pragma: no cover
     from .ddp import DistributedDataParallel
@@ -54,7 +55,8 @@ def _inert():
     return inert_hook
 
 
-def land_gathers_before_state_dicts(model: "DistributedDataParallel", module: nn.Module) -> None:
+def land_gathers_before_state_dicts(model: "DistributedDataParallel",
+                                    module: nn.Module) -> HookHandles:
     """Hooks on every submodule of ``module``: a ``state_dict`` (through the
     wrapper, ``module`` or any submodule) first lands the all-gathers in flight,
     a ``load_state_dict`` first synchronises.
@@ -70,12 +72,13 @@ def land_gathers_before_state_dicts(model: "DistributedDataParallel", module: nn
     model_ref = weakref.ref(model)  # the hooks must not keep a freed wrapper alive
 
     def land_gathers_before_load(_module, _state_dict, _prefix, local_metadata, *_rest) -> None:
+        wrapper = model_ref()
+        if wrapper is None:
+            return
         if local_metadata.get("assign_to_params_buffers"):
             raise ValueError("fgpsdp: load_state_dict(assign=True) would replace parameters "
                              "that are views of the bucket buffers; load with assign=False")
-        wrapper = model_ref()
-        if wrapper is not None:
-            wrapper.synchronize()
+        wrapper.synchronize()
 
     def land_gathers_before_save(*_args) -> None:
         wrapper = model_ref()
@@ -83,13 +86,15 @@ def land_gathers_before_state_dicts(model: "DistributedDataParallel", module: nn
             wrapper.land_gathers_for_a_save()
 
     save_hook, load_hook = ModuleHook(land_gathers_before_save), ModuleHook(land_gathers_before_load)
+    handles = HookHandles()
     for sub in module.modules():
-        sub.register_state_dict_pre_hook(save_hook)
+        handles.add(sub.register_state_dict_pre_hook(save_hook))
         register = getattr(sub, "register_load_state_dict_pre_hook", None)
         if register is not None:
-            register(load_hook)
+            handles.add(register(load_hook))
         else:  # torch before 2.5
-            sub._register_load_state_dict_pre_hook(load_hook, with_module=True)
+            handles.add(sub._register_load_state_dict_pre_hook(load_hook, with_module=True))
+    return handles  # removed when the wrapper is dropped
 
 
 class ParamPlaces:

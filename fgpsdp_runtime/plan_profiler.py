@@ -81,7 +81,8 @@ class PlanProfiler:
             model.timeline.disable()
             model.timeline.clear()
         plan = None
-        if model.rank == 0:
+        # Rank 0's, or under join() an active rank's (a joined one times no compute).
+        if model.rank == model.authoritative_rank:
             try:
                 plan = self.plan_from(spans)
             except Exception as error:  # noqa: BLE001 - the others wait in the broadcast
@@ -90,8 +91,8 @@ class PlanProfiler:
                 plan = model.plan
         box = [plan.to_json() if plan is not None else None]
         if model.world_size > 1:
-            src = dist.get_global_rank(model.process_group, 0) if model.process_group else 0
-            dist.broadcast_object_list(box, src=src, group=model.process_group)
+            dist.broadcast_object_list(box, src=model._authoritative_rank(),
+                                       group=model.process_group)
         model.set_overlap_plan(OverlapPlan.from_json(box[0]))
 
     def plan_from(self, spans) -> OverlapPlan:

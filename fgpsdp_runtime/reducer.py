@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 import torch
 
 from .buckets import BucketStorage
+from .lifecycle import HookHandles
 from .link_worker import PendingOp
 from .ops import multi_tensor_pack
 from .tracing import Timeline
@@ -70,14 +71,13 @@ class GradientReducer:
         self.backward_started_at = 0.0  # perf_counter at the first hook of a backward
         # Called once a synchronised backward has ended and its buckets are launched.
         self.backward_end_listeners: list[Callable[[], None]] = []
-        # Called before a backward launches its round's first reduce-scatter (not
-        # one the step launches: see finish_gradient_sync); model.join() announces it.
+        # Called before a round's first reduce-scatter is launched (model.join()
+        # announces it).
         self.round_start_listeners: list[Callable[[], None]] = []
-        self._launching_for_step = False
         # Reduce-scatters launched per bucket since the last step, and in all.
         self.reduce_scatters_since_step = [0] * len(self.buckets)
         self.reduce_scatters_launched = 0
-        self._hook_handles = []
+        self._hook_handles = HookHandles()
         self._in_flight: dict[int, PendingOp] = {}
         self._callback_queued = False
         self._round_launched = False  # a full round of reduce-scatters since the last step
@@ -132,12 +132,10 @@ class GradientReducer:
             if index not in self.slot:
                 continue  # empty parameter: nothing to reduce
             handle = param.register_post_accumulate_grad_hook(self._make_hook(index))
-            self._hook_handles.append(handle)
+            self._hook_handles.add(handle)
 
     def remove_hooks(self) -> None:
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles.clear()
+        self._hook_handles.remove()
 
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         # Weak: a tensor's hooks live in C++, where the garbage collector cannot
@@ -275,7 +273,7 @@ class GradientReducer:
         self._launch_ready_in_order()
 
     def _start_reduce_scatter(self, b: int) -> None:
-        if b == 0 and not self._launching_for_step:
+        if b == 0:
             for listener in self.round_start_listeners:
                 listener()
         storage = self.buckets[b]
@@ -320,14 +318,15 @@ class GradientReducer:
         full round, with zeros or its no_sync() leftovers, so that the
         sequence of collectives matches the other ranks'.
         """
-        if self._round_in_progress() or not self._round_launched:
-            self._launching_for_step = True
-            try:
-                self._fill_missing_and_launch()
-            finally:
-                self._launching_for_step = False
+        self.launch_pending_round()
         self.wait_all()
         self._round_launched = False
+
+    def launch_pending_round(self) -> None:
+        """finish_gradient_sync's launch: a round not (fully) launched since the
+        last step is launched now, the same on every rank."""
+        if self._round_in_progress() or not self._round_launched:
+            self._fill_missing_and_launch()
 
     def launch_round_of_zeros(self) -> None:
         """A joined rank's part in the others' backward (model.join()): a round of

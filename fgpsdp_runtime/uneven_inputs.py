@@ -26,9 +26,10 @@ the same everywhere already) and the context ends.
     joined rank : notify    -> F     notify    RS RS RS  notify    norm AG AG
                   (zeros)      (lands gathers, buffers)  (zeros)    (steps its slices)
 
-A round of reduce-scatters that the step itself launches (a backward that
-reached no parameter) is not announced: the joined rank's own step launches
-it alike. Hyperparameters set on the active ranks (a learning-rate schedule)
+A round of reduce-scatters that a step or a clip launches itself (a
+backward that reached no parameter on some rank) is launched and announced
+before the step's or clip's own announcement, as a backward's is.
+Hyperparameters set on the active ranks (a learning-rate schedule)
 are broadcast to the joined ranks at each step. While a rank is joined
 ``two_stage`` does not speculate (its speculative steps would run before
 that broadcast); it resumes after the context.
@@ -59,6 +60,8 @@ class AnnouncedCall(enum.IntEnum):
 
 _N_CALLS = len(AnnouncedCall)
 _N_ARGS = 2
+_DIFFERENT_CALLS = ("fgpsdp: under model.join() the active ranks made different calls at the "
+                    "same point of their loops; every rank must run the same loop")
 EARLY_TERMINATION = ("fgpsdp: detected at least one rank that exhausted its inputs; raising on "
                      "every rank (join(throw_on_early_termination=True))")
 
@@ -130,18 +133,17 @@ class UnevenInputs:
         packet[1 + _N_CALLS + _N_ARGS + self.model.rank] = 1.0
         packet = packet.to(self._device)
         self._all_reduce(packet)
+        if int(round(float(packet[1 + int(call)]))) != int(round(float(packet[0]))):
+            raise RuntimeError(_DIFFERENT_CALLS)
         self._learn(packet)
         if call is AnnouncedCall.FORWARD and not self.divide_by_initial_world_size:
             # torch DDP's option: average over the ranks that contribute.
             self.model.reducer.grad_scale = 1.0 / len(self.active_ranks)
 
-    def announce_step(self, optimizer) -> None:
-        """opt.step()'s notification; once a rank has joined, the step's
-        hyperparameters follow it (the joined ranks' schedules stopped with their loops)."""
-        if self.joined:
-            return  # received in _shadow
-        self.notify(AnnouncedCall.STEP)
-        if self._someone_joined:
+    def share_hyperparameters(self, optimizer) -> None:
+        """After opt.step()'s announcement, once a rank has joined: the step's
+        hyperparameters, as the joined ranks' schedules stopped with their loops."""
+        if self._someone_joined and not self.joined:  # a joined rank received them in _shadow
             _share_hyperparameters(self.model, optimizer, self.authoritative_rank)
 
     def refuse(self, message: str) -> None:
@@ -169,9 +171,7 @@ class UnevenInputs:
             self._learn(packet)
             calls = [c for c in AnnouncedCall if int(round(float(packet[1 + int(c)]))) == active]
             if len(calls) != 1:
-                raise RuntimeError(
-                    "fgpsdp: under model.join() the active ranks made different calls at the same "
-                    "point of their loops; every rank must run the same loop")
+                raise RuntimeError(_DIFFERENT_CALLS)
             args = [float(packet[1 + _N_CALLS + i]) / active for i in range(_N_ARGS)]
             self._shadow(calls[0], args)
         self._finish(last_to_join)

@@ -33,6 +33,7 @@ def test_a_dropped_wrapper_is_freed_with_its_threads_and_groups(two_ranks, sched
         # wrapper to the next: each one's process groups went with it.
         assert res["counts"][2] == res["counts"][1], res["counts"]
         assert res["python_threads"] == 1
+        assert res["hooks_left"] == 0
 
 
 @pytest.mark.parametrize("zero_grad", [True, False])

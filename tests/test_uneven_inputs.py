@@ -13,6 +13,9 @@ from .dist_harness import call_many, run_distributed
 TWO = [name for name in scen.CASES if name.startswith("2r-")]
 THREE = [name for name in scen.CASES if name.startswith("3r-")]
 ERROR_CALLS = [(scen.train_case_throwing,), (scen.join_with_grad_scaler,)]
+BACKWARD_SKIPPED = [(scen.backward_skipped_on_rank1, (4, 4), False),
+                    (scen.backward_skipped_on_rank1, (4, 4), True),
+                    (scen.backward_skipped_on_rank1, (5, 4), True)]
 
 
 def _by_case(per_rank, names, fn=scen.train_case):
@@ -23,7 +26,7 @@ def _by_case(per_rank, names, fn=scen.train_case):
 def two_ranks():
     calls = [(scen.train_case, name) for name in TWO] + [(scen.join_then_save, "two_stage"),
                                                         (scen.join_then_save, "next_forward")]
-    calls += ERROR_CALLS
+    calls += ERROR_CALLS + BACKWARD_SKIPPED
     per_rank = run_distributed(2, call_many, calls, timeout_s=300)
     return {call: [r[call] for r in per_rank] for call in calls}
 
@@ -105,3 +108,14 @@ def test_refusals_and_early_termination_raise_on_every_rank(two_ranks):
         assert scaler["type"] == "NotImplementedError", (rank, scaler)
         if rank == 1:  # the rank whose loop raised; rank 0 was told
             assert "ShardedGradScaler" in scaler["message"]
+
+
+def test_a_backward_that_reaches_no_parameter_on_one_rank(two_ranks):
+    # Rank 1 skips backward on even steps: its step launches that round of
+    # reduce-scatters, announced before the step (before the fix, the other
+    # rank's step announcement met its norm all-reduce and gloo aborted).
+    without_join, even_join, uneven_join = (two_ranks[call] for call in BACKWARD_SKIPPED)
+    for params in (without_join, even_join, uneven_join):
+        assert all((a == b).all() for a, b in zip(params[0], params[1]))
+    assert all((a == b).all() for a, b in zip(without_join[0], even_join[0]))
+    assert any((a != b).any() for a, b in zip(even_join[0], uneven_join[0]))

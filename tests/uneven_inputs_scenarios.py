@@ -200,3 +200,24 @@ def _train_throwing(rank: int) -> None:
     opt = fgp.ShardedOptimizer(ours, torch.optim.SGD, lr=0.1)
     with ours.join(throw_on_early_termination=True):
         _loop(ours, opt, None, {"batches": [1, 3]}, rank, lambda: None)
+
+
+def backward_skipped_on_rank1(rank: int, world_size: int, steps: tuple, use_join: bool) -> list:
+    """Rank 1's backward reaches no parameter on even steps (it skips it): its step
+    launches that round, which it announces before the step, as rank 0's backward
+    announced its own."""
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(MODELS["mlp"](), bucket_cap_mb=0.0001)
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2, max_grad_norm=1.0)
+    with model.join(enable=use_join):
+        for step in range(steps[rank]):
+            x, y = make_batch("mlp", step, 0, rank)
+            loss = loss_fn("mlp", model(x), y)
+            if not (rank == 1 and step % 2 == 0):
+                loss.backward()
+            if step == 1:
+                opt.clip_grad_norm_(0.5)
+            opt.step()
+            opt.zero_grad()
+    model.synchronize()
+    return [p.detach().clone() for p in model.module.parameters()]

@@ -209,7 +209,7 @@ class DistributedDataParallel(nn.Module):
         # As torch DDP: buffers are broadcast before a forward that follows a
         # synchronised, grad-enabled forward (and before the first one).
         self._sync_buffers_before_forward = True
-        self._state_dict_hooks = land_gathers_before_state_dicts(self, module)
+        self._save_load_guards = land_gathers_before_state_dicts(self, module)
 
     # -- set-up --------------------------------------------------------------
 
@@ -650,9 +650,9 @@ class DistributedDataParallel(nn.Module):
         waiter = self.__dict__.get("_forward_waiter")
         if waiter is not None:
             waiter.remove()
-        state_dict_hooks = self.__dict__.get("_state_dict_hooks")
-        if state_dict_hooks is not None:
-            state_dict_hooks.remove()
+        save_load_guards = self.__dict__.get("_save_load_guards")
+        if save_load_guards is not None:
+            save_load_guards.remove()
         # Stops and joins this model's threads (bounded), so that a later
         # destroy_process_group() finds none of them still ending.
         scheduler = self.__dict__.get("scheduler")

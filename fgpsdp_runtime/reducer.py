@@ -35,7 +35,7 @@ from .tracing import Timeline
 
 
 def in_backward() -> bool:
-    """Called from inside a backward (a hook, a recomputation)."""
+    """True when called from inside a backward (a hook, a recomputation)."""
     task = getattr(torch._C, "_current_graph_task_id", None)
     return task is not None and task() != -1
 

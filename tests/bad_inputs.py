@@ -155,9 +155,9 @@ def parameter_replaced_after_wrapping(rank, world_size):
 
 def wrapped_twice(rank, world_size):
     module = MLP()
-    first = fgp.DistributedDataParallel(module)  # kept alive
-    fgp.DistributedDataParallel(module)
-    del first
+    first = fgp.DistributedDataParallel(module)
+    fgp.DistributedDataParallel(module)  # while the first is alive
+    return first
 
 
 def unfrozen_after_wrapping(rank, world_size):

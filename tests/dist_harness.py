@@ -127,3 +127,10 @@ def call_many(rank: int, world_size: int, calls: list[tuple],
         gc.collect()
         dist.barrier()
     return results
+
+
+def run_calls(world_size: int, calls: list[tuple], timeout_s: float = DEFAULT_TIMEOUT_S,
+              ) -> dict[tuple, list[Any]]:
+    """``call_many`` on ``world_size`` ranks: {call: [rank 0's result, rank 1's, ...]}."""
+    per_rank = run_distributed(world_size, call_many, calls, timeout_s=timeout_s)
+    return {call: [r[call] for r in per_rank] for call in calls}

@@ -2,7 +2,7 @@
 import pytest
 
 from . import lifecycle_scenarios as scen
-from .dist_harness import call_many, run_distributed
+from .dist_harness import run_calls
 
 SCHEDULES = ["two_stage", "serial"]
 CALLS = ([(scen.wrap_again, s) for s in SCHEDULES]
@@ -12,8 +12,7 @@ CALLS = ([(scen.wrap_again, s) for s in SCHEDULES]
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    per_rank = run_distributed(2, call_many, CALLS, timeout_s=300)
-    return {call: [r[call] for r in per_rank] for call in CALLS}
+    return run_calls(2, CALLS, timeout_s=300)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -10,7 +10,7 @@ instead of computing with the new values.
 import pytest
 
 from . import autograd_scenarios
-from .dist_harness import call_many, run_distributed
+from .dist_harness import run_calls, run_distributed
 
 
 DETACHED = [(autograd_scenarios.detached_read_side_by_side, schedule, 4, eval_first)
@@ -25,8 +25,7 @@ COPIES = [(autograd_scenarios.copies_and_direct_calls, schedule) for schedule in
 @pytest.fixture(scope="module")
 def trained():
     """The scenarios that end normally, in one set of processes (2 ranks)."""
-    results = run_distributed(2, call_many, DETACHED + CLAMPED + COPIES, timeout_s=300)
-    return {case: [r[case] for r in results] for case in results[0]}
+    return run_calls(2, DETACHED + CLAMPED + COPIES, timeout_s=300)
 
 
 @pytest.mark.parametrize("case", DETACHED, ids=[f"{c[1]}-eval_first{c[3]}" for c in DETACHED])

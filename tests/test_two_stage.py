@@ -4,7 +4,7 @@ import json
 import pytest
 import torch
 
-from .dist_harness import call_many, run_distributed
+from .dist_harness import run_calls, run_distributed
 from .scenarios import (load_checkpoint_with_gathers_in_flight,
                         save_checkpoint_with_gathers_in_flight, scheduler_thread_failure,
                         step_and_gather_order, synchronize_between_backward_and_step,
@@ -86,8 +86,7 @@ TWO_RANK_CALLS = ([(step_and_gather_order, s) for s in ORDER_SCHEDULES]
 @pytest.fixture(scope="module")
 def two_ranks():
     """call -> [rank 0's result, rank 1's]."""
-    per_rank = run_distributed(2, call_many, TWO_RANK_CALLS, timeout_s=300)
-    return {call: [r[call] for r in per_rank] for call in TWO_RANK_CALLS}
+    return run_calls(2, TWO_RANK_CALLS, timeout_s=300)
 
 
 @pytest.mark.parametrize("schedule", ORDER_SCHEDULES)

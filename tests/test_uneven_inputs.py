@@ -8,7 +8,7 @@ gradient sum order's rounding on more.
 import pytest
 
 from . import uneven_inputs_scenarios as scen
-from .dist_harness import call_many, run_distributed
+from .dist_harness import run_calls, run_distributed
 
 TWO = [name for name in scen.CASES if name.startswith("2r-")]
 THREE = [name for name in scen.CASES if name.startswith("3r-")]
@@ -27,15 +27,13 @@ def two_ranks():
     calls = [(scen.train_case, name) for name in TWO] + [(scen.join_then_save, "two_stage"),
                                                         (scen.join_then_save, "next_forward")]
     calls += ERROR_CALLS + BACKWARD_SKIPPED
-    per_rank = run_distributed(2, call_many, calls, timeout_s=300)
-    return {call: [r[call] for r in per_rank] for call in calls}
+    return run_calls(2, calls, timeout_s=300)
 
 
 @pytest.fixture(scope="module")
 def three_ranks():
     calls = [(scen.train_case, name) for name in THREE]
-    per_rank = run_distributed(3, call_many, calls, timeout_s=300)
-    return {call: [r[call] for r in per_rank] for call in calls}
+    return run_calls(3, calls, timeout_s=300)
 
 
 @pytest.mark.parametrize("name", [n for n in TWO if not scen.CASES[n].get("skip_reference")])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 import socket
 import sys
@@ -95,6 +96,14 @@ def run(rank: int, world_size: int, port: int, args) -> None:
             print(f"  rank {r}: fgpsdp {int(t[0]):>10,}   DDP {int(t[1]):>10,}")
         print(f"largest |parameter difference| to DDP over all ranks: "
               f"{max(float(d) for d in diffs):.3g}")
+    # The models go first, so that the default group is freed inside
+    # destroy_process_group() while the tensors of its last collectives still
+    # live. Freed later, when the frame ends, the group's destructor waits for
+    # its gloo worker thread, which may be freeing that collective's tensors
+    # and needs the GIL the destructor holds: the process hung at exit
+    # (intermittently, with torch 2.13 on CPU).
+    del ours, opt, ref, ref_opt
+    gc.collect()
     dist.destroy_process_group()
 
 

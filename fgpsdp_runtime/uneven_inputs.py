@@ -125,7 +125,7 @@ class UnevenInputs:
         """An active rank announces ``call``: before its first collective, on every active rank."""
         if self.joined:
             return  # a joined rank making the call it shadows
-        packet = torch.zeros(1 + _N_CALLS + _N_ARGS + self.model.world_size, dtype=torch.float64)
+        packet = self._empty_packet(torch.device("cpu"))
         packet[0] = 1.0
         packet[1 + int(call)] = 1.0
         for i, value in enumerate(args):
@@ -161,8 +161,7 @@ class UnevenInputs:
             param.grad = None
         last_to_join = True
         while True:
-            packet = torch.zeros(1 + _N_CALLS + _N_ARGS + model.world_size, dtype=torch.float64,
-                                 device=self._device)
+            packet = self._empty_packet(self._device)
             self._all_reduce(packet)
             active = int(round(float(packet[0])))
             if active == 0:
@@ -230,6 +229,11 @@ class UnevenInputs:
                 raise RuntimeError(EARLY_TERMINATION)
             if self.model.scheduler is not None:
                 self.model.scheduler.suspend_speculation()
+
+    def _empty_packet(self, device: torch.device) -> torch.Tensor:
+        """[active count, one slot per call, the call's arguments, one slot per rank]."""
+        return torch.zeros(1 + _N_CALLS + _N_ARGS + self.model.world_size, dtype=torch.float64,
+                           device=device)
 
     def _all_reduce(self, packet: torch.Tensor) -> None:
         if self.model.world_size > 1:

@@ -299,6 +299,7 @@ class DistributedDataParallel(nn.Module):
             else:
                 output = self.module(*inputs, **kwargs)
         self._after_forward()
+        self.reducer.watch_outputs(output)
         return output
 
     def _before_forward(self, inputs: tuple, kwargs: dict, wait_all: bool) -> tuple[tuple, dict]:
@@ -450,6 +451,8 @@ class DistributedDataParallel(nn.Module):
         if set_to_none:
             self.reducer.reset_used()
         self.reducer.gradients_zeroed()
+        if self.scheduler is not None:
+            self.scheduler.gradients_zeroed()
 
     # -- parameter exchange (driven by the optimizer) -------------------------
 

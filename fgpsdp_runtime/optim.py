@@ -252,7 +252,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                        if not finite or self._applied_coefficient < 1.0 or other_hyperparameters
                        or self._speculated_on_scaled_gradients
                        or not self._bucket_fully_used(b)
-                       or model.reducer.reduce_scatters_since_step[b] != speculated[b][1]]
+                       or model.reducer.reduce_scatters_since_reset[b] != speculated[b][1]]
         for b in rolled_back:
             model.finish_param_all_gather(b)  # the speculative values must have landed
             speculated[b][0].restore(model.buckets[b].param_shard, self._bucket_pieces[b],
@@ -516,7 +516,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 continue  # no gradient since zero_grad(set_to_none=True): adds nothing
             part = self._bucket_sq.get(b)
             stale = b in speculated and \
-                speculated[b][1] != model.reducer.reduce_scatters_since_step[b]
+                speculated[b][1] != model.reducer.reduce_scatters_since_reset[b]
             local += part if part is not None and not stale \
                 else multi_tensor_sq_norm([storage.grad_shard])
         differ = torch.tensor([float(self._speculation_hyperparameters_differ(speculated))],

@@ -20,10 +20,12 @@ parameter can never hang a step.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 import weakref
-from typing import Callable, Sequence
+from collections.abc import Mapping
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
@@ -32,6 +34,24 @@ from .lifecycle import HookHandles
 from .link_worker import PendingOp
 from .ops import multi_tensor_pack
 from .tracing import Timeline
+
+
+def _tensors_in(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
+    """The tensors of a forward's output: in tuples, lists, dicts (a
+    HuggingFace ModelOutput is one) and dataclasses, as torch DDP looks for them."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif depth > 8:
+        return
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors_in(item, depth + 1)
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _tensors_in(item, depth + 1)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for field in dataclasses.fields(value):
+            yield from _tensors_in(getattr(value, field.name, None), depth + 1)
 
 
 def in_backward() -> bool:
@@ -74,12 +94,16 @@ class GradientReducer:
         # Called before a round's first reduce-scatter is launched (model.join()
         # announces it).
         self.round_start_listeners: list[Callable[[], None]] = []
-        # Reduce-scatters launched per bucket since the last step, and in all.
-        self.reduce_scatters_since_step = [0] * len(self.buckets)
+        # Reduce-scatters launched per bucket since the last step or zero_grad()
+        # (the rounds a step would use, or a zero_grad() has dropped), and in all.
+        self.reduce_scatters_since_reset = [0] * len(self.buckets)
         self.reduce_scatters_launched = 0
         self._hook_handles = HookHandles()
         self._in_flight: dict[int, PendingOp] = {}
         self._callback_queued = False
+        self._grads_in_backward = False  # a parameter's hook ran since the callback was queued
+        # Every bucket was launched in this backward: a later gradient is a second one.
+        self._round_done_in_backward = False
         self._round_launched = False  # a full round of reduce-scatters since the last step
         self._reset_backward_state()
         # Parameters that received a gradient on this rank since the last
@@ -114,6 +138,8 @@ class GradientReducer:
         if not self._callback_queued or in_backward():
             return False
         self._callback_queued = False
+        self._grads_in_backward = False
+        self._round_done_in_backward = False
         self.wait_all()
         self._reset_backward_state()
         return True
@@ -124,6 +150,12 @@ class GradientReducer:
     def gradients_zeroed(self) -> None:
         self._stepped_since_zeroed = False
         self._added_after_step = False
+        self.reduce_scatters_since_reset = [0] * len(self.buckets)
+
+    @property
+    def adds_to_stepped_gradients(self) -> bool:
+        """A step has run since the last zero_grad(): a round now adds to what it used."""
+        return self._stepped_since_zeroed
 
     # -- hooks -------------------------------------------------------------
 
@@ -161,11 +193,11 @@ class GradientReducer:
                 f"fgpsdp: parameter '{self.param_names[index]}' received a sparse gradient; "
                 "sparse gradients are not supported (use nn.Embedding(sparse=False))")
         if not self._callback_queued:
-            # Runs once the whole backward has finished: flushes buckets whose
-            # parameters got no gradient on this rank.
-            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-            self._callback_queued = True
-            self.backward_started_at = time.perf_counter()
+            self._queue_backward_end()  # no output hook ran: see watch_outputs
+        elif self._round_done_in_backward:
+            # Every parameter had its gradient in this backward already.
+            raise RuntimeError(self._second_gradient_message(index))
+        self._grads_in_backward = True
         b, span = self.slot[index]
         param.grad = None  # the reducer holds it until the bucket is packed
         self.locally_used[index] = True
@@ -183,10 +215,7 @@ class GradientReducer:
     def _accumulate_second_gradient(self, index: int, b: int, span, grad: torch.Tensor) -> None:
         """A parameter used across two backward graphs of one backward call."""
         if b < self._next_to_launch:
-            raise RuntimeError(
-                f"fgpsdp: parameter '{self.param_names[index]}' received a second gradient "
-                "after its bucket was reduced in this backward (reentrant checkpointing "
-                "or a module run twice across a backward boundary); not supported")
+            raise RuntimeError(self._second_gradient_message(index))
         if self._bucket_packed[b]:
             dst = BucketStorage.span_view(self.buckets[b].send_buffer, span)
             dst.add_(grad.reshape(-1), alpha=self.grad_scale)
@@ -196,6 +225,14 @@ class GradientReducer:
                 if held_span is span:
                     held[i] = (span, held_grad + grad)
                     break
+
+    def _second_gradient_message(self, index: int) -> str:
+        return (f"fgpsdp: parameter '{self.param_names[index]}' received a second gradient "
+                "after its bucket was reduced in this backward: it is used both inside and "
+                "outside a torch.utils.checkpoint(use_reentrant=True) region (shared "
+                "weights), whose nested backward hands over its gradient apart. Not "
+                "supported (torch DDP needs static_graph=True there): use "
+                "use_reentrant=False, which hands over one gradient")
 
     def _pack_bucket(self, b: int) -> None:
         """All held gradients of bucket b into its send buffer: one fused, scaled copy."""
@@ -213,11 +250,53 @@ class GradientReducer:
         for listener in self.bucket_ready_listeners:
             listener(b)
 
+    def watch_outputs(self, output: Any) -> None:
+        """After a forward: hooks on its output tensors queue the end-of-backward
+        callback on the backward that runs through them.
+
+        [Note: reentrant checkpointing]
+        The callback runs when the graph task it was queued on ends. Queued by
+        the first parameter's hook, it would belong to whatever task that
+        hook runs in: under torch.utils.checkpoint(use_reentrant=True) that
+        may be the nested backward of one checkpointed segment, whose end
+        would then flush every bucket the later segments have not reached
+        (zeros, a round per segment) and let two_stage step parameters that
+        their recomputation still reads. The forward's outputs get their
+        gradients in the outermost task, before any parameter does (as FSDP's
+        root pre-backward hooks). Outputs holding no tensor fall back to the
+        first parameter's hook.
+        """
+        if not (torch.is_grad_enabled() and self.sync_enabled):
+            return
+        reducer_ref = weakref.ref(self)
+
+        def hook(grad: torch.Tensor) -> None:
+            reducer = reducer_ref()
+            if reducer is not None and reducer.sync_enabled and not reducer._callback_queued:
+                reducer._queue_backward_end()
+
+        for tensor in _tensors_in(output):
+            # Not leaves: a hook on a leaf (a parameter returned as is) would stay
+            # on it for good, one more per forward.
+            if tensor.requires_grad and tensor.grad_fn is not None:
+                tensor.register_hook(hook)
+
+    def _queue_backward_end(self) -> None:
+        # Runs once the whole backward has finished: flushes buckets whose
+        # parameters got no gradient on this rank.
+        torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+        self._callback_queued = True
+        self.backward_started_at = time.perf_counter()
+
     def _on_backward_end(self) -> None:
         # Every schedule reduces once per backward ("serial" only here, at the
         # end), so accumulating over several backwards sums the same way.
+        # A backward through the outputs that reached no parameter of ours
+        # (torch.autograd.grad for an input gradient penalty) is no round.
         self._callback_queued = False
-        if self.sync_enabled:
+        self._round_done_in_backward = False
+        grads_in_backward, self._grads_in_backward = self._grads_in_backward, False
+        if self.sync_enabled and grads_in_backward:
             self.flush()
             for listener in self.backward_end_listeners:
                 listener()
@@ -235,6 +314,7 @@ class GradientReducer:
         if self._next_to_launch == len(self.buckets):
             self._reset_backward_state()
             self._round_launched = True
+            self._round_done_in_backward = self._callback_queued
 
     def _round_in_progress(self) -> bool:
         return self._next_to_launch > 0 or any(self._seen)
@@ -302,10 +382,10 @@ class GradientReducer:
         op = self.exchange.start_reduce_scatter(received, send, label=f"b{b}")
         op.on_done = on_done
         self._in_flight[b] = op
-        self.reduce_scatters_since_step[b] += 1
+        self.reduce_scatters_since_reset[b] += 1
         self.reduce_scatters_launched += 1
         for listener in self.reduce_scatter_listeners:
-            listener(b, op, self.reduce_scatters_since_step[b])
+            listener(b, op, self.reduce_scatters_since_reset[b])
 
     # -- finishing ---------------------------------------------------------
 
@@ -336,7 +416,7 @@ class GradientReducer:
             listener()
 
     def end_step(self) -> None:
-        self.reduce_scatters_since_step = [0] * len(self.buckets)
+        self.reduce_scatters_since_reset = [0] * len(self.buckets)
         self._report_accumulation = self._added_after_step
         self._stepped_since_zeroed = True
         self._added_after_step = False

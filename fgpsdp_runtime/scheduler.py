@@ -75,7 +75,10 @@ class TwoStageScheduler:
         self.speculated: dict[int, tuple] = {}
         self.rollbacks = 0  # buckets rolled back so far (clipping, inf/NaN, unused)
         self.commits = 0
-        self._cancelled = False  # a forward came between backward and step
+        # No speculation until the step or zero_grad(): a forward came between
+        # backward and step (cancel()), or the round adds to gradients a step
+        # has used (see on_reduce_scatter).
+        self._round_excluded = False
         # Speculate only while the previous step would have committed: while
         # clipping is active every speculative step is undone and its
         # all-gather sent twice. Decided from all-reduced figures, so every
@@ -123,8 +126,17 @@ class TwoStageScheduler:
     # -- main thread: hand-over from the backward hooks ------------------------
 
     def on_reduce_scatter(self, b: int, op, count: int) -> None:
-        """Reducer listener: bucket b's reduce-scatter number ``count`` since the step started."""
-        if (self.optimizer is None or self._cancelled or not self.speculating
+        """Reducer listener: bucket b's reduce-scatter number ``count`` since the last
+        step or zero_grad()."""
+        if self.model.reducer.adds_to_stepped_gradients:
+            # A round after a step and before zero_grad(): a GAN's D in G's
+            # backward (D zeroes them before its own next backward), or a loop
+            # that never zeroes. Its gradients are rarely stepped; speculating
+            # would step D with G's gradients, to be undone (and re-sent) at
+            # zero_grad(), and would put those values in D's module meanwhile.
+            # Every rank steps and zeroes alike, so every rank decides alike.
+            self._round_excluded = True
+        if (self.optimizer is None or self._round_excluded or not self.speculating
                 or self._error is not None or b in self._handed or b not in self.plan.stage1):
             return
         self._handed.add(b)
@@ -151,7 +163,7 @@ class TwoStageScheduler:
 
         Every reduce-scatter has landed when this is called.
         """
-        if self.optimizer is None or not self.speculating or self._cancelled:
+        if self.optimizer is None or not self.speculating or self._round_excluded:
             self._raise_error()
             return
         self.on_backward_end()  # anything still deferred
@@ -206,7 +218,7 @@ class TwoStageScheduler:
             if arrived is None and not until_end:
                 return
             op, count = arrived if arrived is not None else \
-                (None, self.model.reducer.reduce_scatters_since_step[b])
+                (None, self.model.reducer.reduce_scatters_since_reset[b])
             self._speculate(b, op, count)
 
     def _speculate(self, b: int, op, count: int) -> None:
@@ -231,14 +243,15 @@ class TwoStageScheduler:
 
     def holds_speculative_values(self) -> bool:
         """Between backward and step: stage-1 steps may have updated parameters."""
-        return bool(self._handed or self.speculated) and not self._cancelled
+        return bool(self._handed or self.speculated) and not self._round_excluded
 
     def before_forward(self) -> None:
         """Called by every forward, synchronize() and zero_grad() (on every rank):
-        a reduction since the step means a read between backward and step,
-        which must see the old parameters, or a reset of what speculation used."""
-        if (self.optimizer is not None and not self._cancelled
-                and any(self.model.reducer.reduce_scatters_since_step)):
+        a reduction since the step (or zero_grad()) means a read between backward
+        and step, which must see the old parameters, or a reset of what
+        speculation used."""
+        if (self.optimizer is not None and not self._round_excluded
+                and any(self.model.reducer.reduce_scatters_since_reset)):
             self.cancel()
 
     def cancel(self) -> None:
@@ -264,7 +277,7 @@ class TwoStageScheduler:
             self.model.start_param_all_gather(b)
             self.rollbacks += 1
         self.speculated = {}
-        self._cancelled = True
+        self._round_excluded = True
 
     def stop_speculating(self, reason: str, warn: bool = True) -> None:
         """For the rest of the run (every rank decides it alike: from all-reduced
@@ -277,11 +290,11 @@ class TwoStageScheduler:
 
     def suspend_speculation(self) -> None:
         """Speculate no more until resume_speculation(): from now if no round of
-        reduce-scatters has begun since the step (every rank tells alike), else
-        from the step's end. Under model.join() a joined rank's speculative
+        reduce-scatters has begun since the step or zero_grad() (every rank tells
+        alike), else from the step's end. Under model.join() a joined rank's speculative
         steps would run before the step shares the hyperparameters."""
         self._suspended = True
-        if not any(self.model.reducer.reduce_scatters_since_step):
+        if not any(self.model.reducer.reduce_scatters_since_reset):
             self.speculating = False
 
     def resume_speculation(self) -> None:
@@ -290,12 +303,21 @@ class TwoStageScheduler:
 
     def end_step(self, would_commit: bool) -> None:
         self.speculating = would_commit and self.stopped_because is None and not self._suspended
+        self._reset_round()
+
+    def gradients_zeroed(self) -> None:
+        """zero_grad(), after before_forward() has undone this round's speculation
+        (the thread is idle): the next backward starts a round of its own, which
+        may speculate."""
+        self._reset_round()
+
+    def _reset_round(self) -> None:
         self._next = 0
         self.speculated = {}
         self._handed = set()
         self._deferred = []
         self._arrived = {}
-        self._cancelled = False
+        self._round_excluded = False
 
     def report_stop(self) -> None:
         """The optimizer's last call in a step: the step is whole even if this raises."""

@@ -1,5 +1,6 @@
 """Rank functions that feed fgpsdp bad input (imported by spawned ranks)."""
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 import fgpsdp_runtime as fgp
@@ -195,3 +196,27 @@ def optimizer_checkpoint_of_another_shape(rank, world_size):
     model = fgp.DistributedDataParallel(MLP())
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
     opt.load_state_dict(saved)
+
+
+class _SharedAcrossReentrantCheckpoint(nn.Module):
+    """One Linear used outside and inside a reentrant checkpoint (ALBERT-style sharing)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shared = nn.Linear(13, 13)
+        self.out = nn.Linear(13, 5)
+
+    def _segment(self, h):
+        return torch.tanh(self.shared(h))
+
+    def forward(self, x):
+        h = torch.tanh(self.shared(x))
+        h = torch.utils.checkpoint.checkpoint(self._segment, h, use_reentrant=True)
+        return self.out(h)
+
+
+def shared_weight_across_reentrant_checkpoint(rank, world_size):
+    """The nested backward hands over the shared weight's gradient, whose bucket is
+    then reduced; the outer backward's part comes after."""
+    model = fgp.DistributedDataParallel(_SharedAcrossReentrantCheckpoint(), bucket_cap_mb=0.0001)
+    model(torch.randn(4, 13)).sum().backward()

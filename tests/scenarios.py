@@ -124,6 +124,28 @@ class CheckpointedNet(nn.Module):
         return self.out(h)
 
 
+class ReentrantCheckpointedNet(nn.Module):
+    """Reentrant checkpointing with the head inside the last segment: the first
+    gradients of a backward arrive in a checkpoint's nested backward, whose end
+    is not the backward's."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(13, 19)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(19, 19), nn.Tanh())
+                                    for _ in range(3))
+        self.out = nn.Linear(19, 5)
+
+    def _last_segment(self, h):
+        return self.out(self.blocks[-1](h))
+
+    def forward(self, x):
+        h = self.inp(x)
+        for block in self.blocks[:-1]:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=True)
+        return torch.utils.checkpoint.checkpoint(self._last_segment, h, use_reentrant=True)
+
+
 class PreHookNet(nn.Module):
     """Forward pre-hooks registered before wrapping read their module's parameters
     (as torch.nn.utils.weight_norm's and pruning's do; weight_norm itself cannot be
@@ -156,7 +178,8 @@ class ParentReadsNet(nn.Module):
 
 MODELS = {"mlp": MLP, "tied": TiedLM, "bn_frozen": BatchNormNet, "unused": BranchyNet,
           "attention": AttentionNet, "order_change": OrderChangeNet,
-          "checkpointed": CheckpointedNet, "pre_hooks": PreHookNet,
+          "checkpointed": CheckpointedNet, "checkpointed_reentrant": ReentrantCheckpointedNet,
+          "pre_hooks": PreHookNet,
           "parent_reads": ParentReadsNet}
 
 
@@ -343,6 +366,7 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
         "params": [p.detach().clone() for p in ours.module.parameters()]
         if cfg.get("return_params") else None,
         "forward_deviations": ours._forward_waiter.deviations if ours._forward_waiter else 0,
+        "reduce_scatters": ours.reducer.reduce_scatters_launched,
         "commits": ours.scheduler.commits if ours.scheduler else 0,
         "rollbacks": ours.scheduler.rollbacks if ours.scheduler else 0,
         "speculation_stopped": ours.scheduler.stopped_because if ours.scheduler else None,
@@ -564,6 +588,63 @@ def synchronize_between_backward_and_step(rank: int, world_size: int, schedule: 
     return {"params": [p.detach().clone() for p in model.module.parameters()],
             "unchanged": unchanged,
             "rollbacks": model.scheduler.rollbacks if model.scheduler else 0}
+
+
+def _gan_iteration(step: int, rank: int, G, D, opt_g, opt_d) -> None:
+    """DCGAN's loop: D is zeroed before its backward; G's backward then runs
+    through D, whose gradients it adds to are never stepped (zeroed next time)."""
+    criterion = nn.BCEWithLogitsLoss()
+    g = torch.Generator().manual_seed(100 * step + rank)
+    real, z = torch.randn(8, 12, generator=g), torch.randn(8, 4, generator=g)
+    opt_d.zero_grad()
+    fake = G(z)
+    (criterion(D(real), torch.ones(8, 1))
+     + criterion(D(fake.detach()), torch.zeros(8, 1))).backward()
+    opt_d.step()
+    opt_g.zero_grad()
+    criterion(D(fake), torch.ones(8, 1)).backward()
+    opt_g.step()
+
+
+def gan_loop(rank: int, world_size: int, schedule: str) -> dict:
+    """A DCGAN loop, G and D wrapped apart, beside torch DDP doing the same; D's
+    module saved on rank 0 after every iteration (between G's backward through D
+    and D's next zero_grad()), and D's wrapper dropped at the end there."""
+    import gc
+    torch.manual_seed(0)
+    g_module = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 12))
+    d_module = nn.Sequential(nn.Linear(12, 16), nn.LeakyReLU(0.2), nn.Linear(16, 8),
+                             nn.LeakyReLU(0.2), nn.Linear(8, 1))
+    ref_g, ref_d = (nn.parallel.DistributedDataParallel(copy.deepcopy(m))
+                    for m in (g_module, d_module))
+    plan = {"overlap_plan": "layout"} if schedule == "two_stage" else {}
+    G = fgp.DistributedDataParallel(g_module, bucket_cap_mb=0.0001, schedule=schedule, **plan)
+    D = fgp.DistributedDataParallel(d_module, bucket_cap_mb=0.0001, schedule=schedule, **plan)
+    opt_g, opt_d = (fgp.ShardedOptimizer(m, torch.optim.Adam, lr=1e-2) for m in (G, D))
+    ref_opt_g, ref_opt_d = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ref_g, ref_d))
+    saves = []
+    for step in range(4):
+        _gan_iteration(step, rank, G, D, opt_g, opt_d)
+        _gan_iteration(step, rank, ref_g, ref_d, ref_opt_g, ref_opt_d)
+        if rank == 0:  # torch DDP's idiom: one rank saves
+            try:
+                d_module.state_dict()
+                saves.append("ok")
+            except RuntimeError as error:
+                saves.append(str(error))
+        dist.barrier()
+    scheduler = D.scheduler
+    result = {"saves": saves,
+              "d_commits": scheduler.commits if scheduler else 0,
+              "d_rollbacks": scheduler.rollbacks if scheduler else 0}
+    time.sleep(0.2)  # the rest of a loop: stage 1 would have run by now
+    del D, opt_d, scheduler
+    gc.collect()
+    G.synchronize()
+    result["params"] = [p.detach().clone() for m in (g_module, d_module) for p in m.parameters()]
+    result["reference"] = [p.detach().clone() for m in (ref_g, ref_d)
+                           for p in m.module.parameters()]
+    return result
 
 
 def default_bucket_sizes(rank: int, world_size: int) -> dict:

@@ -13,7 +13,8 @@ SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
 CASES = ("adamw_groups", "clip_triggers", "clip_idle", "manual_clip", "no_sync",
          "accumulate_synced", "tied", "bn_frozen", "unused", "small_buckets", "attention",
          "order_change", "hyperparameters_after_backward", "hyperparameters_after_clip",
-         "model_zero_grad", "zero_before_step", "checkpointed", "pre_hooks", "parent_reads")
+         "model_zero_grad", "zero_before_step", "checkpointed", "checkpointed_reentrant",
+         "checkpointed_reentrant_no_sync", "pre_hooks", "parent_reads")
 # Many small buckets, so that two_stage has stage-1 buckets to speculate on.
 SMALL_BUCKETS_MB = 0.0001
 
@@ -70,6 +71,16 @@ def test_two_stage_commits_and_rolls_back(topology):
     moved = ("hyperparameters_after_backward", "hyperparameters_after_clip")
     assert all(r[case]["speculation_stopped"] is None for r in changed for case in CASES
                if case not in moved)
+
+
+@pytest.mark.parametrize("topology", ["flat", "2x2"])
+def test_two_stage_commits_under_reentrant_checkpointing(topology):
+    """Stage 1 speculates after the backward's end, not a checkpointed segment's
+    (then it stepped parameters the later segments' recomputation read, and every
+    such step was rolled back)."""
+    for rank_results in results("two_stage", topology):
+        res = rank_results["checkpointed_reentrant"]
+        assert res["commits"] > 0 and res["rollbacks"] == 0, res
 
 
 def res_zeroed(topology: str) -> dict:

@@ -21,6 +21,10 @@ TWO_RANK_CASES = [
     {"reduce_dtype": "bfloat16", "schedule": "two_stage", "micro": 2, "accumulate": "synced"},
     # Megatron's grad_reduce_in_fp32: bfloat16 parameters, float32 reduction.
     {"reduce_dtype": "float32", "param_dtype": "bfloat16", "schedule": "two_stage"},
+    # bfloat16 gradients clipped: the coefficient applied at float32 precision, as
+    # torch's clip_grad_norm_ does (a Python float was rounded to bfloat16 first).
+    {"reduce_dtype": "bfloat16", "param_dtype": "bfloat16", "schedule": "next_forward",
+     "clip": 0.05},
 ]
 FOUR_RANK_CASES = [
     {"reduce_dtype": "bfloat16", "schedule": "two_stage", "local_size": 2},

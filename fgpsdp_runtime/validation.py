@@ -51,7 +51,66 @@ def local_problems(module: torch.nn.Module,
                 p.requires_grad for p in mod.parameters(recurse=False)):
             problems.append(f"module '{mod_name or type(mod).__name__}' produces sparse "
                             "gradients (sparse=True); sparse gradients are not supported")
+    problem = shared_memory_problem(trainable)
+    if problem is not None:
+        problems.append(problem)
     return problems
+
+
+def shared_memory_problem(trainable: Sequence[tuple[str, torch.nn.Parameter]]
+                          ) -> Optional[str]:
+    """Trainable parameters made from one tensor (``nn.Parameter(fused[:d])``).
+
+    Wrapping moves each into its own bucket span. Two that overlap would then
+    train apart, where torch DDP's steps land in one memory. Views of one tensor
+    share one autograd version counter: a step of one bucket would mark the
+    others as modified in place, and a backward still holding them (two_stage
+    steps during backward) would raise torch's "modified by an inplace
+    operation", or our after-step write check would. Both refused; a
+    ``.clone()`` per parameter makes them separate tensors.
+    """
+    by_storage: dict[tuple, list[tuple[str, torch.nn.Parameter]]] = {}
+    for name, param in trainable:
+        if param.numel() and param.device.type != "meta":
+            key = (param.device, param.untyped_storage().data_ptr())
+            by_storage.setdefault(key, []).append((name, param))
+    for group in by_storage.values():
+        for i, (name, param) in enumerate(group):
+            for other_name, other in group[i + 1:]:
+                if _overlap(param, other):
+                    return (f"parameters '{name}' and '{other_name}' share memory (one is a "
+                            "view of the other, or both of one tensor); wrapped, they would "
+                            "train apart. Make them separate tensors (nn.Parameter(t.clone())) "
+                            "or one parameter")
+        bump = getattr(torch.autograd.graph, "increment_version", None)
+        if bump is None or len(group) < 2:
+            continue
+        for i, (name, param) in enumerate(group):
+            before = [p._version for _, p in group]
+            bump(param)  # harmless at wrapping: no graph holds them yet
+            moved = [n for j, ((n, p), v) in enumerate(zip(group, before))
+                     if j != i and p._version != v]
+            if moved:
+                return (f"parameters '{name}' and '{moved[0]}' are views of one tensor (they "
+                        "share one autograd version counter): a step of one would count as "
+                        "an in-place change of the other. Make them separate tensors "
+                        "(nn.Parameter(t.clone()))")
+    return None
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors on one storage share an element."""
+    def extent(t):
+        first = t.storage_offset()
+        return first, first + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+    (a_lo, a_hi), (b_lo, b_hi) = extent(a), extent(b)
+    if a_hi < b_lo or b_hi < a_lo:
+        return False
+    # Interleaved views (w[::2], w[1::2]) cross ranges without sharing: mark one's.
+    lo, hi = min(a_lo, b_lo), max(a_hi, b_hi)
+    mask = torch.zeros(hi - lo + 1, dtype=torch.bool)
+    mask.as_strided(a.shape, a.stride(), a_lo - lo).fill_(True)
+    return bool(mask.as_strided(b.shape, b.stride(), b_lo - lo).any())
 
 
 def first_difference(reference: Sequence[ParamDescription],

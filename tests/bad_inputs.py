@@ -220,3 +220,24 @@ def shared_weight_across_reentrant_checkpoint(rank, world_size):
     then reduced; the outer backward's part comes after."""
     model = fgp.DistributedDataParallel(_SharedAcrossReentrantCheckpoint(), bucket_cap_mb=0.0001)
     model(torch.randn(4, 13)).sum().backward()
+
+
+class _FusedViews(nn.Module):
+    """q, k, v made as views of one fused tensor (one autograd version counter)."""
+
+    def __init__(self, overlapping: bool):
+        super().__init__()
+        fused = torch.randn(3 * 8, 8)
+        if overlapping:  # the second is the first, transposed
+            self.q = nn.Parameter(fused[:8])
+            self.k = nn.Parameter(fused[:8].t())
+        else:
+            self.q, self.k, self.v = (nn.Parameter(c) for c in fused.chunk(3))
+
+
+def parameter_views_of_one_tensor(rank, world_size):
+    fgp.DistributedDataParallel(_FusedViews(overlapping=False), bucket_cap_mb=0.0001)
+
+
+def overlapping_parameters(rank, world_size):
+    fgp.DistributedDataParallel(_FusedViews(overlapping=True))

@@ -50,6 +50,10 @@ CASES = [
      [r"register_comm_hook\(\) is not supported"]),
     (bad_inputs.parameter_replaced_after_wrapping, "RuntimeError",
      [r"parameter 'net\.2\.bias' was replaced by another tensor"]),
+    (bad_inputs.parameter_views_of_one_tensor, "ValueError",
+     [r"parameters 'q' and 'k' are views of one tensor", r"nn\.Parameter\(t\.clone\(\)\)"]),
+    (bad_inputs.overlapping_parameters, "ValueError",
+     [r"parameters 'q' and 'k' share memory", r"train apart"]),
     (bad_inputs.shared_weight_across_reentrant_checkpoint, "RuntimeError",
      [r"parameter 'shared\.(weight|bias)' received a second gradient", r"use_reentrant=False"]),
 ]

@@ -35,7 +35,7 @@ from .tracing import Timeline
 from .topology import (NodeLayout, TopologyArg, check_contiguous_nodes, create_link_groups,
                        resolve)
 from .uneven_inputs import AnnouncedCall, UnevenInputs
-from .validation import agree_or_raise, describe, local_problems
+from .validation import agree_or_raise, describe, local_problems, shared_memory_problem
 
 
 class DistributedDataParallel(nn.Module):
@@ -94,6 +94,8 @@ class DistributedDataParallel(nn.Module):
         named = list(module.named_parameters())  # tied parameters appear once
         trainable = [(n, p) for n, p in named if p.requires_grad]
         problems = local_problems(module, trainable) + lifecycle.wrapped_elsewhere(trainable)
+        if not problems:  # bumps version counters: not those a live wrapper tracks
+            problems += [p for p in [shared_memory_problem(trainable)] if p is not None]
         placement = check_contiguous_nodes(self.topology, process_group) \
             if self.topology.uses_hierarchy else None
         agree_or_raise(process_group, problems + ([placement] if placement else []),
@@ -283,7 +285,7 @@ class DistributedDataParallel(nn.Module):
             # are no-ops in compiled code (forward_waits.py).
             inputs, kwargs = self._before_forward_eagerly(inputs, kwargs, wait_all=True)
             output = self.module(*inputs, **kwargs)
-            self._after_forward_eagerly()
+            self._after_forward_eagerly(output)
             return output
         waiter = self._forward_waiter
         if waiter is not None and self._compiled_in_place():
@@ -298,8 +300,7 @@ class DistributedDataParallel(nn.Module):
                     waiter.end_forward()
             else:
                 output = self.module(*inputs, **kwargs)
-        self._after_forward()
-        self.reducer.watch_outputs(output)
+        self._after_forward(output)
         return output
 
     def _before_forward(self, inputs: tuple, kwargs: dict, wait_all: bool) -> tuple[tuple, dict]:
@@ -330,13 +331,14 @@ class DistributedDataParallel(nn.Module):
             inputs, kwargs = _move_to(inputs, device), _move_to(kwargs, device)
         return inputs, kwargs
 
-    def _after_forward(self) -> None:
+    def _after_forward(self, output: Any) -> None:
         if self._queued_gathers:
             # Buckets this forward did not use: started now, so that every rank
             # has issued all of them before backward issues stage-1 all-gathers.
             self._start_queued_gathers(all_of_them=True)
         self.forward_ended_at = time.perf_counter()
         self._sync_buffers_before_forward = torch.is_grad_enabled() and self.reducer.sync_enabled
+        self.reducer.watch_outputs(output)
 
     def _check_frozen(self) -> None:
         for name, param in self._frozen_at_wrap:

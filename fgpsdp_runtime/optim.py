@@ -594,11 +594,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         coefficient = max_norm / (total + 1e-6)
         if coefficient < 1.0:
             shards = [s.grad_shard for s in self.model.buckets]
-            # A float32 tensor, as torch's clip_grad_norm_ multiplies by: a Python
-            # float is rounded to the shards' dtype first (bfloat16: up to 0.4%
-            # off the coefficient), a tensor is applied at float32 precision.
-            torch._foreach_mul_(shards, torch.tensor(coefficient, dtype=torch.float32,
-                                                     device=self._device))
+            # A CPU float64 tensor, not a Python float: on CPU the foreach kernel
+            # rounds a Python float to the shards' dtype first (bfloat16: up to
+            # 0.4% off the coefficient); a scalar tensor is applied at the
+            # kernel's compute precision, as g.mul_(coefficient) is (float32 for
+            # bfloat16, float64 for float64). CUDA takes it as a scalar alike.
+            torch._foreach_mul_(shards, torch.tensor(coefficient, dtype=torch.float64))
             self._applied_coefficient *= coefficient
 
     def _norm_tensor(self, total: float) -> torch.Tensor:

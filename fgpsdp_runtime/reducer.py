@@ -85,10 +85,12 @@ class GradientReducer:
         # Called with the bucket index when a bucket's gradients are all packed
         # (profilers record when backward compute finished each bucket).
         self.bucket_ready_listeners: list[Callable[[int], None]] = []
-        # Called with (bucket, PendingOp, reduce-scatters of it since the step)
+        # Called with (bucket, PendingOp, reduce-scatters of it since the step or
+        # zero_grad())
         # as each reduce-scatter is launched (the two-stage scheduler's hand-over).
         self.reduce_scatter_listeners: list[Callable[[int, PendingOp, int], None]] = []
-        self.backward_started_at = 0.0  # perf_counter at the first hook of a backward
+        # perf_counter at a backward's first hook (an output's, else a parameter's)
+        self.backward_started_at = 0.0
         # Called once a synchronised backward has ended and its buckets are launched.
         self.backward_end_listeners: list[Callable[[], None]] = []
         # Called before a round's first reduce-scatter is launched (model.join()

@@ -219,6 +219,11 @@ class TwoStageScheduler:
                 return
             op, count = arrived if arrived is not None else \
                 (None, self.model.reducer.reduce_scatters_since_reset[b])
+            if count == 0:
+                # No reduction since the step or zero_grad() (one between backward
+                # and step): nothing to step early. The same on every rank.
+                self._next += 1
+                continue
             self._speculate(b, op, count)
 
     def _speculate(self, b: int, op, count: int) -> None:
@@ -259,10 +264,10 @@ class TwoStageScheduler:
 
         (Gradient accumulation without no_sync(): forward, backward, forward,
         backward, step.) Undo the speculative steps, send the restored slices
-        again, and speculate no more until the step. How far stage 1 got
-        depends on timing, so first every stage-1 bucket is speculated (all
-        were launched when the backward ended): then every rank undoes and
-        re-sends the same buckets in the same order. Whether to cancel depends
+        again, and speculate no more until the step or zero_grad(). How far
+        stage 1 got depends on timing, so first every stage-1 bucket is
+        speculated (all were launched when the backward ended): then every rank
+        undoes and re-sends the same buckets in the same order. Whether to cancel depends
         only on the reductions launched, which every rank launches alike.
         """
         optimizer = self.optimizer

@@ -51,9 +51,6 @@ def local_problems(module: torch.nn.Module,
                 p.requires_grad for p in mod.parameters(recurse=False)):
             problems.append(f"module '{mod_name or type(mod).__name__}' produces sparse "
                             "gradients (sparse=True); sparse gradients are not supported")
-    problem = shared_memory_problem(trainable)
-    if problem is not None:
-        problems.append(problem)
     return problems
 
 
@@ -67,47 +64,61 @@ def shared_memory_problem(trainable: Sequence[tuple[str, torch.nn.Parameter]]
     others as modified in place, and a backward still holding them (two_stage
     steps during backward) would raise torch's "modified by an inplace
     operation", or our after-step write check would. Both refused; a
-    ``.clone()`` per parameter makes them separate tensors.
+    ``.clone()`` per parameter makes them separate tensors. Call it only for
+    parameters no live wrapper holds: it bumps version counters.
     """
     by_storage: dict[tuple, list[tuple[str, torch.nn.Parameter]]] = {}
     for name, param in trainable:
         if param.numel() and param.device.type != "meta":
-            key = (param.device, param.untyped_storage().data_ptr())
+            # Per dtype: an arena of several dtypes is not compared (offsets are
+            # in elements).
+            key = (param.device, param.dtype, param.untyped_storage().data_ptr())
             by_storage.setdefault(key, []).append((name, param))
+    bump = getattr(torch.autograd.graph, "increment_version", None)  # torch >= 2.1
     for group in by_storage.values():
-        for i, (name, param) in enumerate(group):
-            for other_name, other in group[i + 1:]:
-                if _overlap(param, other):
-                    return (f"parameters '{name}' and '{other_name}' share memory (one is a "
-                            "view of the other, or both of one tensor); wrapped, they would "
-                            "train apart. Make them separate tensors (nn.Parameter(t.clone())) "
-                            "or one parameter")
-        bump = getattr(torch.autograd.graph, "increment_version", None)
-        if bump is None or len(group) < 2:
+        if len(group) < 2:
             continue
-        for i, (name, param) in enumerate(group):
-            before = [p._version for _, p in group]
-            bump(param)  # harmless at wrapping: no graph holds them yet
-            moved = [n for j, ((n, p), v) in enumerate(zip(group, before))
-                     if j != i and p._version != v]
-            if moved:
-                return (f"parameters '{name}' and '{moved[0]}' are views of one tensor (they "
-                        "share one autograd version counter): a step of one would count as "
-                        "an in-place change of the other. Make them separate tensors "
-                        "(nn.Parameter(t.clone()))")
+        overlapping = _first_overlap(group)
+        if overlapping is not None:
+            return (f"parameters '{overlapping[0]}' and '{overlapping[1]}' share memory (one "
+                    "is a view of the other, or both of one tensor); wrapped, they would "
+                    "train apart. Make them separate tensors (nn.Parameter(t.clone())) or "
+                    "one parameter")
+        if bump is None:
+            continue
+        # One bump each (harmless at wrapping: no graph holds them yet): a
+        # counter shared by k parameters moves by k.
+        before = [p._version for _, p in group]
+        for _, param in group:
+            bump(param)
+        shared = [name for (name, p), v in zip(group, before) if p._version - v > 1]
+        if shared:
+            return (f"parameters '{shared[0]}' and '{shared[1]}' are views of one tensor "
+                    "(they share one autograd version counter): a step of one would count "
+                    "as an in-place change of the other. Make them separate tensors "
+                    "(nn.Parameter(t.clone()))")
     return None
 
 
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors on one storage share an element."""
+def _first_overlap(group: Sequence[tuple[str, torch.Tensor]]) -> Optional[tuple[str, str]]:
+    """Two tensors of one storage that share an element, sweeping by first element."""
     def extent(t):
         first = t.storage_offset()
         return first, first + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
-    (a_lo, a_hi), (b_lo, b_hi) = extent(a), extent(b)
-    if a_hi < b_lo or b_hi < a_lo:
-        return False
-    # Interleaved views (w[::2], w[1::2]) cross ranges without sharing: mark one's.
-    lo, hi = min(a_lo, b_lo), max(a_hi, b_hi)
+    spans = sorted(((extent(t), name, t) for name, t in group), key=lambda x: x[0])
+    (lo, hi), name, t = spans[0]  # of those so far, the one reaching furthest
+    for (next_lo, next_hi), next_name, nt in spans[1:]:
+        if next_lo <= hi and _share_an_element(t, lo, nt, next_lo, max(hi, next_hi)):
+            return name, next_name
+        if next_hi > hi:
+            (lo, hi), name, t = (next_lo, next_hi), next_name, nt
+    return None
+
+
+def _share_an_element(a: torch.Tensor, a_lo: int, b: torch.Tensor, b_lo: int,
+                      hi: int) -> bool:
+    # Interleaved views (w[::2], w[1::2]) cross ranges without sharing: mark a's.
+    lo = min(a_lo, b_lo)
     mask = torch.zeros(hi - lo + 1, dtype=torch.bool)
     mask.as_strided(a.shape, a.stride(), a_lo - lo).fill_(True)
     return bool(mask.as_strided(b.shape, b.stride(), b_lo - lo).any())

@@ -33,7 +33,7 @@ from .profiling import nvtx_range
 from .reducer import GradientReducer, in_backward
 from .tracing import Timeline
 from .topology import (NodeLayout, TopologyArg, check_contiguous_nodes, create_link_groups,
-                       resolve)
+                       new_group_like, resolve)
 from .uneven_inputs import AnnouncedCall, UnevenInputs
 from .validation import agree_or_raise, describe, local_problems, shared_memory_problem
 
@@ -123,8 +123,9 @@ class DistributedDataParallel(nn.Module):
                 self.topology, rs_groups, ag_groups, device, self._comm_stats,
                 self.timeline, intra_shared_memory=self.topology.shared_memory)
         else:
-            ranks = dist.get_process_group_ranks(process_group) if process_group else None
-            self._own_groups = [dist.new_group(ranks), dist.new_group(ranks)]
+            ranks = dist.get_process_group_ranks(process_group) if process_group \
+                else list(range(dist.get_world_size()))
+            self._own_groups = [new_group_like(ranks, process_group) for _ in range(2)]
             self._exchange = FlatExchange(
                 *self._own_groups, device, self._comm_stats, self.timeline,
                 one_node_shared_memory=self.topology.shared_memory and self.topology.nodes == 1)

@@ -184,8 +184,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if float(norm_type) != 2.0:
             raise ValueError("only the L2 norm (norm_type=2) is supported")
         self._announce(AnnouncedCall.CLIP, float(max_norm))
-        total = self._reduce_and_measure()
-        self._apply_clip(total, float(max_norm))
+        # What the slices hold now: a clip earlier in this step scaled them.
+        total = self._reduce_and_measure() * self._applied_coefficient
+        self._apply_clip(float(max_norm))
         return self._norm_tensor(total)
 
     @torch.no_grad()
@@ -224,7 +225,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         measured_earlier = self._reduced  # by clip_grad_norm_, before this call
         total = self._reduce_and_measure()
         if self.max_grad_norm is not None:
-            self._apply_clip(total, self.max_grad_norm)
+            self._apply_clip(self.max_grad_norm)
         finite = math.isfinite(total)
         scheduler = model.scheduler
         speculated = scheduler.speculated if scheduler is not None else {}
@@ -305,7 +306,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def speculative_step(self, b: int) -> SliceBackup:
         """Stage 1: step bucket b's slice before the global norm is known; return the undo record."""
         storage = self.model.buckets[b]
-        self._bucket_sq[b] = multi_tensor_sq_norm([storage.grad_shard])  # before any update
+        sq = multi_tensor_sq_norm([storage.grad_shard])  # before any update
         self.model.finish_param_all_gather(b)
         backup = SliceBackup(storage.param_shard, self._bucket_pieces[b], self.optim.state)
         self._assign_slice_grads(None, [b])
@@ -318,6 +319,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 break
             backup.restore(storage.param_shard, self._bucket_pieces[b], self.optim.state)
         self.model.mark_params_changed([b])
+        # Kept only for a step that ran: one that raised is measured afresh.
+        self._bucket_sq[b] = sq
         # The training loop may write them while this runs (on the scheduler
         # thread): a change in between leaves them unknown, which rolls back.
         if same_hyperparameters(ran_with, hyperparameters(self.optim.param_groups)):
@@ -587,8 +590,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 else:
                     tensor.grad = None
 
-    def _apply_clip(self, total: float, max_norm: float) -> None:
-        # torch: coefficient max_norm / (total + 1e-6), applied when below 1.
+    def _apply_clip(self, max_norm: float) -> None:
+        # torch: coefficient max_norm / (total + 1e-6), applied when below 1,
+        # with the total of what the gradients hold now: a second clip in one
+        # step (clip_grad_norm_ and max_grad_norm, or a step retried after it
+        # raised) sees the clipped gradient, as torch's would, instead of
+        # clipping by the first total again.
+        total = self._total_norm * self._applied_coefficient
         if not math.isfinite(total):
             return
         coefficient = max_norm / (total + 1e-6)

@@ -38,8 +38,8 @@ computing with the new ones.
 [Note: scheduler thread lifetime and errors]
 The thread is a daemon: it never keeps the process alive. It is started at
 the first step that speculates. An exception raised in it stops speculation
-and is raised again on the main thread at the next join (the step, or a
-forward that cancels speculation), never swallowed.
+for the rest of the run and is raised again on the main thread at the next
+join (the step, or a forward that cancels speculation), never swallowed.
 On CUDA it runs on a stream of its own (``speculation_stream``), so the
 speculative optimizer steps overlap backward kernels; joins order the main
 stream after it.
@@ -178,7 +178,10 @@ class TwoStageScheduler:
     def _raise_error(self) -> None:
         if self._error is not None:
             error, self._error = self._error, None
+            # For the rest of the run: a loop that catches it trains on without
+            # stage 1 (its next speculative step would most likely raise again).
             self.speculating = False
+            self.stop_speculating(f"a speculative step raised {error!r}", warn=False)
             raise RuntimeError("fgpsdp: the two-stage scheduler thread failed") from error
 
     # -- the thread -------------------------------------------------------------

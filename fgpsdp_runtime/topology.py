@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Optional, Union
 
+import torch
 import torch.distributed as dist
 
 
@@ -141,6 +143,25 @@ class LinkGroups:
     inter: Optional[dist.ProcessGroup]  # the ranks with this local index, one per node
 
 
+def group_timeout(group: Optional[dist.ProcessGroup]) -> Optional[timedelta]:
+    """The timeout the job gave ``group`` (``init_process_group(timeout=...)``).
+    Groups created without one wait torch's default (30 minutes on gloo) for a
+    peer that stalls: ours must give up when the job's own collectives do."""
+    try:
+        pg = group if group is not None else dist.distributed_c10d._get_default_group()
+        device = torch.device("cuda" if dist.get_backend(pg) == "nccl" else "cpu")
+        return pg._get_backend(device).options._timeout
+    except (AttributeError, RuntimeError, ValueError):  # private API: other torch versions
+        return None
+
+
+def new_group_like(ranks: list[int], group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
+    """A process group of ``ranks`` with ``group``'s timeout (every rank calls it)."""
+    timeout = group_timeout(group)
+    return dist.new_group(ranks, timeout=timeout) if timeout is not None \
+        else dist.new_group(ranks)
+
+
 def create_link_groups(layout: NodeLayout, group: Optional[dist.ProcessGroup]) -> LinkGroups:
     """Create every node group and rail group, on every rank, in the same order."""
     def global_ranks(ranks):
@@ -151,11 +172,11 @@ def create_link_groups(layout: NodeLayout, group: Optional[dist.ProcessGroup]) -
     rank = dist.get_rank(group)
     intra = inter = None
     for node in range(layout.nodes):
-        g = dist.new_group(global_ranks(layout.intra_ranks(node)))
+        g = new_group_like(global_ranks(layout.intra_ranks(node)), group)
         if layout.node_of(rank) == node:
             intra = g
     for local in range(layout.local_size):
-        g = dist.new_group(global_ranks(layout.rail_ranks(local)))
+        g = new_group_like(global_ranks(layout.rail_ranks(local)), group)
         if layout.local_rank(rank) == local:
             inter = g
     return LinkGroups(intra=intra, inter=inter)

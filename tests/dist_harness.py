@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 180
+DEFAULT_PG_TIMEOUT_S = 60.0  # the process groups' (init_process_group(timeout=...))
 
 
 def _free_port() -> int:
@@ -59,7 +60,8 @@ class RankError(Exception):
 
 
 def run_distributed(world_size: int, fn: Callable, *args: Any,
-                    timeout_s: float = DEFAULT_TIMEOUT_S, pg_timeout_s: float = 60.0,
+                    timeout_s: float = DEFAULT_TIMEOUT_S,
+                    pg_timeout_s: float = DEFAULT_PG_TIMEOUT_S,
                     allow_errors: bool = False):
     """fn(rank, world_size, *args) on every rank; returns the list of results.
 

@@ -152,3 +152,10 @@ def backward_raises(rank: int, world_size: int, schedule: str, zero_grad: bool) 
     diff = max(float((a - b).abs().max())
                for a, b in zip(results["fgpsdp"], results["ddp_skipping"]))
     return {"diff_to_ddp_skipping": diff, "caught": caught, "warnings": results["warnings"]}
+
+
+def own_group_timeouts(rank: int, world_size: int) -> list[float]:
+    """Seconds the wrapper's own process groups wait for a stalled peer."""
+    model = fgp.DistributedDataParallel(MLP())
+    return [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
+            for g in model._own_groups]

@@ -304,11 +304,11 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
             to_none = cfg["zero_before_step"] == "none"
             opt.zero_grad(set_to_none=to_none)
             ref_opt.zero_grad(set_to_none=to_none)
-        if max_norm is not None:
-            ref_norms.append(reference_clip_(ref.parameters(), max_norm))
         if cfg.get("manual_clip"):
             norms.append(float(opt.clip_grad_norm_(cfg["manual_clip"])))
             ref_norms.append(reference_clip_(ref.parameters(), cfg["manual_clip"]))
+        if max_norm is not None:  # ours: in opt.step(), after any clip_grad_norm_
+            ref_norms.append(reference_clip_(ref.parameters(), max_norm))
         if cfg.get("hyperparameters_after_backward") == "after_clip":
             set_hyperparameters()  # after clip_grad_norm_'s all-reduce
         opt.step()
@@ -486,17 +486,38 @@ class FailingInThreadAdamW(torch.optim.AdamW):
 
 
 def scheduler_thread_failure(rank: int, world_size: int) -> dict:
-    """A failing speculative step must surface on the main thread, at the step."""
+    """A failing speculative step must surface on the main thread, at the step;
+    the loop catches it, zeroes the gradients and trains on (no speculation),
+    beside torch DDP skipping that step: the next norm is the new gradient's."""
     torch.manual_seed(0)
-    model = fgp.DistributedDataParallel(MLP(), bucket_cap_mb=0.0001, overlap_plan="layout")
+    module = MLP()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(module))
+    model = fgp.DistributedDataParallel(module, bucket_cap_mb=0.0001, overlap_plan="layout")
     opt = fgp.ShardedOptimizer(model, FailingInThreadAdamW, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     x, y = make_batch("mlp", 0, 0, rank)
     loss_fn("mlp", model(x), y).backward()
+    result = {"error": None, "cause": None}
     try:
         opt.step()
     except RuntimeError as error:
-        return {"error": str(error), "cause": repr(error.__cause__)}
-    return {"error": None, "cause": None}
+        result = {"error": str(error), "cause": repr(error.__cause__)}
+    opt.zero_grad()
+    norms, ref_norms = [], []
+    for step in (1, 2):
+        x, y = make_batch("mlp", step, 0, rank)
+        loss_fn("mlp", model(x), y).backward()
+        loss_fn("mlp", ref(x), y).backward()
+        norms.append(float(opt.clip_grad_norm_(1.0)))
+        ref_norms.append(reference_clip_(ref.parameters(), 1.0))
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    model.synchronize()
+    result.update(norms=norms, ref_norms=ref_norms, param_diff=max(
+        float((a - b).abs().max()) for a, b in zip(module.parameters(), ref.parameters())))
+    return result
 
 
 STEP_LOG: list = []

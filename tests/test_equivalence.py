@@ -19,6 +19,8 @@ SCENARIOS = {
     "clip_triggers": {"max_grad_norm": 0.05},
     "clip_idle": {"max_grad_norm": 1e6},
     "manual_clip": {"manual_clip": 0.05},
+    # clip_grad_norm_ in the loop and max_grad_norm: the second clips the clipped gradient.
+    "manual_clip_then_max_norm": {"manual_clip": 0.05, "max_grad_norm": 0.03},
     "no_sync": {"accumulate": 3},
     "no_sync_via_flag": {"accumulate": 3, "no_sync_via_flag": True},
     "accumulate_synced": {"accumulate": 2, "accumulate_synced": True, "bucket_cap_mb": 0.0001},

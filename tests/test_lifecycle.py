@@ -2,12 +2,13 @@
 import pytest
 
 from . import lifecycle_scenarios as scen
-from .dist_harness import run_calls
+from .dist_harness import DEFAULT_PG_TIMEOUT_S, run_calls
 
 SCHEDULES = ["two_stage", "serial"]
 CALLS = ([(scen.wrap_again, s) for s in SCHEDULES]
          + [(scen.dropped_wrapper_is_freed, s) for s in SCHEDULES]
-         + [(scen.backward_raises, s, zero) for s in SCHEDULES for zero in (True, False)])
+         + [(scen.backward_raises, s, zero) for s in SCHEDULES for zero in (True, False)]
+         + [(scen.own_group_timeouts,)])
 
 
 @pytest.fixture(scope="module")
@@ -54,3 +55,11 @@ def test_a_backward_that_raises_is_dropped(two_ranks, schedule, zero_grad):
             else:
                 assert res["diff_to_ddp_skipping"] > 0.0, res
             assert len(res["warnings"]) == 1, res
+
+
+def test_own_process_groups_wait_as_long_as_the_jobs(two_ranks):
+    """A stalled peer makes the wrapper's own groups give up when the job's
+    timeout (init_process_group(timeout=...)) says, not after torch's default 30
+    minutes (gloo)."""
+    for timeouts in two_ranks[(scen.own_group_timeouts,)]:
+        assert timeouts and all(t == DEFAULT_PG_TIMEOUT_S for t in timeouts), timeouts

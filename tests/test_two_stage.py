@@ -115,6 +115,10 @@ def test_scheduler_thread_failure_is_raised_on_every_rank(two_ranks):
     for res in two_ranks[(scheduler_thread_failure,)]:
         assert res["error"] is not None and "scheduler thread failed" in res["error"]
         assert "injected failure" in res["cause"]
+        # The failed bucket's partial norm, taken before its step raised, was
+        # used again for the next step's total (a NaN there went unnoticed).
+        assert res["norms"] == pytest.approx(res["ref_norms"], rel=1e-6), res  # float32 tensors
+        assert res["param_diff"] <= 1e-6, res
 
 
 @pytest.mark.parametrize("schedule", ["two_stage", "next_forward"])

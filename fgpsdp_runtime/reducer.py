@@ -86,8 +86,8 @@ class GradientReducer:
         # (profilers record when backward compute finished each bucket).
         self.bucket_ready_listeners: list[Callable[[int], None]] = []
         # Called with (bucket, PendingOp, reduce-scatters of it since the step or
-        # zero_grad())
-        # as each reduce-scatter is launched (the two-stage scheduler's hand-over).
+        # zero_grad()) as each reduce-scatter is launched (the two-stage
+        # scheduler's hand-over).
         self.reduce_scatter_listeners: list[Callable[[int, PendingOp, int], None]] = []
         # perf_counter at a backward's first hook (an output's, else a parameter's)
         self.backward_started_at = 0.0

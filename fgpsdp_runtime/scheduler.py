@@ -182,7 +182,12 @@ class TwoStageScheduler:
             # stage 1 (its next speculative step would most likely raise again).
             self.speculating = False
             self.stop_speculating(f"a speculative step raised {error!r}", warn=False)
-            raise RuntimeError("fgpsdp: the two-stage scheduler thread failed") from error
+            # The exception itself, so that a loop catching its type (an
+            # out-of-memory error) catches it as it would from torch's step.
+            if hasattr(error, "add_note"):  # Python >= 3.11
+                error.add_note("fgpsdp: raised in a two_stage speculative step (the "
+                               "scheduler thread); stage 1 is off for the rest of the run")
+            raise error
 
     # -- the thread -------------------------------------------------------------
 
@@ -270,8 +275,9 @@ class TwoStageScheduler:
         again, and speculate no more until the step or zero_grad(). How far
         stage 1 got depends on timing, so first every stage-1 bucket is
         speculated (all were launched when the backward ended): then every rank
-        undoes and re-sends the same buckets in the same order. Whether to cancel depends
-        only on the reductions launched, which every rank launches alike.
+        undoes and re-sends the same buckets in the same order. Whether to
+        cancel depends only on the reductions launched, which every rank
+        launches alike.
         """
         optimizer = self.optimizer
         self.model.reducer.wait_all()
@@ -299,8 +305,8 @@ class TwoStageScheduler:
     def suspend_speculation(self) -> None:
         """Speculate no more until resume_speculation(): from now if no round of
         reduce-scatters has begun since the step or zero_grad() (every rank tells
-        alike), else from the step's end. Under model.join() a joined rank's speculative
-        steps would run before the step shares the hyperparameters."""
+        alike), else from the step's end. Under model.join() a joined rank's
+        speculative steps would run before the step shares the hyperparameters."""
         self._suspended = True
         if not any(self.model.reducer.reduce_scatters_since_reset):
             self.speculating = False

@@ -1,5 +1,6 @@
 """The two-stage machinery: the scheduler thread, the profile plan, fixed plans, the timeline."""
 import json
+import sys
 
 import pytest
 import torch
@@ -113,8 +114,9 @@ def test_step_and_all_gathers_run_in_forward_order(two_ranks, schedule):
 
 def test_scheduler_thread_failure_is_raised_on_every_rank(two_ranks):
     for res in two_ranks[(scheduler_thread_failure,)]:
-        assert res["error"] is not None and "scheduler thread failed" in res["error"]
-        assert "injected failure" in res["cause"]
+        assert res["error"] is not None and "injected failure" in res["error"]
+        if sys.version_info >= (3, 11):
+            assert any("two_stage speculative step" in n for n in res["notes"]), res
         # The failed bucket's partial norm, taken before its step raised, was
         # used again for the next step's total (a NaN there went unnoticed).
         assert res["norms"] == pytest.approx(res["ref_norms"], rel=1e-6), res  # float32 tensors

@@ -94,8 +94,9 @@ class DistributedDataParallel(nn.Module):
         named = list(module.named_parameters())  # tied parameters appear once
         trainable = [(n, p) for n, p in named if p.requires_grad]
         problems = local_problems(module, trainable) + lifecycle.wrapped_elsewhere(trainable)
-        if not problems:  # bumps version counters: not those a live wrapper tracks
-            problems += [p for p in [shared_memory_problem(trainable)] if p is not None]
+        if not problems:  # it bumps version counters: not those a live wrapper tracks
+            shared = shared_memory_problem(trainable)
+            problems += [shared] if shared is not None else []
         placement = check_contiguous_nodes(self.topology, process_group) \
             if self.topology.uses_hierarchy else None
         agree_or_raise(process_group, problems + ([placement] if placement else []),

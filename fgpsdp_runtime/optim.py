@@ -184,8 +184,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if float(norm_type) != 2.0:
             raise ValueError("only the L2 norm (norm_type=2) is supported")
         self._announce(AnnouncedCall.CLIP, float(max_norm))
-        # What the slices hold now: a clip earlier in this step scaled them.
-        total = self._reduce_and_measure() * self._applied_coefficient
+        self._reduce_and_measure()
+        total = self._norm_now()  # a clip earlier in this step scaled the slices
         self._apply_clip(float(max_norm))
         return self._norm_tensor(total)
 
@@ -596,7 +596,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # step (clip_grad_norm_ and max_grad_norm, or a step retried after it
         # raised) sees the clipped gradient, as torch's would, instead of
         # clipping by the first total again.
-        total = self._total_norm * self._applied_coefficient
+        total = self._norm_now()
         if not math.isfinite(total):
             return
         coefficient = max_norm / (total + 1e-6)
@@ -609,6 +609,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             # bfloat16, float64 for float64). CUDA takes it as a scalar alike.
             torch._foreach_mul_(shards, torch.tensor(coefficient, dtype=torch.float64))
             self._applied_coefficient *= coefficient
+
+    def _norm_now(self) -> float:
+        """The norm of what the reduced slices hold: the measured total times the
+        clipping applied to them since."""
+        return self._total_norm * self._applied_coefficient
 
     def _norm_tensor(self, total: float) -> torch.Tensor:
         dtypes = {s.dtype for s in self.model.buckets} or {torch.float32}

@@ -8,6 +8,17 @@ unpack copy is needed; the optimizer's slice tensors are views of the same
 buffer, so the inner ``torch.optim`` optimizer updates this rank's slice in
 place.
 
+[Note: parameters keep their memory layout]
+A parameter stored in another order than row-major (a conv weight after
+``model.to(memory_format=torch.channels_last)``, a transposed weight) keeps
+that layout, as under torch DDP: its span holds its elements in memory order
+(``ParamSpan.dim_order``) and the parameter becomes a strided view of it, so
+cuDNN and oneDNN keep running their channels-last kernels without converting
+the weight at every forward. Gradients (which autograd lays out like their
+parameter) and checkpointed optimizer state move in and out of a span through
+``to_bucket_order``, a view when they already have that layout. Row-major
+parameters, and those not dense in memory, are stored row-major.
+
 [Note: gradient memory]
 Only this rank's reduced slice of the gradient (``grad_shard``, 1/N of the
 bucket) lives from one step to the next. The full-size send buffer exists
@@ -41,9 +52,10 @@ class BucketStorage:
         self.flat_param = torch.zeros(layout.padded_numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for span, param in zip(layout.spans, params):
-                view = self.span_view(self.flat_param, span)
-                view.copy_(param.detach().reshape(-1))
-                param.data = view.view(param.shape)
+                view = span_as_param(self.span_view(self.flat_param, span), param.shape,
+                                     span.dim_order)
+                view.copy_(param.detach())
+                param.data = view
         self.shard_start, self.shard_end = layout.shard_range(slice_index)
         # This rank's slice of the parameters: what its optimizer updates and
         # what it contributes to the all-gather.
@@ -77,3 +89,31 @@ class BucketStorage:
     def zero_grad_shard(self) -> None:
         self.grad_shard.zero_()
         self.grad_shard_valid = True
+
+
+def memory_dim_order(t: torch.Tensor) -> Optional[tuple[int, ...]]:
+    """Dims of ``t`` from outermost to innermost in memory; None when that is
+    row-major or ``t`` is not dense in memory (then it is stored row-major)."""
+    if t.dim() < 2:
+        return None
+    order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)))
+    if order == tuple(range(t.dim())) or not t.permute(order).is_contiguous():
+        return None
+    return order
+
+
+def to_bucket_order(t: torch.Tensor, dim_order: Optional[tuple[int, ...]]) -> torch.Tensor:
+    """``t``'s elements flat, in a span's order: a view when ``t`` is laid out
+    so (size-1 dims aside), else a copy."""
+    if dim_order is None:
+        return t.reshape(-1)
+    return t.permute(dim_order).reshape(-1)
+
+
+def span_as_param(span: torch.Tensor, shape: Sequence[int],
+                  dim_order: Optional[tuple[int, ...]]) -> torch.Tensor:
+    """A flat span viewed as its parameter: ``shape``, strided by ``dim_order``."""
+    if dim_order is None:
+        return span.view(shape)
+    inverse = sorted(range(len(dim_order)), key=dim_order.__getitem__)
+    return span.view([shape[d] for d in dim_order]).permute(inverse)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import lifecycle, shutdown
-from .buckets import BucketStorage
+from .buckets import BucketStorage, memory_dim_order
 from .comm import CommStats, FlatExchange, HierarchicalExchange
 from .layout import (BucketLayout, ParamInfo, default_bucket_cap_mb, first_bucket_cap_bytes,
                      owned_numel, plan_buckets)
@@ -131,7 +131,8 @@ class DistributedDataParallel(nn.Module):
                 *self._own_groups, device, self._comm_stats, self.timeline,
                 one_node_shared_memory=self.topology.shared_memory and self.topology.nodes == 1)
 
-        infos = [ParamInfo(p.numel(), str(p.dtype).replace("torch.", ""), p.element_size())
+        infos = [ParamInfo(p.numel(), str(p.dtype).replace("torch.", ""), p.element_size(),
+                           memory_dim_order(p))
                  for p in self._params]
         # None: sized to the model (layout.default_bucket_cap_mb); the same on
         # every rank, as the models are checked to agree.

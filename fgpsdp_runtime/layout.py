@@ -16,7 +16,7 @@ off by orders of magnitude on a model with one large tensor.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 # Slice starts are aligned to this many bytes so that vectorised kernels and
 # NCCL see aligned pointers; padding stays below world_size * SLICE_ALIGN_BYTES.
@@ -34,6 +34,10 @@ class ParamSpan:
     param_index: int  # index into the wrapper's list of trainable parameters
     bucket_offset: int  # first element in the bucket's flat buffer
     numel: int
+    # The order its elements lie in, as dims from outermost to innermost:
+    # None for row-major; (0, 2, 3, 1) for a channels_last conv weight. See
+    # [Note: parameters keep their memory layout] in buckets.py.
+    dim_order: Optional[tuple[int, ...]] = None
 
     @property
     def bucket_end(self) -> int:
@@ -45,7 +49,7 @@ class ShardPiece:
     """The part of one parameter that falls into one rank's slice."""
 
     param_index: int
-    param_offset: int  # first element within the flattened parameter
+    param_offset: int  # first element within the parameter, in its span's dim_order
     bucket_offset: int  # first element within the bucket's flat buffer
     numel: int
 
@@ -112,6 +116,7 @@ class ParamInfo:
     numel: int
     dtype_name: str
     element_size: int
+    dim_order: Optional[tuple[int, ...]] = None  # as ParamSpan.dim_order
 
 
 # Default bucket cap: about this many buckets per model, between the bounds.
@@ -199,7 +204,8 @@ def plan_buckets(
         nbytes = info.numel * info.element_size
         spans = open_buckets.setdefault(dtype_name, [])
         offset = spans[-1].bucket_end if spans else 0
-        spans.append(ParamSpan(param_index=index, bucket_offset=offset, numel=info.numel))
+        spans.append(ParamSpan(param_index=index, bucket_offset=offset, numel=info.numel,
+                               dim_order=info.dim_order))
         open_bytes[dtype_name] = open_bytes.get(dtype_name, 0) + nbytes
         # As torch DDP does: a bucket closes once it reaches the cap, so it
         # exceeds the cap only by its last parameter. Closing before a

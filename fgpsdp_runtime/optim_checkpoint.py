@@ -28,11 +28,12 @@ has the same length by construction), cut into parameters by the bucket layout.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .buckets import span_as_param, to_bucket_order
 from .group_collectives import all_gather_single
 
 if TYPE_CHECKING:  # imported for annotations only: optim imports this module
@@ -135,10 +136,11 @@ def full_state_dict(opt: ShardedOptimizer, rank0_only: bool) -> dict[str, Any]:
                 continue
             for span in layout.spans:
                 if key in merged.get(span.param_index, {}).get("per_element", {}):
-                    value = whole[span.bucket_offset:span.bucket_end]
-                    shape = params[span.param_index].shape
+                    value = span_as_param(whole[span.bucket_offset:span.bucket_end],
+                                          params[span.param_index].shape, span.dim_order)
+                    # Laid out as the parameter, as torch's optimizers lay out their state.
                     per_element.setdefault(span.param_index, {})[key] = \
-                        value.reshape(shape).to("cpu", copy=True)
+                        value.to("cpu", copy=True)
     if not keep:
         return {}
 
@@ -213,7 +215,7 @@ def load_full_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> N
         for tensor, _, start, end in opt._pieces.get(index, ()):
             offset = start - spans[index].bucket_offset
             inner_state[inner_number[id(tensor)]] = {
-                key: _piece_of(value, kinds[key], offset, end - start)
+                key: _piece_of(value, kinds[key], offset, end - start, spans[index].dim_order)
                 for key, value in entry.items()}
     inner_groups = []
     for saved, inner_group in zip(saved_groups, opt.optim.param_groups):
@@ -252,7 +254,8 @@ def _is_saved_per_element(key: str, value: Any, param: torch.Tensor, saved_index
     return False
 
 
-def _piece_of(value: Any, per_element: bool, offset: int, numel: int) -> Any:
+def _piece_of(value: Any, per_element: bool, offset: int, numel: int,
+              dim_order: Optional[tuple[int, ...]]) -> Any:
     """This rank's piece of one saved entry: per-element tensors are cut, scalars copied.
 
     Copies: the optimizer updates them in place, and must neither write into
@@ -261,5 +264,5 @@ def _piece_of(value: Any, per_element: bool, offset: int, numel: int) -> Any:
     if not torch.is_tensor(value):
         return value
     if per_element:
-        return value.reshape(-1)[offset:offset + numel].clone()
+        return to_bucket_order(value, dim_order)[offset:offset + numel].clone()
     return value.clone()

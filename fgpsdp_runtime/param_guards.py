@@ -118,7 +118,7 @@ class ParamPlaces:
 
     def check(self) -> None:
         """Raise if a parameter was given new storage (``model.double()``,
-        ``.to(...)``, ``param.data = ...``) or replaced by another
+        ``.to(...)``, ``.to(memory_format=...)``, ``param.data = ...``) or replaced by another
         (``module.weight = nn.Parameter(...)``) after wrapping: it would
         silently never change again. Storage moved as a whole
         (``share_memory()``) keeps every view in place: allowed, as the check
@@ -135,7 +135,8 @@ class ParamPlaces:
                 raise RuntimeError(
                     f"fgpsdp: parameter '{name}' {problem} after DistributedDataParallel(...) "
                     "was built: it no longer lives in its bucket and would not train. Cast, "
-                    "move or change the module before wrapping it.")
+                    "move, change the memory format of, or otherwise change the module "
+                    "before wrapping it.")
 
 
 class ParamVersions:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterator, Sequence
 
 import torch
 
-from .buckets import BucketStorage
+from .buckets import BucketStorage, to_bucket_order
 from .lifecycle import HookHandles
 from .link_worker import PendingOp
 from .ops import multi_tensor_pack
@@ -220,7 +220,7 @@ class GradientReducer:
             raise RuntimeError(self._second_gradient_message(index))
         if self._bucket_packed[b]:
             dst = BucketStorage.span_view(self.buckets[b].send_buffer, span)
-            dst.add_(grad.reshape(-1), alpha=self.grad_scale)
+            dst.add_(to_bucket_order(grad, span.dim_order), alpha=self.grad_scale)
         else:
             held = self._held[b]
             for i, (held_span, held_grad) in enumerate(held):
@@ -244,8 +244,10 @@ class GradientReducer:
             pending.wait()
         send = storage.acquire_send_buffer()
         held = self._held[b]
-        # contiguous(): a channels-last gradient is packed in the parameter's logical order.
-        multi_tensor_pack([g.detach().contiguous() for _, g in held], send,
+        # In the span's memory order: a view for gradients laid out like their
+        # parameter (as autograd lays them out), see buckets.py.
+        multi_tensor_pack([to_bucket_order(g.detach(), sp.dim_order).contiguous()
+                           for sp, g in held], send,
                           [sp.bucket_offset for sp, _ in held], self.grad_scale)
         self._held[b] = []
         self._bucket_packed[b] = True

@@ -13,6 +13,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .buckets import memory_dim_order
+
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
@@ -22,11 +24,23 @@ class ParamDescription:
     shape: tuple[int, ...]
     dtype: str
     requires_grad: bool
+    # Memory order of its dims (buckets.memory_dim_order): every rank's
+    # buckets must hold the same element at the same place.
+    dim_order: Optional[tuple[int, ...]] = None
+
+    def text(self, with_layout: bool) -> str:
+        layout = ""
+        if with_layout:
+            layout = " row-major" if self.dim_order is None else \
+                f" stored in dim order {list(self.dim_order)}"
+        return (f"'{self.name}' {list(self.shape)} {self.dtype}{layout} "
+                f"requires_grad={self.requires_grad}")
 
 
 def describe(named_params: Sequence[tuple[str, torch.nn.Parameter]]) -> list[ParamDescription]:
     return [ParamDescription(name, tuple(p.shape), str(p.dtype).replace("torch.", ""),
-                             bool(p.requires_grad)) for name, p in named_params]
+                             bool(p.requires_grad), memory_dim_order(p))
+            for name, p in named_params]
 
 
 def local_problems(module: torch.nn.Module,
@@ -128,9 +142,11 @@ def first_difference(reference: Sequence[ParamDescription],
                      other: Sequence[ParamDescription]) -> Optional[str]:
     for ref, oth in zip(reference, other):
         if ref != oth:
-            return (f"parameter '{ref.name}' {list(ref.shape)} {ref.dtype} "
-                    f"requires_grad={ref.requires_grad} on rank 0 vs '{oth.name}' "
-                    f"{list(oth.shape)} {oth.dtype} requires_grad={oth.requires_grad}")
+            layouts_differ = ref.dim_order != oth.dim_order
+            hint = "; convert the memory format on every rank, or on none, before " \
+                "wrapping" if layouts_differ else ""
+            return (f"parameter {ref.text(layouts_differ)} on rank 0 vs "
+                    f"{oth.text(layouts_differ)}{hint}")
     if len(reference) != len(other):
         longer = reference if len(reference) > len(other) else other
         extra = longer[min(len(reference), len(other))]

@@ -109,6 +109,19 @@ def cast_after_wrapping(rank, world_size):
     model(torch.randn(4, 13, dtype=torch.float64))
 
 
+def memory_layouts_differ(rank, world_size):
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 2, 3))
+    if rank == 1:  # the conversion ran on one rank only
+        model.to(memory_format=torch.channels_last)
+    fgp.DistributedDataParallel(model)
+
+
+def channels_last_after_wrapping(rank, world_size):
+    model = fgp.DistributedDataParallel(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 2, 3)))
+    model.module.to(memory_format=torch.channels_last)  # new storage for the conv weights
+    model(torch.randn(2, 3, 8, 8))
+
+
 def other_models_optimizer_checkpoint(rank, world_size):
     model = fgp.DistributedDataParallel(MLP())
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)

@@ -76,6 +76,9 @@ def _build(rank: int, cfg: dict[str, Any], module_state=None):
         base.load_state_dict(module_state)
     ref_module = type(base)()
     ref_module.load_state_dict(base.state_dict())
+    if cfg.get("row_major"):  # resumed in another layout than it was saved in
+        for module in (base, ref_module):
+            module.to(memory_format=torch.contiguous_format)
     if cfg["model"] == "bn_frozen":
         ref_module.frozen.requires_grad_(False)
     ref = nn.parallel.DistributedDataParallel(ref_module)
@@ -107,8 +110,9 @@ def _train(rank, cfg, ours, opt, ref, ref_opt, first_step: int, steps: int) -> N
     ours.synchronize()
 
 
-def compare_state_dicts(ours: dict, theirs: dict) -> dict[str, Any]:
-    """How far a torch-format optimizer state dict is from another."""
+def compare_state_dicts(ours: dict, theirs: dict, strides: bool = True) -> dict[str, Any]:
+    """How far a torch-format optimizer state dict is from another (``strides``:
+    tensors must be laid out alike too)."""
     same_groups = ours["param_groups"] == theirs["param_groups"]
     same_layout = set(ours["state"]) == set(theirs["state"]) and all(
         list(ours["state"][i]) == list(theirs["state"][i]) for i in theirs["state"])
@@ -118,8 +122,11 @@ def compare_state_dicts(ours: dict, theirs: dict) -> dict[str, Any]:
             for key, value in entry.items():
                 mine = ours["state"][i][key]
                 if torch.is_tensor(value):
+                    # Laid out as torch's (as their parameter: channels_last kept).
                     if not (torch.is_tensor(mine) and mine.shape == value.shape
-                            and mine.dtype == value.dtype):
+                            and mine.dtype == value.dtype
+                            and (not strides or value.numel() <= 1
+                                 or mine.stride() == value.stride())):
                         mismatched.append((i, key))
                         continue
                     worst = max(worst, float((mine.double() - value.double()).abs().max())
@@ -173,9 +180,11 @@ def resume(rank: int, world_size: int, cfg: dict[str, Any], path: str,
     ours, opt, ref, ref_opt = _build(rank, cfg, module_state=saved[f"{which}_module"])
     opt.load_state_dict(saved[f"{which}_opt"])
     ref_opt.load_state_dict(saved[f"{which}_opt"])
-    round_trip = compare_state_dicts(opt.full_state_dict(), saved[f"{which}_opt"])
+    round_trip = compare_state_dicts(opt.full_state_dict(), saved[f"{which}_opt"],
+                                     strides=not cfg.get("row_major"))
     _train(rank, cfg, ours, opt, ref, ref_opt, 100, cfg.get("steps", 3))
     param_diff = max(float((a.detach() - b.detach()).abs().max())
                      for a, b in zip(ours.module.parameters(), ref.module.parameters()))
     return {"round_trip": round_trip, "param_diff": param_diff,
-            "after": compare_state_dicts(opt.full_state_dict(), ref_opt.state_dict())}
+            "after": compare_state_dicts(opt.full_state_dict(), ref_opt.state_dict(),
+                                         strides=not cfg.get("row_major"))}

@@ -169,11 +169,29 @@ class ParentReadsNet(nn.Module):
         return self.out(torch.tanh(self.inp(x))) / scale
 
 
+class ChannelsLastNet(nn.Module):
+    """Convolutions in channels_last (a 1x1 one too) and a column-major head weight:
+    layouts the wrapper must keep, as torch DDP does."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 6, 3, padding=1)
+        self.pointwise = nn.Conv2d(6, 7, 1)
+        self.head = nn.Linear(7, 5)
+        with torch.no_grad():
+            self.head.weight = nn.Parameter(self.head.weight.t().contiguous().t())
+        self.to(memory_format=torch.channels_last)
+
+    def forward(self, x):
+        h = torch.relu(self.pointwise(torch.relu(self.conv(x))))
+        return self.head(h.mean(dim=(2, 3)))
+
+
 MODELS = {"mlp": MLP, "tied": TiedLM, "bn_frozen": BatchNormNet, "unused": BranchyNet,
           "attention": AttentionNet, "order_change": OrderChangeNet,
           "checkpointed": CheckpointedNet, "checkpointed_reentrant": ReentrantCheckpointedNet,
           "pre_hooks": PreHookNet,
-          "parent_reads": ParentReadsNet}
+          "parent_reads": ParentReadsNet, "channels_last": ChannelsLastNet}
 
 
 def make_batch(model_name: str, step: int, micro: int, rank: int):
@@ -182,6 +200,9 @@ def make_batch(model_name: str, step: int, micro: int, rank: int):
         tokens = torch.randint(0, 41, (6, 7), generator=g)
         target = torch.randint(0, 41, (6, 7), generator=g)
         return tokens, target
+    if model_name == "channels_last":
+        x = torch.randn(4, 3, 6, 5, generator=g).to(memory_format=torch.channels_last)
+        return x, torch.randn(4, 5, generator=g)
     in_dim = 11 if model_name == "bn_frozen" else 13
     x = torch.randn(8, in_dim, generator=g)
     y = torch.randn(8, 5, generator=g)
@@ -340,6 +361,10 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
                        if isinstance(t, torch.Tensor) and t.ndim > 0}
     return {
         "param_diff": param_diff,
+        # Each parameter's memory layout as under torch DDP (channels_last kept).
+        "strides_differ": [n for (n, a), b in zip(ours.module.named_parameters(),
+                                                  ref.module.parameters())
+                           if a.stride() != b.stride()],
         "buffer_diff": buffer_diff,
         "state_dict_diff": state_dict_diff,
         "local_numel": opt.local_numel,

@@ -40,6 +40,12 @@ CASES = [
      [r"opt\.state_dict\(\) between backward and opt\.step\(\)"]),
     (bad_inputs.cast_after_wrapping, "RuntimeError",
      [r"parameter 'net\.\d\.(weight|bias)' was given new storage", r"torch\.float64"]),
+    (bad_inputs.memory_layouts_differ, "ValueError",
+     [r"rank 1: model differs from rank 0: parameter '0\.weight' \[4, 3, 3, 3\] float32 "
+      r"row-major requires_grad=True on rank 0 vs '0\.weight' \[4, 3, 3, 3\] float32 stored "
+      r"in dim order \[0, 2, 3, 1\]", r"convert the memory format on every rank"]),
+    (bad_inputs.channels_last_after_wrapping, "RuntimeError",
+     [r"parameter '\d\.weight' was given new storage", r"memory format"]),
     (bad_inputs.wrapped_twice, "ValueError",
      [r"parameter 'net\.0\.weight' is held by another fgpsdp DistributedDataParallel"]),
     (bad_inputs.unfrozen_after_wrapping, "RuntimeError",

@@ -37,6 +37,7 @@ SCENARIOS = {
                                        "bucket_cap_mb": 0.0001},
     "pre_hooks": {"model": "pre_hooks", "bucket_cap_mb": 0.0001},
     "parent_reads": {"model": "parent_reads", "bucket_cap_mb": 0.0001},
+    "channels_last": {"model": "channels_last", "bucket_cap_mb": 0.0001},
     "lr_scheduler": {"lr_scheduler": True},
     # The schedule must go on driving the learning rate after a checkpoint is loaded.
     "lr_scheduler_reloaded": {"lr_scheduler": True, "reload_optimizer_at": 1},
@@ -68,6 +69,7 @@ def test_matches_torch_ddp(world_size, scenario):
         assert res["buffer_diff"] <= TOL, f"rank {rank}: buffers differ by {res['buffer_diff']}"
         # Same keys ("module." prefix) and values as torch DDP's state_dict.
         assert res["state_dict_diff"] <= TOL
+        assert not res["strides_differ"], "memory layouts changed by wrapping"
         first_loss, first_ref = res["losses"][0]
         assert first_loss == pytest.approx(first_ref, rel=1e-6), "broadcast at construction"
     # Every element is owned exactly once.

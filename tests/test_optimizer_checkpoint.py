@@ -26,6 +26,9 @@ CONFIGS = {
     "adagrad_frozen": {"model": "bn_frozen", "optimizer": "adagrad", "groups": "default",
                        "schedule": "serial"},
     "nadam_scalar_param": {"model": "temperature", "optimizer": "nadam"},
+    # State laid out as its parameters (channels_last convs, a column-major weight).
+    "adamw_channels_last": {"model": "channels_last", "optimizer": "adamw",
+                            "bucket_cap_mb": 0.0001},
 }
 
 
@@ -45,7 +48,8 @@ def test_full_state_dict_equals_torch_ddp_optimizer_bitwise(two_rank_results, na
 
 
 HIERARCHICAL = {name: {**cfg, "local_size": 2} for name, cfg in CONFIGS.items()
-                if name in ("adamw_groups", "sgd_momentum_tied", "nadam_scalar_param")}
+                if name in ("adamw_groups", "sgd_momentum_tied", "nadam_scalar_param",
+                            "adamw_channels_last")}
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +84,19 @@ def test_resume_on_another_world_size_and_buckets(saved_on_four, which):
             assert res["round_trip"]["bitwise"], (rank, name, res["round_trip"])
             assert res["param_diff"] <= TOL, (rank, name, res)
             assert res["after"]["same_layout"] and res["after"]["same_groups"], (rank, name, res)
+
+
+def test_resume_channels_last_checkpoint_in_row_major_layout(saved_on_four):
+    """Optimizer state saved from channels_last convs loads into row-major ones."""
+    directory, _ = saved_on_four
+    cfg = {**HIERARCHICAL["adamw_channels_last"], "row_major": True}
+    del cfg["local_size"]
+    results = run_distributed(3, checkpoint_scenarios.resume_many,
+                              {"adamw_channels_last": cfg}, directory, "ours")
+    for rank, per_config in enumerate(results):
+        res = per_config["adamw_channels_last"]
+        assert res["round_trip"]["bitwise"], (rank, res["round_trip"])
+        assert res["param_diff"] <= TOL, (rank, res)
 
 
 def test_rank0_only_leaves_the_other_ranks_empty(tmp_path):

@@ -15,7 +15,7 @@ CASES = ("adamw_groups", "clip_triggers", "clip_idle", "manual_clip", "no_sync",
          "accumulate_synced", "tied", "bn_frozen", "unused", "small_buckets", "attention",
          "order_change", "hyperparameters_after_backward", "hyperparameters_after_clip",
          "model_zero_grad", "zero_before_step", "checkpointed", "checkpointed_reentrant",
-         "checkpointed_reentrant_no_sync", "pre_hooks", "parent_reads")
+         "checkpointed_reentrant_no_sync", "pre_hooks", "parent_reads", "channels_last")
 # Many small buckets, so that two_stage has stage-1 buckets to speculate on.
 SMALL_BUCKETS_MB = 0.0001
 

@@ -20,6 +20,7 @@ from torch import nn
 
 from . import lifecycle, shutdown
 from .buckets import BucketStorage, memory_dim_order
+from .ddp_options import bucket_caps_bytes, buffer_sync, process_group_of, refuse_unsupported
 from .comm import CommStats, FlatExchange, HierarchicalExchange
 from .layout import (BucketLayout, ParamInfo, default_bucket_cap_mb, first_bucket_cap_bytes,
                      owned_numel, plan_buckets)
@@ -47,16 +48,28 @@ class DistributedDataParallel(nn.Module):
     rank's full replica.
     """
 
+    # torch 2.13 DDP's parameters, in its order (see ddp_options.py), then ours.
     def __init__(self, module: nn.Module, device_ids: Optional[Sequence[Any]] = None,
-                 output_device: Any = None, dim: int = 0, broadcast_buffers: bool = True,
+                 output_device: Any = None, dim: int = 0,
+                 broadcast_buffers: Optional[bool] = None, init_sync: bool = True,
                  process_group: Optional[dist.ProcessGroup] = None,
                  bucket_cap_mb: Optional[float] = None,
                  find_unused_parameters: bool = False, check_reduction: bool = False,
-                 gradient_as_bucket_view: bool = False, static_graph: bool = False, *,
+                 gradient_as_bucket_view: bool = False, static_graph: bool = False,
+                 delay_all_reduce_named_params: Any = None,
+                 param_to_hook_all_reduce: Any = None, mixed_precision: Any = None,
+                 device_mesh: Any = None, skip_all_reduce_unused_params: bool = False,
+                 bucket_cap_mb_list: Optional[Sequence[float]] = None,
+                 batched_grad_copy: bool = False,
+                 forward_sync_buffers: Optional[bool] = None, *,
                  topology: TopologyArg = None, schedule: str = "two_stage",
                  overlap_plan: Union[str, OverlapPlan] = "auto",
                  reduce_dtype: Optional[torch.dtype] = None):
         super().__init__()
+        refuse_unsupported(mixed_precision=mixed_precision,
+                           delay_all_reduce_named_params=delay_all_reduce_named_params,
+                           param_to_hook_all_reduce=param_to_hook_all_reduce)
+        bucket_caps = bucket_caps_bytes(bucket_cap_mb_list)
         if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype)
                                              and reduce_dtype.is_floating_point):
             raise ValueError(f"reduce_dtype must be a floating dtype (torch.bfloat16, ...) or "
@@ -70,17 +83,22 @@ class DistributedDataParallel(nn.Module):
             raise RuntimeError("fgpsdp: call torch.distributed.init_process_group() first")
         if bucket_cap_mb is not None and not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0 (or None: automatic), got {bucket_cap_mb}")
-        # output_device, dim, check_reduction, gradient_as_bucket_view and
-        # static_graph are accepted for drop-in compatibility and change nothing:
-        # outputs stay where the single-device module puts them, gradients are
-        # released into the send buffer as soon as they are ready, and
-        # unused parameters are handled without knowing the graph.
+        # output_device, dim, check_reduction, gradient_as_bucket_view,
+        # static_graph, skip_all_reduce_unused_params and batched_grad_copy are
+        # accepted for drop-in compatibility and change nothing: outputs stay
+        # where the single-device module puts them, gradients are released into
+        # the send buffer as soon as they are ready, packed by one fused copy per
+        # bucket, and unused parameters are handled without knowing the graph
+        # (a parameter no rank used keeps grad=None, as when DDP skips it).
         if device_ids is not None and len(device_ids) != 1:
             raise ValueError("device_ids must name exactly one device (single-device modules)")
         self.schedule = schedule
         self.module = module
+        process_group = process_group_of(process_group, device_mesh)
+        self.device_mesh = device_mesh
         self.process_group = process_group
-        self.broadcast_buffers = broadcast_buffers
+        self._buffer_sync = buffer_sync(broadcast_buffers, forward_sync_buffers)
+        self.forward_sync_buffers = self._buffer_sync.at_forward
         self.find_unused_parameters = find_unused_parameters
         self.device_ids = list(device_ids) if device_ids is not None else None
         self.output_device = output_device
@@ -138,10 +156,12 @@ class DistributedDataParallel(nn.Module):
         # every rank, as the models are checked to agree.
         self.bucket_cap_mb = float(bucket_cap_mb) if bucket_cap_mb is not None else \
             default_bucket_cap_mb(sum(i.numel * i.element_size for i in infos))
+        if bucket_caps is not None:  # as torch DDP: bucket_cap_mb_list wins
+            self.bucket_cap_mb = max(bucket_caps) / 2**20
         self.bucket_layouts: tuple[BucketLayout, ...] = plan_buckets(
             infos, bucket_cap_bytes=int(self.bucket_cap_mb * 1024 * 1024),
             world_size=self.world_size,
-            first_bucket_cap_bytes=first_bucket_cap_bytes())
+            first_bucket_cap_bytes=first_bucket_cap_bytes(), bucket_caps_bytes=bucket_caps)
         # None: gradients are reduced in their parameters' dtype, as torch DDP
         # does; torch.bfloat16 halves the reduce-scatter's bytes (DDP's
         # bf16_compress_hook, FSDP's MixedPrecision(reduce_dtype=...)).
@@ -157,7 +177,8 @@ class DistributedDataParallel(nn.Module):
             {id(p): name for name, p in zip(self._param_names, self._params)})
         # Set inside ``with model.join():`` (see uneven_inputs.py).
         self._uneven_inputs: Optional[UnevenInputs] = None
-        self._broadcast_initial_state(named)
+        if init_sync:  # else the user vouches that every rank starts alike, as with DDP
+            self._broadcast_initial_state(named, with_buffers=self._buffer_sync.at_init)
 
         self.reducer = GradientReducer(self._params, self._param_names, self._buckets,
                                        self._exchange, self.world_size, self.timeline,
@@ -260,7 +281,7 @@ class DistributedDataParallel(nn.Module):
         return dist.get_global_rank(self.process_group, rank) if self.process_group else rank
 
     @torch.no_grad()
-    def _broadcast_initial_state(self, named_params) -> None:
+    def _broadcast_initial_state(self, named_params, with_buffers: bool) -> None:
         """Rank 0's parameters and buffers everywhere, as DDP does at construction."""
         if self.world_size == 1:
             return
@@ -268,7 +289,18 @@ class DistributedDataParallel(nn.Module):
         for storage in self._buckets:
             dist.broadcast(storage.flat_param, src=src, group=self.process_group)
         frozen = [p for _, p in named_params if not p.requires_grad]
-        _broadcast_coalesced(frozen + list(self.module.buffers()), src, self.process_group)
+        buffers = list(self.module.buffers()) if with_buffers else []
+        _broadcast_coalesced(frozen + buffers, src, self.process_group)
+
+    @property
+    def broadcast_buffers(self) -> bool:
+        """Whether buffers are broadcast at every forward (torch 2.13 calls it
+        ``forward_sync_buffers``); loops may set it."""
+        return self.forward_sync_buffers
+
+    @broadcast_buffers.setter
+    def broadcast_buffers(self, value: bool) -> None:
+        self.forward_sync_buffers = value
 
     @torch.no_grad()
     def _broadcast_buffers(self) -> None:

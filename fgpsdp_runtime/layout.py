@@ -157,6 +157,7 @@ def plan_buckets(
     bucket_cap_bytes: int,
     world_size: int,
     first_bucket_cap_bytes: int | None = None,
+    bucket_caps_bytes: Sequence[int] | None = None,
     order: Iterable[int] | None = None,
     align_bytes: int = SLICE_ALIGN_BYTES,
 ) -> tuple[BucketLayout, ...]:
@@ -168,7 +169,9 @@ def plan_buckets(
     it exceeds the cap only by its last parameter. The first bucket to close
     closes at ``first_bucket_cap_bytes`` when that is smaller (torch DDP's
     1 MB first bucket): backward fills it first, and the sooner it closes the
-    sooner the links start.
+    sooner the links start. ``bucket_caps_bytes`` (torch DDP's
+    ``bucket_cap_mb_list``) replaces both: the k-th bucket to close closes at
+    its k-th entry, the last one standing for all later buckets.
     A new dtype closes the open bucket of another dtype only for that dtype:
     each dtype fills its own open bucket so interleaved dtypes do not produce
     a flood of tiny buckets.
@@ -212,7 +215,11 @@ def plan_buckets(
         # parameter that would overflow would instead leave a layer's bias
         # (ready just before its weight in backward) a tiny bucket of its own,
         # and every bucket costs a collective per phase.
-        if open_bytes[dtype_name] >= (bucket_cap_bytes if closed else first_cap):
+        if bucket_caps_bytes:
+            cap = bucket_caps_bytes[min(len(closed), len(bucket_caps_bytes) - 1)]
+        else:
+            cap = bucket_cap_bytes if closed else first_cap
+        if open_bytes[dtype_name] >= cap:
             close(dtype_name)
     for dtype_name in list(open_buckets):
         close(dtype_name)

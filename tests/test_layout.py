@@ -93,6 +93,22 @@ def test_first_bucket_closes_at_its_own_cap():
     check_layout(infos, layouts, 2)
 
 
+def test_per_bucket_caps_in_backward_order():
+    # torch DDP's bucket_cap_mb_list: the k-th bucket to close closes at the
+    # k-th cap, the last cap for every later one; it overrides both other caps.
+    infos = [fp32(100) for _ in range(7)]
+    layouts = plan_buckets(infos, bucket_cap_bytes=10**6, world_size=2, first_bucket_cap_bytes=400,
+                           bucket_caps_bytes=[800, 400])
+    assert [[s.param_index for s in b.spans] for b in layouts] == [[6, 5], [4], [3], [2], [1], [0]]
+    check_layout(infos, layouts, 2)
+
+
+def test_spans_carry_the_parameters_memory_order():
+    infos = [ParamInfo(24, "float32", 4, (0, 2, 3, 1)), fp32(5)]
+    (layout,) = plan_buckets(infos, bucket_cap_bytes=10**6, world_size=3)
+    assert {s.param_index: s.dim_order for s in layout.spans} == {0: (0, 2, 3, 1), 1: None}
+
+
 def test_default_bucket_cap_is_sized_to_the_model():
     assert default_bucket_cap_mb(64 * 2**20) == 4.0  # a 16M-parameter fp32 model: 16 buckets
     assert default_bucket_cap_mb(10**4) == 1.0  # small models: never below 1 MB

@@ -1,0 +1,78 @@
+"""torch DDP's constructor keywords and what each means here.
+
+The wrapper takes torch DDP's keywords (torch 2.13's, in its positional
+order), so that a loop written for torch DDP runs unchanged. Each one either
+means here what it means there, is accepted and has nothing to do here (said
+where it is taken), or is refused with a sentence saying what to use instead.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class BufferSync:
+    """When rank 0's buffers are broadcast."""
+
+    at_init: bool  # with the parameters, at construction (unless init_sync=False)
+    at_forward: bool  # at every forward (the ``broadcast_buffers`` attribute)
+
+
+def buffer_sync(broadcast_buffers: Optional[bool],
+                forward_sync_buffers: Optional[bool]) -> BufferSync:
+    """torch's rule: ``forward_sync_buffers`` (torch 2.13) sets the forward's sync
+    only and buffers are synced at init; the older ``broadcast_buffers=False``
+    also keeps rank-local buffers out of the init sync; both default to syncing.
+    Unlike torch 2.13 this does not warn about ``broadcast_buffers``: loops
+    written for older torch pass it, and here it keeps its meaning."""
+    if forward_sync_buffers is not None:
+        return BufferSync(at_init=True, at_forward=bool(forward_sync_buffers))
+    sync = True if broadcast_buffers is None else bool(broadcast_buffers)
+    return BufferSync(at_init=sync, at_forward=sync)
+
+
+def process_group_of(process_group: Optional[dist.ProcessGroup],
+                     device_mesh: Any) -> Optional[dist.ProcessGroup]:
+    """The group to train over: ``process_group``, or a 1-D ``device_mesh``'s."""
+    if device_mesh is None:
+        return process_group
+    if process_group is not None:
+        raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
+    if device_mesh.ndim != 1:
+        raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
+    root = getattr(device_mesh, "_get_root_mesh", lambda: device_mesh)()
+    if root != device_mesh:
+        raise NotImplementedError(
+            "fgpsdp: a device_mesh sliced from a larger mesh (data parallel beside tensor "
+            "parallel) is not supported: pass a 1-D mesh over the data-parallel ranks of "
+            "a module with plain tensors")
+    return device_mesh.get_group(mesh_dim=0)
+
+
+def refuse_unsupported(*, mixed_precision: Any, delay_all_reduce_named_params: Any,
+                       param_to_hook_all_reduce: Any) -> None:
+    if mixed_precision is not None:
+        raise NotImplementedError(
+            "fgpsdp: DistributedDataParallel(mixed_precision=...) (torch's experimental "
+            "_MixedPrecision) is not supported: keep the parameters in their dtype, run the "
+            "forward under torch.autocast, and set reduce_dtype= for the gradients' dtype "
+            "on the wire")
+    if delay_all_reduce_named_params is not None or param_to_hook_all_reduce is not None:
+        raise NotImplementedError(
+            "fgpsdp: delay_all_reduce_named_params / param_to_hook_all_reduce are not "
+            "supported: every trainable parameter is reduced in its bucket")
+
+
+def bucket_caps_bytes(bucket_cap_mb_list: Optional[Sequence[float]]
+                      ) -> Optional[tuple[int, ...]]:
+    """torch's ``bucket_cap_mb_list``: the k-th bucket that backward fills closes at
+    its k-th entry, the last entry standing for all later buckets."""
+    if not bucket_cap_mb_list:
+        return None
+    caps = tuple(int(mb * 1024 * 1024) for mb in bucket_cap_mb_list)
+    if min(caps) <= 0:
+        raise ValueError(f"bucket_cap_mb_list entries must be > 0, got {list(bucket_cap_mb_list)}")
+    return caps

@@ -1,0 +1,75 @@
+"""torch DDP's constructor keywords, given alike to torch DDP and to fgpsdp.
+
+Imported by the spawned ranks (module-level functions only).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import fgpsdp_runtime as fgp
+
+from .scenarios import BatchNormNet, make_batch, loss_fn
+
+
+def _state(module: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    return ([p.detach().clone() for p in module.parameters()],
+            [b.detach().clone() for b in module.buffers()])
+
+
+def _equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def _max_diff(a, b) -> float:
+    return max(float((x.detach().double() - y.detach().double()).abs().max())
+               for x, y in zip(a, b))
+
+
+def train_with_keywords(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Build both wrappers with ``cfg["kw"]``; report what the construction synced
+    and how far 4 AdamW steps end from torch DDP's, per rank."""
+    kw = dict(cfg["kw"])
+    if kw.pop("device_mesh", False):
+        kw["device_mesh"] = init_device_mesh("cpu", (world_size,))
+    # Rank-local starting values (parameters alike when nothing syncs them, as
+    # init_sync=False demands), BatchNorm statistics rank-local as well.
+    torch.manual_seed(1234 if kw.get("init_sync") is False else 1234 + rank)
+    base = BatchNormNet()
+    with torch.no_grad():
+        base.bn.running_mean.fill_(0.1 * rank)
+        base.bn.running_var.fill_(1.0 + rank)
+    before = _state(base)
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), **kw)
+    ours = fgp.DistributedDataParallel(base, **kw, **cfg.get("ours_kw", {}))
+    result = {
+        "own_params_kept": (_equal(_state(ours.module)[0], before[0]),
+                            _equal(_state(ref.module)[0], before[0])),
+        "own_buffers_kept": (_equal(_state(ours.module)[1], before[1]),
+                             _equal(_state(ref.module)[1], before[1])),
+        "broadcast_buffers": (ours.broadcast_buffers, ref.broadcast_buffers),
+        "n_buckets": len(ours.bucket_layouts),
+    }
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(4):
+        x, y = make_batch("bn_frozen", step, 0, rank)
+        loss_fn("bn_frozen", ours(x), y).backward()
+        loss_fn("bn_frozen", ref(x), y).backward()
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    ours.synchronize()
+    result["param_diff"] = _max_diff(ours.module.parameters(), ref.module.parameters())
+    result["buffer_diff"] = _max_diff(ours.module.buffers(), ref.module.buffers())
+    return result
+
+
+def train_many_with_keywords(rank: int, world_size: int,
+                             cfgs: dict[str, dict]) -> dict[str, dict]:
+    return {name: train_with_keywords(rank, world_size, cfg) for name, cfg in cfgs.items()}

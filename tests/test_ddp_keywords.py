@@ -1,0 +1,73 @@
+"""torch DDP's constructor keywords mean here what they mean there.
+
+Every keyword is given alike to torch DDP and to fgpsdp on 3 CPU ranks with
+rank-local starting parameters and BatchNorm statistics: what construction
+syncs, and where 4 steps end, must match torch DDP's rank by rank.
+"""
+import functools
+import inspect
+
+import pytest
+import torch
+
+import fgpsdp_runtime as fgp
+
+from . import ddp_keyword_scenarios
+from .dist_harness import run_distributed
+
+TOL = 2e-5  # as test_equivalence: 3 ranks sum in another order than torch's ring
+
+CONFIGS = {
+    "defaults": {"kw": {}},
+    # Rank-local buffers stay out of the init sync too (torch's rule, old and new).
+    "broadcast_buffers_off": {"kw": {"broadcast_buffers": False}},
+    # torch 2.13: buffers synced at init, not at each forward.
+    "forward_sync_buffers_off": {"kw": {"forward_sync_buffers": False}},
+    "init_sync_off": {"kw": {"init_sync": False}},
+    "device_mesh": {"kw": {"device_mesh": True}},
+    # Backward fills out.* first (480 bytes: closes at 419), then bn.* (184 >= 104),
+    # then body.weight alone.
+    "bucket_cap_mb_list": {"kw": {"bucket_cap_mb_list": [0.0004, 0.0001]}},
+    "accepted_unneeded": {"kw": {"skip_all_reduce_unused_params": True,
+                                 "batched_grad_copy": True}},
+}
+
+
+@functools.lru_cache(maxsize=None)
+def results():
+    return run_distributed(3, ddp_keyword_scenarios.train_many_with_keywords, CONFIGS)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_keyword_acts_as_in_torch_ddp(name):
+    for rank, per_config in enumerate(results()):
+        res = per_config[name]
+        ours, theirs = res["own_params_kept"]
+        assert ours == theirs, (rank, "parameters synced at construction unlike torch DDP")
+        ours, theirs = res["own_buffers_kept"]
+        assert ours == theirs, (rank, "buffers synced at construction unlike torch DDP")
+        assert res["broadcast_buffers"][0] == res["broadcast_buffers"][1]
+        assert res["param_diff"] <= TOL, (rank, res)
+        assert res["buffer_diff"] <= TOL, (rank, res)
+
+
+def test_the_scenarios_can_tell_syncs_apart():
+    """Rank 1 keeps its own buffers only where torch DDP skips the init sync."""
+    rank1 = results()[1]
+    kept = {name: res["own_buffers_kept"][1] for name, res in rank1.items()}
+    assert kept == {name: name in ("broadcast_buffers_off", "init_sync_off") for name in CONFIGS}
+    assert rank1["init_sync_off"]["own_params_kept"] == (True, True)
+    assert rank1["defaults"]["own_params_kept"] == (False, False)
+
+
+def test_bucket_cap_mb_list_sets_each_buckets_cap():
+    assert results()[0]["bucket_cap_mb_list"]["n_buckets"] == 3
+    assert results()[0]["defaults"]["n_buckets"] == 1
+
+
+def test_signature_takes_torch_ddps_parameters_in_its_order():
+    """Positional calls written for this torch's DDP bind to the same parameters."""
+    theirs = [n for n in inspect.signature(torch.nn.parallel.DistributedDataParallel).parameters]
+    ours = [n for n, p in inspect.signature(fgp.DistributedDataParallel).parameters.items()
+            if p.kind is not inspect.Parameter.KEYWORD_ONLY]
+    assert ours[:len(theirs)] == theirs

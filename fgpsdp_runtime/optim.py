@@ -37,7 +37,15 @@ from .speculation import (SliceBackup, compile_session_active, hyperparameters,
 from .uneven_inputs import AnnouncedCall, UnevenInputs
 
 # Optimizers whose update is not element-wise: slicing would change the result.
-_NOT_ELEMENTWISE = {"LBFGS", "Adafactor", "SparseAdam"}
+# Matched by lower-case class name, so that the layer-wise ones of other
+# libraries (apex FusedLAMB, timm's Lamb and Lars, D-Adaptation, Prodigy,
+# Shampoo) are caught too: on slices they would train, silently otherwise.
+_NOT_ELEMENTWISE = {
+    "lbfgs", "sparseadam",  # a closure; sparse gradients
+    "adafactor", "muon", "shampoo", "distributedshampoo", "soap",  # a matrix's shape
+    "lamb", "fusedlamb", "lars", "fusedlars", "novograd", "fusednovograd",  # per-tensor norms
+    "prodigy", "dadaptadam", "dadaptsgd", "dadaptadagrad", "dadaptlion",  # whole-model sums
+}
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -58,9 +66,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError("optimizer_class must be a torch.optim.Optimizer subclass "
                             f"(for example torch.optim.AdamW), got {optimizer_class!r}")
-        if optimizer_class.__name__ in _NOT_ELEMENTWISE:
-            raise TypeError(f"{optimizer_class.__name__} is not element-wise (or needs a closure "
-                            "or sparse gradients); it cannot run on flat slices")
+        if optimizer_class.__name__.lower() in _NOT_ELEMENTWISE:
+            raise TypeError(f"{optimizer_class.__name__} is not element-wise (its update reads a "
+                            "whole tensor's shape or norm, or all parameters, or it needs a "
+                            "closure or sparse gradients); it cannot run on flat slices")
         if max_grad_norm is not None and not (max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
         self.model = model

@@ -61,6 +61,23 @@ def non_elementwise_optimizer(rank, world_size):
     fgp.ShardedOptimizer(model, torch.optim.LBFGS, lr=0.1)
 
 
+def muon_optimizer(rank, world_size):
+    model = fgp.DistributedDataParallel(MLP())
+    fgp.ShardedOptimizer(model, torch.optim.Muon, lr=0.02)
+
+
+class FusedLAMB(torch.optim.Optimizer):
+    """apex's name; a per-tensor trust ratio."""
+
+    def __init__(self, params, lr=1e-3):
+        super().__init__(params, {"lr": lr})
+
+
+def layerwise_optimizer(rank, world_size):
+    model = fgp.DistributedDataParallel(MLP())
+    fgp.ShardedOptimizer(model, FusedLAMB, lr=1e-3)
+
+
 def foreign_param_in_groups(rank, world_size):
     model = fgp.DistributedDataParallel(MLP())
     fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1,
@@ -120,6 +137,24 @@ def channels_last_after_wrapping(rank, world_size):
     model = fgp.DistributedDataParallel(nn.Sequential(nn.Conv2d(3, 4, 3), nn.Conv2d(4, 2, 3)))
     model.module.to(memory_format=torch.channels_last)  # new storage for the conv weights
     model(torch.randn(2, 3, 8, 8))
+
+
+def ddp_mixed_precision(rank, world_size):
+    from torch.nn.parallel.distributed import _MixedPrecision
+    fgp.DistributedDataParallel(MLP(), mixed_precision=_MixedPrecision(
+        param_dtype=torch.bfloat16))
+
+
+def ddp_delayed_all_reduce(rank, world_size):
+    model = MLP()
+    fgp.DistributedDataParallel(model, delay_all_reduce_named_params=list(
+        model.net[0].named_parameters()), param_to_hook_all_reduce=model.net[2].weight)
+
+
+def process_group_and_device_mesh(rank, world_size):
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (world_size,))
+    fgp.DistributedDataParallel(MLP(), process_group=mesh.get_group(), device_mesh=mesh)
 
 
 def other_models_optimizer_checkpoint(rank, world_size):

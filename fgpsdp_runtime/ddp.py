@@ -20,7 +20,8 @@ from torch import nn
 
 from . import lifecycle, shutdown
 from .buckets import BucketStorage, memory_dim_order
-from .ddp_options import bucket_caps_bytes, buffer_sync, process_group_of, refuse_unsupported
+from .ddp_options import (bucket_caps_bytes, buffer_sync, ignored_names, ignored_trainable_problem,
+                          process_group_of, refuse_unsupported)
 from .comm import CommStats, FlatExchange, HierarchicalExchange
 from .layout import (BucketLayout, ParamInfo, default_bucket_cap_mb, first_bucket_cap_bytes,
                      owned_numel, plan_buckets)
@@ -109,9 +110,14 @@ class DistributedDataParallel(nn.Module):
         # The slice of every bucket this rank owns (not always its rank: see topology.py).
         self.slice_index = self.topology.slice_index(self.rank)
 
-        named = list(module.named_parameters())  # tied parameters appear once
+        # Neither broadcast nor compared across ranks, as in torch DDP.
+        self._ignored_names = ignored_names(module)
+        named = [(n, p) for n, p in module.named_parameters()  # tied ones appear once
+                 if n not in self._ignored_names or p.requires_grad]
         trainable = [(n, p) for n, p in named if p.requires_grad]
         problems = local_problems(module, trainable) + lifecycle.wrapped_elsewhere(trainable)
+        ignored_trainable = ignored_trainable_problem(trainable, self._ignored_names)
+        problems += [ignored_trainable] if ignored_trainable else []
         if not problems:  # it bumps version counters: not those a live wrapper tracks
             shared = shared_memory_problem(trainable)
             problems += [shared] if shared is not None else []
@@ -124,7 +130,8 @@ class DistributedDataParallel(nn.Module):
         self._param_names = [n for n, _ in trainable]
         lifecycle.claim(trainable, self)
         # Unfrozen later, they would never be reduced nor stepped: see _check_frozen.
-        self._frozen_at_wrap = [(n, p) for n, p in named if not p.requires_grad]
+        self._frozen_at_wrap = [(n, p) for n, p in module.named_parameters()
+                                if not p.requires_grad]
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
         device = self._params[0].device if self._params else torch.device("cpu")
         self._comm_stats = CommStats()
@@ -289,7 +296,7 @@ class DistributedDataParallel(nn.Module):
         for storage in self._buckets:
             dist.broadcast(storage.flat_param, src=src, group=self.process_group)
         frozen = [p for _, p in named_params if not p.requires_grad]
-        buffers = list(self.module.buffers()) if with_buffers else []
+        buffers = self._synced_buffers() if with_buffers else []
         _broadcast_coalesced(frozen + buffers, src, self.process_group)
 
     @property
@@ -303,8 +310,12 @@ class DistributedDataParallel(nn.Module):
         self.forward_sync_buffers = value
 
     @torch.no_grad()
+    def _synced_buffers(self) -> list[torch.Tensor]:
+        # Read at each call: a module may assign new buffers (as torch DDP notes).
+        return [b for n, b in self.module.named_buffers() if n not in self._ignored_names]
+
     def _broadcast_buffers(self) -> None:
-        buffers = list(self.module.buffers())
+        buffers = self._synced_buffers()
         if buffers and self.world_size > 1:
             with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
                 _broadcast_coalesced(buffers, self._authoritative_rank(), self.process_group)

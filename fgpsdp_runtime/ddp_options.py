@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
+import torch
 import torch.distributed as dist
 
 
@@ -76,3 +77,23 @@ def bucket_caps_bytes(bucket_cap_mb_list: Optional[Sequence[float]]
     if min(caps) <= 0:
         raise ValueError(f"bucket_cap_mb_list entries must be > 0, got {list(bucket_cap_mb_list)}")
     return caps
+
+
+def ignored_names(module: torch.nn.Module) -> frozenset[str]:
+    """Names torch DDP leaves alone: set by
+    ``torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model``
+    (rank-local buffers and parameters, which no broadcast overwrites)."""
+    return frozenset(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
+
+
+def ignored_trainable_problem(trainable: Sequence[tuple[str, torch.nn.Parameter]],
+                              ignored: frozenset[str]) -> Optional[str]:
+    """Trainable parameters torch DDP would leave unreduced, training each rank's
+    copy on its own: a ShardedOptimizer steps only bucket slices."""
+    names = [n for n, _ in trainable if n in ignored]
+    if not names:
+        return None
+    return (f"trainable parameter(s) {', '.join(repr(n) for n in names[:4])} are in "
+            "_ddp_params_and_buffers_to_ignore: rank-local trainable parameters are not "
+            "supported (ignored buffers and frozen parameters are); train them outside the "
+            "wrapped module, or freeze them")

@@ -157,6 +157,13 @@ def process_group_and_device_mesh(rank, world_size):
     fgp.DistributedDataParallel(MLP(), process_group=mesh.get_group(), device_mesh=mesh)
 
 
+def trainable_parameter_ignored(rank, world_size):
+    model = MLP()
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        model, ["net.4.bias"])
+    fgp.DistributedDataParallel(model)
+
+
 def other_models_optimizer_checkpoint(rank, world_size):
     model = fgp.DistributedDataParallel(MLP())
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)

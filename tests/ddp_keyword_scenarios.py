@@ -43,6 +43,9 @@ def train_with_keywords(rank: int, world_size: int, cfg: dict[str, Any]) -> dict
     with torch.no_grad():
         base.bn.running_mean.fill_(0.1 * rank)
         base.bn.running_var.fill_(1.0 + rank)
+    if cfg.get("ignore"):  # torch's hook for rank-local buffers and parameters
+        nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+            base, cfg["ignore"])
     before = _state(base)
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), **kw)
     ours = fgp.DistributedDataParallel(base, **kw, **cfg.get("ours_kw", {}))

@@ -54,6 +54,8 @@ CASES = [
      [r"delay_all_reduce_named_params / param_to_hook_all_reduce are not supported"]),
     (bad_inputs.process_group_and_device_mesh, "RuntimeError",
      [r"Cannot specify both process_group and device_mesh arguments"]),
+    (bad_inputs.trainable_parameter_ignored, "ValueError",
+     [r"trainable parameter\(s\) 'net\.4\.bias' are in _ddp_params_and_buffers_to_ignore"]),
     (bad_inputs.wrapped_twice, "ValueError",
      [r"parameter 'net\.0\.weight' is held by another fgpsdp DistributedDataParallel"]),
     (bad_inputs.unfrozen_after_wrapping, "RuntimeError",

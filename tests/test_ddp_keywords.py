@@ -28,6 +28,8 @@ CONFIGS = {
     # Backward fills out.* first (480 bytes: closes at 419), then bn.* (184 >= 104),
     # then body.weight alone.
     "bucket_cap_mb_list": {"kw": {"bucket_cap_mb_list": [0.0004, 0.0001]}},
+    # Rank-local: a frozen parameter and a BatchNorm statistic, never broadcast.
+    "params_and_buffers_to_ignore": {"kw": {}, "ignore": ["frozen.weight", "bn.running_mean"]},
     "accepted_unneeded": {"kw": {"skip_all_reduce_unused_params": True,
                                  "batched_grad_copy": True}},
 }

@@ -82,7 +82,7 @@ class DistributedDataParallel(nn.Module):
                              f"got {overlap_plan!r}")
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("fgpsdp: call torch.distributed.init_process_group() first")
-        if bucket_cap_mb is not None and not bucket_cap_mb > 0:
+        if bucket_cap_mb is not None and not bucket_cap_mb > 0 and bucket_caps is None:
             raise ValueError(f"bucket_cap_mb must be > 0 (or None: automatic), got {bucket_cap_mb}")
         # output_device, dim, check_reduction, gradient_as_bucket_view,
         # static_graph, skip_all_reduce_unused_params and batched_grad_copy are
@@ -103,6 +103,12 @@ class DistributedDataParallel(nn.Module):
         self.find_unused_parameters = find_unused_parameters
         self.device_ids = list(device_ids) if device_ids is not None else None
         self.output_device = output_device
+        # As torch DDP keeps them, for code that reads them back.
+        self.dim = dim
+        self.static_graph = static_graph
+        self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.mixed_precision = None
+        self.require_forward_param_sync = True
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
 
@@ -134,6 +140,7 @@ class DistributedDataParallel(nn.Module):
                                 if not p.requires_grad]
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
         device = self._params[0].device if self._params else torch.device("cpu")
+        self.device = device  # torch DDP's attribute
         self._comm_stats = CommStats()
         # Off until enabled: model.timeline.enable(); model.timeline.save_chrome_trace(path).
         self.timeline = Timeline(self.rank)
@@ -165,10 +172,13 @@ class DistributedDataParallel(nn.Module):
             default_bucket_cap_mb(sum(i.numel * i.element_size for i in infos))
         if bucket_caps is not None:  # as torch DDP: bucket_cap_mb_list wins
             self.bucket_cap_mb = max(bucket_caps) / 2**20
+        self.bucket_bytes_cap = int(self.bucket_cap_mb * 1024 * 1024)
         self.bucket_layouts: tuple[BucketLayout, ...] = plan_buckets(
-            infos, bucket_cap_bytes=int(self.bucket_cap_mb * 1024 * 1024),
+            infos, bucket_cap_bytes=self.bucket_bytes_cap,
             world_size=self.world_size,
-            first_bucket_cap_bytes=first_bucket_cap_bytes(), bucket_caps_bytes=bucket_caps)
+            # As torch DDP: a 1 MB first bucket only under the default cap.
+            first_bucket_cap_bytes=first_bucket_cap_bytes() if bucket_cap_mb is None else None,
+            bucket_caps_bytes=bucket_caps)
         # None: gradients are reduced in their parameters' dtype, as torch DDP
         # does; torch.bfloat16 halves the reduce-scatter's bytes (DDP's
         # bf16_compress_hook, FSDP's MixedPrecision(reduce_dtype=...)).
@@ -309,11 +319,11 @@ class DistributedDataParallel(nn.Module):
     def broadcast_buffers(self, value: bool) -> None:
         self.forward_sync_buffers = value
 
-    @torch.no_grad()
     def _synced_buffers(self) -> list[torch.Tensor]:
         # Read at each call: a module may assign new buffers (as torch DDP notes).
         return [b for n, b in self.module.named_buffers() if n not in self._ignored_names]
 
+    @torch.no_grad()
     def _broadcast_buffers(self) -> None:
         buffers = self._synced_buffers()
         if buffers and self.world_size > 1:

@@ -56,6 +56,11 @@ def train_with_keywords(rank: int, world_size: int, cfg: dict[str, Any]) -> dict
                              _equal(_state(ref.module)[1], before[1])),
         "broadcast_buffers": (ours.broadcast_buffers, ref.broadcast_buffers),
         "n_buckets": len(ours.bucket_layouts),
+        # Attributes torch DDP keeps, read back by user code.
+        "attributes": [(name, getattr(ours, name), getattr(ref, name)) for name in (
+            "device", "dim", "static_graph", "gradient_as_bucket_view", "find_unused_parameters",
+            "require_forward_param_sync", "require_backward_grad_sync", "mixed_precision",
+            "forward_sync_buffers")],
     }
     opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)

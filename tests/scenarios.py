@@ -691,8 +691,12 @@ def default_bucket_sizes(rank: int, world_size: int) -> dict:
     torch.manual_seed(0)
     module = nn.ModuleList(nn.Linear(256, 512, bias=False) for _ in range(64))
     model = fgp.DistributedDataParallel(module)
-    return {"cap_mb": model.bucket_cap_mb,
-            "bucket_bytes": [l.numel * l.element_size for l in model.bucket_layouts]}
+    result = {"cap_mb": model.bucket_cap_mb,
+              "bucket_bytes": [l.numel * l.element_size for l in model.bucket_layouts]}
+    del model  # frees the module for another wrapper
+    explicit = fgp.DistributedDataParallel(module, bucket_cap_mb=2.0)
+    result["explicit_bucket_bytes"] = [l.numel * l.element_size for l in explicit.bucket_layouts]
+    return result
 
 
 class SlowOnRank1AdamW(torch.optim.AdamW):

@@ -31,7 +31,8 @@ CONFIGS = {
     # Rank-local: a frozen parameter and a BatchNorm statistic, never broadcast.
     "params_and_buffers_to_ignore": {"kw": {}, "ignore": ["frozen.weight", "bn.running_mean"]},
     "accepted_unneeded": {"kw": {"skip_all_reduce_unused_params": True,
-                                 "batched_grad_copy": True}},
+                                 "batched_grad_copy": True, "static_graph": True,
+                                 "gradient_as_bucket_view": True}},
 }
 
 
@@ -49,6 +50,8 @@ def test_keyword_acts_as_in_torch_ddp(name):
         ours, theirs = res["own_buffers_kept"]
         assert ours == theirs, (rank, "buffers synced at construction unlike torch DDP")
         assert res["broadcast_buffers"][0] == res["broadcast_buffers"][1]
+        for attribute, ours, theirs in res["attributes"]:
+            assert ours == theirs, (attribute, ours, theirs)
         assert res["param_diff"] <= TOL, (rank, res)
         assert res["buffer_diff"] <= TOL, (rank, res)
 

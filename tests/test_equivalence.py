@@ -168,3 +168,5 @@ def test_first_bucket_closes_at_one_mb_as_in_torch_ddp():
         first, *rest = res["bucket_bytes"]
         assert first == 2**20  # two 0.5 MB weights
         assert all(b == 2 * 2**20 for b in rest[:-1]) and rest[-1] <= 2 * 2**20
+        # torch DDP closes the first bucket early only under its default cap.
+        assert res["explicit_bucket_bytes"] == [2 * 2**20] * 16

@@ -56,7 +56,9 @@ class ForwardParamWaiter:
         # saved for backward apart from its gradient (see scheduler.py).
         self.reads_detached_params = False
         self._cursor = 0
-        self._mode = "record"  # "record", "follow" or "off" (this forward)
+        # "record" or "follow" (this forward), "landed" (this forward, after a
+        # deviation landed everything), or "off" (no forward of the wrapper).
+        self._mode = "record"
         self.deviations = 0  # forwards whose module order differed from the recording
         self._modules = [m for m in root.modules() if any(True for _ in m.parameters())]
         # First among the module's pre-hooks: those registered before wrapping
@@ -105,12 +107,12 @@ class ForwardParamWaiter:
             # OptimizedModule around it (which runs eagerly) for its subtree.
             return
         if self._mode == "off":
-            # Outside the wrapper's forward. The root called directly (an eval or
-            # generate() through model.module) would read what the gathers have
-            # not yet written; submodules run so by activation checkpointing's
-            # recomputation in backward need nothing.
-            if module is self._root:
-                self._direct_call()
+            # Outside the wrapper's forward: the root or a submodule called
+            # directly (an eval, generate(), CLIP's model.module.encode_image(x)
+            # calling self.visual) would read what the gathers have not yet
+            # written. (Activation checkpointing's recomputation runs in
+            # backward, which the wrapper lets through.)
+            self._direct_call()
         elif self._mode == "record":
             self._recording.append(id(module))
         elif self._mode == "follow":
@@ -124,7 +126,7 @@ class ForwardParamWaiter:
                 self.deviations += 1
                 self._wait_all()
                 self._recorded = None
-                self._mode = "off"
+                self._mode = "landed"
 
     def _note_detached(self, tensor: torch.Tensor) -> None:
         """During a recording forward: ``tensor.detach()`` (or ``.data``) was taken."""

@@ -137,7 +137,7 @@ def copies_and_direct_calls(rank: int, world_size: int, schedule: str) -> dict:
     sees the updated parameters, as under torch DDP."""
     import io
     ours, opt, ref, ref_opt = _plain_side_by_side(rank, schedule)
-    outputs = []
+    outputs, sub_outputs = [], []
     for step in range(3):
         x, y = _batch(step, rank)
         for model, optimizer in ((ours, opt), (ref, ref_opt)):
@@ -145,6 +145,10 @@ def copies_and_direct_calls(rank: int, world_size: int, schedule: str) -> dict:
             optimizer.step()
             optimizer.zero_grad()
         with torch.no_grad():  # right after the step, gathers in flight
+            # A submodule called directly (CLIP's encode_image calling self.visual):
+            # the last layer, whose bucket the forward-order gathers reach last.
+            h = torch.tanh(torch.randn(x.shape[0], 32))
+            sub_outputs.append(float((ours.module.net[4](h) - ref.module.net[4](h)).abs().max()))
             outputs.append(float((ours.module(x) - ref.module(x)).abs().max()))
     ours.synchronize()
     copied = copy.deepcopy(ours.module)
@@ -157,7 +161,8 @@ def copies_and_direct_calls(rank: int, world_size: int, schedule: str) -> dict:
     with torch.no_grad():
         expected = ref.module(x)
         copies = [float((m(x) - expected).abs().max()) for m in (copied, averaged, loaded)]
-    return {"direct_call_diffs": outputs, "copy_diffs": copies}
+    return {"direct_call_diffs": outputs, "submodule_call_diffs": sub_outputs,
+            "copy_diffs": copies}
 
 
 def copy_the_wrapper(rank: int, world_size: int) -> None:

@@ -74,6 +74,7 @@ def test_module_copies_and_direct_calls_after_a_step(trained, case):
     AveragedModel / torch.save of model.module failed on the wrapper's locks."""
     for rank, res in enumerate(trained[case]):
         assert res["direct_call_diffs"] == [0.0, 0.0, 0.0], (rank, res)
+        assert res["submodule_call_diffs"] == [0.0, 0.0, 0.0], (rank, res)
         assert res["copy_diffs"] == [0.0, 0.0, 0.0], (rank, res)
 
 

@@ -388,6 +388,7 @@ class DistributedDataParallel(nn.Module):
         return inputs, kwargs
 
     def _after_forward(self, output: Any) -> None:
+        self._param_places.adopt_new_storage()
         if self._queued_gathers:
             # Buckets this forward did not use: started now, so that every rank
             # has issued all of them before backward issues stage-1 all-gathers.

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 import torch
 from torch import nn
 
-from .buckets import BucketStorage
+from .buckets import BucketStorage, span_as_param
 from .lifecycle import HookHandles
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -104,7 +104,7 @@ class ParamPlaces:
     def __init__(self, module: nn.Module, names: Sequence[str],
                  params: Sequence[torch.nn.Parameter], buckets: Sequence[BucketStorage]):
         # Per bucket: its flat buffer, and per parameter (name, owner module,
-        # attribute, parameter, byte offset from the buffer's start).
+        # attribute, parameter, byte offset from the buffer's start, span).
         self._buckets = []
         for storage in buckets:
             flat = storage.flat_param
@@ -113,8 +113,34 @@ class ParamPlaces:
                 name = names[span.param_index]
                 path, _, leaf = name.rpartition(".")
                 places.append((name, module.get_submodule(path), leaf, params[span.param_index],
-                               span.bucket_offset * flat.element_size()))
+                               span.bucket_offset * flat.element_size(), span))
             self._buckets.append((flat, places))
+
+    @torch.no_grad()
+    def adopt_new_storage(self) -> None:
+        """After a forward of the wrapper: a parameter that the forward gave new
+        storage like its own (shape, dtype, device, strides) goes back into its
+        bucket with those values.
+
+        The idiom is a max-norm constraint run in forward, ``self.weight.data =
+        torch.renorm(self.weight.data, ...)`` (braindecode's EEGNet layers):
+        torch DDP then steps the new storage, and here the step writes the
+        bucket, which the parameter must view again. What a forward reads is
+        current (each module waits for its bucket), so the copy loses nothing.
+        New storage given outside a forward, right after a step, may hold
+        values read while all-gathers were landing: ``check`` refuses it."""
+        for flat, places in self._buckets:
+            start = flat.data_ptr()
+            for _name, owner, leaf, param, offset, span in places:
+                if param.data_ptr() - start == offset or owner._parameters.get(leaf) is not param \
+                        or param.numel() != span.numel:
+                    continue
+                view = span_as_param(flat[span.bucket_offset:span.bucket_end], param.shape,
+                                     span.dim_order)
+                if (param.dtype, param.device, param.stride()) == \
+                        (view.dtype, view.device, view.stride()):
+                    view.copy_(param.detach())
+                    param.data = view
 
     def check(self) -> None:
         """Raise if a parameter was given new storage (``model.double()``,
@@ -125,7 +151,7 @@ class ParamPlaces:
         is relative to the buffer. Runs before every forward: addresses only."""
         for flat, places in self._buckets:
             start = flat.data_ptr()
-            for name, owner, leaf, param, offset in places:
+            for name, owner, leaf, param, offset, _span in places:
                 if owner._parameters.get(leaf) is not param:
                     problem = "was replaced by another tensor"
                 elif param.data_ptr() - start != offset:
@@ -136,7 +162,10 @@ class ParamPlaces:
                     f"fgpsdp: parameter '{name}' {problem} after DistributedDataParallel(...) "
                     "was built: it no longer lives in its bucket and would not train. Cast, "
                     "move, change the memory format of, or otherwise change the module "
-                    "before wrapping it.")
+                    "before wrapping it. (A `param.data = ...` of the same shape, dtype and "
+                    "layout is taken back into the bucket when the module's forward, run "
+                    "through the wrapper, makes it; outside it, write in place after "
+                    "model.synchronize() instead.)")
 
 
 class ParamVersions:

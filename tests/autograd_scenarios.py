@@ -131,6 +131,36 @@ def clamp_after_step(rank: int, world_size: int, schedule: str, synchronize_firs
                for a, b in zip(ours.module.parameters(), ref.module.parameters()))
 
 
+class MaxNormLinear(nn.Linear):
+    """braindecode's LinearWithConstraint: the weight renormed, as new storage, in forward."""
+
+    def forward(self, x):
+        self.weight.data = torch.renorm(self.weight.data, p=2, dim=0, maxnorm=0.5)
+        return super().forward(x)
+
+
+def renorm_in_forward(rank: int, world_size: int, schedule: str) -> float:
+    """A max-norm constraint assigning ``weight.data`` in forward, with a no-grad eval
+    forward between steps. Largest parameter difference to torch DDP."""
+    torch.manual_seed(1234 + rank)
+    base = nn.Sequential(MaxNormLinear(12, 32), nn.Tanh(), MaxNormLinear(32, 4))
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    ours = fgp.DistributedDataParallel(base, bucket_cap_mb=0.0001, schedule=schedule)
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=0.05)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    for step in range(4):
+        x, y = _batch(step, rank)
+        for model, optimizer in ((ours, opt), (ref, ref_opt)):
+            F.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            with torch.no_grad():  # a validation forward (renorms too)
+                model(x)
+    ours.synchronize()
+    return max(float((a.detach() - b.detach()).abs().max())
+               for a, b in zip(ours.module.parameters(), ref.module.parameters()))
+
+
 def copies_and_direct_calls(rank: int, world_size: int, schedule: str) -> dict:
     """After a step: copy.deepcopy(model.module) and AveragedModel (SWA) work, a pickle of
     the module loads, and model.module(x) called directly (an eval, generate())

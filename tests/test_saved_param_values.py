@@ -20,12 +20,14 @@ DETACHED = [(autograd_scenarios.detached_read_side_by_side, schedule, 4, eval_fi
 CLAMPED = [(autograd_scenarios.clamp_after_step, schedule, schedule != "serial")
            for schedule in ("serial", "next_forward", "two_stage")]
 COPIES = [(autograd_scenarios.copies_and_direct_calls, schedule) for schedule in ("next_forward", "two_stage")]
+RENORMED = [(autograd_scenarios.renorm_in_forward, schedule)
+            for schedule in ("serial", "overlap_backward", "next_forward", "two_stage")]
 
 
 @pytest.fixture(scope="module")
 def trained():
     """The scenarios that end normally, in one set of processes (2 ranks)."""
-    return run_calls(2, DETACHED + CLAMPED + COPIES, timeout_s=300)
+    return run_calls(2, DETACHED + CLAMPED + COPIES + RENORMED, timeout_s=300)
 
 
 @pytest.mark.parametrize("case", DETACHED, ids=[f"{c[1]}-eval_first{c[3]}" for c in DETACHED])
@@ -76,6 +78,13 @@ def test_module_copies_and_direct_calls_after_a_step(trained, case):
         assert res["direct_call_diffs"] == [0.0, 0.0, 0.0], (rank, res)
         assert res["submodule_call_diffs"] == [0.0, 0.0, 0.0], (rank, res)
         assert res["copy_diffs"] == [0.0, 0.0, 0.0], (rank, res)
+
+
+@pytest.mark.parametrize("case", RENORMED, ids=[c[1] for c in RENORMED])
+def test_weight_data_assigned_in_forward_trains_like_torch_ddp(trained, case):
+    """``self.weight.data = torch.renorm(...)`` in forward (before: the next forward
+    raised that the parameter had new storage)."""
+    assert trained[case] == [0.0, 0.0], trained[case]
 
 
 def test_copying_the_wrapper_says_what_to_copy():

@@ -12,7 +12,8 @@ place.
 A parameter stored in another order than row-major (a conv weight after
 ``model.to(memory_format=torch.channels_last)``, a transposed weight) keeps
 that layout, as under torch DDP: its span holds its elements in memory order
-(``ParamSpan.dim_order``) and the parameter becomes a strided view of it, so
+and the parameter becomes a view of it with its own strides
+(``ParamSpan.strides``), so
 cuDNN and oneDNN keep running their channels-last kernels without converting
 the weight at every forward. Gradients (which autograd lays out like their
 parameter) and checkpointed optimizer state move in and out of a span through
@@ -53,7 +54,7 @@ class BucketStorage:
         with torch.no_grad():
             for span, param in zip(layout.spans, params):
                 view = span_as_param(self.span_view(self.flat_param, span), param.shape,
-                                     span.dim_order)
+                                     span.strides)
                 view.copy_(param.detach())
                 param.data = view
         self.shard_start, self.shard_end = layout.shard_range(slice_index)
@@ -91,29 +92,53 @@ class BucketStorage:
         self.grad_shard_valid = True
 
 
+def _outer_to_inner(strides: Sequence[int]) -> list[int]:
+    return sorted(range(len(strides)), key=lambda d: (-strides[d], d))
+
+
+def layout_strides(t: torch.Tensor) -> Optional[tuple[int, ...]]:
+    """``t``'s strides, kept in its bucket, when it is dense in memory but not
+    row-major; None when it is stored row-major (it is, or it is not dense).
+    Exact strides, not just an order: a size-1 dim's stride is free, and torch
+    reads it (a channels_last ``Conv2d(1, C, k)`` weight is (9, 1, 3, 1), which
+    cuDNN's and oneDNN's format choice tells from row-major (9, 9, 3, 1))."""
+    if t.dim() < 2 or t.numel() == 0:
+        return None
+    if tuple(t.stride()) == _row_major_strides(t.shape) \
+            or not t.permute(_outer_to_inner(t.stride())).is_contiguous():
+        return None
+    return tuple(t.stride())
+
+
+def _row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
 def memory_dim_order(t: torch.Tensor) -> Optional[tuple[int, ...]]:
-    """Dims of ``t`` from outermost to innermost in memory; None when that is
-    row-major or ``t`` is not dense in memory (then it is stored row-major)."""
-    if t.dim() < 2:
+    """The order ``t``'s elements lie in its bucket, as its dims longer than 1
+    from outermost to innermost; None for row-major order. Ranks must agree on it."""
+    strides = layout_strides(t)
+    if strides is None:
         return None
-    order = tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)))
-    if order == tuple(range(t.dim())) or not t.permute(order).is_contiguous():
-        return None
-    return order
+    order = tuple(d for d in _outer_to_inner(strides) if t.shape[d] > 1)
+    return None if list(order) == sorted(order) else order
 
 
-def to_bucket_order(t: torch.Tensor, dim_order: Optional[tuple[int, ...]]) -> torch.Tensor:
-    """``t``'s elements flat, in a span's order: a view when ``t`` is laid out
-    so (size-1 dims aside), else a copy."""
-    if dim_order is None:
+def to_bucket_order(t: torch.Tensor, strides: Optional[Sequence[int]]) -> torch.Tensor:
+    """``t``'s elements flat, in the order of a span laid out with ``strides``: a
+    view when ``t`` is laid out so (size-1 dims aside), else a copy."""
+    if strides is None:
         return t.reshape(-1)
-    return t.permute(dim_order).reshape(-1)
+    return t.permute(_outer_to_inner(strides)).reshape(-1)
 
 
 def span_as_param(span: torch.Tensor, shape: Sequence[int],
-                  dim_order: Optional[tuple[int, ...]]) -> torch.Tensor:
-    """A flat span viewed as its parameter: ``shape``, strided by ``dim_order``."""
-    if dim_order is None:
+                  strides: Optional[Sequence[int]]) -> torch.Tensor:
+    """A flat span viewed as its parameter: ``shape`` with ``strides`` (row-major if None)."""
+    if strides is None:
         return span.view(shape)
-    inverse = sorted(range(len(dim_order)), key=dim_order.__getitem__)
-    return span.view([shape[d] for d in dim_order]).permute(inverse)
+    return span.as_strided(shape, strides)

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import lifecycle, shutdown
-from .buckets import BucketStorage, memory_dim_order
+from .buckets import BucketStorage, layout_strides
 from .ddp_options import (bucket_caps_bytes, buffer_sync, ignored_names, ignored_trainable_problem,
                           process_group_of, refuse_unsupported)
 from .comm import CommStats, FlatExchange, HierarchicalExchange
@@ -164,7 +164,7 @@ class DistributedDataParallel(nn.Module):
                 one_node_shared_memory=self.topology.shared_memory and self.topology.nodes == 1)
 
         infos = [ParamInfo(p.numel(), str(p.dtype).replace("torch.", ""), p.element_size(),
-                           memory_dim_order(p))
+                           layout_strides(p))
                  for p in self._params]
         # None: sized to the model (layout.default_bucket_cap_mb); the same on
         # every rank, as the models are checked to agree.

@@ -34,10 +34,11 @@ class ParamSpan:
     param_index: int  # index into the wrapper's list of trainable parameters
     bucket_offset: int  # first element in the bucket's flat buffer
     numel: int
-    # The order its elements lie in, as dims from outermost to innermost:
-    # None for row-major; (0, 2, 3, 1) for a channels_last conv weight. See
-    # [Note: parameters keep their memory layout] in buckets.py.
-    dim_order: Optional[tuple[int, ...]] = None
+    # The parameter's strides, its elements lying in the span in that memory
+    # order: None for row-major; (27, 1, 9, 3) for a channels_last 3x3 conv
+    # weight of 3 input channels. See [Note: parameters keep their memory
+    # layout] in buckets.py.
+    strides: Optional[tuple[int, ...]] = None
 
     @property
     def bucket_end(self) -> int:
@@ -49,7 +50,7 @@ class ShardPiece:
     """The part of one parameter that falls into one rank's slice."""
 
     param_index: int
-    param_offset: int  # first element within the parameter, in its span's dim_order
+    param_offset: int  # first element within the parameter, in its span's memory order
     bucket_offset: int  # first element within the bucket's flat buffer
     numel: int
 
@@ -116,7 +117,7 @@ class ParamInfo:
     numel: int
     dtype_name: str
     element_size: int
-    dim_order: Optional[tuple[int, ...]] = None  # as ParamSpan.dim_order
+    strides: Optional[tuple[int, ...]] = None  # as ParamSpan.strides
 
 
 # Default bucket cap: about this many buckets per model, between the bounds.
@@ -208,7 +209,7 @@ def plan_buckets(
         spans = open_buckets.setdefault(dtype_name, [])
         offset = spans[-1].bucket_end if spans else 0
         spans.append(ParamSpan(param_index=index, bucket_offset=offset, numel=info.numel,
-                               dim_order=info.dim_order))
+                               strides=info.strides))
         open_bytes[dtype_name] = open_bytes.get(dtype_name, 0) + nbytes
         # As torch DDP does: a bucket closes once it reaches the cap, so it
         # exceeds the cap only by its last parameter. Closing before a

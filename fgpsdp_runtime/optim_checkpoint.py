@@ -137,7 +137,7 @@ def full_state_dict(opt: ShardedOptimizer, rank0_only: bool) -> dict[str, Any]:
             for span in layout.spans:
                 if key in merged.get(span.param_index, {}).get("per_element", {}):
                     value = span_as_param(whole[span.bucket_offset:span.bucket_end],
-                                          params[span.param_index].shape, span.dim_order)
+                                          params[span.param_index].shape, span.strides)
                     # Laid out as the parameter, as torch's optimizers lay out their state.
                     per_element.setdefault(span.param_index, {})[key] = \
                         value.to("cpu", copy=True)
@@ -215,7 +215,7 @@ def load_full_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> N
         for tensor, _, start, end in opt._pieces.get(index, ()):
             offset = start - spans[index].bucket_offset
             inner_state[inner_number[id(tensor)]] = {
-                key: _piece_of(value, kinds[key], offset, end - start, spans[index].dim_order)
+                key: _piece_of(value, kinds[key], offset, end - start, spans[index].strides)
                 for key, value in entry.items()}
     inner_groups = []
     for saved, inner_group in zip(saved_groups, opt.optim.param_groups):
@@ -255,7 +255,7 @@ def _is_saved_per_element(key: str, value: Any, param: torch.Tensor, saved_index
 
 
 def _piece_of(value: Any, per_element: bool, offset: int, numel: int,
-              dim_order: Optional[tuple[int, ...]]) -> Any:
+              strides: Optional[tuple[int, ...]]) -> Any:
     """This rank's piece of one saved entry: per-element tensors are cut, scalars copied.
 
     Copies: the optimizer updates them in place, and must neither write into
@@ -264,5 +264,5 @@ def _piece_of(value: Any, per_element: bool, offset: int, numel: int,
     if not torch.is_tensor(value):
         return value
     if per_element:
-        return to_bucket_order(value, dim_order)[offset:offset + numel].clone()
+        return to_bucket_order(value, strides)[offset:offset + numel].clone()
     return value.clone()

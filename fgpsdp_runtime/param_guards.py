@@ -136,7 +136,7 @@ class ParamPlaces:
                         or param.numel() != span.numel:
                     continue
                 view = span_as_param(flat[span.bucket_offset:span.bucket_end], param.shape,
-                                     span.dim_order)
+                                     span.strides)
                 if (param.dtype, param.device, param.stride()) == \
                         (view.dtype, view.device, view.stride()):
                     view.copy_(param.detach())

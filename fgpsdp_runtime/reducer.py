@@ -220,7 +220,7 @@ class GradientReducer:
             raise RuntimeError(self._second_gradient_message(index))
         if self._bucket_packed[b]:
             dst = BucketStorage.span_view(self.buckets[b].send_buffer, span)
-            dst.add_(to_bucket_order(grad, span.dim_order), alpha=self.grad_scale)
+            dst.add_(to_bucket_order(grad, span.strides), alpha=self.grad_scale)
         else:
             held = self._held[b]
             for i, (held_span, held_grad) in enumerate(held):
@@ -246,7 +246,7 @@ class GradientReducer:
         held = self._held[b]
         # In the span's memory order: a view for gradients laid out like their
         # parameter (as autograd lays them out), see buckets.py.
-        multi_tensor_pack([to_bucket_order(g.detach(), sp.dim_order).contiguous()
+        multi_tensor_pack([to_bucket_order(g.detach(), sp.strides).contiguous()
                            for sp, g in held], send,
                           [sp.bucket_offset for sp, _ in held], self.grad_scale)
         self._held[b] = []

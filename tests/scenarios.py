@@ -170,12 +170,14 @@ class ParentReadsNet(nn.Module):
 
 
 class ChannelsLastNet(nn.Module):
-    """Convolutions in channels_last (a 1x1 one too) and a column-major head weight:
-    layouts the wrapper must keep, as torch DDP does."""
+    """Convolutions in channels_last (a depthwise one, whose weight has a size-1 dim,
+    and a 1x1 one) and a column-major head weight: layouts the wrapper must keep, as
+    torch DDP does."""
 
     def __init__(self):
         super().__init__()
         self.conv = nn.Conv2d(3, 6, 3, padding=1)
+        self.depthwise = nn.Conv2d(6, 6, 3, padding=1, groups=6)
         self.pointwise = nn.Conv2d(6, 7, 1)
         self.head = nn.Linear(7, 5)
         with torch.no_grad():
@@ -183,7 +185,8 @@ class ChannelsLastNet(nn.Module):
         self.to(memory_format=torch.channels_last)
 
     def forward(self, x):
-        h = torch.relu(self.pointwise(torch.relu(self.conv(x))))
+        h = torch.relu(self.depthwise(torch.relu(self.conv(x))))
+        h = torch.relu(self.pointwise(h))
         return self.head(h.mean(dim=(2, 3)))
 
 

@@ -103,10 +103,10 @@ def test_per_bucket_caps_in_backward_order():
     check_layout(infos, layouts, 2)
 
 
-def test_spans_carry_the_parameters_memory_order():
-    infos = [ParamInfo(24, "float32", 4, (0, 2, 3, 1)), fp32(5)]
+def test_spans_carry_the_parameters_strides():
+    infos = [ParamInfo(24, "float32", 4, (12, 1, 6, 3)), fp32(5)]
     (layout,) = plan_buckets(infos, bucket_cap_bytes=10**6, world_size=3)
-    assert {s.param_index: s.dim_order for s in layout.spans} == {0: (0, 2, 3, 1), 1: None}
+    assert {s.param_index: s.strides for s in layout.spans} == {0: (12, 1, 6, 3), 1: None}
 
 
 def test_default_bucket_cap_is_sized_to_the_model():

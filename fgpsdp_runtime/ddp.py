@@ -20,9 +20,9 @@ from torch import nn
 
 from . import lifecycle, shutdown
 from .buckets import BucketStorage, layout_strides
+from .comm import CommStats, FlatExchange, HierarchicalExchange
 from .ddp_options import (bucket_caps_bytes, buffer_sync, ignored_names, ignored_trainable_problem,
                           process_group_of, refuse_unsupported)
-from .comm import CommStats, FlatExchange, HierarchicalExchange
 from .layout import (BucketLayout, ParamInfo, default_bucket_cap_mb, first_bucket_cap_bytes,
                      owned_numel, plan_buckets)
 from .link_worker import PendingOp

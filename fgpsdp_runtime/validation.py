@@ -24,8 +24,8 @@ class ParamDescription:
     shape: tuple[int, ...]
     dtype: str
     requires_grad: bool
-    # Memory order of its dims (buckets.memory_dim_order): every rank's
-    # buckets must hold the same element at the same place.
+    # Memory order of a trainable one's dims (buckets.memory_dim_order): every
+    # rank's buckets must hold the same element at the same place.
     dim_order: Optional[tuple[int, ...]] = None
 
     def text(self, with_layout: bool) -> str:
@@ -39,7 +39,8 @@ class ParamDescription:
 
 def describe(named_params: Sequence[tuple[str, torch.nn.Parameter]]) -> list[ParamDescription]:
     return [ParamDescription(name, tuple(p.shape), str(p.dtype).replace("torch.", ""),
-                             bool(p.requires_grad), memory_dim_order(p))
+                             bool(p.requires_grad),
+                             memory_dim_order(p) if p.requires_grad else None)
             for name, p in named_params]
 
 

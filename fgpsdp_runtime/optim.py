@@ -263,6 +263,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                        or self._speculated_on_scaled_gradients
                        or not self._bucket_fully_used(b)
                        or model.reducer.reduce_scatters_since_reset[b] != speculated[b][1]]
+        for b in sorted(set(speculated) - set(rolled_back)):
+            speculated[b][0].keep_written_gradient(model.buckets[b].grad_shard)
         for b in rolled_back:
             model.finish_param_all_gather(b)  # the speculative values must have landed
             speculated[b][0].restore(model.buckets[b].param_shard, self._bucket_pieces[b],
@@ -317,8 +319,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         storage = self.model.buckets[b]
         sq = multi_tensor_sq_norm([storage.grad_shard])  # before any update
         self.model.finish_param_all_gather(b)
-        backup = SliceBackup(storage.param_shard, self._bucket_pieces[b], self.optim.state)
-        self._assign_slice_grads(None, [b])
+        backup = SliceBackup(storage.param_shard, storage.grad_shard, self._bucket_pieces[b],
+                             self.optim.state)
+        self._assign_slice_grads(None, [b], grads={b: backup.grad})
         while True:  # see [Note: speculative steps during a torch.compile session]
             wait_out_compile_session()
             ran_with = hyperparameters(self.optim.param_groups)
@@ -327,6 +330,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if not compile_session_active():
                 break
             backup.restore(storage.param_shard, self._bucket_pieces[b], self.optim.state)
+            backup.reset_gradient(storage.grad_shard)
         self.model.mark_params_changed([b])
         # Kept only for a step that ran: one that raised is measured afresh.
         self._bucket_sq[b] = sq
@@ -580,8 +584,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return float(packet.cpu()[0]) > 0
 
     def _assign_slice_grads(self, globally_used: Optional[Sequence[bool]],
-                            buckets: Sequence[int]) -> None:
-        """Slice gradients of ``buckets`` become views of the reduced shard; all others None.
+                            buckets: Sequence[int],
+                            grads: Optional[dict[int, torch.Tensor]] = None) -> None:
+        """Slice gradients of ``buckets`` become views of the reduced shard (or of
+        ``grads[b]``, a copy of it); all others None.
 
         A parameter no rank had a gradient for keeps grad=None (the inner
         optimizer skips it, as after torch DDP). ``globally_used=None`` takes
@@ -595,7 +601,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 storage = storages[b]
                 if b in wanted and used and storage.grad_shard_valid:
                     lo = start - storage.shard_start
-                    tensor.grad = storage.grad_shard[lo:lo + (end - start)]
+                    source = grads[b] if grads is not None else storage.grad_shard
+                    tensor.grad = source[lo:lo + (end - start)]
                 else:
                     tensor.grad = None
 

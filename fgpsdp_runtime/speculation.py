@@ -2,7 +2,7 @@
 
 A stage-1 step runs before the global gradient norm is known. Before it, the
 bucket's parameter slice and the optimizer state of its slice tensors are
-copied; if the norm later asks for clipping (or is not finite, or a
+copied, and it reads a copy of the gradient slice; if the norm later asks for clipping (or is not finite, or a
 parameter of the bucket turns out to be unused on every rank), the copies are
 put back bit for bit and the step is redone with the true gradient.
 
@@ -66,15 +66,32 @@ def same_hyperparameters(a: Optional[Hyperparameters], b: Optional[Hyperparamete
 
 
 class SliceBackup:
-    def __init__(self, param_shard: torch.Tensor, pieces: Sequence[torch.Tensor],
-                 state: dict[Any, dict]):
+    def __init__(self, param_shard: torch.Tensor, grad_shard: torch.Tensor,
+                 pieces: Sequence[torch.Tensor], state: dict[Any, dict]):
         # What the speculative step ran with; None if they changed while it ran.
         self.hyperparameters: Optional[Hyperparameters] = None
         self.param_shard = param_shard.clone()
+        # The gradient the speculative step reads, a copy: an optimizer may write
+        # its gradient in place (torch's foreach SGD with nesterov adds momentum *
+        # buf into it), and the reduced gradient must stay as it is for the clip,
+        # a redone step and a later accumulation. See keep_written_gradient.
+        self.grad = grad_shard.clone()
+        self._grad_version = self.grad._version
         self.had_state = {id(p): p in state for p in pieces}
         self.state = {id(p): {k: (v.clone() if isinstance(v, torch.Tensor) else v)
                               for k, v in state[p].items()}
                       for p in pieces if p in state}
+
+    def reset_gradient(self, grad_shard: torch.Tensor) -> None:
+        """Before a step is run again (after restore): its gradient as reduced."""
+        self.grad.copy_(grad_shard)
+        self._grad_version = self.grad._version
+
+    def keep_written_gradient(self, grad_shard: torch.Tensor) -> None:
+        """A committed step: what it wrote into its gradient is what torch's step
+        leaves in ``param.grad``."""
+        if self.grad._version != self._grad_version:
+            grad_shard.copy_(self.grad)
 
     def restore(self, param_shard: torch.Tensor, pieces: Sequence[torch.Tensor],
                 state: dict[Any, dict]) -> None:

@@ -232,6 +232,8 @@ def optimizer_class_and_defaults(optimizer: str):
         return torch.optim.AdamW, {"lr": 1e-2, "betas": (0.9, 0.95)}
     if optimizer == "sgd_momentum":
         return torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}
+    if optimizer == "sgd_nesterov_foreach":  # its step writes the gradient in place
+        return torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True, "foreach": True}
     raise ValueError(optimizer)
 
 

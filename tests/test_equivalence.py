@@ -17,6 +17,9 @@ SCENARIOS = {
     "adamw_groups": {},
     "sgd_momentum": {"optimizer": "sgd_momentum"},
     "clip_triggers": {"max_grad_norm": 0.05},
+    # The step writes the gradient (momentum * buf added in place): a rolled-back
+    # speculative step must put it back for the redone one.
+    "clip_triggers_nesterov": {"max_grad_norm": 0.05, "optimizer": "sgd_nesterov_foreach"},
     "clip_idle": {"max_grad_norm": 1e6},
     "manual_clip": {"manual_clip": 0.05},
     # clip_grad_norm_ in the loop and max_grad_norm: the second clips the clipped gradient.

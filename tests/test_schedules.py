@@ -11,7 +11,7 @@ from .scenarios import skip_on_inf_norm, train_many, train_with_inf_gradient
 from .test_equivalence import SCENARIOS, TOL
 
 SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
-CASES = ("adamw_groups", "clip_triggers", "clip_idle", "manual_clip", "no_sync",
+CASES = ("adamw_groups", "clip_triggers", "clip_triggers_nesterov", "clip_idle", "manual_clip", "no_sync",
          "accumulate_synced", "tied", "bn_frozen", "unused", "small_buckets", "attention",
          "order_change", "hyperparameters_after_backward", "hyperparameters_after_clip",
          "model_zero_grad", "zero_before_step", "checkpointed", "checkpointed_reentrant",

@@ -16,7 +16,7 @@ def test_restore_puts_back_parameters_and_state_bit_for_bit():
         p.grad = torch.randn_like(p)
     opt.step()  # state exists for both
     shard = torch.cat([p.detach() for p in params])
-    backup = SliceBackup(shard, params, opt.state)
+    backup = SliceBackup(shard, torch.randn(8), params, opt.state)
     saved_shard = shard.clone()
     saved_state = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in params}
     shard.add_(1.0)
@@ -31,13 +31,29 @@ def test_restore_puts_back_parameters_and_state_bit_for_bit():
 def test_restore_drops_state_the_speculative_step_created():
     params, opt = _adamw()
     shard = torch.zeros(8)
-    backup = SliceBackup(shard, params, opt.state)
+    backup = SliceBackup(shard, torch.zeros(8), params, opt.state)
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()
     assert all(p in opt.state for p in params)
     backup.restore(shard, params, opt.state)
     assert not any(p in opt.state for p in params)
+
+
+def test_the_step_writes_a_copy_of_the_gradient_kept_only_on_commit():
+    """torch's foreach SGD with nesterov adds momentum * buf into the gradient: the
+    reduced gradient must stay for a redone step; a committed step leaves what it
+    wrote, as torch leaves it in param.grad."""
+    params = [torch.nn.Parameter(torch.randn(5)), torch.nn.Parameter(torch.randn(3))]
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9, nesterov=True, foreach=True)
+    grad_shard = torch.randn(8)
+    reduced = grad_shard.clone()
+    backup = SliceBackup(torch.zeros(8), grad_shard, params, opt.state)
+    params[0].grad, params[1].grad = backup.grad[:5], backup.grad[5:]  # as speculative_step
+    opt.step()
+    assert torch.equal(grad_shard, reduced) and not torch.equal(backup.grad, reduced)
+    backup.keep_written_gradient(grad_shard)
+    assert torch.equal(grad_shard, backup.grad)
 
 
 def test_hyperparameters_are_a_copy_and_changes_are_seen():

@@ -14,10 +14,11 @@ A parameter stored in another order than row-major (a conv weight after
 that layout, as under torch DDP: its span holds its elements in memory order
 and the parameter becomes a view of it with its own strides
 (``ParamSpan.strides``), so cuDNN and oneDNN keep running their channels-last
-kernels without converting the weight at every forward. Gradients (which autograd lays out like their
-parameter) and checkpointed optimizer state move in and out of a span through
-``to_bucket_order``, a view when they already have that layout. Row-major
-parameters, and those not dense in memory, are stored row-major.
+kernels without converting the weight at every forward. Gradients (which
+autograd lays out like their parameter) and checkpointed optimizer state move
+in and out of a span through ``to_bucket_order``, a view when they already
+have that layout. Row-major parameters, and those not dense in memory, are
+stored row-major.
 
 [Note: gradient memory]
 Only this rank's reduced slice of the gradient (``grad_shard``, 1/N of the

@@ -2,9 +2,10 @@
 
 A stage-1 step runs before the global gradient norm is known. Before it, the
 bucket's parameter slice and the optimizer state of its slice tensors are
-copied, and it reads a copy of the gradient slice; if the norm later asks for clipping (or is not finite, or a
-parameter of the bucket turns out to be unused on every rank), the copies are
-put back bit for bit and the step is redone with the true gradient.
+copied, and it reads a copy of the gradient slice; if the norm later asks for
+clipping (or is not finite, or a parameter of the bucket turns out to be
+unused on every rank), the copies are put back bit for bit and the step is
+redone with the true gradient.
 
 A speculative step also ran with the hyperparameters (learning rate, weight
 decay, ...) of that moment. A training loop may set them between backward

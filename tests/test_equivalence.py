@@ -18,7 +18,7 @@ SCENARIOS = {
     "sgd_momentum": {"optimizer": "sgd_momentum"},
     "clip_triggers": {"max_grad_norm": 0.05},
     # The step writes the gradient (momentum * buf added in place): a rolled-back
-    # speculative step must put it back for the redone one.
+    # speculative step must be redone on the reduced gradient, not on that.
     "clip_triggers_nesterov": {"max_grad_norm": 0.05, "optimizer": "sgd_nesterov_foreach"},
     "clip_idle": {"max_grad_norm": 1e6},
     "manual_clip": {"manual_clip": 0.05},

@@ -167,11 +167,14 @@ class DistributedDataParallel(nn.Module):
                            layout_strides(p))
                  for p in self._params]
         # None: sized to the model (layout.default_bucket_cap_mb); the same on
-        # every rank, as the models are checked to agree.
-        self.bucket_cap_mb = float(bucket_cap_mb) if bucket_cap_mb is not None else \
-            default_bucket_cap_mb(sum(i.numel * i.element_size for i in infos))
-        if bucket_caps is not None:  # as torch DDP: bucket_cap_mb_list wins
+        # every rank, as the models are checked to agree. As torch DDP,
+        # bucket_cap_mb_list wins over bucket_cap_mb.
+        if bucket_caps is not None:
             self.bucket_cap_mb = max(bucket_caps) / 2**20
+        elif bucket_cap_mb is not None:
+            self.bucket_cap_mb = float(bucket_cap_mb)
+        else:
+            self.bucket_cap_mb = default_bucket_cap_mb(sum(i.numel * i.element_size for i in infos))
         self.bucket_bytes_cap = int(self.bucket_cap_mb * 1024 * 1024)
         self.bucket_layouts: tuple[BucketLayout, ...] = plan_buckets(
             infos, bucket_cap_bytes=self.bucket_bytes_cap,

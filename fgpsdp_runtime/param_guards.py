@@ -129,18 +129,15 @@ class ParamPlaces:
         current (each module waits for its bucket), so the copy loses nothing.
         New storage given outside a forward, right after a step, may hold
         values read while all-gathers were landing: ``check`` refuses it."""
-        for flat, places in self._buckets:
-            start = flat.data_ptr()
-            for _name, owner, leaf, param, offset, span in places:
-                if param.data_ptr() - start == offset or owner._parameters.get(leaf) is not param \
-                        or param.numel() != span.numel:
-                    continue
-                view = span_as_param(flat[span.bucket_offset:span.bucket_end], param.shape,
-                                     span.strides)
-                if (param.dtype, param.device, param.stride()) == \
-                        (view.dtype, view.device, view.stride()):
-                    view.copy_(param.detach())
-                    param.data = view
+        for flat, _name, param, span, replaced in self._displaced():
+            if replaced or param.numel() != span.numel:
+                continue
+            view = span_as_param(flat[span.bucket_offset:span.bucket_end], param.shape,
+                                 span.strides)
+            if (param.dtype, param.device, param.stride()) == \
+                    (view.dtype, view.device, view.stride()):
+                view.copy_(param.detach())
+                param.data = view
 
     def check(self) -> None:
         """Raise if a parameter was given new storage (``model.double()``,
@@ -149,23 +146,28 @@ class ParamPlaces:
         silently never change again. Storage moved as a whole
         (``share_memory()``) keeps every view in place: allowed, as the check
         is relative to the buffer. Runs before every forward: addresses only."""
+        for _flat, name, param, _span, replaced in self._displaced():
+            problem = "was replaced by another tensor" if replaced else \
+                f"was given new storage (now {param.dtype} on {param.device})"
+            raise RuntimeError(
+                f"fgpsdp: parameter '{name}' {problem} after DistributedDataParallel(...) "
+                "was built: it no longer lives in its bucket and would not train. Cast, "
+                "move, change the memory format of, or otherwise change the module "
+                "before wrapping it. (A `param.data = ...` of the same shape, dtype and "
+                "layout is taken back into the bucket when the module's forward, run "
+                "through the wrapper, makes it; outside it, write in place after "
+                "model.synchronize() instead.)")
+
+    def _displaced(self):
+        """(flat buffer, name, parameter, span, replaced?) of each parameter not at its
+        place: replaced by another, or given new storage. Addresses only."""
         for flat, places in self._buckets:
             start = flat.data_ptr()
-            for name, owner, leaf, param, offset, _span in places:
+            for name, owner, leaf, param, offset, span in places:
                 if owner._parameters.get(leaf) is not param:
-                    problem = "was replaced by another tensor"
+                    yield flat, name, param, span, True
                 elif param.data_ptr() - start != offset:
-                    problem = f"was given new storage (now {param.dtype} on {param.device})"
-                else:
-                    continue
-                raise RuntimeError(
-                    f"fgpsdp: parameter '{name}' {problem} after DistributedDataParallel(...) "
-                    "was built: it no longer lives in its bucket and would not train. Cast, "
-                    "move, change the memory format of, or otherwise change the module "
-                    "before wrapping it. (A `param.data = ...` of the same shape, dtype and "
-                    "layout is taken back into the bucket when the module's forward, run "
-                    "through the wrapper, makes it; outside it, write in place after "
-                    "model.synchronize() instead.)")
+                    yield flat, name, param, span, False
 
 
 class ParamVersions:

@@ -58,8 +58,7 @@ def detached_read_side_by_side(rank: int, world_size: int, schedule: str,
             F.mse_loss(model(x), y).backward()
             optimizer.step()
     ours.synchronize()
-    return max(float((a.detach() - b.detach()).abs().max())
-               for a, b in zip(ours.module.parameters(), ref.module.parameters()))
+    return _param_diff(ours, ref)
 
 
 def backward_after_step_through_old_graph(rank: int, world_size: int, schedule: str) -> None:
@@ -100,14 +99,23 @@ def second_backward_through_retained_graph(rank: int, world_size: int) -> None:
     out.square().mean().backward()
 
 
-def _plain_side_by_side(rank: int, schedule: str):
-    """PlainNet under fgpsdp (one bucket per parameter) and torch DDP, SGD on both."""
+def _plain_side_by_side(rank: int, schedule: str, build=PlainNet,
+                        optimizer=(torch.optim.SGD, 0.5)):
+    """``build()`` (PlainNet) under fgpsdp (one bucket per parameter) and torch DDP,
+    the same optimizer class and learning rate (SGD at 0.5) on both."""
     torch.manual_seed(1234 + rank)
-    base = PlainNet()
+    base = build()
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     ours = fgp.DistributedDataParallel(base, bucket_cap_mb=0.0001, schedule=schedule)
-    opt = fgp.ShardedOptimizer(ours, torch.optim.SGD, lr=0.5)
-    return ours, opt, ref, torch.optim.SGD(ref.parameters(), lr=0.5)
+    cls, lr = optimizer
+    opt = fgp.ShardedOptimizer(ours, cls, lr=lr)
+    return ours, opt, ref, cls(ref.parameters(), lr=lr)
+
+
+def _param_diff(ours, ref) -> float:
+    """Largest parameter difference to torch DDP."""
+    return max(float((a.detach() - b.detach()).abs().max())
+               for a, b in zip(ours.module.parameters(), ref.module.parameters()))
 
 
 def clamp_after_step(rank: int, world_size: int, schedule: str, synchronize_first: bool,
@@ -127,8 +135,7 @@ def clamp_after_step(rank: int, world_size: int, schedule: str, synchronize_firs
                 for p in model.module.parameters():
                     p.clamp_(-0.1, 0.1)
     ours.synchronize()
-    return max(float((a.detach() - b.detach()).abs().max())
-               for a, b in zip(ours.module.parameters(), ref.module.parameters()))
+    return _param_diff(ours, ref)
 
 
 class MaxNormLinear(nn.Linear):
@@ -142,12 +149,10 @@ class MaxNormLinear(nn.Linear):
 def renorm_in_forward(rank: int, world_size: int, schedule: str) -> float:
     """A max-norm constraint assigning ``weight.data`` in forward, with a no-grad eval
     forward between steps. Largest parameter difference to torch DDP."""
-    torch.manual_seed(1234 + rank)
-    base = nn.Sequential(MaxNormLinear(12, 32), nn.Tanh(), MaxNormLinear(32, 4))
-    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-    ours = fgp.DistributedDataParallel(base, bucket_cap_mb=0.0001, schedule=schedule)
-    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=0.05)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.05)
+    ours, opt, ref, ref_opt = _plain_side_by_side(
+        rank, schedule,
+        lambda: nn.Sequential(MaxNormLinear(12, 32), nn.Tanh(), MaxNormLinear(32, 4)),
+        (torch.optim.AdamW, 0.05))
     for step in range(4):
         x, y = _batch(step, rank)
         for model, optimizer in ((ours, opt), (ref, ref_opt)):
@@ -157,8 +162,7 @@ def renorm_in_forward(rank: int, world_size: int, schedule: str) -> float:
             with torch.no_grad():  # a validation forward (renorms too)
                 model(x)
     ours.synchronize()
-    return max(float((a.detach() - b.detach()).abs().max())
-               for a, b in zip(ours.module.parameters(), ref.module.parameters()))
+    return _param_diff(ours, ref)
 
 
 def copies_and_direct_calls(rank: int, world_size: int, schedule: str) -> dict:

@@ -97,7 +97,10 @@ class DistributedDataParallel(nn.Module):
         self.module = module
         process_group = process_group_of(process_group, device_mesh)
         self.device_mesh = device_mesh
-        self.process_group = process_group
+        # The group object, as torch DDP holds it (code calls model.process_group.size()).
+        # The local stays None for the default group: topology.py tells it apart.
+        self.process_group = process_group if process_group is not None \
+            else dist.distributed_c10d._get_default_group()
         self._buffer_sync = buffer_sync(broadcast_buffers, forward_sync_buffers)
         self.forward_sync_buffers = self._buffer_sync.at_forward
         self.find_unused_parameters = find_unused_parameters
@@ -298,7 +301,7 @@ class DistributedDataParallel(nn.Module):
     def _authoritative_rank(self) -> int:
         """``authoritative_rank`` as a global rank (what broadcasts take)."""
         rank = self.authoritative_rank
-        return dist.get_global_rank(self.process_group, rank) if self.process_group else rank
+        return dist.get_global_rank(self.process_group, rank)
 
     @torch.no_grad()
     def _broadcast_initial_state(self, named_params, with_buffers: bool) -> None:

@@ -250,7 +250,7 @@ def _share_hyperparameters(model: "DistributedDataParallel", optimizer, src: int
     groups = optimizer.param_groups
     box: list[Any] = [[{k: v for k, v in g.items() if k != "params"} for g in groups]
                       if model.rank == src else None]
-    global_src = dist.get_global_rank(model.process_group, src) if model.process_group else src
+    global_src = dist.get_global_rank(model.process_group, src)
     dist.broadcast_object_list(box, src=global_src, group=model.process_group)
     if model.rank != src:
         for group, values in zip(groups, box[0]):

@@ -61,6 +61,8 @@ def train_with_keywords(rank: int, world_size: int, cfg: dict[str, Any]) -> dict
             "device", "dim", "static_graph", "gradient_as_bucket_view", "find_unused_parameters",
             "require_forward_param_sync", "require_backward_grad_sync", "mixed_precision",
             "forward_sync_buffers")],
+        # The group object itself, never None (code calls model.process_group.size()).
+        "same_process_group": ours.process_group is ref.process_group,
     }
     opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)

@@ -52,6 +52,7 @@ def test_keyword_acts_as_in_torch_ddp(name):
         assert res["broadcast_buffers"][0] == res["broadcast_buffers"][1]
         for attribute, ours, theirs in res["attributes"]:
             assert ours == theirs, (attribute, ours, theirs)
+        assert res["same_process_group"], (rank, "model.process_group is not torch DDP's")
         assert res["param_diff"] <= TOL, (rank, res)
         assert res["buffer_diff"] <= TOL, (rank, res)
 

@@ -401,7 +401,7 @@ class DistributedDataParallel(nn.Module):
             self._start_queued_gathers(all_of_them=True)
         self.forward_ended_at = time.perf_counter()
         self._sync_buffers_before_forward = torch.is_grad_enabled() and self.reducer.sync_enabled
-        self.reducer.watch_outputs(output)
+        self.reducer.note_forward(output)
 
     def _check_frozen(self) -> None:
         for name, param in self._frozen_at_wrap:

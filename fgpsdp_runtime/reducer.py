@@ -79,6 +79,11 @@ class GradientReducer:
             for span in storage.layout.spans:
                 self.slot[span.param_index] = (b, span)
         self.sync_enabled = True  # False inside no_sync()
+        # Whether backward reduces: sync_enabled at the last grad-enabled forward
+        # through the wrapper, as torch DDP decides at forward (a forward inside
+        # no_sync() whose backward runs outside it accumulates locally; one outside
+        # whose backward runs inside reduces). True before any forward.
+        self.backward_sync = True
         # False for the "serial" schedule: buckets are packed during backward
         # and reduced when backward has ended.
         self.launch_during_backward = launch_during_backward
@@ -185,7 +190,7 @@ class GradientReducer:
         return hook
 
     def _on_grad_accumulated(self, index: int, param: torch.Tensor) -> None:
-        if not self.sync_enabled:
+        if not self.backward_sync:
             return  # no_sync(): the gradient stays in param.grad, accumulating
         grad = param.grad
         if grad is None:
@@ -254,6 +259,15 @@ class GradientReducer:
         for listener in self.bucket_ready_listeners:
             listener(b)
 
+    def note_forward(self, output: Any) -> None:
+        """After a forward through the wrapper: a grad-enabled one decides whether
+        the next backward reduces, and watches its outputs if it does."""
+        if not torch.is_grad_enabled():
+            return  # an eval forward changes nothing, as under torch DDP
+        self.backward_sync = self.sync_enabled
+        if self.backward_sync:
+            self.watch_outputs(output)
+
     def watch_outputs(self, output: Any) -> None:
         """After a forward: hooks on its output tensors queue the end-of-backward
         callback on the backward that runs through them.
@@ -270,13 +284,11 @@ class GradientReducer:
         root pre-backward hooks). Outputs holding no tensor fall back to the
         first parameter's hook.
         """
-        if not (torch.is_grad_enabled() and self.sync_enabled):
-            return
         reducer_ref = weakref.ref(self)
 
         def hook(grad: torch.Tensor) -> None:
             reducer = reducer_ref()
-            if reducer is not None and reducer.sync_enabled and not reducer._callback_queued:
+            if reducer is not None and reducer.backward_sync and not reducer._callback_queued:
                 reducer._queue_backward_end()
 
         for tensor in _tensors_in(output):
@@ -300,7 +312,7 @@ class GradientReducer:
         self._callback_queued = False
         self._round_done_in_backward = False
         grads_in_backward, self._grads_in_backward = self._grads_in_backward, False
-        if self.sync_enabled and grads_in_backward:
+        if self.backward_sync and grads_in_backward:
             self.flush()
             for listener in self.backward_end_listeners:
                 listener()

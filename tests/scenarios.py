@@ -303,16 +303,22 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
             last = m == micro - 1
             # "accumulate_synced": every micro-batch reduces (no no_sync()), as DDP allows.
             synced = last or cfg.get("accumulate_synced", False)
-            ctx_ours = ours.no_sync() if not synced else _null()
-            ctx_ref = ref.no_sync() if not synced else _null()
+            # no_sync() around the forward and the backward, or (``no_sync_around``)
+            # one of them: torch DDP decides at forward whether backward reduces.
+            around = cfg.get("no_sync_around", ("forward", "backward"))
+
+            def ctx(model, phase):
+                return model.no_sync() if not synced and phase in around else _null()
             if cfg.get("no_sync_via_flag"):  # as some trainers do instead of no_sync()
                 ours.require_backward_grad_sync = ref.require_backward_grad_sync = synced
-                ctx_ours = ctx_ref = _null()
-            with ctx_ours:
+                around = ()
+            with ctx(ours, "forward"):
                 loss = loss_fn(model_name, ours(x), y) / micro
+            with ctx(ours, "backward"):
                 loss.backward()
-            with ctx_ref:
+            with ctx(ref, "forward"):
                 ref_loss = loss_fn(model_name, ref(x), y) / micro
+            with ctx(ref, "backward"):
                 ref_loss.backward()
         losses.append((float(loss.detach()), float(ref_loss.detach())))
         def set_hyperparameters():

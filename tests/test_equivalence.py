@@ -26,6 +26,10 @@ SCENARIOS = {
     "manual_clip_then_max_norm": {"manual_clip": 0.05, "max_grad_norm": 0.03},
     "no_sync": {"accumulate": 3},
     "no_sync_via_flag": {"accumulate": 3, "no_sync_via_flag": True},
+    # torch DDP decides at forward: no_sync() around the forward alone skips the
+    # reduction; around the backward alone it does not.
+    "no_sync_forward_only": {"accumulate": 3, "no_sync_around": ("forward",)},
+    "no_sync_backward_only": {"accumulate": 3, "no_sync_around": ("backward",)},
     "accumulate_synced": {"accumulate": 2, "accumulate_synced": True, "bucket_cap_mb": 0.0001},
     "tied": {"model": "tied"},
     "bn_frozen": {"model": "bn_frozen"},
@@ -134,6 +138,18 @@ def test_require_backward_grad_sync_skips_the_reductions_as_no_sync_does():
     res = results(2)[0]
     # Ignoring the flag would reduce every micro-batch: three times the bytes.
     assert res["no_sync_via_flag"]["comm_stats"] == res["no_sync"]["comm_stats"]
+
+
+def test_no_sync_is_decided_at_forward_as_in_torch_ddp():
+    for res in results(2):
+        per_step = len(res["no_sync"]["losses"]) * res["no_sync"]["n_buckets"]
+        # One round per step; before, the backward outside no_sync() reduced every
+        # micro-batch, within rounding of torch DDP instead of bitwise.
+        assert res["no_sync_forward_only"]["reduce_scatters"] == per_step
+        assert res["no_sync_forward_only"]["param_diff"] == 0.0
+        # A forward outside no_sync() arms the backward inside it, as torch's does:
+        # every micro-batch reduces (then within rounding, as accumulate_synced).
+        assert res["no_sync_backward_only"]["reduce_scatters"] == 3 * per_step
 
 
 @pytest.mark.parametrize("scenario", ["lr_scheduler", "lr_scheduler_reloaded"])

@@ -15,7 +15,8 @@ CASES = ("adamw_groups", "clip_triggers", "clip_triggers_nesterov", "clip_idle",
          "accumulate_synced", "tied", "bn_frozen", "unused", "small_buckets", "attention",
          "order_change", "hyperparameters_after_backward", "hyperparameters_after_clip",
          "model_zero_grad", "zero_before_step", "checkpointed", "checkpointed_reentrant",
-         "checkpointed_reentrant_no_sync", "pre_hooks", "parent_reads", "channels_last")
+         "checkpointed_reentrant_no_sync", "pre_hooks", "parent_reads", "channels_last",
+         "no_sync_forward_only")
 # Many small buckets, so that two_stage has stage-1 buckets to speculate on.
 SMALL_BUCKETS_MB = 0.0001
 
@@ -52,8 +53,12 @@ def test_schedule_matches_ddp_and_serial(case, schedule, topology):
 @pytest.mark.parametrize("topology", ["flat", "2x2"])
 def test_two_stage_commits_and_rolls_back(topology):
     res = {case: results("two_stage", topology)[0][case]
-           for case in ("clip_idle", "clip_triggers", "unused", "accumulate_synced", "manual_clip")}
+           for case in ("clip_idle", "clip_triggers", "unused", "accumulate_synced", "manual_clip",
+                        "no_sync_forward_only")}
     assert res["clip_idle"]["commits"] > 0 and res["clip_idle"]["rollbacks"] == 0
+    # Backwards of forwards under no_sync() reduce nothing: no round to undo.
+    assert res["no_sync_forward_only"]["commits"] > 0
+    assert res["no_sync_forward_only"]["rollbacks"] == 0
     assert res["clip_triggers"]["rollbacks"] > 0 and res["clip_triggers"]["commits"] == 0
     assert res["manual_clip"]["rollbacks"] > 0
     assert res["unused"]["rollbacks"] > 0  # buckets holding a parameter no rank used

@@ -627,9 +627,9 @@ class DistributedDataParallel(nn.Module):
         """
         if self.scheduler is not None and self.scheduler.holds_speculative_values():
             raise RuntimeError(
-                "fgpsdp: a state_dict() between backward and opt.step() would hold two_stage's "
-                "speculative updates; save after opt.step(), or call model.synchronize() on "
-                "every rank first")
+                "fgpsdp: a state_dict() or a copy of the module (copy.deepcopy, torch.save) "
+                "between backward and opt.step() would hold two_stage's speculative updates; "
+                "save or copy after opt.step(), or call model.synchronize() on every rank first")
         # With the default lookahead every all-gather has started at the step;
         # with a smaller one, save on every rank (the rest start here).
         self.finish_param_all_gathers()

@@ -90,13 +90,24 @@ class HookHandles:
 
     def __init__(self):
         self._entries: list[tuple[int, list[dict]]] = []
+        self._attributes: list[tuple[dict, str, object]] = []
 
     def add(self, handle) -> None:
         refs = [handle.hooks_dict_ref, *getattr(handle, "extra_dict_ref", ())]
         self._entries.append((handle.id, [d for d in (r() for r in refs) if d is not None]))
+
+    def add_instance_attribute(self, obj, name: str, value) -> None:
+        """Set ``obj.name = value`` in its ``__dict__`` (no ``__setattr__`` of its
+        class runs); removed with the hooks, if it is still ours then."""
+        obj.__dict__[name] = value
+        self._attributes.append((obj.__dict__, name, value))
 
     def remove(self) -> None:
         for hook_id, dicts in self._entries:
             for hooks in dicts:
                 hooks.pop(hook_id, None)
         self._entries.clear()
+        for attributes, name, value in self._attributes:
+            if attributes.get(name) is value:
+                del attributes[name]
+        self._attributes.clear()

@@ -88,6 +88,8 @@ def land_gathers_before_state_dicts(model: "DistributedDataParallel",
     save_hook, load_hook = ModuleHook(land_gathers_before_save), ModuleHook(land_gathers_before_load)
     handles = HookHandles()
     for sub in module.modules():
+        handles.add_instance_attribute(sub, "__getstate__",
+                                       LandingGetstate(land_gathers_before_save, sub))
         handles.add(sub.register_state_dict_pre_hook(save_hook))
         register = getattr(sub, "register_load_state_dict_pre_hook", None)
         if register is not None:
@@ -95,6 +97,32 @@ def land_gathers_before_state_dicts(model: "DistributedDataParallel",
         else:  # torch before 2.5
             handles.add(sub._register_load_state_dict_pre_hook(load_hook, with_module=True))
     return handles  # removed when the wrapper is dropped
+
+
+class LandingGetstate:
+    """A submodule's ``__getstate__`` (an instance attribute, which ``copy`` and
+    ``pickle`` look up before the class's): lands the all-gathers in flight first.
+
+    ``copy.deepcopy(model.module)`` right after ``opt.step()`` (``AveragedModel``,
+    an EMA teacher, timm's ``ModelEmaV2``) or ``torch.save(model.module)`` would
+    otherwise copy the other ranks' slices before the step, another mix on every
+    rank. No hook of torch's runs before a copy reads the parameters (the state
+    dict hooks do not run, and our hook dicts are copied after ``_parameters``);
+    this runs before anything is copied. The copy does not get it.
+    """
+
+    def __init__(self, land, module: nn.Module):
+        self._land = land
+        self._module = weakref.ref(module)
+
+    def __call__(self) -> dict:
+        module = self._module()
+        self._land()
+        state = type(module).__getstate__(module)
+        if state is module.__dict__:  # a class returning its own __dict__
+            state = dict(state)
+        state.pop("__getstate__", None)
+        return state
 
 
 class ParamPlaces:

@@ -32,6 +32,7 @@ from . import optim_checkpoint
 from .ddp import DistributedDataParallel
 from .ops import multi_tensor_sq_norm
 from .profiling import nvtx_range
+from .slice_state import SliceState
 from .speculation import (SliceBackup, compile_session_active, hyperparameters,
                           same_hyperparameters, wait_out_compile_session)
 from .uneven_inputs import AnnouncedCall, UnevenInputs
@@ -94,7 +95,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__(slice_groups, self.optim.defaults)
         # One set of groups and state: lr schedulers edit what the inner optimizer reads.
         self.param_groups = self.optim.param_groups
-        self.state = self.optim.state
+        self._share_state()
         self._groups_fixed = True  # see add_param_group
         self._bucket_pieces: list[list[torch.Tensor]] = [[] for _ in model.buckets]
         for pieces in self._pieces.values():
@@ -483,6 +484,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # torch's load_state_dict replaces the inner optimizer's group list and
         # state: share the new ones, or lr schedulers would write to the old.
         self.param_groups = self.optim.param_groups
+        self._share_state()
+
+    def _share_state(self) -> None:
+        """The inner optimizer's state, also as ``opt.state``, where a lookup of a model
+        parameter inserts nothing (see slice_state.py)."""
+        index = self.model.param_index  # not self: the state would hold its optimizer
+        previous = self.state if isinstance(getattr(self, "state", None), SliceState) else None
+        self.optim.state = SliceState(lambda key: index(key) is not None, self.optim.state,
+                                      warned=previous is not None and previous.warned)
         self.state = self.optim.state
 
     def _load_shard(self, state_dict: dict[str, Any]) -> None:

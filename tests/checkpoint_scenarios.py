@@ -188,3 +188,32 @@ def resume(rank: int, world_size: int, cfg: dict[str, Any], path: str,
     return {"round_trip": round_trip, "param_diff": param_diff,
             "after": compare_state_dicts(opt.full_state_dict(), ref_opt.state_dict(),
                                          strides=not cfg.get("row_major"))}
+
+
+def look_up_model_params_in_state(rank: int, world_size: int) -> dict[str, Any]:
+    """Code written for torch.optim reads ``opt.state[param]`` (logging Adam's
+    moments), then saves the optimizer: before, the lookup inserted an entry no
+    param group holds and ``opt.state_dict()`` raised a KeyError."""
+    import warnings
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(MODELS["mlp"]())
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+
+    def step(k: int) -> None:
+        x, y = make_batch("mlp", k, 0, rank)
+        loss_fn("mlp", model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    step(0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        found = [dict(opt.state[p]) for p in model.module.parameters()]
+        opt.load_state_dict(opt.state_dict())
+        found += [dict(opt.state[p]) for p in model.module.parameters()]  # after a load too
+        opt.load_state_dict(opt.state_dict())
+    step(1)
+    return {"entries_found": sum(map(len, found)),
+            "warnings": [str(w.message) for w in caught],
+            "state_keys": len(opt.state),
+            "pieces": sum(len(g["params"]) for g in opt.param_groups)}

@@ -105,3 +105,11 @@ def test_rank0_only_leaves_the_other_ranks_empty(tmp_path):
                               str(tmp_path / "rank0.pt"))
     assert not results[0]["empty"] and results[0]["same_layout"]
     assert all(res["empty"] for res in results[1:])
+
+
+def test_model_parameter_lookups_in_opt_state_keep_it_saveable():
+    for res in run_distributed(2, checkpoint_scenarios.look_up_model_params_in_state,
+                               timeout_s=120):
+        assert res["entries_found"] == 0
+        assert len(res["warnings"]) == 1 and "opt.full_state_dict()" in res["warnings"][0]
+        assert res["state_keys"] == res["pieces"] > 0  # only the slice pieces

@@ -1,0 +1,40 @@
+"""The sharded optimizer's ``state``: keyed by this rank's slice pieces.
+
+``opt.state`` is the inner optimizer's per-tensor state, and its tensors are
+the 1-D pieces of this rank's bucket slices (the tensors in
+``opt.param_groups``), not the model's parameters. Code written for
+torch.optim looks a model parameter up there (logging Adam's moments,
+resetting a re-initialised layer's state): torch's ``defaultdict`` would
+insert an empty entry for it, and the next ``state_dict()`` would fail on a
+key no param group holds. Such a lookup gets an empty dict that is not kept,
+and one warning.
+"""
+from __future__ import annotations
+
+import warnings
+from collections import defaultdict
+from typing import Callable
+
+
+class SliceState(defaultdict):
+    """``defaultdict(dict)`` that does not insert entries for the model's parameters."""
+
+    def __init__(self, is_model_param: Callable[[object], bool], *args, warned: bool = False):
+        super().__init__(dict, *args)
+        self._is_model_param = is_model_param
+        self.warned = warned  # carried over to the state a load_state_dict() replaces
+
+    def __missing__(self, key):
+        if not self._is_model_param(key):
+            return super().__missing__(key)  # a piece: torch.optim fills it in
+        if not self.warned:
+            self.warned = True
+            warnings.warn(
+                "fgpsdp: opt.state is keyed by this rank's slice pieces (the tensors in "
+                "opt.param_groups), not by the model's parameters, which have no entry; "
+                "opt.full_state_dict() holds every parameter's state in torch.optim's "
+                "format (a collective)", RuntimeWarning, stacklevel=2)
+        return {}
+
+    def __reduce__(self):  # copied or pickled as the plain defaultdict torch keeps
+        return (defaultdict, (dict,), None, None, iter(self.items()))

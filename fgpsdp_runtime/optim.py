@@ -223,11 +223,29 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for a step that an inf skips (torch's scaler does not call step() then, so
         step hooks such as an EMA update do not run; every rank must still take
         part, to undo speculative steps and keep the collectives paired)."""
+        self._check_pieces_in_buckets()  # before any collective: the loop did it everywhere
         uneven = self._announce(AnnouncedCall.STEP)
         if uneven is not None:
             uneven.share_hyperparameters(self)
         with self.model.timeline.span("compute", "optimizer step"):
             self._step()
+
+    def _check_pieces_in_buckets(self) -> None:
+        """The pieces in ``param_groups`` must still view their buckets: a loop written
+        for torch.optim that assigns ``p.data = ...`` to them (a hand-written weight
+        decay) would have every later step write storage no all-gather reads, and the
+        model would silently stop training."""
+        for index, pieces in self._pieces.items():
+            for tensor, b, start, _ in pieces:
+                flat = self.model.buckets[b].flat_param
+                if tensor.data_ptr() != flat.data_ptr() + start * flat.element_size():
+                    name = self.model.named_trainable_parameters()[index][0]
+                    raise RuntimeError(
+                        f"fgpsdp: a piece of parameter {name!r} in "
+                        "opt.param_groups was given new storage (p.data = ...): the tensors "
+                        "there are views of this rank's bucket slices, and the step would "
+                        "write storage the model never reads. Write them in place under "
+                        "torch.no_grad() (p.mul_(...)), or use the optimizer's weight_decay")
 
     def _step(self) -> None:
         model = self.model

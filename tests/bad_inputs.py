@@ -202,6 +202,18 @@ def optimizer_state_dict_between_backward_and_step(rank, world_size):
     opt.step()
 
 
+def optimizer_piece_data_assigned(rank, world_size):
+    # A hand-written decoupled weight decay over the optimizer's groups, as torch.optim
+    # loops write it: before, training silently stopped (the steps wrote orphans).
+    model = fgp.DistributedDataParallel(MLP())
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    model(torch.randn(4, 13)).sum().backward()
+    for group in opt.param_groups:
+        for p in group["params"]:
+            p.data = p.data.add(p.data, alpha=-1e-4)
+    opt.step()
+
+
 def parameter_replaced_after_wrapping(rank, world_size):
     model = fgp.DistributedDataParallel(MLP())
     fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)

@@ -254,7 +254,8 @@ class DistributedDataParallel(nn.Module):
             self._forward_waiter = ForwardParamWaiter(
                 module, buckets_of, lifecycle.weak_call(self.finish_param_all_gather),
                 lifecycle.weak_call(self.finish_param_all_gathers),
-                lifecycle.weak_call(self._land_gathers_for_a_direct_call))
+                lifecycle.weak_call(self._land_gathers_for_a_direct_call),
+                frozenset(s.flat_param.untyped_storage().data_ptr() for s in self._buckets))
         # As torch DDP: buffers are broadcast before a forward that follows a
         # synchronised, grad-enabled forward (and before the first one).
         self._sync_buffers_before_forward = True

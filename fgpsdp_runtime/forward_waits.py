@@ -40,8 +40,10 @@ is_traced_by_dynamo = getattr(torch.compiler, "is_dynamo_compiling", None) or \
 class ForwardParamWaiter:
     def __init__(self, root: nn.Module, bucket_of_param: dict[int, list[int]],
                  wait_bucket: Callable[[int], None], wait_all: Callable[[], None],
-                 direct_call: Callable[[], None]):
+                 direct_call: Callable[[], None], bucket_storages: frozenset[int]):
         self._root = root
+        # data_ptr() of every bucket buffer's storage: a tensor there aliases parameters.
+        self._bucket_storages = bucket_storages
         # Called when ``root`` runs outside the wrapper's forward (model.module(x)).
         self._direct_call = direct_call
         self._bucket_of_param = bucket_of_param  # id(param) -> buckets holding it
@@ -136,12 +138,26 @@ class ForwardParamWaiter:
     def _note_read(self, tensor: torch.Tensor) -> None:
         """During a recording forward: ``tensor`` was read by a torch call."""
         key = id(tensor)
+        if (key not in self._bucket_of_param and not self.reads_detached_params
+                and tensor.grad_fn is None and torch.is_grad_enabled()
+                and self._aliases_a_bucket(tensor)):
+            # A view of a parameter without its autograd history (a detached view,
+            # w.t().detach(), or one taken under no_grad, which still says
+            # requires_grad): a call that reads it with gradients on may save it
+            # for backward, as a detach would.
+            self.reads_detached_params = True
         if not self._recording:
             return  # no pre-hook has run (compiled modules): nowhere to wait earlier
         if key in self._bucket_of_param and key not in self._first_read:
             # The module whose pre-hook ran last is running, or has called
             # modules that already returned: either way no later than the read.
             self._first_read[key] = len(self._recording) - 1
+
+    def _aliases_a_bucket(self, tensor: torch.Tensor) -> bool:
+        try:
+            return tensor.untyped_storage().data_ptr() in self._bucket_storages
+        except (RuntimeError, NotImplementedError):  # no storage (a subclass, sparse)
+            return False
 
     # -- the assignment ----------------------------------------------------------
 

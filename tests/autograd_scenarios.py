@@ -16,10 +16,13 @@ import fgpsdp_runtime as fgp
 
 class DetachedReadNet(nn.Module):
     """out.weight is also read through .detach() early on: saved for the gradient of
-    h0 only, it is read by backward after out.weight's own gradient is complete."""
+    h0 only, it is read by backward after out.weight's own gradient is complete.
+    ``how``: through ``.detach()`` of the parameter, of a view of it, or a view
+    taken under no_grad (no autograd history either, though it says requires_grad)."""
 
-    def __init__(self):
+    def __init__(self, how: str = "detach"):
         super().__init__()
+        self.how = how
         self.inp = nn.Linear(12, 32)
         self.body = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh())
                                     for _ in range(3)])
@@ -27,7 +30,14 @@ class DetachedReadNet(nn.Module):
 
     def forward(self, x):
         h0 = torch.tanh(self.inp(x))
-        side = F.linear(h0, self.out.weight.detach())
+        if self.how == "detach":
+            w = self.out.weight.detach()
+        elif self.how == "view_detach":
+            w = self.out.weight.t().detach().t()
+        else:
+            with torch.no_grad():
+                w = self.out.weight[:]
+        side = F.linear(h0, w)
         return self.out(self.body(h0)) + 0.5 * torch.tanh(side)
 
 
@@ -37,11 +47,12 @@ def _batch(step: int, rank: int):
 
 
 def detached_read_side_by_side(rank: int, world_size: int, schedule: str,
-                               steps: int = 4, eval_first: bool = False) -> float:
+                               steps: int = 4, eval_first: bool = False,
+                               how: str = "detach") -> float:
     """Largest parameter difference to torch DDP (AdamW, one bucket per parameter).
     ``eval_first``: a no-grad forward (an evaluation, a sanity check) comes first."""
     torch.manual_seed(1234 + rank)
-    base = DetachedReadNet()
+    base = DetachedReadNet(how)
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     kw = {"overlap_plan": "layout"} if schedule == "two_stage" else {}
     ours = fgp.DistributedDataParallel(base, bucket_cap_mb=0.0001, schedule=schedule, **kw)

@@ -241,6 +241,7 @@ class DistributedDataParallel(nn.Module):
             self.scheduler = TwoStageScheduler(self, initial)
             self.reducer.reduce_scatter_listeners.append(self.scheduler.on_reduce_scatter)
             self.reducer.backward_end_listeners.append(self.scheduler.on_backward_end)
+            self.reducer.backward_start_listeners.append(self.scheduler.on_backward_start)
             self._gather_lookahead = self.scheduler.plan.lookahead
             if overlap_plan == "auto":
                 # Profiles a few steps, then every rank switches to rank 0's plan.

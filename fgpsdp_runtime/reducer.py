@@ -98,6 +98,9 @@ class GradientReducer:
         self.backward_started_at = 0.0
         # Called once a synchronised backward has ended and its buckets are launched.
         self.backward_end_listeners: list[Callable[[], None]] = []
+        # Called as a synchronised backward starts (its outputs' first gradient, before
+        # it reads any parameter; else at its first parameter's gradient).
+        self.backward_start_listeners: list[Callable[[], None]] = []
         # Called before a round's first reduce-scatter is launched (model.join()
         # announces it).
         self.round_start_listeners: list[Callable[[], None]] = []
@@ -303,6 +306,8 @@ class GradientReducer:
         torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
         self._callback_queued = True
         self.backward_started_at = time.perf_counter()
+        for listener in self.backward_start_listeners:
+            listener()
 
     def _on_backward_end(self) -> None:
         # Every schedule reduces once per backward ("serial" only here, at the

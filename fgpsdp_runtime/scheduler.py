@@ -258,6 +258,21 @@ class TwoStageScheduler:
         """Between backward and step: stage-1 steps may have updated parameters."""
         return bool(self._handed or self.speculated) and not self._round_excluded
 
+    def on_backward_start(self) -> None:
+        """Reducer listener (main thread): a backward starts before the step.
+
+        A second backward of this step through a graph the first one ran through
+        (``retain_graph=True``) reads parameters that stage 1 may be writing on
+        the scheduler thread: whether it saw old values, new ones or torch's
+        "modified by an inplace operation" depended on timing, on each rank
+        apart (one rank raised, the other went on into the step's collectives).
+        Finishing stage 1 first makes it the same on every rank: torch's error
+        when it reads a speculated parameter, as after a step.
+        """
+        if self.holds_speculative_values():
+            self.model.reducer.wait_all()
+            self.finish_stage1()
+
     def before_forward(self) -> None:
         """Called by every forward, synchronize() and zero_grad() (on every rank):
         a reduction since the step (or zero_grad()) means a read between backward

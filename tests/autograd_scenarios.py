@@ -96,17 +96,31 @@ class PlainNet(nn.Module):
         return self.net(x)
 
 
-def second_backward_through_retained_graph(rank: int, world_size: int) -> None:
+class SlowSGD(torch.optim.SGD):
+    """SGD whose step takes a while after its writes (a large bucket's step)."""
+
+    def step(self, closure=None):
+        loss = super().step(closure)
+        time.sleep(0.3)
+        return loss
+
+
+def second_backward_through_retained_graph(rank: int, world_size: int,
+                                           slow_step: bool = False) -> None:
     """two_stage steps parameters speculatively during the first backward: the second
-    one through the same graph must raise, not use the new values."""
+    one through the same graph must raise, not use the new values, on every rank.
+    ``slow_step``: the second backward starts while the speculative steps are still
+    running (before: it read their new values unnoticed, or raised on one rank only)."""
     torch.manual_seed(0)
     model = fgp.DistributedDataParallel(PlainNet(), bucket_cap_mb=0.0001,
                                         schedule="two_stage", overlap_plan="layout")
-    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)  # noqa: F841 (held)
+    opt = fgp.ShardedOptimizer(model, SlowSGD if slow_step else torch.optim.SGD,  # noqa: F841
+                               lr=0.1)
     x, y = _batch(0, rank)
     out = model(x)
     F.mse_loss(out, y).backward(retain_graph=True)
-    time.sleep(0.5)  # the scheduler thread's speculative steps are done
+    if not slow_step:
+        time.sleep(0.5)  # the scheduler thread's speculative steps are done
     out.square().mean().backward()
 
 

@@ -48,9 +48,10 @@ def test_backward_through_a_graph_the_step_changed_raises(schedule):
             (rank, res)
 
 
-def test_second_backward_after_speculation_raises():
+@pytest.mark.parametrize("slow_step", [False, True])
+def test_second_backward_after_speculation_raises(slow_step):
     results = run_distributed(2, autograd_scenarios.second_backward_through_retained_graph,
-                              allow_errors=True, timeout_s=90)
+                              slow_step, allow_errors=True, timeout_s=90)
     for rank, res in results.items():
         assert not res["ok"] and "modified by an inplace operation" in res["message"], \
             (rank, res)

@@ -185,13 +185,17 @@ class SharedMemoryCollectives:
             if path is not None:
                 encoded = os.path.basename(path).encode()
                 name[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
-        dist.broadcast(name, src=dist.get_global_rank(self.group, 0), group=self.group)
-        text = bytes(name.tolist()).rstrip(b"\0").decode()
-        region = self._map(os.path.join(self.directory, text), total) if text else None
-        ok = torch.tensor([1 if region is not None else 0], dtype=torch.int32)
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
-        if path is not None:
-            os.unlink(path)  # every rank has mapped it (or given up): the mapping outlives the name
+        try:
+            dist.broadcast(name, src=dist.get_global_rank(self.group, 0), group=self.group)
+            text = bytes(name.tolist()).rstrip(b"\0").decode()
+            region = self._map(os.path.join(self.directory, text), total) if text else None
+            ok = torch.tensor([1 if region is not None else 0], dtype=torch.int32)
+            dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
+        finally:
+            # Every rank has mapped it (or given up, or a peer died in between, when
+            # the name would outlive the job in tmpfs): the mapping outlives the name.
+            if path is not None:
+                os.unlink(path)
         if int(ok) == 0:
             self.enabled = False
             self._region = None

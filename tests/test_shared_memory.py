@@ -99,6 +99,33 @@ def test_every_rank_falls_back_when_one_cannot_map(tmp_path):
         assert files == []  # rank 0 removed what it created
 
 
+def _peer_dies_while_mapping(rank, world, base):
+    """Rank 1 dies as rank 0 creates a region (a peer killed during the first
+    reduce-scatter): rank 0's broadcast of its name fails."""
+    import torch.distributed as dist
+
+    from fgpsdp_runtime.shared_memory import SharedMemoryCollectives
+
+    shm = SharedMemoryCollectives(dist.new_group(list(range(world))), directory=base)
+    dist.barrier()
+    if rank == 1:
+        os._exit(0)
+    with open(os.path.join(base, "..", "rank0-raised"), "w") as f:
+        try:
+            shm.reduce_scatter(torch.empty(4), torch.ones(4 * world))
+        except RuntimeError as error:
+            f.write(type(error).__name__)
+
+
+def test_a_peer_dying_while_a_region_is_mapped_leaves_no_file(tmp_path):
+    base = tmp_path / "shm"
+    base.mkdir()
+    with pytest.raises(RuntimeError, match="rank 1 died without a result"):
+        run_distributed(2, _peer_dies_while_mapping, str(base), pg_timeout_s=20)
+    assert (tmp_path / "rank0-raised").read_text() == "RuntimeError"
+    assert os.listdir(base) == []  # before: the region's file stayed in tmpfs for good
+
+
 def _train_and_report(rank, world, local_size, shared_memory):
     import fgpsdp_runtime as fgp
     from fgpsdp_runtime.topology import Topology

@@ -156,10 +156,23 @@ def group_timeout(group: Optional[dist.ProcessGroup]) -> Optional[timedelta]:
 
 
 def new_group_like(ranks: list[int], group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
-    """A process group of ``ranks`` with ``group``'s timeout (every rank calls it)."""
+    """A process group of ``ranks`` with ``group``'s timeout (every rank of ``group``
+    calls it, in the same order).
+
+    Over a subgroup of the job only its members build the wrapper, maybe while
+    other ranks build theirs over other subgroups (pipeline stages). torch names
+    a group by a per-process counter: the same names (and store keys, so gloo
+    rendezvous that collide) for both, and counters that differ between members
+    and the others for every later group. Local synchronization names it by a
+    hash of its ranks instead, and leaves the counter alone.
+    """
+    kwargs = {}
     timeout = group_timeout(group)
-    return dist.new_group(ranks, timeout=timeout) if timeout is not None \
-        else dist.new_group(ranks)
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    if group is not None and dist.get_world_size(group) < dist.get_world_size():
+        kwargs["use_local_synchronization"] = True
+    return dist.new_group(ranks, **kwargs)
 
 
 def create_link_groups(layout: NodeLayout, group: Optional[dist.ProcessGroup]) -> LinkGroups:

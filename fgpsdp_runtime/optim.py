@@ -473,7 +473,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         self._refuse_speculative_state("state_dict()")
         return {"shard": self.optim.state_dict(), "rank": self.model.rank,
-                "world_size": self.model.world_size,
+                "world_size": self.model.world_size, "slice_index": self.model.slice_index,
                 "layout": [(l.dtype_name, l.padded_numel, len(l.spans))
                            for l in self.model.bucket_layouts]}
 
@@ -523,6 +523,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if got != expected:
             raise ValueError(f"optimizer shard saved by rank/world {got}, loading on {expected}; "
                              "full_state_dict() loads at any world size")
+        # The slice a rank owns follows the topology (topology.py): the same rank of
+        # 2 nodes x 2 and of one node of 4 own other slices. (Shards saved before
+        # the slice was recorded do not say.)
+        saved_slice = state_dict.get("slice_index", self.model.slice_index)
+        if saved_slice != self.model.slice_index:
+            raise ValueError(f"optimizer shard of slice {saved_slice} loading on rank "
+                             f"{self.model.rank}, which owns slice {self.model.slice_index} "
+                             "under this topology (nodes x local ranks changed); "
+                             "full_state_dict() loads under any topology")
         layout = [(l.dtype_name, l.padded_numel, len(l.spans)) for l in self.model.bucket_layouts]
         if [tuple(x) for x in state_dict["layout"]] != layout:
             raise ValueError("optimizer shard was saved with another bucket layout "

@@ -4,7 +4,7 @@ Imported by the spawned ranks (module-level functions only).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -217,3 +217,25 @@ def look_up_model_params_in_state(rank: int, world_size: int) -> dict[str, Any]:
             "warnings": [str(w.message) for w in caught],
             "state_keys": len(opt.state),
             "pieces": sum(len(g["params"]) for g in opt.param_groups)}
+
+
+def shard_under_another_topology(rank: int, world_size: int) -> Optional[str]:
+    """A ``state_dict()`` shard saved on 2 nodes x 2, loaded on one node of 4 (a job
+    resumed on another machine): ranks 1 and 2 own each other's slice there. Before,
+    they loaded each other's Adam moments without a word. Returns the error, if any."""
+    def build(topology):
+        torch.manual_seed(0)
+        model = fgp.DistributedDataParallel(MODELS["mlp"](), topology=topology)
+        return model, fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+
+    model, opt = build(fgp.Topology(local_size=2))
+    x, y = make_batch("mlp", 0, 0, rank)
+    loss_fn("mlp", model(x), y).backward()
+    opt.step()
+    shard = opt.state_dict()
+    _, resumed = build("flat")
+    try:
+        resumed.load_state_dict(shard)
+    except ValueError as error:
+        return str(error)
+    return None

@@ -115,7 +115,14 @@ class DistributedDataParallel(nn.Module):
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
 
-        self.topology: NodeLayout = resolve(topology, self.world_size)
+        subgroup_ranks = dist.get_process_group_ranks(process_group) \
+            if process_group is not None and self.world_size < dist.get_world_size() else None
+        try:
+            self.topology: NodeLayout = resolve(topology, self.world_size, subgroup_ranks)
+            topology_problems = []
+        except (TypeError, ValueError) as error:  # said on every rank by agree_or_raise
+            self.topology = NodeLayout(self.world_size, self.world_size, hierarchical=False)
+            topology_problems = [str(error)]
         # The slice of every bucket this rank owns (not always its rank: see topology.py).
         self.slice_index = self.topology.slice_index(self.rank)
 
@@ -124,7 +131,8 @@ class DistributedDataParallel(nn.Module):
         named = [(n, p) for n, p in module.named_parameters()  # tied ones appear once
                  if n not in self._ignored_names or p.requires_grad]
         trainable = [(n, p) for n, p in named if p.requires_grad]
-        problems = local_problems(module, trainable) + lifecycle.wrapped_elsewhere(trainable)
+        problems = topology_problems + local_problems(module, trainable) \
+            + lifecycle.wrapped_elsewhere(trainable)
         ignored_trainable = ignored_trainable_problem(trainable, self._ignored_names)
         problems += [ignored_trainable] if ignored_trainable else []
         if not problems:  # it bumps version counters: not those a live wrapper tracks
@@ -133,7 +141,7 @@ class DistributedDataParallel(nn.Module):
         placement = check_contiguous_nodes(self.topology, process_group) \
             if self.topology.uses_hierarchy else None
         agree_or_raise(process_group, problems + ([placement] if placement else []),
-                       describe(named))
+                       describe(named), settings=self.topology.summary())
 
         self._params = [p for _, p in trainable]
         self._param_names = [n for n, _ in trainable]

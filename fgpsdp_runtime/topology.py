@@ -72,6 +72,14 @@ class NodeLayout:
     def rail_ranks(self, local_rank: int) -> list[int]:
         return list(range(local_rank, self.world_size, self.local_size))
 
+    def summary(self) -> str:
+        """What every rank of the group must resolve alike (compared at wrapping)."""
+        text = f"topology of {self.nodes} node(s) x {self.local_size} rank(s), hierarchy " \
+               f"{'on' if self.uses_hierarchy else 'off'}"
+        if self.local_size > 1 and (self.uses_hierarchy or self.nodes == 1):
+            text += f", shared memory {'on' if self.shared_memory else 'off'}"
+        return text
+
     def slice_index(self, rank: int) -> int:
         """Which slice of every bucket ``rank`` owns (see the note above)."""
         if not self.uses_hierarchy:
@@ -79,8 +87,13 @@ class NodeLayout:
         return self.local_rank(rank) * self.nodes + self.node_of(rank)
 
 
-def resolve(topology: TopologyArg, world_size: int) -> NodeLayout:
-    """Validate and resolve ``topology`` for a group of ``world_size`` ranks."""
+def resolve(topology: TopologyArg, world_size: int,
+            group_ranks: Optional[list[int]] = None) -> NodeLayout:
+    """Validate and resolve ``topology`` for a group of ``world_size`` ranks.
+
+    ``group_ranks``: the job's ranks of a subgroup's members (None for the whole
+    job), which torchrun's LOCAL_WORLD_SIZE places on nodes.
+    """
     if topology is None:
         topology = Topology()
     elif isinstance(topology, str):
@@ -94,7 +107,8 @@ def resolve(topology: TopologyArg, world_size: int) -> NodeLayout:
         raise TypeError(f"topology must be a Topology, 'flat' or 'auto', got {type(topology).__name__}")
     local = topology.local_size
     if local is None:
-        local = _local_size_from_env(world_size)
+        local = _local_size_from_env(world_size) if group_ranks is None \
+            else _local_size_of_subgroup_from_env(group_ranks)
     if not isinstance(local, int) or local < 1:
         raise ValueError(f"local_size must be a positive integer, got {local!r}")
     if world_size % local != 0:
@@ -115,6 +129,27 @@ def _local_size_from_env(world_size: int) -> int:
     if local < 1 or world_size % local:
         raise ValueError(f"LOCAL_WORLD_SIZE={local} does not divide the world size {world_size}")
     return local
+
+
+def _local_size_of_subgroup_from_env(group_ranks: list[int]) -> int:
+    """Members per node of a subgroup, torchrun numbering the job's ranks node by node.
+
+    LOCAL_WORLD_SIZE counts the node's ranks, not the subgroup's: a data-parallel
+    group [0, 1] of a node of 4 is one node of 2, a group [0, 2] of two nodes of
+    2 is two nodes of 1. Members spread unevenly over nodes get no hierarchy
+    (one rank per node: every link is taken as inter-node).
+    """
+    value = os.environ.get("LOCAL_WORLD_SIZE")
+    if value is None:
+        return len(group_ranks)  # not launched by torchrun: assume one node
+    local = int(value)
+    if local < 1:
+        raise ValueError(f"LOCAL_WORLD_SIZE={local} is not a positive integer")
+    per_node: dict[int, int] = {}
+    for rank in group_ranks:
+        per_node[rank // local] = per_node.get(rank // local, 0) + 1
+    counts = set(per_node.values())
+    return counts.pop() if len(counts) == 1 else 1
 
 
 def check_contiguous_nodes(layout: NodeLayout, group: Optional[dist.ProcessGroup]) -> Optional[str]:

@@ -8,7 +8,7 @@ model description, and every rank raises the same exception.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -157,18 +157,24 @@ def first_difference(reference: Sequence[ParamDescription],
 
 
 def agree_or_raise(group: Optional[dist.ProcessGroup], problems: list[str],
-                   description: list[ParamDescription]) -> None:
-    """Share findings and model descriptions; raise the same error on every rank."""
+                   description: list[ParamDescription], settings: Any = None) -> None:
+    """Share findings, model descriptions and ``settings`` (what every rank must
+    resolve alike: the topology, from arguments and the environment); raise the
+    same error on every rank."""
     world = dist.get_world_size(group)
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, (problems, description), group=group)
+    dist.all_gather_object(gathered, (problems, description, settings), group=group)
     messages = []
-    for rank, (rank_problems, _) in enumerate(gathered):
+    for rank, (rank_problems, _, _) in enumerate(gathered):
         messages.extend(f"rank {rank}: {p}" for p in rank_problems)
     reference = gathered[0][1]
     for rank in range(1, world):
         diff = first_difference(reference, gathered[rank][1])
         if diff is not None:
             messages.append(f"rank {rank}: model differs from rank 0: {diff}")
+        if not messages and gathered[rank][2] != gathered[0][2]:
+            messages.append(f"rank {rank}: {gathered[rank][2]}, unlike rank 0's "
+                            f"{gathered[0][2]} (give every rank the same topology= and "
+                            "FGPSDP_SHARED_MEMORY; torchrun the same --nproc_per_node)")
     if messages:
         raise ValueError("fgpsdp: cannot wrap the module:\n  " + "\n  ".join(messages))

@@ -308,3 +308,14 @@ def parameter_views_of_one_tensor(rank, world_size):
 
 def overlapping_parameters(rank, world_size):
     fgp.DistributedDataParallel(_FusedViews(overlapping=True))
+
+
+def topologies_differ(rank, world_size):
+    # One node of 3 on ranks 1-2 (shared memory), 3 nodes of 1 on rank 0 (gloo): before,
+    # the ranks waited on different transports until the timeout.
+    fgp.DistributedDataParallel(MLP(), topology=fgp.Topology(local_size=1 if rank == 0 else 3))
+
+
+def topology_invalid_on_one_rank(rank, world_size):
+    # Before, rank 0 raised alone and the others hung in the model check.
+    fgp.DistributedDataParallel(MLP(), topology=fgp.Topology(local_size=2 if rank == 0 else 3))

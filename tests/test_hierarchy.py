@@ -96,6 +96,22 @@ def test_local_size_from_torchrun_env(monkeypatch):
         resolve(None, 6)
 
 
+@pytest.mark.parametrize("local_world_size, members, local_size", [
+    (4, [0, 1], 2),           # data parallel inside one node of 4 (tensor parallel 2)
+    (2, [0, 2], 1),           # one rank on each of two nodes: inter-node links only
+    (2, [0, 1, 4, 5], 2),     # two of the four nodes of 2
+    (2, [0, 1, 2], 1),        # uneven over the nodes: no hierarchy
+    (4, [1, 3, 5, 7], 2),     # every other rank of two nodes of 4
+])
+def test_subgroup_local_size_from_torchrun_env(monkeypatch, local_world_size, members,
+                                               local_size):
+    """LOCAL_WORLD_SIZE counts the node's ranks: a subgroup gets its members per node
+    (before, it was taken as the subgroup's own and raised, or made one node of two)."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(local_world_size))
+    assert resolve(None, len(members), members).local_size == local_size
+    assert resolve("flat", len(members), members).local_size == local_size
+
+
 def test_two_torchrun_agents_detect_topology(tmp_path):
     """Two torchrun agents with --nnodes=2 on one host: topology from torchrun's environment."""
     import socket

@@ -3,7 +3,9 @@ data-parallel over a group of their own, wrapped at the same time."""
 from __future__ import annotations
 
 import copy
+import os
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -14,14 +16,19 @@ from .dist_harness import run_distributed
 from .scenarios import MLP, loss_fn, make_batch
 
 
-def _disjoint_subgroups(rank: int, world_size: int) -> dict:
-    """Ranks 0-1 and 2-3 wrap on their own groups, each beside torch DDP there."""
+def _disjoint_subgroups(rank: int, world_size: int, torchrun_env: bool) -> dict:
+    """Ranks 0-1 and 2-3 wrap on their own groups, each beside torch DDP there.
+    ``torchrun_env``: the four are one torchrun node (LOCAL_WORLD_SIZE=4), and the
+    topology comes from there."""
+    if torchrun_env:
+        os.environ.update(LOCAL_WORLD_SIZE="4", LOCAL_RANK=str(rank), GROUP_RANK="0")
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates both
     group = pairs[rank // 2]
     torch.manual_seed(1234 + rank)
     base = MLP()
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), process_group=group)
-    ours = fgp.DistributedDataParallel(base, process_group=group, topology="flat")
+    ours = fgp.DistributedDataParallel(base, process_group=group,
+                                       topology=None if torchrun_env else "flat")
     opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for step in range(3):
@@ -39,17 +46,21 @@ def _disjoint_subgroups(rank: int, world_size: int) -> dict:
     everyone = dist.new_group(list(range(world_size)))
     total = torch.ones(1)
     dist.all_reduce(total, group=everyone)
-    return {"diff": diff, "names": names, "total": float(total)}
+    return {"diff": diff, "names": names, "total": float(total),
+            "nodes_x_local": (ours.topology.nodes, ours.topology.local_size)}
 
 
-def test_wrappers_on_disjoint_subgroups_train_like_torch_ddp():
+@pytest.mark.parametrize("torchrun_env", [False, True])
+def test_wrappers_on_disjoint_subgroups_train_like_torch_ddp(torchrun_env):
     """Before, both pairs' own groups got the same names (torch numbers groups per
     process), so their gloo rendezvous shared store keys: an error or a hang, at
-    random (2 runs in 6 passed)."""
-    results = run_distributed(4, _disjoint_subgroups, timeout_s=180)
+    random (2 runs in 6 passed). Under torchrun's environment, LOCAL_WORLD_SIZE=4
+    was taken as the pair's own: it raised that 4 does not divide 2."""
+    results = run_distributed(4, _disjoint_subgroups, torchrun_env, timeout_s=180)
     for rank, res in enumerate(results):
         assert res["diff"] == 0.0, (rank, res["diff"])  # two ranks per group: bitwise
         assert res["total"] == 4.0
     names = results[0]["names"]
     assert names[0] == names[1] and names[2] == names[3]  # the members agree
     assert not set(names[0]) & set(names[2]), names
+    assert all(res["nodes_x_local"] == (1, 2) for res in results)  # a pair on one node

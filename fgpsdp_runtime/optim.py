@@ -313,7 +313,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for chunk in chunks:
                 self._assign_slice_grads(self._globally_used, chunk)
                 with nvtx_range("fgpsdp.optimizer_step"):
-                    self.optim.step()
+                    self._inner_step()
                 model.mark_params_changed(chunk)
                 for b in chunk:
                     model.queue_param_all_gather(b)
@@ -333,6 +333,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
                        and not other_hyperparameters
                        and not self._speculated_on_scaled_gradients)
 
+    def _inner_step(self) -> None:
+        """The inner optimizer's step without torch's step hooks: a global one
+        (``torch.optim.optimizer.register_optimizer_step_post_hook``) fires once per
+        ``opt.step()``, as for a torch optimizer, not once per chunk of buckets and
+        per speculative step."""
+        unhooked = getattr(type(self.optim).step, "__wrapped__", None)  # torch's patch
+        if unhooked is None:
+            self.optim.step()
+        else:
+            unhooked(self.optim)
+
     def speculative_step(self, b: int) -> SliceBackup:
         """Stage 1: step bucket b's slice before the global norm is known; return the undo record."""
         storage = self.model.buckets[b]
@@ -345,7 +356,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             wait_out_compile_session()
             ran_with = hyperparameters(self.optim.param_groups)
             with nvtx_range(f"fgpsdp.speculative_step[{b}]"):
-                self.optim.step()
+                self._inner_step()
             if not compile_session_active():
                 break
             backup.restore(storage.param_shard, self._bucket_pieces[b], self.optim.state)

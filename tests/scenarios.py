@@ -785,3 +785,25 @@ def load_checkpoint_with_gathers_in_flight(rank: int, world_size: int, schedule:
     except ValueError as error:
         result["assign_refused"] = str(error)
     return result
+
+
+def global_optimizer_hook_calls(rank: int, world_size: int, schedule: str) -> tuple[int, int]:
+    """torch.optim's global step hooks (profilers, trackers) over 3 steps: (pre, post)."""
+    from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                       register_optimizer_step_pre_hook)
+    calls = [0, 0]
+    handles = [register_optimizer_step_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)),
+               register_optimizer_step_post_hook(lambda *_: calls.__setitem__(1, calls[1] + 1))]
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(MLP(), bucket_cap_mb=0.0001, schedule=schedule,
+                                        **({"overlap_plan": "layout"} if schedule == "two_stage"
+                                           else {}))
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    for step in range(3):
+        x, y = make_batch("mlp", step, 0, rank)
+        loss_fn("mlp", model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    for handle in handles:
+        handle.remove()
+    return calls[0], calls[1]

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from .dist_harness import call_many, run_distributed
-from .scenarios import skip_on_inf_norm, train_many, train_with_inf_gradient
+from .scenarios import (global_optimizer_hook_calls, skip_on_inf_norm, train_many,
+                        train_with_inf_gradient)
 from .test_equivalence import SCENARIOS, TOL
 
 SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
@@ -134,3 +135,11 @@ def test_a_step_the_loop_skips_leaves_the_next_steps_whole(schedule):
         # The same sum of micro-batch gradients, reduced at the step: the same bits.
         assert all_no_sync["norms"][1:] == synced["norms"][1:]
         assert all(torch.equal(a, b) for a, b in zip(all_no_sync["params"], synced["params"]))
+
+
+def test_global_optimizer_hooks_fire_once_per_step():
+    """Before: 2-3 times per step (the inner optimizer's per-bucket and speculative
+    steps fired them too)."""
+    calls = [(global_optimizer_hook_calls, schedule) for schedule in SCHEDULES]
+    for per_rank in run_distributed(2, call_many, calls, timeout_s=180):
+        assert all(counts == (3, 3) for counts in per_rank.values()), per_rank

@@ -35,7 +35,7 @@ from .profiling import nvtx_range
 from .reducer import GradientReducer, in_backward
 from .tracing import Timeline
 from .topology import (NodeLayout, TopologyArg, check_contiguous_nodes, create_link_groups,
-                       new_group_like, resolve)
+                       hashed_group_names, new_group_like, resolve)
 from .uneven_inputs import AnnouncedCall, UnevenInputs
 from .validation import agree_or_raise, describe, local_problems, shared_memory_problem
 
@@ -158,9 +158,10 @@ class DistributedDataParallel(nn.Module):
         # Bucket traffic goes over groups of its own (one per link class and
         # phase), driven by worker threads; the wrapper's group stays free for
         # broadcasts and the norm all-reduce. See link_worker.py.
+        hashed_names = hashed_group_names(process_group)  # see topology.py
         if self.topology.uses_hierarchy:
-            rs_groups = create_link_groups(self.topology, process_group)
-            ag_groups = create_link_groups(self.topology, process_group)
+            rs_groups = create_link_groups(self.topology, process_group, hashed_names)
+            ag_groups = create_link_groups(self.topology, process_group, hashed_names)
             self._own_groups = [rs_groups.intra, rs_groups.inter, ag_groups.intra,
                                 ag_groups.inter]
             self._exchange = HierarchicalExchange(
@@ -169,7 +170,8 @@ class DistributedDataParallel(nn.Module):
         else:
             ranks = dist.get_process_group_ranks(process_group) if process_group \
                 else list(range(dist.get_world_size()))
-            self._own_groups = [new_group_like(ranks, process_group) for _ in range(2)]
+            self._own_groups = [new_group_like(ranks, process_group, hashed_names)
+                                for _ in range(2)]
             self._exchange = FlatExchange(
                 *self._own_groups, device, self._comm_stats, self.timeline,
                 one_node_shared_memory=self.topology.shared_memory and self.topology.nodes == 1)
@@ -264,7 +266,7 @@ class DistributedDataParallel(nn.Module):
                 module, buckets_of, lifecycle.weak_call(self.finish_param_all_gather),
                 lifecycle.weak_call(self.finish_param_all_gathers),
                 lifecycle.weak_call(self._land_gathers_for_a_direct_call),
-                frozenset(s.flat_param.untyped_storage().data_ptr() for s in self._buckets))
+                lifecycle.weak_call(self._bucket_storages))
         # As torch DDP: buffers are broadcast before a forward that follows a
         # synchronised, grad-enabled forward (and before the first one).
         self._sync_buffers_before_forward = True
@@ -434,10 +436,14 @@ class DistributedDataParallel(nn.Module):
         if self._uneven_inputs is not None:
             self._uneven_inputs.notify(AnnouncedCall.REDUCE_ROUND)
 
+    def _bucket_storages(self) -> frozenset[int]:
+        return frozenset(s.flat_param.untyped_storage().data_ptr() for s in self._buckets)
+
     @property
     def backward_may_read_detached_params(self) -> bool:
-        """A recording forward took a parameter's ``.detach()`` or ``.data``, which the
-        backward may read after the parameter's gradient is complete (see
+        """A recording forward took a parameter's ``.detach()`` or ``.data`` (or read a
+        view of one without autograd history), which the backward may read after the
+        parameter's gradient is complete (see
         scheduler.py, [Note: parameters the backward still reads])."""
         waiter = self._forward_waiter
         return waiter is not None and waiter.reads_detached_params

@@ -40,10 +40,13 @@ is_traced_by_dynamo = getattr(torch.compiler, "is_dynamo_compiling", None) or \
 class ForwardParamWaiter:
     def __init__(self, root: nn.Module, bucket_of_param: dict[int, list[int]],
                  wait_bucket: Callable[[int], None], wait_all: Callable[[], None],
-                 direct_call: Callable[[], None], bucket_storages: frozenset[int]):
+                 direct_call: Callable[[], None],
+                 bucket_storages: Callable[[], frozenset[int]] = frozenset):
         self._root = root
-        # data_ptr() of every bucket buffer's storage: a tensor there aliases parameters.
-        self._bucket_storages = bucket_storages
+        # data_ptr() of every bucket buffer's storage (a tensor there aliases
+        # parameters), taken when a forward records: share_memory() moves them.
+        self._bucket_storages_now = bucket_storages
+        self._bucket_storages: frozenset[int] = frozenset()
         # Called when ``root`` runs outside the wrapper's forward (model.module(x)).
         self._direct_call = direct_call
         self._bucket_of_param = bucket_of_param  # id(param) -> buckets holding it
@@ -54,8 +57,9 @@ class ForwardParamWaiter:
         self._recording: list[int] = []
         self._first_read: dict[int, int] = {}  # id(param) -> recording position
         self._read_recorder: Optional[_ParamReadRecorder] = None
-        # A recording forward took a parameter's .detach() or .data: it may be
-        # saved for backward apart from its gradient (see scheduler.py).
+        # A recording forward took a parameter's .detach() or .data, or read a view
+        # of one without autograd history: it may be saved for backward apart
+        # from its gradient (see scheduler.py).
         self.reads_detached_params = False
         self._cursor = 0
         # "record" or "follow" (this forward), "landed" (this forward, after a
@@ -78,6 +82,7 @@ class ForwardParamWaiter:
     def begin_forward(self) -> None:
         if self._recorded is None:
             self._wait_all()  # nothing may be pending while we learn who reads what
+            self._bucket_storages = self._bucket_storages_now() or frozenset()
             self._mode = "record"
             self._recording = []
             self._first_read = {}

@@ -24,7 +24,8 @@ A ready bucket's parameters are read by no later backward node when every
 saved copy of them leads to their own gradient. A model may also save one
 through ``.detach()`` (``F.linear(h, self.out.weight.detach())``): a node
 that runs after the gradient is complete then reads the value. Recording
-forwards note a parameter's ``.detach()`` or ``.data`` taken (forward_waits.py;
+forwards note a parameter's ``.detach()`` or ``.data`` taken, and a view of one
+without autograd history read with gradients on (forward_waits.py;
 whether it is saved is not looked at: unpacking saved tensors would rerun
 checkpointed regions); a rank that saw one hands its stage-1 buckets to the
 thread only when the backward has ended (the same buckets in the same order:
@@ -33,7 +34,8 @@ Every in-place change of the parameters (a step, an undo) also bumps their
 autograd version counters, as torch's optimizers' in-place updates do: a
 backward that still holds their old values (a second backward through a
 retained graph) raises torch's "modified by an inplace operation" instead of
-computing with the new ones.
+computing with the new ones; such a backward first waits for stage 1 to end
+(on_backward_start), so that every rank sees the counters bumped.
 
 [Note: scheduler thread lifetime and errors]
 The thread is a daemon: it never keeps the process alive. It is started at

@@ -190,27 +190,53 @@ def group_timeout(group: Optional[dist.ProcessGroup]) -> Optional[timedelta]:
         return None
 
 
-def new_group_like(ranks: list[int], group: Optional[dist.ProcessGroup]) -> dist.ProcessGroup:
-    """A process group of ``ranks`` with ``group``'s timeout (every rank of ``group``
-    calls it, in the same order).
+def hashed_group_names(group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether the wrapper's own groups over ``group`` are named by a hash of their ranks.
 
-    Over a subgroup of the job only its members build the wrapper, maybe while
-    other ranks build theirs over other subgroups (pipeline stages). torch names
-    a group by a per-process counter: the same names (and store keys, so gloo
-    rendezvous that collide) for both, and counters that differ between members
-    and the others for every later group. Local synchronization names it by a
-    hash of its ranks instead, and leaves the counter alone.
+    [Note: naming the groups of a wrapper on a subgroup]
+    torch names a plain ``new_group`` by a per-process counter. Only a
+    subgroup's members build a wrapper on it, maybe while other ranks build
+    theirs on other subgroups (pipeline stages, data-parallel groups beside
+    tensor-parallel ones): both sets of groups then got the same names, and
+    store keys, whose gloo rendezvous collided (an error or a hang). With
+    ``use_local_synchronization=True`` torch hashes the ranks and the number
+    of groups the process holds instead, and leaves the counter alone. That
+    number must be the same on every member: the members compare it (a
+    collective over ``group``) and fall back to the counter where it differs
+    (a member also in a group the others are not in), as before.
     """
+    if group is None or dist.get_world_size(group) == dist.get_world_size():
+        return False  # every rank of the job builds it: the counter agrees
+    try:
+        held = len(dist.distributed_c10d._world.pg_names)
+    except AttributeError:  # private: another torch
+        held = -1
+    counts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(counts, held, group=group)
+    return held >= 0 and len(set(counts)) == 1
+
+
+def new_group_like(ranks: list[int], group: Optional[dist.ProcessGroup],
+                   hashed_name: bool = False) -> dist.ProcessGroup:
+    """A process group of ``ranks`` with ``group``'s timeout (every rank of ``group``
+    calls it, in the same order); ``hashed_name``: see hashed_group_names."""
     kwargs = {}
     timeout = group_timeout(group)
     if timeout is not None:
         kwargs["timeout"] = timeout
-    if group is not None and dist.get_world_size(group) < dist.get_world_size():
-        kwargs["use_local_synchronization"] = True
+    if hashed_name:
+        try:
+            return dist.new_group(ranks, use_local_synchronization=True, **kwargs)
+        except ValueError as error:
+            # A live group has that name: groups destroyed since (a dropped wrapper's)
+            # lowered the count it hashes. Every member holds that group alike.
+            if "already been created" not in str(error):
+                raise
     return dist.new_group(ranks, **kwargs)
 
 
-def create_link_groups(layout: NodeLayout, group: Optional[dist.ProcessGroup]) -> LinkGroups:
+def create_link_groups(layout: NodeLayout, group: Optional[dist.ProcessGroup],
+                       hashed_names: bool = False) -> LinkGroups:
     """Create every node group and rail group, on every rank, in the same order."""
     def global_ranks(ranks):
         if group is None:
@@ -220,11 +246,11 @@ def create_link_groups(layout: NodeLayout, group: Optional[dist.ProcessGroup]) -
     rank = dist.get_rank(group)
     intra = inter = None
     for node in range(layout.nodes):
-        g = new_group_like(global_ranks(layout.intra_ranks(node)), group)
+        g = new_group_like(global_ranks(layout.intra_ranks(node)), group, hashed_names)
         if layout.node_of(rank) == node:
             intra = g
     for local in range(layout.local_size):
-        g = new_group_like(global_ranks(layout.rail_ranks(local)), group)
+        g = new_group_like(global_ranks(layout.rail_ranks(local)), group, hashed_names)
         if layout.local_rank(rank) == local:
             inter = g
     return LinkGroups(intra=intra, inter=inter)

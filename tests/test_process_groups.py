@@ -64,3 +64,47 @@ def test_wrappers_on_disjoint_subgroups_train_like_torch_ddp(torchrun_env):
     assert names[0] == names[1] and names[2] == names[3]  # the members agree
     assert not set(names[0]) & set(names[2]), names
     assert all(res["nodes_x_local"] == (1, 2) for res in results)  # a pair on one node
+
+
+def _asymmetric_members(rank: int, world_size: int) -> object:
+    """Ranks 0-1 train on [0, 1]; rank 0 is also in [0, 2] (an evaluator it talks to):
+    the members hold different numbers of groups."""
+    dp, _side = dist.new_group([0, 1]), dist.new_group([0, 2])
+    if rank == 2:
+        return None
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(nn.Linear(4, 4), process_group=dp, topology="flat")
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    model.synchronize()
+    return [p.detach().clone() for p in model.module.parameters()]
+
+
+def _rewrapped_beside_another(rank: int, world_size: int) -> object:
+    """G and D on [0, 1]; G dropped and wrapped again (to unfreeze layers): the
+    dropped groups lower the count torch hashes, to one D's groups were named with."""
+    import gc
+    group = dist.new_group([0, 1])
+    if rank == 2:
+        return None
+    torch.manual_seed(0)
+    g_module, d_module = nn.Linear(4, 4), nn.Linear(4, 4)
+    g = fgp.DistributedDataParallel(g_module, process_group=group, topology="flat")
+    d = fgp.DistributedDataParallel(d_module, process_group=group, topology="flat")  # noqa: F841
+    del g
+    gc.collect()
+    g = fgp.DistributedDataParallel(g_module, process_group=group, topology="flat")
+    opt = fgp.ShardedOptimizer(g, torch.optim.SGD, lr=0.1)
+    g(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    g.synchronize()
+    return [p.detach().clone() for p in g.module.parameters()]
+
+
+@pytest.mark.parametrize("scenario", [_asymmetric_members, _rewrapped_beside_another])
+def test_subgroup_wrappers_where_hashed_names_would_not_agree(scenario):
+    """Members holding different numbers of groups would hash different names (a
+    hang); a name taken by a live group raised. Both fall back to torch's counter."""
+    results = run_distributed(3, scenario, timeout_s=120, pg_timeout_s=20)
+    assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))

@@ -338,11 +338,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         (``torch.optim.optimizer.register_optimizer_step_post_hook``) fires once per
         ``opt.step()``, as for a torch optimizer, not once per chunk of buckets and
         per speculative step."""
-        unhooked = getattr(type(self.optim).step, "__wrapped__", None)  # torch's patch
-        if unhooked is None:
-            self.optim.step()
+        step = type(self.optim).step
+        if getattr(step, "hooked", False):  # torch's patch (Optimizer._patch_step_function)
+            step.__wrapped__(self.optim)
         else:
-            unhooked(self.optim)
+            self.optim.step()
 
     def speculative_step(self, b: int) -> SliceBackup:
         """Stage 1: step bucket b's slice before the global norm is known; return the undo record."""

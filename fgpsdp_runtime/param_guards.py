@@ -16,7 +16,7 @@ break that silently, and are guarded here:
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -108,21 +108,35 @@ class LandingGetstate:
     otherwise copy the other ranks' slices before the step, another mix on every
     rank. No hook of torch's runs before a copy reads the parameters (the state
     dict hooks do not run, and our hook dicts are copied after ``_parameters``);
-    this runs before anything is copied. The copy does not get it.
+    this runs before anything is copied, and leaves itself out of the state.
     """
 
-    def __init__(self, land, module: nn.Module):
+    def __init__(self, land: Callable[[], None], module: nn.Module):
         self._land = land
         self._module = weakref.ref(module)
 
-    def __call__(self) -> dict:
+    def __call__(self):
         module = self._module()
+        if module is None:
+            raise TypeError("fgpsdp: the copy guard of a module that is gone")
         self._land()
         state = type(module).__getstate__(module)
-        if state is module.__dict__:  # a class returning its own __dict__
-            state = dict(state)
-        state.pop("__getstate__", None)
+        if isinstance(state, dict):
+            if state is module.__dict__:  # a class returning its own __dict__
+                state = dict(state)
+            state.pop("__getstate__", None)
         return state
+
+    def __deepcopy__(self, memo):
+        # A class's own __deepcopy__ that copies __dict__ (torch.nn.utils.parametrize's)
+        # brings this along: the copy, which memo maps the module to, gets a guard
+        # that lands nothing and leaves itself out of the copy's state as well.
+        replica = memo.get(id(self._module()))
+        return LandingGetstate(_nothing_to_land, replica) if replica is not None else None
+
+
+def _nothing_to_land() -> None:
+    return None
 
 
 class ParamPlaces:

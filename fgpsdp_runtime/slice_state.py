@@ -38,3 +38,8 @@ class SliceState(defaultdict):
 
     def __reduce__(self):  # copied or pickled as the plain defaultdict torch keeps
         return (defaultdict, (dict,), None, None, iter(self.items()))
+
+    def copy(self) -> defaultdict:  # defaultdict's would call SliceState(dict, self)
+        return defaultdict(dict, self)
+
+    __copy__ = copy

@@ -213,6 +213,8 @@ def look_up_model_params_in_state(rank: int, world_size: int) -> dict[str, Any]:
         found += [dict(opt.state[p]) for p in model.module.parameters()]  # after a load too
         opt.load_state_dict(opt.state_dict())
     step(1)
+    copied = opt.state.copy()  # a plain defaultdict, as torch's state copies to
+    copied[model.module.net[0].weight]["x"] = 1
     return {"entries_found": sum(map(len, found)),
             "warnings": [str(w.message) for w in caught],
             "state_keys": len(opt.state),

@@ -525,30 +525,42 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.state = self.optim.state
 
     def _load_shard(self, state_dict: dict[str, Any]) -> None:
+        """A collective (every rank loads its own shard): a shard that does not fit on
+        one rank raises on every rank, so that none goes on alone into the next
+        step's collectives."""
+        problem = self._shard_problem(state_dict)
+        unfit = torch.tensor([0.0 if problem is None else 1.0])
+        self.model.all_reduce_sum(unfit)
+        if problem is not None:
+            raise ValueError(problem)
+        if unfit.item() > 0:
+            raise ValueError(f"fgpsdp: the optimizer shards of {int(unfit.item())} other rank(s) "
+                             "do not fit (see their errors); nothing was loaded")
+        self.optim.load_state_dict(state_dict["shard"])
+
+    def _shard_problem(self, state_dict: dict[str, Any]) -> Optional[str]:
         if not {"shard", "rank", "world_size", "layout"} <= set(state_dict):
-            raise ValueError("fgpsdp: not an optimizer checkpoint (it holds "
-                             f"{sorted(state_dict)}); load what state_dict() or "
-                             "full_state_dict() saved")
+            return ("fgpsdp: not an optimizer checkpoint (it holds "
+                    f"{sorted(state_dict)}); load what state_dict() or full_state_dict() saved")
         expected = (self.model.rank, self.model.world_size)
         got = (state_dict.get("rank"), state_dict.get("world_size"))
         if got != expected:
-            raise ValueError(f"optimizer shard saved by rank/world {got}, loading on {expected}; "
-                             "full_state_dict() loads at any world size")
+            return (f"optimizer shard saved by rank/world {got}, loading on {expected}; "
+                    "full_state_dict() loads at any world size")
         # The slice a rank owns follows the topology (topology.py): the same rank of
         # 2 nodes x 2 and of one node of 4 own other slices. (Shards saved before
         # the slice was recorded do not say.)
         saved_slice = state_dict.get("slice_index", self.model.slice_index)
         if saved_slice != self.model.slice_index:
-            raise ValueError(f"optimizer shard of slice {saved_slice} loading on rank "
-                             f"{self.model.rank}, which owns slice {self.model.slice_index} "
-                             "under this topology (nodes x local ranks changed); "
-                             "full_state_dict() loads under any topology")
+            return (f"optimizer shard of slice {saved_slice} loading on rank "
+                    f"{self.model.rank}, which owns slice {self.model.slice_index} under this "
+                    "topology (nodes x local ranks changed); full_state_dict() loads under "
+                    "any topology")
         layout = [(l.dtype_name, l.padded_numel, len(l.spans)) for l in self.model.bucket_layouts]
         if [tuple(x) for x in state_dict["layout"]] != layout:
-            raise ValueError("optimizer shard was saved with another bucket layout "
-                             "(bucket_cap_mb or model changed); full_state_dict() loads "
-                             "with any buckets")
-        self.optim.load_state_dict(state_dict["shard"])
+            return ("optimizer shard was saved with another bucket layout (bucket_cap_mb or "
+                    "model changed); full_state_dict() loads with any buckets")
+        return None
 
     def _refuse_speculative_state(self, what: str) -> None:
         scheduler = self.model.scheduler

@@ -73,12 +73,16 @@ class NodeLayout:
         return list(range(local_rank, self.world_size, self.local_size))
 
     def summary(self) -> str:
-        """What every rank of the group must resolve alike (compared at wrapping)."""
-        text = f"topology of {self.nodes} node(s) x {self.local_size} rank(s), hierarchy " \
-               f"{'on' if self.uses_hierarchy else 'off'}"
-        if self.local_size > 1 and (self.uses_hierarchy or self.nodes == 1):
-            text += f", shared memory {'on' if self.shared_memory else 'off'}"
-        return text
+        """What every rank of the group must resolve alike (compared at wrapping): what
+        decides the groups and transports. Without the hierarchy only whether all
+        ranks are on one node counts (they may then share memory)."""
+        if self.uses_hierarchy:
+            text = f"topology of {self.nodes} nodes x {self.local_size} ranks"
+        elif self.nodes == 1 and self.local_size > 1:
+            text = f"one node of {self.local_size} ranks"
+        else:
+            return "no hierarchy, ranks on several nodes"
+        return text + f", shared memory {'on' if self.shared_memory else 'off'}"
 
     def slice_index(self, rank: int) -> int:
         """Which slice of every bucket ``rank`` owns (see the note above)."""

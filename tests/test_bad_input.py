@@ -77,8 +77,8 @@ CASES = [
     (bad_inputs.shared_weight_across_reentrant_checkpoint, "RuntimeError",
      [r"parameter 'shared\.(weight|bias)' received a second gradient", r"use_reentrant=False"]),
     (bad_inputs.topologies_differ, "ValueError",
-     [r"rank 1: topology of 1 node\(s\) x 3 rank\(s\), hierarchy off, shared memory on, unlike "
-      r"rank 0's topology of 3 node\(s\) x 1 rank\(s\), hierarchy off"]),
+     [r"rank 1: one node of 3 ranks, shared memory on, unlike rank 0's no hierarchy, ranks "
+      r"on several nodes"]),
     (bad_inputs.topology_invalid_on_one_rank, "ValueError",
      [r"rank 0: world size 3 is not divisible by local_size 2"]),
 ]

@@ -243,3 +243,30 @@ def clamp_between_backward_and_step(rank: int, world_size: int) -> None:
             p.clamp_(-0.1, 0.1)
     opt.step()
 
+
+
+def copy_of_a_parametrized_module(rank: int, world_size: int) -> dict:
+    """torch.nn.utils.parametrize's own __deepcopy__ copies __dict__, our copy guard
+    with it: the copy's must belong to the copy (before, it pointed at the original
+    and its wrapper, and copying the copy failed once they were gone)."""
+    import gc
+
+    from torch.nn.utils import parametrizations
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    parametrizations.weight_norm(net[2])
+    model = fgp.DistributedDataParallel(net, schedule="next_forward")
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    ema = copy.deepcopy(model.module)  # right after the step: lands the gathers
+    model.synchronize()
+    same = all(torch.equal(a, b) for a, b in zip(ema.parameters(), net.parameters()))
+    del model, opt, net
+    gc.collect()
+    again = copy.deepcopy(ema)  # the original and its wrapper are gone
+    guard = vars(ema[2]).get("__getstate__")
+    return {"copy_equal": same,
+            "copy_of_copy_equal": all(torch.equal(a, b)
+                                      for a, b in zip(again.parameters(), ema.parameters())),
+            "guard_is_the_copys": guard is not None and guard._module() is ema[2]}

@@ -108,3 +108,10 @@ def test_parameters_written_between_backward_and_step_raise_under_two_stage():
     for rank, res in results.items():
         assert not res["ok"] and "between backward and opt.step()" in res["message"] \
             and "speculative step" in res["message"], (rank, res)
+
+
+def test_copy_of_a_parametrized_module_copies_again():
+    for res in run_distributed(2, autograd_scenarios.copy_of_a_parametrized_module,
+                               timeout_s=90):
+        assert res == {"copy_equal": True, "copy_of_copy_equal": True,
+                       "guard_is_the_copys": True}

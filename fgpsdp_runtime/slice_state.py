@@ -36,6 +36,15 @@ class SliceState(defaultdict):
                 "format (a collective)", RuntimeWarning, stacklevel=2)
         return {}
 
+    def __setitem__(self, key, value) -> None:
+        if self._is_model_param(key):
+            # Kept, it would make the next state_dict() fail on a key no group holds.
+            raise KeyError(
+                "fgpsdp: opt.state is keyed by this rank's slice pieces (the tensors in "
+                "opt.param_groups), not by the model's parameters: to reset a parameter's "
+                "state, reset the entries of its pieces")
+        super().__setitem__(key, value)
+
     def __reduce__(self):  # copied or pickled as the plain defaultdict torch keeps
         return (defaultdict, (dict,), None, None, iter(self.items()))
 

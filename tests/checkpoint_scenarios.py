@@ -212,10 +212,15 @@ def look_up_model_params_in_state(rank: int, world_size: int) -> dict[str, Any]:
         opt.load_state_dict(opt.state_dict())
         found += [dict(opt.state[p]) for p in model.module.parameters()]  # after a load too
         opt.load_state_dict(opt.state_dict())
+    try:  # a layer's state reset the torch.optim way: refused, not kept
+        opt.state[model.module.net[0].weight] = {}
+        assignment = "kept"
+    except KeyError as error:
+        assignment = str(error)
     step(1)
     copied = opt.state.copy()  # a plain defaultdict, as torch's state copies to
     copied[model.module.net[0].weight]["x"] = 1
-    return {"entries_found": sum(map(len, found)),
+    return {"entries_found": sum(map(len, found)), "assignment": assignment,
             "warnings": [str(w.message) for w in caught],
             "state_keys": len(opt.state),
             "pieces": sum(len(g["params"]) for g in opt.param_groups)}

@@ -113,6 +113,7 @@ def test_model_parameter_lookups_in_opt_state_keep_it_saveable():
         assert res["entries_found"] == 0
         assert len(res["warnings"]) == 1 and "opt.full_state_dict()" in res["warnings"][0]
         assert res["state_keys"] == res["pieces"] > 0  # only the slice pieces
+        assert "reset the entries of its pieces" in res["assignment"]
 
 
 def test_shard_of_another_slice_is_refused():

@@ -235,10 +235,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for torch.optim that assigns ``p.data = ...`` to them (a hand-written weight
         decay) would have every later step write storage no all-gather reads, and the
         model would silently stop training."""
+        bases = [(s.flat_param.data_ptr(), s.flat_param.element_size())
+                 for s in self.model.buckets]
         for index, pieces in self._pieces.items():
             for tensor, b, start, _ in pieces:
-                flat = self.model.buckets[b].flat_param
-                if tensor.data_ptr() != flat.data_ptr() + start * flat.element_size():
+                base, element_size = bases[b]
+                if tensor.data_ptr() != base + start * element_size:
                     name = self.model.named_trainable_parameters()[index][0]
                     raise RuntimeError(
                         f"fgpsdp: a piece of parameter {name!r} in "

@@ -246,3 +246,26 @@ def shard_under_another_topology(rank: int, world_size: int) -> Optional[str]:
     except ValueError as error:
         return str(error)
     return None
+
+
+def distributed_checkpoint_round_trip(rank: int, world_size: int, directory: str
+                                      ) -> dict[str, Any]:
+    """``torch.distributed.checkpoint`` saves ``opt.full_state_dict()`` (replicated on
+    every rank: written once) and loads it in place into a later one's tensors, which
+    ``opt.load_state_dict`` then takes: the optimizer holds what was saved, bit for bit."""
+    import copy
+
+    import torch.distributed.checkpoint as dcp
+    ours, opt, ref, ref_opt = _build(rank, {"model": "mlp", "optimizer": "adamw",
+                                            "max_grad_norm": 1.0})
+    _train(rank, {"model": "mlp", "max_grad_norm": 1.0}, ours, opt, ref, ref_opt, 0, 2)
+    saved = opt.full_state_dict()
+    dcp.save({"optim": saved}, checkpoint_id=directory)
+    kept = copy.deepcopy(saved)
+    _train(rank, {"model": "mlp", "max_grad_norm": 1.0}, ours, opt, ref, ref_opt, 2, 1)
+    target = {"optim": opt.full_state_dict()}  # the moments of one more step, overwritten
+    changed = not compare_state_dicts(target["optim"], kept)["bitwise"]
+    dcp.load(target, checkpoint_id=directory)
+    opt.load_state_dict(target["optim"])
+    return {"changed_before_load": changed,
+            "after_load": compare_state_dicts(opt.full_state_dict(), kept)}

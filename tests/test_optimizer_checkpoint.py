@@ -124,3 +124,10 @@ def test_shard_of_another_slice_is_refused():
     for rank, slice_saved in ((1, 2), (2, 1)):
         assert f"optimizer shard of slice {slice_saved} loading on rank {rank}" in errors[rank]
         assert "full_state_dict() loads under any topology" in errors[rank]
+
+
+def test_distributed_checkpoint_saves_and_loads_the_full_state_dict(tmp_path):
+    for res in run_distributed(2, checkpoint_scenarios.distributed_checkpoint_round_trip,
+                               str(tmp_path / "dcp"), timeout_s=120):
+        assert res["changed_before_load"]  # the load has something to undo
+        assert res["after_load"]["bitwise"], res["after_load"]

@@ -35,6 +35,7 @@ from .profiling import nvtx_range
 from .slice_state import SliceState
 from .speculation import (SliceBackup, compile_session_active, hyperparameters,
                           same_hyperparameters, wait_out_compile_session)
+from .step_wide_state import StepWideState
 from .uneven_inputs import AnnouncedCall, UnevenInputs
 
 # Optimizers whose update is not element-wise: slicing would change the result.
@@ -92,6 +93,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             slice_groups.append({**{k: v for k, v in group.items() if k != "params"},
                                  "params": pieces})
         self.optim = optimizer_class(slice_groups, **defaults)
+        # Group entries and optimizer-wide state an inner step writes (step counters
+        # outside the parameters' state) advance once per opt.step(), not per run.
+        self._step_wide_state = StepWideState(self.optim)
         super().__init__(slice_groups, self.optim.defaults)
         # One set of groups and state: lr schedulers edit what the inner optimizer reads.
         self.param_groups = self.optim.param_groups
@@ -328,6 +332,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             model.begin_param_exchange()
             for b in rolled_back:  # peers hold the speculative values: send the restored ones
                 model.queue_param_all_gather(b)
+        self._step_wide_state.end_step(stepped=finite)
         if not model.gathers_overlap_forward:
             # serial / overlap_backward: the parameters have landed when the step ends.
             model.finish_param_all_gathers()
@@ -341,10 +346,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ``opt.step()``, as for a torch optimizer, not once per chunk of buckets and
         per speculative step."""
         step = type(self.optim).step
-        if getattr(step, "hooked", False):  # torch's patch (Optimizer._patch_step_function)
-            step.__wrapped__(self.optim)
-        else:
-            self.optim.step()
+        with self._step_wide_state.run():  # see step_wide_state.py
+            if getattr(step, "hooked", False):  # torch's patch (Optimizer._patch_step_function)
+                step.__wrapped__(self.optim)
+            else:
+                self.optim.step()
 
     def speculative_step(self, b: int) -> SliceBackup:
         """Stage 1: step bucket b's slice before the global norm is known; return the undo record."""

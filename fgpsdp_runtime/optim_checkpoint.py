@@ -13,7 +13,8 @@ loads only on the same rank of a world of the same size with the same buckets.
   in its parameter's shape; scalar entries (``step``) once per parameter;
   listed parameters no slice backs (frozen ones) hold what torch's optimizer
   would give them at construction (nothing, or Adagrad's initial ``sum``);
-- the param groups' hyperparameters.
+- the param groups' hyperparameters, and state entries not keyed by a
+  parameter (an optimizer-wide step count) as they are.
 
 So it loads into a ShardedOptimizer at another world size or bucket size, into
 a torch optimizer on the unwrapped model (fine-tuning on one device), and the
@@ -28,6 +29,7 @@ has the same length by construction), cut into parameters by the bucket layout.
 """
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
@@ -35,6 +37,7 @@ import torch.distributed as dist
 
 from .buckets import span_as_param, to_bucket_order
 from .group_collectives import all_gather_single
+from .step_wide_state import optimizer_wide_entries
 
 if TYPE_CHECKING:  # imported for annotations only: optim imports this module
     from .optim import ShardedOptimizer
@@ -160,6 +163,11 @@ def full_state_dict(opt: ShardedOptimizer, rank0_only: bool) -> dict[str, Any]:
             number += 1
         groups.append({**{k: v for k, v in inner_group.items() if k != "params"},
                        "params": indices})
+    # Entries not keyed by a parameter (MADGRAD's step count "k"), as torch keeps
+    # them; every rank's inner optimizer steps alike, so this rank's are everyone's.
+    for key, value in optimizer_wide_entries(opt.optim).items():
+        state[key] = value.detach().to("cpu", copy=True) if torch.is_tensor(value) \
+            else copy.deepcopy(value)
     return {"state": state, "param_groups": groups}
 
 
@@ -217,6 +225,9 @@ def load_full_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> N
             inner_state[inner_number[id(tensor)]] = {
                 key: _piece_of(value, kinds[key], offset, end - start, spans[index].strides)
                 for key, value in entry.items()}
+    for key, value in saved_state.items():
+        if not isinstance(key, int):  # optimizer-wide: as torch loads it, but a copy
+            inner_state[key] = value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
     inner_groups = []
     for saved, inner_group in zip(saved_groups, opt.optim.param_groups):
         inner_groups.append({**{k: v for k, v in saved.items()

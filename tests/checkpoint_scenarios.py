@@ -11,7 +11,7 @@ from torch import nn
 
 import fgpsdp_runtime as fgp
 
-from .scenarios import MODELS, loss_fn, make_batch, reference_clip_
+from .scenarios import MODELS, StepCountingSGD, loss_fn, make_batch, reference_clip_
 
 
 class TemperatureNet(nn.Module):
@@ -57,6 +57,8 @@ OPTIMIZERS = {
     "counting_sgd": (CountingSGD, {"lr": 0.05}),
     "adagrad": (torch.optim.Adagrad, {"lr": 0.05}),  # state made at construction
     "nadam": (torch.optim.NAdam, {"lr": 1e-2}),  # scalar state besides step: mu_product
+    # Step counts in its param groups and in an optimizer-wide state entry.
+    "step_counters": (StepCountingSGD, {"lr": 0.05}),
 }
 
 
@@ -114,11 +116,18 @@ def compare_state_dicts(ours: dict, theirs: dict, strides: bool = True) -> dict[
     """How far a torch-format optimizer state dict is from another (``strides``:
     tensors must be laid out alike too)."""
     same_groups = ours["param_groups"] == theirs["param_groups"]
+    # Entries not keyed by a parameter number (an optimizer-wide step count) as they are.
+    wide_keys = [i for i in theirs["state"] if not isinstance(i, int)]
     same_layout = set(ours["state"]) == set(theirs["state"]) and all(
-        list(ours["state"][i]) == list(theirs["state"][i]) for i in theirs["state"])
+        list(ours["state"][i]) == list(theirs["state"][i]) for i in theirs["state"]
+        if i not in wide_keys)
     worst, mismatched = 0.0, []
     if same_layout:
+        mismatched = [i for i in wide_keys
+                      if not _same_entry(ours["state"][i], theirs["state"][i])]
         for i, entry in theirs["state"].items():
+            if i in wide_keys:
+                continue
             for key, value in entry.items():
                 mine = ours["state"][i][key]
                 if torch.is_tensor(value):
@@ -138,9 +147,17 @@ def compare_state_dicts(ours: dict, theirs: dict, strides: bool = True) -> dict[
             and _bitwise(ours["state"], theirs["state"])}
 
 
+def _same_entry(a: Any, b: Any) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype \
+            and torch.equal(a, b)
+    return a == b
+
+
 def _bitwise(a: dict, b: dict) -> bool:
-    return all(torch.equal(a[i][k], v) if torch.is_tensor(v) else a[i][k] == v
-               for i, entry in b.items() for k, v in entry.items())
+    return all(_same_entry(a[i], entry) if not isinstance(i, int) else
+               all(_same_entry(a[i][k], v) for k, v in entry.items())
+               for i, entry in b.items())
 
 
 def train_and_save(rank: int, world_size: int, cfg: dict[str, Any], path: str) -> dict[str, Any]:
@@ -151,8 +168,9 @@ def train_and_save(rank: int, world_size: int, cfg: dict[str, Any], path: str) -
     result: dict[str, Any] = {"empty": full == {}}
     if full:
         result.update(compare_state_dicts(full, ref_opt.state_dict()))
-        result["on_cpu"] = all(v.device.type == "cpu" for e in full["state"].values()
-                               for v in e.values() if torch.is_tensor(v))
+        values = [v for e in full["state"].values()
+                  for v in (e.values() if isinstance(e, dict) else [e])]
+        result["on_cpu"] = all(v.device.type == "cpu" for v in values if torch.is_tensor(v))
     if rank == 0:
         torch.save({"ours_module": ours.module.state_dict(), "ours_opt": full,
                     "torch_module": ref.module.state_dict(), "torch_opt": ref_opt.state_dict()},

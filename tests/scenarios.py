@@ -227,7 +227,30 @@ def make_groups(params_named, optimizer: str):
     return [{"params": [p for _, p in params_named]}]
 
 
+class StepCountingSGD(torch.optim.Optimizer):
+    """Element-wise, with step counters outside its parameters' state, as
+    schedule-free optimizers count in ``group["k"]`` and MADGRAD in ``state["k"]``:
+    the update depends on both."""
+
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, {"lr": lr, "k": 0})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if "steps" not in self.state:
+            self.state["steps"] = torch.zeros((), dtype=torch.long)
+        boost = 1.0 + 0.5 * float(self.state["steps"])
+        for group in self.param_groups:
+            group["k"] += 1
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] * boost / group["k"])
+        self.state["steps"] += 1  # in place, as MADGRAD's
+
+
 def optimizer_class_and_defaults(optimizer: str):
+    if optimizer == "step_counters":
+        return StepCountingSGD, {"lr": 0.05}
     if optimizer == "adamw_groups":
         return torch.optim.AdamW, {"lr": 1e-2, "betas": (0.9, 0.95)}
     if optimizer == "sgd_momentum":
@@ -366,9 +389,10 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
                      for a, b in zip(ours.module.parameters(), ref.module.parameters()))
     buffer_diff = max([float((a.double() - b.double()).abs().max())
                        for a, b in zip(ours.module.buffers(), ref.module.buffers())] or [0.0])
-    state_numel = sum(t.numel() for s in opt.state.values() for t in s.values()
+    per_piece = [s for k, s in opt.state.items() if isinstance(k, torch.Tensor)]
+    state_numel = sum(t.numel() for s in per_piece for t in s.values()
                       if isinstance(t, torch.Tensor) and t.ndim > 0)
-    per_param_state = {k for s in opt.state.values() for k, t in s.items()
+    per_param_state = {k for s in per_piece for k, t in s.items()
                        if isinstance(t, torch.Tensor) and t.ndim > 0}
     return {
         "param_diff": param_diff,

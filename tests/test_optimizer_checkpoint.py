@@ -26,6 +26,8 @@ CONFIGS = {
     "adagrad_frozen": {"model": "bn_frozen", "optimizer": "adagrad", "groups": "default",
                        "schedule": "serial"},
     "nadam_scalar_param": {"model": "temperature", "optimizer": "nadam"},
+    # Counted once per step (not per bucket), saved and resumed.
+    "step_counters": {"model": "mlp", "optimizer": "step_counters", "bucket_cap_mb": 0.0001},
     # State laid out as its parameters (channels_last convs, a column-major weight).
     "adamw_channels_last": {"model": "channels_last", "optimizer": "adamw",
                             "bucket_cap_mb": 0.0001},
@@ -49,7 +51,7 @@ def test_full_state_dict_equals_torch_ddp_optimizer_bitwise(two_rank_results, na
 
 HIERARCHICAL = {name: {**cfg, "local_size": 2} for name, cfg in CONFIGS.items()
                 if name in ("adamw_groups", "sgd_momentum_tied", "nadam_scalar_param",
-                            "adamw_channels_last")}
+                            "adamw_channels_last", "step_counters")}
 
 
 @pytest.fixture(scope="module")

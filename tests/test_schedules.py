@@ -17,7 +17,7 @@ CASES = ("adamw_groups", "clip_triggers", "clip_triggers_nesterov", "clip_idle",
          "order_change", "hyperparameters_after_backward", "hyperparameters_after_clip",
          "model_zero_grad", "zero_before_step", "checkpointed", "checkpointed_reentrant",
          "checkpointed_reentrant_no_sync", "pre_hooks", "parent_reads", "channels_last",
-         "no_sync_forward_only")
+         "no_sync_forward_only", "step_counters")
 # Many small buckets, so that two_stage has stage-1 buckets to speculate on.
 SMALL_BUCKETS_MB = 0.0001
 

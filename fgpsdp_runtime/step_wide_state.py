@@ -1,0 +1,98 @@
+"""What an inner optimizer step writes besides its pieces' state.
+
+``opt.step()`` runs the inner optimizer's step several times: once per chunk of
+buckets under the forward-overlapped schedules, once per speculative bucket under
+``two_stage``, again for a bucket rolled back. torch's optimizers keep all their
+state per parameter, so those runs add up to one step. Others also count steps in
+their param groups (schedule-free's ``group["k"]``) or in the optimizer's state under
+a key that is not a parameter (MADGRAD's ``state["k"]``): each run would count once
+more, and later steps would use the wrong count.
+
+So every run starts from the values the step started from and leaves them as they
+were; what a run wrote is kept aside and written when the step ends, if it stepped.
+A run reads copies of the param group dicts, not the dicts themselves: a speculative
+run is on the scheduler thread while the training loop may set a learning rate in
+them, and putting back what the run wrote must not undo that.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Any, Iterator
+
+import torch
+
+_MISSING = object()
+
+
+def same_value(u: Any, v: Any) -> bool:
+    """Equal as a hyperparameter: tensors by device and value, anything else by ==."""
+    if isinstance(u, torch.Tensor) or isinstance(v, torch.Tensor):
+        return (isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor)
+                and u.device == v.device and u.shape == v.shape and torch.equal(u, v))
+    try:
+        return u is v or bool(u == v)
+    except Exception:  # noqa: BLE001 - an object without a usable ==: take it as changed
+        return False
+
+
+def _copy(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def optimizer_wide_entries(optim: torch.optim.Optimizer) -> dict[Any, Any]:
+    """``optim.state`` entries not keyed by a parameter tensor (MADGRAD's "k")."""
+    return {k: v for k, v in list(optim.state.items()) if not isinstance(k, torch.Tensor)}
+
+
+class StepWideState:
+    def __init__(self, optim: torch.optim.Optimizer):
+        self._optim = optim
+        # What the last run wrote: per group {key: value}, and optimizer-wide
+        # state {key: value or _MISSING (removed)}.
+        self._group_writes: list[dict[str, Any]] = []
+        self._state_writes: dict[Any, Any] = {}
+
+    @contextmanager
+    def run(self) -> Iterator[None]:
+        """One inner step: on copies of the groups, optimizer-wide state put back after."""
+        optim = self._optim
+        originals = optim.param_groups
+        copies = [dict(group) for group in originals]  # one copy each, under the GIL
+        groups_before = [{k: _copy(v) for k, v in group.items() if k != "params"}
+                         for group in copies]
+        state_before = {k: _copy(v) for k, v in optimizer_wide_entries(optim).items()}
+        optim.param_groups = copies
+        ran = False
+        try:
+            yield
+            ran = True
+        finally:
+            optim.param_groups = originals
+            state_after = optimizer_wide_entries(optim)
+            for key in state_after.keys() | state_before.keys():
+                if key in state_before:
+                    optim.state[key] = state_before[key]
+                else:
+                    del optim.state[key]
+            if ran:
+                self._group_writes = [
+                    {k: _copy(v) for k, v in after.items()
+                     if k != "params" and not same_value(before.get(k, _MISSING), v)}
+                    for before, after in zip(groups_before, copies)]
+                self._state_writes = {
+                    key: _copy(state_after.get(key, _MISSING))
+                    for key in state_after.keys() | state_before.keys()
+                    if not same_value(state_before.get(key, _MISSING),
+                                      state_after.get(key, _MISSING))}
+
+    def end_step(self, stepped: bool) -> None:
+        """The step is over: keep what its last run wrote if it stepped."""
+        if stepped:
+            for group, writes in zip(self._optim.param_groups, self._group_writes):
+                group.update(writes)
+            for key, value in self._state_writes.items():
+                if value is _MISSING:
+                    self._optim.state.pop(key, None)
+                else:
+                    self._optim.state[key] = value
+        self._group_writes, self._state_writes = [], {}

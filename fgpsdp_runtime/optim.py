@@ -121,17 +121,30 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._default_groups = param_groups is None
         if param_groups is None:
             self._numbered_params = [list(self.model.module.parameters())]
+            self._numbered_names = [None]
             return [{"params": trainable}]
         if isinstance(param_groups, dict):
             param_groups = [param_groups]
+        param_groups = list(param_groups)
+        if param_groups and isinstance(param_groups[0], (torch.Tensor, tuple)):
+            param_groups = [{"params": param_groups}]  # parameters, as torch.optim takes them
         groups, seen = [], set()
         self._numbered_params = []
+        self._numbered_names: list[Optional[list[str]]] = []  # "param_names", as torch's
         for i, group in enumerate(param_groups):
             if not isinstance(group, dict) or "params" not in group:
                 raise TypeError(f"param_groups[{i}] must be a dict with a 'params' entry")
             params = group["params"]
             params = [params] if isinstance(params, torch.Tensor) else list(params)
+            # Named parameters, (name, parameter) pairs as torch.optim accepts them.
+            names = [p[0] for p in params if isinstance(p, tuple)]
+            if names:
+                if len(names) != len(params) or not all(len(p) == 2 for p in params):
+                    raise ValueError(f"param_groups[{i}]: give every parameter with a name "
+                                     "((name, parameter) pairs) or none")
+                params = [p[1] for p in params]
             self._numbered_params.append(params)
+            self._numbered_names.append(names or None)
             kept = []
             for p in params:
                 if id(p) in seen:
@@ -144,7 +157,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                      "is not a trainable parameter of the wrapped module (was "
                                      "it frozen when the module was wrapped?)")
                 kept.append(p)
-            groups.append({**group, "params": kept})
+            groups.append({**{k: v for k, v in group.items() if k != "param_names"},
+                           "params": kept})
         return groups
 
     def _build_pieces(self):

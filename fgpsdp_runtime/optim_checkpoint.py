@@ -149,7 +149,8 @@ def full_state_dict(opt: ShardedOptimizer, rank0_only: bool) -> dict[str, Any]:
 
     untrained = _state_of_untrained_params(opt)
     state, groups, number = {}, [], 0
-    for inner_group, numbered in zip(opt.optim.param_groups, opt._numbered_params):
+    for inner_group, numbered, names in zip(opt.optim.param_groups, opt._numbered_params,
+                                            opt._numbered_names):
         indices = []
         for param in numbered:
             index = model.param_index(param)
@@ -162,7 +163,7 @@ def full_state_dict(opt: ShardedOptimizer, rank0_only: bool) -> dict[str, Any]:
             indices.append(number)
             number += 1
         groups.append({**{k: v for k, v in inner_group.items() if k != "params"},
-                       "params": indices})
+                       "params": indices, **({"param_names": names} if names else {})})
     # Entries not keyed by a parameter (MADGRAD's step count "k"), as torch keeps
     # them; every rank's inner optimizer steps alike, so this rank's are everyone's.
     for key, value in optimizer_wide_entries(opt.optim).items():

@@ -67,6 +67,9 @@ def _groups(module: nn.Module, how: str):
     if how == "default":
         return list(module.parameters())  # frozen ones too, as AdamW(model.parameters())
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if how == "named":  # (name, parameter) pairs: torch.optim keeps "param_names"
+        return [{"params": [(n, p) for n, p in named if p.ndim >= 2]},
+                {"params": [(n, p) for n, p in named if p.ndim < 2], "weight_decay": 0.0}]
     return [{"params": [p for n, p in named if p.ndim >= 2]},
             {"params": [p for n, p in named if p.ndim < 2], "weight_decay": 0.0, "lr": 3e-3}]
 

@@ -26,6 +26,7 @@ CONFIGS = {
     "adagrad_frozen": {"model": "bn_frozen", "optimizer": "adagrad", "groups": "default",
                        "schedule": "serial"},
     "nadam_scalar_param": {"model": "temperature", "optimizer": "nadam"},
+    "adamw_named_params": {"model": "mlp", "optimizer": "adamw", "groups": "named"},
     # Counted once per step (not per bucket), saved and resumed.
     "step_counters": {"model": "mlp", "optimizer": "step_counters", "bucket_cap_mb": 0.0001},
     # State laid out as its parameters (channels_last convs, a column-major weight).

@@ -37,7 +37,8 @@ from .tracing import Timeline
 from .topology import (NodeLayout, TopologyArg, check_contiguous_nodes, create_link_groups,
                        hashed_group_names, new_group_like, resolve)
 from .uneven_inputs import AnnouncedCall, UnevenInputs
-from .validation import agree_or_raise, describe, local_problems, shared_memory_problem
+from .validation import (SUPPORTED_DTYPES, agree_or_raise, describe, local_problems,
+                         shared_memory_problem)
 
 
 class DistributedDataParallel(nn.Module):
@@ -71,10 +72,9 @@ class DistributedDataParallel(nn.Module):
                            delay_all_reduce_named_params=delay_all_reduce_named_params,
                            param_to_hook_all_reduce=param_to_hook_all_reduce)
         bucket_caps = bucket_caps_bytes(bucket_cap_mb_list)
-        if reduce_dtype is not None and not (isinstance(reduce_dtype, torch.dtype)
-                                             and reduce_dtype.is_floating_point):
-            raise ValueError(f"reduce_dtype must be a floating dtype (torch.bfloat16, ...) or "
-                             f"None, got {reduce_dtype!r}")
+        if reduce_dtype is not None and reduce_dtype not in SUPPORTED_DTYPES:
+            raise ValueError("reduce_dtype must be a floating dtype (" + ", ".join(
+                str(d) for d in SUPPORTED_DTYPES) + f") or None, got {reduce_dtype!r}")
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
         if not (isinstance(overlap_plan, OverlapPlan) or overlap_plan in ("auto", "layout")):
@@ -140,8 +140,17 @@ class DistributedDataParallel(nn.Module):
             problems += [shared] if shared is not None else []
         placement = check_contiguous_nodes(self.topology, process_group) \
             if self.topology.uses_hierarchy else None
+        # What the ranks' collectives must pair on: one rank's setting alone
+        # would leave the others waiting (or summing bytes of another dtype).
+        settings = {"topology": self.topology.summary(), "schedule": schedule,
+                    "overlap_plan": overlap_plan if isinstance(overlap_plan, str)
+                    else overlap_plan.to_json(),
+                    "reduce_dtype": str(reduce_dtype), "bucket_cap_mb": bucket_cap_mb,
+                    "bucket_cap_mb_list": bucket_caps,
+                    "buffer sync (at construction, at forward)": (
+                        self._buffer_sync.at_init, self._buffer_sync.at_forward)}
         agree_or_raise(process_group, problems + ([placement] if placement else []),
-                       describe(named), settings=self.topology.summary())
+                       describe(named), settings=settings)
 
         self._params = [p for _, p in trainable]
         self._param_names = [n for n, _ in trainable]

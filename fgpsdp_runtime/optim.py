@@ -37,6 +37,7 @@ from .speculation import (SliceBackup, compile_session_active, hyperparameters,
                           same_hyperparameters, wait_out_compile_session)
 from .step_wide_state import StepWideState
 from .uneven_inputs import AnnouncedCall, UnevenInputs
+from .validation import settings_agree_or_raise
 
 # Optimizers whose update is not element-wise: slicing would change the result.
 # Matched by lower-case class name, so that the layer-wise ones of other
@@ -64,6 +65,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not isinstance(model, DistributedDataParallel):
             raise TypeError("ShardedOptimizer needs the fgpsdp_runtime.DistributedDataParallel "
                             f"wrapper, got {type(model).__name__}")
+        # A rank clipping alone would roll back and send again what the others
+        # commit: their collectives would no longer pair. (First: a rank that
+        # raises below alone would leave the others waiting here.)
+        settings_agree_or_raise(model.process_group, {
+            "optimizer_class": getattr(optimizer_class, "__module__", "") + "."
+            + getattr(optimizer_class, "__qualname__", repr(optimizer_class)),
+            "max_grad_norm": max_grad_norm}, "cannot build the ShardedOptimizer")
         if not (isinstance(optimizer_class, type)
                 and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError("optimizer_class must be a torch.optim.Optimizer subclass "

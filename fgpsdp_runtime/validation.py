@@ -61,6 +61,13 @@ def local_problems(module: torch.nn.Module,
             problems.append(f"parameter '{name}' has dtype {param.dtype}; supported: "
                             + ", ".join(str(d).replace("torch.", "") for d in SUPPORTED_DTYPES))
             break
+        if any(stride == 0 and size > 1 for size, stride in zip(param.shape, param.stride())):
+            # Its span in a bucket would be dense: the elements that share memory
+            # would train apart. torch DDP and torch's optimizers refuse it too.
+            problems.append(f"parameter '{name}' has elements that share memory (stride 0, "
+                            f"an expand(): strides {tuple(param.stride())}); make it "
+                            "nn.Parameter(t.clone()) or keep the smaller tensor as the parameter")
+            break
     for mod_name, mod in module.named_modules():
         if getattr(mod, "sparse", False) is True and any(
                 p.requires_grad for p in mod.parameters(recurse=False)):
@@ -156,11 +163,21 @@ def first_difference(reference: Sequence[ParamDescription],
     return None
 
 
+# Said when a setting differs between ranks: how to make them agree.
+_SETTING_HINTS = {
+    "topology": "give every rank the same topology= and FGPSDP_SHARED_MEMORY; torchrun the "
+                "same --nproc_per_node",
+    "buffer sync (at construction, at forward)":
+        "give every rank the same broadcast_buffers and forward_sync_buffers",
+}
+
+
 def agree_or_raise(group: Optional[dist.ProcessGroup], problems: list[str],
-                   description: list[ParamDescription], settings: Any = None) -> None:
+                   description: list[ParamDescription],
+                   settings: Optional[dict[str, Any]] = None) -> None:
     """Share findings, model descriptions and ``settings`` (what every rank must
-    resolve alike: the topology, from arguments and the environment); raise the
-    same error on every rank."""
+    resolve alike, by name: the topology, from arguments and the environment, and
+    the arguments that shape the collectives); raise the same error on every rank."""
     world = dist.get_world_size(group)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, (problems, description, settings), group=group)
@@ -172,9 +189,39 @@ def agree_or_raise(group: Optional[dist.ProcessGroup], problems: list[str],
         diff = first_difference(reference, gathered[rank][1])
         if diff is not None:
             messages.append(f"rank {rank}: model differs from rank 0: {diff}")
-        if not messages and gathered[rank][2] != gathered[0][2]:
-            messages.append(f"rank {rank}: {gathered[rank][2]}, unlike rank 0's "
-                            f"{gathered[0][2]} (give every rank the same topology= and "
-                            "FGPSDP_SHARED_MEMORY; torchrun the same --nproc_per_node)")
+
+    if not messages:  # settings matter once the ranks hold the same model
+        messages = [line for rank in range(1, world)
+                    for line in setting_differences(gathered[0][2], gathered[rank][2], rank)]
     if messages:
         raise ValueError("fgpsdp: cannot wrap the module:\n  " + "\n  ".join(messages))
+
+
+def setting_differences(reference: Optional[dict[str, Any]], other: Optional[dict[str, Any]],
+                        rank: int) -> list[str]:
+    """What rank ``rank`` set otherwise than rank 0, one line per setting."""
+    reference, other = reference or {}, other or {}
+    lines = []
+    for name in sorted(reference.keys() | other.keys()):
+        mine, theirs = other.get(name), reference.get(name)
+        if mine != theirs:
+            hint = _SETTING_HINTS.get(name, f"give every rank the same {name}")
+            if name == "topology":
+                lines.append(f"rank {rank}: {mine}, unlike rank 0's {theirs} ({hint})")
+            else:
+                lines.append(f"rank {rank}: {name}={mine}, unlike rank 0's {theirs} ({hint})")
+    return lines
+
+
+def settings_agree_or_raise(group: Optional[dist.ProcessGroup], settings: dict[str, Any],
+                            what: str) -> None:
+    """Raise the same error on every rank when any rank's ``settings`` differ from rank 0's."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    gathered: list = [None] * world
+    dist.all_gather_object(gathered, settings, group=group)
+    messages = [line for rank in range(1, world)
+                for line in setting_differences(gathered[0], gathered[rank], rank)]
+    if messages:
+        raise ValueError(f"fgpsdp: {what}:\n  " + "\n  ".join(messages))

@@ -319,3 +319,44 @@ def topologies_differ(rank, world_size):
 def topology_invalid_on_one_rank(rank, world_size):
     # Before, rank 0 raised alone and the others hung in the model check.
     fgp.DistributedDataParallel(MLP(), topology=fgp.Topology(local_size=2 if rank == 0 else 3))
+
+
+class _Expanded(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Linear(5, 3)
+        self.bias_rows = nn.Parameter(torch.zeros(1, 3).expand(4, 3))
+
+    def forward(self, x):
+        return self.net(x) + self.bias_rows.sum(0)
+
+
+def expanded_parameter(rank, world_size):
+    # Before, it was copied into a dense span and its four rows trained apart.
+    fgp.DistributedDataParallel(_Expanded())
+
+
+def float8_reduce_dtype(rank, world_size):
+    # Before, accepted here and refused by the pack kernel at the first backward.
+    fgp.DistributedDataParallel(MLP(), reduce_dtype=torch.float8_e4m3fn)
+
+
+def reduce_dtypes_differ(rank, world_size):
+    # Before: bfloat16 bits summed as float16 (silently wrong), or gloo aborted one rank.
+    fgp.DistributedDataParallel(MLP(), reduce_dtype=torch.bfloat16 if rank == 0 else
+                                torch.float16)
+
+
+def schedules_and_bucket_caps_differ(rank, world_size):
+    # Before: one rank returned, another got "Connection closed by peer"; a bucket cap
+    # of its own hung until the timeout.
+    fgp.DistributedDataParallel(MLP(), schedule="serial" if rank == 2 else "two_stage",
+                                bucket_cap_mb=0.01 if rank == 1 else None)
+
+
+def clipping_differs(rank, world_size):
+    # Before: two_stage hung (rank 0 rolled back and sent all-gathers again); serial
+    # clipped rank 0's slices only.
+    model = fgp.DistributedDataParallel(MLP())
+    fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3,
+                         max_grad_norm=1.0 if rank == 0 else None)

@@ -81,6 +81,19 @@ CASES = [
       r"on several nodes"]),
     (bad_inputs.topology_invalid_on_one_rank, "ValueError",
      [r"rank 0: world size 3 is not divisible by local_size 2"]),
+    (bad_inputs.expanded_parameter, "ValueError",
+     [r"parameter 'bias_rows' has elements that share memory \(stride 0"]),
+    (bad_inputs.float8_reduce_dtype, "ValueError",
+     [r"reduce_dtype must be a floating dtype", r"float8_e4m3fn"]),
+    (bad_inputs.reduce_dtypes_differ, "ValueError",
+     [r"rank 1: reduce_dtype=torch\.float16, unlike rank 0's torch\.bfloat16",
+      r"rank 2: reduce_dtype=torch\.float16"]),
+    (bad_inputs.schedules_and_bucket_caps_differ, "ValueError",
+     [r"rank 1: bucket_cap_mb=0\.01, unlike rank 0's None",
+      r"rank 2: schedule=serial, unlike rank 0's two_stage \(give every rank the same "
+      r"schedule\)"]),
+    (bad_inputs.clipping_differs, "ValueError",
+     [r"cannot build the ShardedOptimizer", r"rank 1: max_grad_norm=None, unlike rank 0's 1\.0"]),
 ]
 
 

@@ -64,7 +64,9 @@ class ForwardParamWaiter:
         self._cursor = 0
         # "record" or "follow" (this forward), "landed" (this forward, after a
         # deviation landed everything), or "off" (no forward of the wrapper).
-        self._mode = "record"
+        # Off until the first: a loop may call model.module(...) before it, or
+        # never call the wrapper, and such calls must land the gathers.
+        self._mode = "off"
         self.deviations = 0  # forwards whose module order differed from the recording
         self._modules = [m for m in root.modules() if any(True for _ in m.parameters())]
         # First among the module's pre-hooks: those registered before wrapping

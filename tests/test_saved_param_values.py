@@ -23,6 +23,8 @@ DETACHED = [(autograd_scenarios.detached_read_side_by_side, schedule, 4, eval_fi
 CLAMPED = [(autograd_scenarios.clamp_after_step, schedule, schedule != "serial")
            for schedule in ("serial", "next_forward", "two_stage")]
 COPIES = [(autograd_scenarios.copies_and_direct_calls, schedule) for schedule in ("next_forward", "two_stage")]
+MODULE_ONLY = [(autograd_scenarios.train_through_module_only, schedule)
+               for schedule in ("next_forward", "two_stage")]
 RENORMED = [(autograd_scenarios.renorm_in_forward, schedule)
             for schedule in ("serial", "overlap_backward", "next_forward", "two_stage")]
 
@@ -30,7 +32,7 @@ RENORMED = [(autograd_scenarios.renorm_in_forward, schedule)
 @pytest.fixture(scope="module")
 def trained():
     """The scenarios that end normally, in one set of processes (2 ranks)."""
-    return run_calls(2, DETACHED + CLAMPED + COPIES + RENORMED, timeout_s=300)
+    return run_calls(2, DETACHED + CLAMPED + COPIES + MODULE_ONLY + RENORMED, timeout_s=300)
 
 
 @pytest.mark.parametrize("case", DETACHED,
@@ -85,6 +87,11 @@ def test_module_copies_and_direct_calls_after_a_step(trained, case):
         assert res["submodule_call_diffs"] == [0.0, 0.0, 0.0], (rank, res)
         assert res["copy_diffs"] == [0.0] * 9, (rank, res)
         assert res["copies_holding_our_getstate"] == 0
+
+
+@pytest.mark.parametrize("case", MODULE_ONLY, ids=[c[1] for c in MODULE_ONLY])
+def test_loop_training_through_model_module_only_trains_like_torch_ddp(trained, case):
+    assert trained[case] == [0.0, 0.0], trained[case]  # 2 ranks: bitwise
 
 
 @pytest.mark.parametrize("case", RENORMED, ids=[c[1] for c in RENORMED])

@@ -504,6 +504,13 @@ class DistributedDataParallel(nn.Module):
         return UnevenInputs(self, divide_by_initial_world_size=divide_by_initial_world_size,
                             enable=enable, throw_on_early_termination=throw_on_early_termination)
 
+    def join_hook(self, **kwargs: Any) -> Any:
+        """torch's generic ``Join([model, ...])`` asks each of its joinables for one: a
+        clear error on every rank (before, "has no attribute 'join_hook'")."""
+        raise NotImplementedError(
+            "fgpsdp: torch.distributed.algorithms.Join([...]) is not supported; use "
+            "`with model.join():` (one wrapped model; the ShardedOptimizer needs no joining)")
+
     # A torch DDP method with no meaning here: a clear error instead of
     # nn.Module's "has no attribute", which reads like a version mismatch.
     def register_comm_hook(self, state: object, hook: Any) -> None:

@@ -536,6 +536,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         torch.optim's format (``full_state_dict()``, or a torch optimizer's, as
         a torch DDP run saves it) on every rank."""
         self._refuse_speculative_state("load_state_dict()")
+        if self.model._uneven_inputs is not None:
+            self.model._uneven_inputs.announce_load("opt.load_state_dict()")
         if {"state", "param_groups"} <= set(state_dict) and "shard" not in state_dict:
             optim_checkpoint.load_full_state_dict(self, state_dict)
         else:

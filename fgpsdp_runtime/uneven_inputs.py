@@ -56,6 +56,7 @@ class AnnouncedCall(enum.IntEnum):
     SYNCHRONIZE = 5    # one that undoes two_stage's speculative steps (a collective then)
     FULL_STATE = 6     # args: (rank0_only,)
     REFUSED = 7        # the active ranks raise: so does the joined one
+    LOAD = 8           # a model or optimizer load (refused once a rank has joined)
 
 
 _N_CALLS = len(AnnouncedCall)
@@ -85,7 +86,16 @@ class UnevenInputs:
         if self.enable:
             if self.model._uneven_inputs is not None:
                 raise RuntimeError("fgpsdp: model.join() contexts cannot be nested")
+            if _active_contexts:
+                # Each would shadow its own wrapper's calls only: a rank joined in
+                # one waits there while the others call the other (torch's nested
+                # DDP joins hang alike). Same code on every rank: all raise.
+                raise NotImplementedError(
+                    "fgpsdp: model.join() of one wrapper inside another's: uneven inputs "
+                    "with two wrapped models (a GAN's generator and discriminator) are not "
+                    "supported; give every rank the same number of iterations there")
             self.model._uneven_inputs = self
+            _active_contexts.add(self)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -94,8 +104,8 @@ class UnevenInputs:
         optimizer = self.model._optimizer_ref() if self.model.optimizer_attached else None
         # The step shares the active ranks' hyperparameters with the joined ones;
         # after the join each rank's are its own again (its lr schedule's).
-        own = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups] \
-            if optimizer is not None else None
+        own = [{k: _copy(v) for k, v in g.items() if k != "params"}
+               for g in optimizer.param_groups] if optimizer is not None else None
         try:
             if exc_type is None:
                 self.joined = True
@@ -104,12 +114,13 @@ class UnevenInputs:
             self._leave()
             if own is not None:
                 for group, values in zip(optimizer.param_groups, own):
-                    group.update(values)
+                    _update_in_place(group, values)
         return False
 
     def _leave(self) -> None:
         model = self.model
         model._uneven_inputs = None
+        _active_contexts.discard(self)
         model.reducer.grad_scale = 1.0 / model.world_size
         if model.scheduler is not None:
             model.scheduler.resume_speculation()
@@ -145,6 +156,19 @@ class UnevenInputs:
         hyperparameters, as the joined ranks' schedules stopped with their loops."""
         if self._someone_joined and not self.joined:  # a joined rank received them in _shadow
             _share_hyperparameters(self.model, optimizer, self.authoritative_rank)
+
+    def announce_load(self, what: str) -> None:
+        """A load on the active ranks (of the model or the optimizer): each loads
+        its own slices only, and a joined rank's would keep their values (spread
+        to every rank by the next all-gather). Refused on every rank once a rank
+        has joined; before, every rank loads and nothing is amiss."""
+        if self.joined:
+            return
+        self.notify(AnnouncedCall.LOAD)
+        if self._someone_joined:
+            self.refuse(f"fgpsdp: {what} under model.join() after a rank has joined: the "
+                        "joined rank owns a slice of every bucket and loads nothing; load "
+                        "before the join context or after it")
 
     def refuse(self, message: str) -> None:
         """Raise ``message`` on every rank (the joined ones are told first)."""
@@ -199,6 +223,8 @@ class UnevenInputs:
             model.synchronize()
         elif call is AnnouncedCall.FULL_STATE:
             optimizer.full_state_dict(rank0_only=args[0] > 0.5)
+        elif call is AnnouncedCall.LOAD:
+            pass  # loaded while no rank had joined: then this rank would not be here
         elif call is AnnouncedCall.REFUSED:
             raise NotImplementedError("fgpsdp: the active ranks raised under model.join() "
                                       "(their error says why)")
@@ -254,4 +280,25 @@ def _share_hyperparameters(model: "DistributedDataParallel", optimizer, src: int
     dist.broadcast_object_list(box, src=global_src, group=model.process_group)
     if model.rank != src:
         for group, values in zip(groups, box[0]):
-            group.update(values)
+            _update_in_place(group, values)
+
+
+def _copy(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _update_in_place(group: dict, values: dict) -> None:
+    """``group.update(values)``, but a tensor entry (``lr=torch.tensor(...)``, which
+    the loop may hold and fill) keeps its object: its values are copied into it."""
+    for key, value in values.items():
+        current = group.get(key)
+        if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor) \
+                and current.shape == value.shape and current.dtype == value.dtype:
+            with torch.no_grad():
+                current.copy_(value)
+        else:
+            group[key] = value
+
+
+# The join contexts open in this process (see UnevenInputs.__enter__).
+_active_contexts: set = set()

@@ -13,6 +13,9 @@ from .dist_harness import run_calls, run_distributed
 TWO = [name for name in scen.CASES if name.startswith("2r-")]
 THREE = [name for name in scen.CASES if name.startswith("3r-")]
 ERROR_CALLS = [(scen.train_case_throwing,), (scen.join_with_grad_scaler,)]
+LOADS = [(scen.load_while_joined, what, load_at) for what in ("model", "full", "shard")
+         for load_at in (0, 2)]  # at 0 every rank is active: the load is fine
+TWO_WRAPPERS = [(scen.join_of_two_wrappers, how) for how in ("generic", "nested")]
 BACKWARD_SKIPPED = [(scen.backward_skipped_on_rank1, (4, 4), False),
                     (scen.backward_skipped_on_rank1, (4, 4), True),
                     (scen.backward_skipped_on_rank1, (5, 4), True)]
@@ -32,7 +35,8 @@ def two_ranks():
 
 @pytest.fixture(scope="module")
 def three_ranks():
-    calls = [(scen.train_case, name) for name in THREE]
+    calls = [(scen.train_case, name) for name in THREE] + [(scen.tensor_lr_through_join,)]
+    calls += LOADS + TWO_WRAPPERS
     return run_calls(3, calls, timeout_s=300)
 
 
@@ -117,3 +121,26 @@ def test_a_backward_that_reaches_no_parameter_on_one_rank(two_ranks):
         assert all((a == b).all() for a, b in zip(params[0], params[1]))
     assert all((a == b).all() for a, b in zip(without_join[0], even_join[0]))
     assert any((a != b).any() for a, b in zip(even_join[0], uneven_join[0]))
+
+
+@pytest.mark.parametrize("call", LOADS, ids=[f"{c[1]}-at{c[2]}" for c in LOADS])
+def test_loads_are_refused_on_every_rank_once_a_rank_has_joined(three_ranks, call):
+    for rank, res in enumerate(three_ranks[call]):
+        if call[2] == 0:  # rank 0 has not joined yet: every rank loads its slices
+            assert res["type"] is None, (rank, res)
+            continue
+        assert res["type"] == "NotImplementedError", (rank, res)
+        if rank > 0:  # the active ranks say why; the joined one was told
+            assert "after a rank has joined" in res["message"], (rank, res)
+
+
+@pytest.mark.parametrize("call", TWO_WRAPPERS, ids=[c[1] for c in TWO_WRAPPERS])
+def test_joins_of_two_wrappers_are_refused_on_every_rank(three_ranks, call):
+    for rank, res in enumerate(three_ranks[call]):
+        assert res["type"] == "NotImplementedError", (rank, res)
+        assert "model.join()" in res["message"], (rank, res)
+
+
+def test_a_tensor_learning_rate_stays_the_loops_through_a_join(three_ranks):
+    for rank, res in enumerate(three_ranks[(scen.tensor_lr_through_join,)]):
+        assert res["same_tensor"] and res["lr"] == pytest.approx(0.001), (rank, res)

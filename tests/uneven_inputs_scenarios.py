@@ -221,3 +221,67 @@ def backward_skipped_on_rank1(rank: int, world_size: int, steps: tuple, use_join
             opt.zero_grad()
     model.synchronize()
     return [p.detach().clone() for p in model.module.parameters()]
+
+
+def load_while_joined(rank: int, world_size: int, what: str, load_at: int) -> dict[str, str]:
+    """Rank 0 runs one step, the others three; at step ``load_at`` the active ranks
+    rewind to a checkpoint of step 0. Before, a model or full optimizer load missed the
+    joined rank's slices (1e-2 off torch DDP, silently) and a shard reload aborted gloo."""
+    return _error_of(_load_while_joined, rank, what, load_at)
+
+
+def _load_while_joined(rank: int, what: str, load_at: int) -> None:
+    torch.manual_seed(5)
+    ours = fgp.DistributedDataParallel(MODELS["mlp"](), schedule="serial")
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
+    saved = None
+    with ours.join():
+        for step in range(1 if rank == 0 else 3):
+            x, y = make_batch("mlp", step, 0, rank)
+            loss_fn("mlp", ours(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            if step == 0:
+                saved = {"model": ours.module.state_dict(), "full": opt.full_state_dict(),
+                         "shard": opt.state_dict()}
+            if step == load_at:
+                if what == "model":
+                    ours.module.load_state_dict(saved["model"])
+                else:
+                    opt.load_state_dict(saved[what])
+
+
+def join_of_two_wrappers(rank: int, world_size: int, how: str) -> dict[str, str]:
+    """torch's generic Join([model, opt]), or one wrapper's join() inside another's (a
+    GAN's two models): before, an AttributeError, or a hang until the timeout."""
+    def run() -> None:
+        from torch.distributed.algorithms import Join
+        first = fgp.DistributedDataParallel(MODELS["mlp"]())
+        second = fgp.DistributedDataParallel(MODELS["mlp"]())
+        if how == "generic":
+            with Join([first, fgp.ShardedOptimizer(first, torch.optim.SGD, lr=0.1)]):
+                pass
+        else:
+            with first.join(), second.join():
+                pass
+    return _error_of(run)
+
+
+def tensor_lr_through_join(rank: int, world_size: int) -> dict[str, Any]:
+    """A tensor learning rate the loop fills (``lr=torch.tensor(...)``), rank 0 out
+    first: an active rank other than the one hyperparameters come from had its group's
+    tensor replaced by a copy, and stepped with a stale rate after the join."""
+    torch.manual_seed(5)
+    lr = torch.tensor(0.05)
+    ours = fgp.DistributedDataParallel(MODELS["mlp"]())
+    opt = fgp.ShardedOptimizer(ours, torch.optim.SGD, lr=lr)
+    with ours.join():
+        for step in range(1 if rank == 0 else 3):
+            lr.fill_(0.05 / (step + 1))
+            x, y = make_batch("mlp", step, 0, rank)
+            loss_fn("mlp", ours(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    lr.fill_(0.001)
+    return {"same_tensor": opt.param_groups[0]["lr"] is lr,
+            "lr": float(opt.param_groups[0]["lr"])}

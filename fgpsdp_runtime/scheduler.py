@@ -307,6 +307,8 @@ class TwoStageScheduler:
             optimizer._bucket_sq.pop(b, None)
             self.model.start_param_all_gather(b)
             self.rollbacks += 1
+        if self.speculated:
+            optimizer._step_wide_state.discard()  # what those steps counted is undone too
         self.speculated = {}
         self._round_excluded = True
 

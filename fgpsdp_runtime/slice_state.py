@@ -15,6 +15,8 @@ import warnings
 from collections import defaultdict
 from typing import Callable
 
+import torch
+
 
 class SliceState(defaultdict):
     """``defaultdict(dict)`` that does not insert entries for the model's parameters."""
@@ -23,6 +25,10 @@ class SliceState(defaultdict):
         super().__init__(dict, *args)
         self._is_model_param = is_model_param
         self.warned = warned  # carried over to the state a load_state_dict() replaces
+        # Keys that are not tensors (an optimizer-wide step count, MADGRAD's "k"),
+        # for step_wide_state.py without a scan of every piece's entry per step.
+        # Removed ones may linger here: readers check that they are still in.
+        self.wide_keys = {k for k in self if not isinstance(k, torch.Tensor)}
 
     def __missing__(self, key):
         if not self._is_model_param(key):
@@ -43,7 +49,18 @@ class SliceState(defaultdict):
                 "fgpsdp: opt.state is keyed by this rank's slice pieces (the tensors in "
                 "opt.param_groups), not by the model's parameters: to reset a parameter's "
                 "state, reset the entries of its pieces")
+        if not isinstance(key, torch.Tensor):
+            self.wide_keys.add(key)
         super().__setitem__(key, value)
+
+    def setdefault(self, key, default=None):  # dict's would bypass __setitem__
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def update(self, *args, **kwargs) -> None:  # likewise
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
 
     def __reduce__(self):  # copied or pickled as the plain defaultdict torch keeps
         return (defaultdict, (dict,), None, None, iter(self.items()))

@@ -41,25 +41,44 @@ def _copy(value: Any) -> Any:
 
 def optimizer_wide_entries(optim: torch.optim.Optimizer) -> dict[Any, Any]:
     """``optim.state`` entries not keyed by a parameter tensor (MADGRAD's "k")."""
-    return {k: v for k, v in list(optim.state.items()) if not isinstance(k, torch.Tensor)}
+    state = optim.state
+    keys = getattr(state, "wide_keys", None)  # SliceState tracks them: no scan per run
+    if keys is not None:
+        return {k: state[k] for k in list(keys) if k in state}
+    return {k: v for k, v in list(state.items()) if not isinstance(k, torch.Tensor)}
 
 
 class StepWideState:
     def __init__(self, optim: torch.optim.Optimizer):
         self._optim = optim
-        # What the last run wrote: per group {key: value}, and optimizer-wide
-        # state {key: value or _MISSING (removed)}.
+        # What this step's runs wrote (every run starts from the same values, so
+        # what any run wrote counts, a later run's winning): per group
+        # {key: value}, and optimizer-wide state {key: value or _MISSING (removed)}.
         self._group_writes: list[dict[str, Any]] = []
         self._state_writes: dict[Any, Any] = {}
+        # Group entries a run has ever written: the optimizer's own state, not
+        # hyperparameters of the loop's (model.join() must not restore them).
+        self.written_group_keys: set[str] = set()
 
     @contextmanager
     def run(self) -> Iterator[None]:
         """One inner step: on copies of the groups, optimizer-wide state put back after."""
         optim = self._optim
         originals = optim.param_groups
-        copies = [dict(group) for group in originals]  # one copy each, under the GIL
-        groups_before = [{k: _copy(v) for k, v in group.items() if k != "params"}
-                         for group in copies]
+        # One copy each, under the GIL; tensor entries cloned, so that one written in
+        # place (apex FusedAdam(capturable=True)'s group["step"] += 1) stays in the copy.
+        # (Per run, on the step's path: plain loops, no per-entry calls.)
+        copies, groups_before = [], []
+        for group in originals:
+            group_copy = dict(group)
+            before = dict(group_copy)
+            del before["params"]
+            for k, v in before.items():
+                if isinstance(v, torch.Tensor):
+                    group_copy[k] = v.clone()
+                    before[k] = v.clone()
+            copies.append(group_copy)
+            groups_before.append(before)
         state_before = {k: _copy(v) for k, v in optimizer_wide_entries(optim).items()}
         optim.param_groups = copies
         ran = False
@@ -75,18 +94,30 @@ class StepWideState:
                 else:
                     del optim.state[key]
             if ran:
-                self._group_writes = [
-                    {k: _copy(v) for k, v in after.items()
-                     if k != "params" and not same_value(before.get(k, _MISSING), v)}
-                    for before, after in zip(groups_before, copies)]
-                self._state_writes = {
+                # (The identity test first: most entries are the objects they were.)
+                writes = [{k: _copy(v) for k, v in after.items()
+                           if k != "params" and not (before.get(k) is v
+                                                     and not isinstance(v, torch.Tensor))
+                           and not same_value(before.get(k, _MISSING), v)}
+                          for before, after in zip(groups_before, copies)]
+                if len(self._group_writes) != len(writes):
+                    self._group_writes = [{} for _ in writes]
+                for kept, new in zip(self._group_writes, writes):
+                    kept.update(new)
+                    self.written_group_keys.update(new)
+                self._state_writes.update({
                     key: _copy(state_after.get(key, _MISSING))
                     for key in state_after.keys() | state_before.keys()
                     if not same_value(state_before.get(key, _MISSING),
-                                      state_after.get(key, _MISSING))}
+                                      state_after.get(key, _MISSING))})
+
+    def discard(self) -> None:
+        """The runs so far were undone without a step (two_stage's speculative steps
+        cancelled by a forward or synchronize() between backward and step)."""
+        self._group_writes, self._state_writes = [], {}
 
     def end_step(self, stepped: bool) -> None:
-        """The step is over: keep what its last run wrote if it stepped."""
+        """The step is over: keep what its runs wrote if it stepped."""
         if stepped:
             for group, writes in zip(self._optim.param_groups, self._group_writes):
                 group.update(writes)
@@ -95,4 +126,4 @@ class StepWideState:
                     self._optim.state.pop(key, None)
                 else:
                     self._optim.state[key] = value
-        self._group_writes, self._state_writes = [], {}
+        self.discard()

@@ -103,8 +103,12 @@ class UnevenInputs:
             return False
         optimizer = self.model._optimizer_ref() if self.model.optimizer_attached else None
         # The step shares the active ranks' hyperparameters with the joined ones;
-        # after the join each rank's are its own again (its lr schedule's).
-        own = [{k: _copy(v) for k, v in g.items() if k != "params"}
+        # after the join each rank's are its own again (its lr schedule's). Not the
+        # entries the optimizer's steps write (schedule-free's step count group["k"]):
+        # those every rank stepped alike.
+        written = optimizer._step_wide_state.written_group_keys if optimizer is not None \
+            else set()
+        own = [{k: _copy(v) for k, v in g.items() if k != "params" and k not in written}
                for g in optimizer.param_groups] if optimizer is not None else None
         try:
             if exc_type is None:

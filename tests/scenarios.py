@@ -219,7 +219,7 @@ def loss_fn(model_name: str, out, target):
 
 
 def make_groups(params_named, optimizer: str):
-    if optimizer == "adamw_groups":
+    if optimizer in ("adamw_groups", "step_counters"):
         decay = [p for n, p in params_named if p.ndim >= 2]
         no_decay = [p for n, p in params_named if p.ndim < 2]
         return [{"params": decay, "weight_decay": 0.1},
@@ -228,12 +228,16 @@ def make_groups(params_named, optimizer: str):
 
 
 class StepCountingSGD(torch.optim.Optimizer):
-    """Element-wise, with step counters outside its parameters' state, as
-    schedule-free optimizers count in ``group["k"]`` and MADGRAD in ``state["k"]``:
-    the update depends on both."""
+    """Element-wise, with step counters outside its parameters' state: schedule-free
+    optimizers count in ``group["k"]``, apex's capturable FusedAdam in a tensor
+    ``group["step"]`` written in place (here "t"), MADGRAD in ``state["k"]`` (here
+    "steps"). A group counts only a step that reaches one of its gradients, as
+    torch's optimizers skip parameters without one. The update depends on all three."""
 
     def __init__(self, params, lr=0.05):
         super().__init__(params, {"lr": lr, "k": 0})
+        for group in self.param_groups:
+            group["t"] = torch.zeros(())
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -241,10 +245,13 @@ class StepCountingSGD(torch.optim.Optimizer):
             self.state["steps"] = torch.zeros((), dtype=torch.long)
         boost = 1.0 + 0.5 * float(self.state["steps"])
         for group in self.param_groups:
+            with_grads = [p for p in group["params"] if p.grad is not None]
+            if not with_grads:
+                continue
             group["k"] += 1
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(p.grad, alpha=-group["lr"] * boost / group["k"])
+            group["t"] += 1  # in place
+            for p in with_grads:
+                p.add_(p.grad, alpha=-group["lr"] * boost / (group["k"] + float(group["t"])))
         self.state["steps"] += 1  # in place, as MADGRAD's
 
 

@@ -35,7 +35,8 @@ def two_ranks():
 
 @pytest.fixture(scope="module")
 def three_ranks():
-    calls = [(scen.train_case, name) for name in THREE] + [(scen.tensor_lr_through_join,)]
+    calls = [(scen.train_case, name) for name in THREE] + [(scen.tensor_lr_through_join,),
+                                                          (scen.step_counters_through_join,)]
     calls += LOADS + TWO_WRAPPERS
     return run_calls(3, calls, timeout_s=300)
 
@@ -144,3 +145,8 @@ def test_joins_of_two_wrappers_are_refused_on_every_rank(three_ranks, call):
 def test_a_tensor_learning_rate_stays_the_loops_through_a_join(three_ranks):
     for rank, res in enumerate(three_ranks[(scen.tensor_lr_through_join,)]):
         assert res["same_tensor"] and res["lr"] == pytest.approx(0.001), (rank, res)
+
+
+def test_step_counts_outside_the_parameters_agree_after_a_join(three_ranks):
+    for rank, res in enumerate(three_ranks[(scen.step_counters_through_join,)]):
+        assert res == {"k": [5], "t": [5.0], "steps": 5}, (rank, res)

@@ -285,3 +285,28 @@ def tensor_lr_through_join(rank: int, world_size: int) -> dict[str, Any]:
     lr.fill_(0.001)
     return {"same_tensor": opt.param_groups[0]["lr"] is lr,
             "lr": float(opt.param_groups[0]["lr"])}
+
+
+def step_counters_through_join(rank: int, world_size: int) -> dict[str, Any]:
+    """An optimizer that counts steps in its param groups and its state (schedule-free,
+    MADGRAD): rank 0 runs out after one step, the others after three, then every rank
+    trains two more. Before, the join's end wound rank 0's group counts back to its own
+    (1 where the others had 3). Returns every count after the run."""
+    from .scenarios import StepCountingSGD
+    torch.manual_seed(5)
+    ours = fgp.DistributedDataParallel(MODELS["mlp"](), bucket_cap_mb=0.0001)
+    opt = fgp.ShardedOptimizer(ours, StepCountingSGD, lr=0.05)
+
+    def train(steps: int) -> None:
+        for step in range(steps):
+            x, y = make_batch("mlp", step, 0, rank)
+            loss_fn("mlp", ours(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+
+    with ours.join():
+        train(1 if rank == 0 else 3)
+    train(2)
+    return {"k": [g["k"] for g in opt.param_groups],
+            "t": [float(g["t"]) for g in opt.param_groups],
+            "steps": int(opt.state["steps"])}

@@ -8,6 +8,7 @@ methods below.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 import warnings
@@ -71,19 +72,38 @@ class DistributedDataParallel(nn.Module):
         refuse_unsupported(mixed_precision=mixed_precision,
                            delay_all_reduce_named_params=delay_all_reduce_named_params,
                            param_to_hook_all_reduce=param_to_hook_all_reduce)
-        bucket_caps = bucket_caps_bytes(bucket_cap_mb_list)
+        # Invalid arguments are said on every rank (by agree_or_raise below): one
+        # given on one rank only would otherwise leave the others waiting there.
+        # Each is replaced by a valid value until then.
+        argument_problems = []
+        try:
+            bucket_caps = bucket_caps_bytes(bucket_cap_mb_list)
+        except ValueError as error:
+            argument_problems.append(str(error))
+            bucket_caps = None
         if reduce_dtype is not None and reduce_dtype not in SUPPORTED_DTYPES:
-            raise ValueError("reduce_dtype must be a floating dtype (" + ", ".join(
+            argument_problems.append("reduce_dtype must be a floating dtype (" + ", ".join(
                 str(d) for d in SUPPORTED_DTYPES) + f") or None, got {reduce_dtype!r}")
+            reduce_dtype = None
         if schedule not in SCHEDULES:
-            raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+            argument_problems.append(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+            schedule = "serial"
         if not (isinstance(overlap_plan, OverlapPlan) or overlap_plan in ("auto", "layout")):
-            raise ValueError("overlap_plan must be 'auto', 'layout' or an OverlapPlan, "
-                             f"got {overlap_plan!r}")
-        if not dist.is_available() or not dist.is_initialized():
-            raise RuntimeError("fgpsdp: call torch.distributed.init_process_group() first")
+            argument_problems.append("overlap_plan must be 'auto', 'layout' or an OverlapPlan, "
+                                     f"got {overlap_plan!r}")
+            overlap_plan = "layout"
         if bucket_cap_mb is not None and not bucket_cap_mb > 0 and bucket_caps is None:
-            raise ValueError(f"bucket_cap_mb must be > 0 (or None: automatic), got {bucket_cap_mb}")
+            argument_problems.append(f"bucket_cap_mb must be > 0 (or None: automatic), got "
+                                     f"{bucket_cap_mb}")
+            bucket_cap_mb = None
+        if device_ids is not None and len(device_ids) != 1:
+            argument_problems.append("device_ids must name exactly one device (single-device "
+                                     "modules)")
+            device_ids = None
+        if not dist.is_available() or not dist.is_initialized():
+            if argument_problems:  # no group to tell: said here
+                raise ValueError("fgpsdp: " + "; ".join(argument_problems))
+            raise RuntimeError("fgpsdp: call torch.distributed.init_process_group() first")
         # output_device, dim, check_reduction, gradient_as_bucket_view,
         # static_graph, skip_all_reduce_unused_params and batched_grad_copy are
         # accepted for drop-in compatibility and change nothing: outputs stay
@@ -91,8 +111,6 @@ class DistributedDataParallel(nn.Module):
         # the send buffer as soon as they are ready, packed by one fused copy per
         # bucket, and unused parameters are handled without knowing the graph
         # (a parameter no rank used keeps grad=None, as when DDP skips it).
-        if device_ids is not None and len(device_ids) != 1:
-            raise ValueError("device_ids must name exactly one device (single-device modules)")
         self.schedule = schedule
         self.module = module
         process_group = process_group_of(process_group, device_mesh)
@@ -131,7 +149,7 @@ class DistributedDataParallel(nn.Module):
         named = [(n, p) for n, p in module.named_parameters()  # tied ones appear once
                  if n not in self._ignored_names or p.requires_grad]
         trainable = [(n, p) for n, p in named if p.requires_grad]
-        problems = topology_problems + local_problems(module, trainable) \
+        problems = argument_problems + topology_problems + local_problems(module, trainable) \
             + lifecycle.wrapped_elsewhere(trainable)
         ignored_trainable = ignored_trainable_problem(trainable, self._ignored_names)
         problems += [ignored_trainable] if ignored_trainable else []
@@ -143,9 +161,12 @@ class DistributedDataParallel(nn.Module):
         # What the ranks' collectives must pair on: one rank's setting alone
         # would leave the others waiting (or summing bytes of another dtype).
         settings = {"topology": self.topology.summary(), "schedule": schedule,
+                    # Its stages and lookahead (not what it predicted of the times).
                     "overlap_plan": overlap_plan if isinstance(overlap_plan, str)
-                    else overlap_plan.to_json(),
-                    "reduce_dtype": str(reduce_dtype), "bucket_cap_mb": bucket_cap_mb,
+                    else dataclasses.replace(overlap_plan, predicted=None).to_json(),
+                    "reduce_dtype": str(reduce_dtype),
+                    # torch's bucket_cap_mb_list overrides bucket_cap_mb.
+                    "bucket_cap_mb": bucket_cap_mb if bucket_caps is None else None,
                     "bucket_cap_mb_list": bucket_caps,
                     "buffer sync (at construction, at forward)": (
                         self._buffer_sync.at_init, self._buffer_sync.at_forward)}

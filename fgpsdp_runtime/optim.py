@@ -71,7 +71,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         settings_agree_or_raise(model.process_group, {
             "optimizer_class": getattr(optimizer_class, "__module__", "") + "."
             + getattr(optimizer_class, "__qualname__", repr(optimizer_class)),
-            "max_grad_norm": max_grad_norm}, "cannot build the ShardedOptimizer")
+            "max_grad_norm": repr(max_grad_norm)},  # repr: nan equals nan (refused below)
+            "cannot build the ShardedOptimizer")
         if not (isinstance(optimizer_class, type)
                 and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError("optimizer_class must be a torch.optim.Optimizer subclass "

@@ -360,3 +360,8 @@ def clipping_differs(rank, world_size):
     model = fgp.DistributedDataParallel(MLP())
     fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3,
                          max_grad_norm=1.0 if rank == 0 else None)
+
+
+def schedule_invalid_on_one_rank(rank, world_size):
+    # Before, rank 1 raised alone and the others waited for it at the model check.
+    fgp.DistributedDataParallel(MLP(), schedule="two-stage" if rank == 1 else "two_stage")

@@ -5,10 +5,14 @@ OpenMP threads) but of a forkserver: one single-threaded process that imports
 torch and the package once, so a rank starts in about 0.05 s instead of the
 seconds an import of torch takes on CI's two cores (most of the suite's time
 was spent there). A rank gets the parent's environment as it is at the call
-(a test may set variables first), as a spawned one would.
-``FGPSDP_TEST_START_METHOD=spawn`` spawns instead. A rank's exception is
-re-raised in the test with its traceback; a hang is cut by a timeout instead
-of stalling CI.
+(a test may set variables first) for what is read after the import of torch
+(our variables, LOCAL_WORLD_SIZE); what torch reads at its import comes from
+the forkserver's start. The forkserver imports this checkout's package (the
+repository root is put first on PYTHONPATH here), and a rank ends as a
+spawned one does, running the atexit handlers (the runtime's thread shutdown)
+before it exits. ``FGPSDP_TEST_START_METHOD=spawn`` spawns instead. A rank's
+exception is re-raised in the test with its traceback; a hang is cut by a
+timeout instead of stalling CI.
 """
 from __future__ import annotations
 
@@ -25,6 +29,12 @@ import torch.multiprocessing as mp
 DEFAULT_TIMEOUT_S = 180
 DEFAULT_PG_TIMEOUT_S = 60.0  # the process groups' (init_process_group(timeout=...))
 START_METHOD = os.environ.get("FGPSDP_TEST_START_METHOD", "forkserver")
+# The forkserver is a fresh interpreter: it finds packages through PYTHONPATH,
+# not through this process's sys.path (a venv's editable install may map
+# fgpsdp_runtime to another checkout).
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+os.environ["PYTHONPATH"] = os.pathsep.join(
+    [_ROOT] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 # Imported once by the forkserver (before any rank starts; a failed import is
 # left to the ranks, which then import it themselves).
 mp.set_forkserver_preload(["torch", "torch.distributed", "fgpsdp_runtime", "tests.scenarios"])
@@ -46,6 +56,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
     torch.set_num_threads(1)
     result: dict[str, Any]
     try:
+        import fgpsdp_runtime
+        if not os.path.abspath(fgpsdp_runtime.__file__).startswith(_ROOT + os.sep):
+            raise RuntimeError(f"rank imported {fgpsdp_runtime.__file__}, not this checkout's")
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                                 world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
         try:
@@ -57,6 +70,12 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
                   "traceback": traceback.format_exc()}
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
+    if START_METHOD != "spawn":
+        # A fork ends in os._exit, past the atexit handlers a spawned rank runs (the
+        # runtime's threads are stopped and joined there): run them, so that a hang
+        # in them still fails the test (by its timeout).
+        import atexit
+        atexit._run_exitfuncs()
 
 
 class RankError(Exception):

@@ -152,6 +152,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     raise ValueError(f"param_groups[{i}]: give every parameter with a name "
                                      "((name, parameter) pairs) or none")
                 params = [p[1] for p in params]
+            if i > 0 and bool(names) != (self._numbered_names[0] is not None):
+                raise ValueError("fgpsdp: all optimizer param groups should be with/without "
+                                 "names (as torch.optim requires)")
             self._numbered_params.append(params)
             self._numbered_names.append(names or None)
             kept = []

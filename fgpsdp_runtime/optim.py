@@ -48,7 +48,13 @@ _NOT_ELEMENTWISE = {
     "adafactor", "muon", "shampoo", "distributedshampoo", "soap",  # a matrix's shape
     "lamb", "fusedlamb", "lars", "fusedlars", "novograd", "fusednovograd",  # per-tensor norms
     "prodigy", "dadaptadam", "dadaptsgd", "dadaptadagrad", "dadaptlion",  # whole-model sums
+    "came", "adammini",  # factored second moments; a learning rate per block of a matrix
 }
+# Parts of lower-case class names: block-wise quantized state (bitsandbytes' Adam8bit,
+# AdamW8bit, PagedAdamW8bit, Lion8bit; torchao's AdamW8bit, AdamW4bit: one scale per
+# block of a tensor's elements, and 32-bit state below a tensor size, so slices would
+# change both) and GaLore's low-rank projections of each matrix.
+_NOT_ELEMENTWISE_PARTS = ("8bit", "4bit", "galore")
 
 
 class ShardedOptimizer(torch.optim.Optimizer):
@@ -77,10 +83,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise TypeError("optimizer_class must be a torch.optim.Optimizer subclass "
                             f"(for example torch.optim.AdamW), got {optimizer_class!r}")
-        if optimizer_class.__name__.lower() in _NOT_ELEMENTWISE:
+        name = getattr(optimizer_class, "__name__", "").lower()
+        if name in _NOT_ELEMENTWISE or any(part in name for part in _NOT_ELEMENTWISE_PARTS):
             raise TypeError(f"{optimizer_class.__name__} is not element-wise (its update reads a "
-                            "whole tensor's shape or norm, or all parameters, or it needs a "
-                            "closure or sparse gradients); it cannot run on flat slices")
+                            "whole tensor's shape or norm, or all parameters, or blocks of "
+                            "quantized state, or it needs a closure or sparse gradients); it "
+                            "cannot run on flat slices")
         if max_grad_norm is not None and not (max_grad_norm > 0):
             raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
         self.model = model

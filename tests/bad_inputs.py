@@ -78,6 +78,15 @@ def layerwise_optimizer(rank, world_size):
     fgp.ShardedOptimizer(model, FusedLAMB, lr=1e-3)
 
 
+class AdamW8bit(torch.optim.AdamW):
+    """Named as bitsandbytes' and torchao's block-quantized optimizers are."""
+
+
+def block_quantized_optimizer(rank, world_size):
+    model = fgp.DistributedDataParallel(MLP())
+    fgp.ShardedOptimizer(model, AdamW8bit, lr=1e-3)
+
+
 def foreign_param_in_groups(rank, world_size):
     model = fgp.DistributedDataParallel(MLP())
     fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1,

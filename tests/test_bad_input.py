@@ -17,6 +17,8 @@ CASES = [
     (bad_inputs.non_elementwise_optimizer, "TypeError", [r"LBFGS is not element-wise"]),
     (bad_inputs.muon_optimizer, "TypeError", [r"Muon is not element-wise"]),
     (bad_inputs.layerwise_optimizer, "TypeError", [r"FusedLAMB is not element-wise"]),
+    (bad_inputs.block_quantized_optimizer, "TypeError",
+     [r"AdamW8bit is not element-wise", r"quantized state"]),
     (bad_inputs.foreign_param_in_groups, "ValueError", [r"not a trainable parameter"]),
     (bad_inputs.grad_scaler_step, "RuntimeError",
      [r"GradScaler cannot drive a ShardedOptimizer", r"fgpsdp_runtime\.ShardedGradScaler"]),

@@ -219,7 +219,7 @@ def loss_fn(model_name: str, out, target):
 
 
 def make_groups(params_named, optimizer: str):
-    if optimizer in ("adamw_groups", "step_counters"):
+    if optimizer in ("adamw_groups", "step_counters", "step_counters_with_gradients"):
         decay = [p for n, p in params_named if p.ndim >= 2]
         no_decay = [p for n, p in params_named if p.ndim < 2]
         return [{"params": decay, "weight_decay": 0.1},
@@ -231,8 +231,8 @@ class StepCountingSGD(torch.optim.Optimizer):
     """Element-wise, with step counters outside its parameters' state: schedule-free
     optimizers count in ``group["k"]``, apex's capturable FusedAdam in a tensor
     ``group["step"]`` written in place (here "t"), MADGRAD in ``state["k"]`` (here
-    "steps"). A group counts only a step that reaches one of its gradients, as
-    torch's optimizers skip parameters without one. The update depends on all three."""
+    "steps"). Every group counts every step, as those do (a rank whose slices hold
+    none of a group's elements steps it too). The update depends on all three."""
 
     def __init__(self, params, lr=0.05):
         super().__init__(params, {"lr": lr, "k": 0})
@@ -245,19 +245,33 @@ class StepCountingSGD(torch.optim.Optimizer):
             self.state["steps"] = torch.zeros((), dtype=torch.long)
         boost = 1.0 + 0.5 * float(self.state["steps"])
         for group in self.param_groups:
-            with_grads = [p for p in group["params"] if p.grad is not None]
-            if not with_grads:
-                continue
             group["k"] += 1
             group["t"] += 1  # in place
-            for p in with_grads:
-                p.add_(p.grad, alpha=-group["lr"] * boost / (group["k"] + float(group["t"])))
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] * boost / (group["k"] + float(group["t"])))
         self.state["steps"] += 1  # in place, as MADGRAD's
+
+
+class GroupsWithGradientsCountingSGD(StepCountingSGD):
+    """Counts a step in a group only when the step reaches one of its gradients: a
+    chunk of buckets without the group's elements does not count it, another does."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            if any(p.grad is not None for p in group["params"]):
+                group["k"] += 1
+                for p in group["params"]:
+                    if p.grad is not None:
+                        p.add_(p.grad, alpha=-group["lr"] / group["k"])
 
 
 def optimizer_class_and_defaults(optimizer: str):
     if optimizer == "step_counters":
         return StepCountingSGD, {"lr": 0.05}
+    if optimizer == "step_counters_with_gradients":
+        return GroupsWithGradientsCountingSGD, {"lr": 0.05}
     if optimizer == "adamw_groups":
         return torch.optim.AdamW, {"lr": 1e-2, "betas": (0.9, 0.95)}
     if optimizer == "sgd_momentum":

@@ -8,7 +8,6 @@ methods below.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import threading
 import time
 import warnings
@@ -40,6 +39,18 @@ from .topology import (NodeLayout, TopologyArg, check_contiguous_nodes, create_l
 from .uneven_inputs import AnnouncedCall, UnevenInputs
 from .validation import (SUPPORTED_DTYPES, agree_or_raise, describe, local_problems,
                          shared_memory_problem)
+
+
+def _plan_setting(plan: Union[str, OverlapPlan]) -> Any:
+    """What ranks must agree on of ``overlap_plan``: a name, or a plan's stages and
+    lookahead as ints (not what it predicted of the times; numpy ints compare too)."""
+    if isinstance(plan, str):
+        return plan
+    try:
+        return (tuple(int(b) for b in plan.stage1), tuple(int(b) for b in plan.stage2),
+                None if plan.lookahead is None else int(plan.lookahead))
+    except (TypeError, ValueError):
+        return repr(plan)
 
 
 class DistributedDataParallel(nn.Module):
@@ -161,9 +172,7 @@ class DistributedDataParallel(nn.Module):
         # What the ranks' collectives must pair on: one rank's setting alone
         # would leave the others waiting (or summing bytes of another dtype).
         settings = {"topology": self.topology.summary(), "schedule": schedule,
-                    # Its stages and lookahead (not what it predicted of the times).
-                    "overlap_plan": overlap_plan if isinstance(overlap_plan, str)
-                    else dataclasses.replace(overlap_plan, predicted=None).to_json(),
+                    "overlap_plan": _plan_setting(overlap_plan),
                     "reduce_dtype": str(reduce_dtype),
                     # torch's bucket_cap_mb_list overrides bucket_cap_mb.
                     "bucket_cap_mb": bucket_cap_mb if bucket_caps is None else None,

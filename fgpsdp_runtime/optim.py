@@ -57,6 +57,13 @@ _NOT_ELEMENTWISE = {
 _NOT_ELEMENTWISE_PARTS = ("8bit", "4bit", "galore")
 
 
+def _float_text(value: Any) -> str:
+    try:
+        return repr(None if value is None else float(value))
+    except (TypeError, ValueError):
+        return repr(value)
+
+
 class ShardedOptimizer(torch.optim.Optimizer):
     """Runs ``optimizer_class`` on this rank's slices of every bucket."""
 
@@ -77,7 +84,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         settings_agree_or_raise(model.process_group, {
             "optimizer_class": getattr(optimizer_class, "__module__", "") + "."
             + getattr(optimizer_class, "__qualname__", repr(optimizer_class)),
-            "max_grad_norm": repr(max_grad_norm)},  # repr: nan equals nan (refused below)
+            # repr of a float: 1 and 1.0 agree, and nan equals nan (refused below).
+            "max_grad_norm": _float_text(max_grad_norm)},
             "cannot build the ShardedOptimizer")
         if not (isinstance(optimizer_class, type)
                 and issubclass(optimizer_class, torch.optim.Optimizer)):

@@ -75,11 +75,11 @@ def land_gathers_before_state_dicts(model: "DistributedDataParallel",
         wrapper = model_ref()
         if wrapper is None:
             return
+        if wrapper._uneven_inputs is not None:  # first: a joined rank must hear of it
+            wrapper._uneven_inputs.announce_load("load_state_dict() of the model")
         if local_metadata.get("assign_to_params_buffers"):
             raise ValueError("fgpsdp: load_state_dict(assign=True) would replace parameters "
                              "that are views of the bucket buffers; load with assign=False")
-        if wrapper._uneven_inputs is not None:
-            wrapper._uneven_inputs.announce_load("load_state_dict() of the model")
         wrapper.synchronize()
 
     def land_gathers_before_save(*_args) -> None:

@@ -16,6 +16,7 @@ them, and putting back what the run wrote must not undo that.
 """
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -35,8 +36,18 @@ def same_value(u: Any, v: Any) -> bool:
         return False
 
 
+_IMMUTABLE = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
+
+
 def _copy(value: Any) -> Any:
-    return value.clone() if isinstance(value, torch.Tensor) else value
+    """A copy a run cannot change: tensors cloned, containers copied whole (a count kept
+    in a dict and increased in place, ``state["meta"]["n"] += 1``), the rest as is."""
+    if isinstance(value, torch.Tensor):
+        return value.clone()
+    if isinstance(value, _IMMUTABLE) or (
+            type(value) is tuple and all(isinstance(v, _IMMUTABLE) for v in value)):
+        return value
+    return copy.deepcopy(value)
 
 
 def optimizer_wide_entries(optim: torch.optim.Optimizer) -> dict[Any, Any]:
@@ -74,9 +85,9 @@ class StepWideState:
             before = dict(group_copy)
             del before["params"]
             for k, v in before.items():
-                if isinstance(v, torch.Tensor):
-                    group_copy[k] = v.clone()
-                    before[k] = v.clone()
+                if not isinstance(v, _IMMUTABLE):  # a tensor, a container: copies of it
+                    group_copy[k] = _copy(v)
+                    before[k] = _copy(v)
             copies.append(group_copy)
             groups_before.append(before)
         state_before = {k: _copy(v) for k, v in optimizer_wide_entries(optim).items()}
@@ -97,7 +108,7 @@ class StepWideState:
                 # (The identity test first: most entries are the objects they were.)
                 writes = [{k: _copy(v) for k, v in after.items()
                            if k != "params" and not (before.get(k) is v
-                                                     and not isinstance(v, torch.Tensor))
+                                                     and isinstance(v, _IMMUTABLE))
                            and not same_value(before.get(k, _MISSING), v)}
                           for before, after in zip(groups_before, copies)]
                 if len(self._group_writes) != len(writes):

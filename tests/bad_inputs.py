@@ -374,3 +374,16 @@ def clipping_differs(rank, world_size):
 def schedule_invalid_on_one_rank(rank, world_size):
     # Before, rank 1 raised alone and the others waited for it at the model check.
     fgp.DistributedDataParallel(MLP(), schedule="two-stage" if rank == 1 else "two_stage")
+
+
+def settings_equal_in_other_types(rank, world_size):
+    """Equal settings written otherwise on some ranks are accepted: max_grad_norm 1 or
+    1.0, a plan's buckets as numpy ints (before, json could not compare them)."""
+    import numpy as np
+    from fgpsdp_runtime.plan import OverlapPlan
+    ints = np.arange(2, dtype=np.int64) if rank == 0 else range(2)
+    plan = OverlapPlan(stage1=(), stage2=tuple(ints), lookahead=2, source="given")
+    model = fgp.DistributedDataParallel(MLP(), bucket_cap_mb=0.001 if rank else 0.0010,
+                                        schedule="next_forward", overlap_plan=plan)
+    fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1, max_grad_norm=1 if rank else 1.0)
+    return len(model.buckets)

@@ -243,7 +243,9 @@ class StepCountingSGD(torch.optim.Optimizer):
     def step(self, closure=None):
         if "steps" not in self.state:
             self.state["steps"] = torch.zeros((), dtype=torch.long)
-        boost = 1.0 + 0.5 * float(self.state["steps"])
+        meta = self.state.setdefault("meta", {"n": 0})  # a count in a dict, changed in place
+        meta["n"] += 1
+        boost = 1.0 + 0.5 * float(self.state["steps"]) + 0.25 * meta["n"]
         for group in self.param_groups:
             group["k"] += 1
             group["t"] += 1  # in place

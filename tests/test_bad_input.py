@@ -116,3 +116,8 @@ def test_every_rank_raises(outcomes, fn, error_type, patterns):
         assert res["type"] == error_type, f"rank {rank}: {res['type']}: {res['message']}"
         for pattern in patterns:
             assert re.search(pattern, res["message"]), (rank, pattern, res["message"])
+
+
+def test_equal_settings_in_other_types_are_accepted():
+    buckets = run_distributed(3, bad_inputs.settings_equal_in_other_types, timeout_s=120)
+    assert buckets[0] == buckets[1] == buckets[2] > 0

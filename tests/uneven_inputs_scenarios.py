@@ -309,4 +309,4 @@ def step_counters_through_join(rank: int, world_size: int) -> dict[str, Any]:
     train(2)
     return {"k": [g["k"] for g in opt.param_groups],
             "t": [float(g["t"]) for g in opt.param_groups],
-            "steps": int(opt.state["steps"])}
+            "steps": int(opt.state["steps"]), "meta": opt.state["meta"]["n"]}

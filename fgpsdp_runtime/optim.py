@@ -222,6 +222,38 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 elif piece.grad is not None:
                     piece.grad.zero_()
 
+    # Schedule-free optimizers move their parameters between the point they train
+    # at and the average they evaluate at: train() before training, eval() before
+    # an evaluation or a save (every rank, as with torch DDP).
+    def train(self) -> None:
+        """The inner optimizer's ``train()`` (schedule-free's), on every rank."""
+        self._rewrite_slices("train")
+
+    def eval(self) -> None:
+        """The inner optimizer's ``eval()`` (schedule-free's), on every rank."""
+        self._rewrite_slices("eval")
+
+    def _rewrite_slices(self, name: str) -> None:
+        """The inner optimizer's ``name()`` rewrites this rank's slices element by
+        element; every bucket is then all-gathered, so that every replica holds the
+        result (a collective)."""
+        method = getattr(self.optim, name, None)
+        if not callable(method):
+            raise AttributeError(f"{type(self.optim).__name__} has no {name}() (schedule-free "
+                                 "optimizers have one)")
+        self._refuse_speculative_state(f"{name}()")
+        model = self.model
+        if model._uneven_inputs is not None:
+            model._uneven_inputs.announce_load(f"opt.{name}()", f"call opt.{name}() before "
+                                               "the join context or after it")
+        model.synchronize()
+        method()
+        buckets = range(len(model.buckets))
+        model.mark_params_changed(buckets)
+        for b in buckets:
+            model.start_param_all_gather(b)
+        model.finish_param_all_gathers()
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         # torch.optim's would add whole parameters that no bucket slice backs:
         # they would never get a gradient, so never train.

@@ -161,18 +161,19 @@ class UnevenInputs:
         if self._someone_joined and not self.joined:  # a joined rank received them in _shadow
             _share_hyperparameters(self.model, optimizer, self.authoritative_rank)
 
-    def announce_load(self, what: str) -> None:
-        """A load on the active ranks (of the model or the optimizer): each loads
-        its own slices only, and a joined rank's would keep their values (spread
-        to every rank by the next all-gather). Refused on every rank once a rank
-        has joined; before, every rank loads and nothing is amiss."""
+    def announce_load(self, what: str, advice: str = "load before the join context or "
+                      "after it") -> None:
+        """A load on the active ranks (of the model or the optimizer), or another
+        rewrite of every rank's own slices (schedule-free's opt.eval()): a joined
+        rank's would keep their values (spread to every rank by the next
+        all-gather). Refused on every rank once a rank has joined; before, every
+        rank takes part and nothing is amiss."""
         if self.joined:
             return
         self.notify(AnnouncedCall.LOAD)
         if self._someone_joined:
             self.refuse(f"fgpsdp: {what} under model.join() after a rank has joined: the "
-                        "joined rank owns a slice of every bucket and loads nothing; load "
-                        "before the join context or after it")
+                        f"joined rank owns a slice of every bucket and takes no part; {advice}")
 
     def refuse(self, message: str) -> None:
         """Raise ``message`` on every rank (the joined ones are told first)."""

@@ -255,6 +255,77 @@ class StepCountingSGD(torch.optim.Optimizer):
         self.state["steps"] += 1  # in place, as MADGRAD's
 
 
+class TrainEvalSGD(torch.optim.Optimizer):
+    """Schedule-free's modes, element-wise: it trains at a point between the iterate
+    and its average z, and evaluates at the average, so ``train()`` and ``eval()``
+    move the parameters; a step outside train mode raises, as schedule-free's does."""
+    BETA = 0.9
+
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, {"lr": lr, "train_mode": False})
+
+    @torch.no_grad()
+    def train(self):
+        self._move(True, 1 - self.BETA)
+
+    @torch.no_grad()
+    def eval(self):
+        self._move(False, 1 - 1 / self.BETA)
+
+    def _move(self, to_train: bool, weight: float) -> None:
+        for group in self.param_groups:
+            if group["train_mode"] != to_train:
+                for p in group["params"]:
+                    if "z" in self.state[p]:
+                        p.lerp_(self.state[p]["z"], weight)
+                group["train_mode"] = to_train
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            if not group["train_mode"]:
+                raise RuntimeError("not in train mode: call optimizer.train() first")
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if "z" not in state:
+                    state["z"] = p.clone()
+                state["z"].add_(p.grad, alpha=-group["lr"])
+                p.add_(p.grad, alpha=-group["lr"] * self.BETA)
+
+
+def train_eval_modes(rank: int, world_size: int, schedule: str, steps: int = 4) -> dict:
+    """opt.train() / opt.eval() (schedule-free's) every other step, an evaluation
+    in between, beside torch DDP + the same optimizer. Before, ShardedOptimizer had
+    neither (AttributeError), and the inner optimizer's moved this rank's slices only."""
+    torch.manual_seed(1234 + rank)
+    base = MLP()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    ours = fgp.DistributedDataParallel(base, bucket_cap_mb=0.0001, schedule=schedule,
+                                       overlap_plan="layout" if schedule == "two_stage" else "auto")
+    opt = fgp.ShardedOptimizer(ours, TrainEvalSGD, lr=0.05)
+    ref_opt = TrainEvalSGD(ref.parameters(), lr=0.05)
+    eval_diffs = []
+    for step in range(steps):
+        for optimizer in (opt, ref_opt):
+            optimizer.train()
+        x, y = make_batch("mlp", step, 0, rank)
+        for model, optimizer in ((ours, opt), (ref, ref_opt)):
+            loss_fn("mlp", model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        if step % 2 == 1:
+            for optimizer in (opt, ref_opt):
+                optimizer.eval()
+            with torch.no_grad():
+                eval_diffs.append(float((ours(x) - ref(x)).abs().max()))
+    ours.synchronize()
+    return {"param_diff": max(float((a - b).abs().max()) for a, b in
+                              zip(ours.module.parameters(), ref.module.parameters())),
+            "eval_diffs": eval_diffs}
+
+
 class GroupsWithGradientsCountingSGD(StepCountingSGD):
     """Counts a step in a group only when the step reaches one of its gradients: a
     chunk of buckets without the group's elements does not count it, another does."""

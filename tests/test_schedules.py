@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from .dist_harness import call_many, run_distributed
-from .scenarios import (global_optimizer_hook_calls, skip_on_inf_norm, train_many,
-                        train_with_inf_gradient)
+from .scenarios import (global_optimizer_hook_calls, skip_on_inf_norm, train_eval_modes,
+                        train_many, train_with_inf_gradient)
 from .test_equivalence import SCENARIOS, TOL
 
 SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
@@ -157,3 +157,13 @@ def test_a_count_only_some_chunks_of_a_step_advance_is_kept():
     for rank, res in enumerate(run_distributed(2, train_many, cfgs, timeout_s=300)):
         for schedule in cfgs:
             assert res[schedule]["param_diff"] == 0.0, (rank, schedule, res[schedule])
+
+
+def test_schedule_free_train_and_eval_move_every_replica():
+    """opt.train() / opt.eval() of a schedule-free style optimizer: the evaluation
+    between them and the training after match torch DDP bitwise on 2 ranks."""
+    calls = [(train_eval_modes, schedule) for schedule in ("serial", "next_forward", "two_stage")]
+    for rank, per_call in enumerate(run_distributed(2, call_many, calls, timeout_s=300)):
+        for call in calls:
+            res = per_call[call]
+            assert res["param_diff"] == 0.0 and res["eval_diffs"] == [0.0, 0.0], (rank, call, res)

@@ -321,7 +321,7 @@ def train_eval_modes(rank: int, world_size: int, schedule: str, steps: int = 4) 
             with torch.no_grad():
                 eval_diffs.append(float((ours(x) - ref(x)).abs().max()))
     ours.synchronize()
-    return {"param_diff": max(float((a - b).abs().max()) for a, b in
+    return {"param_diff": max(float((a.detach() - b.detach()).abs().max()) for a, b in
                               zip(ours.module.parameters(), ref.module.parameters())),
             "eval_diffs": eval_diffs}
 

@@ -19,6 +19,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from .step_wide_state import same_value
+
 Hyperparameters = list[dict[str, Any]]  # per param group, every entry but "params"
 
 # [Note: speculative steps during a torch.compile session]
@@ -55,14 +57,8 @@ def same_hyperparameters(a: Optional[Hyperparameters], b: Optional[Hyperparamete
     for x, y in zip(a, b):
         if x.keys() != y.keys():
             return False
-        for key, u in x.items():
-            v = y[key]
-            if isinstance(u, torch.Tensor) or isinstance(v, torch.Tensor):
-                if not (isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor)
-                        and u.device == v.device and torch.equal(u, v)):
-                    return False
-            elif u is not v and u != v:
-                return False
+        if not all(same_value(u, y[key]) for key, u in x.items()):
+            return False
     return True
 
 

@@ -39,7 +39,7 @@ def same_value(u: Any, v: Any) -> bool:
 _IMMUTABLE = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
 
 
-def _copy(value: Any) -> Any:
+def copy_value(value: Any) -> Any:
     """A copy a run cannot change: tensors cloned, containers copied whole (a count kept
     in a dict and increased in place, ``state["meta"]["n"] += 1``), the rest as is."""
     if isinstance(value, torch.Tensor):
@@ -86,11 +86,11 @@ class StepWideState:
             del before["params"]
             for k, v in before.items():
                 if not isinstance(v, _IMMUTABLE):  # a tensor, a container: copies of it
-                    group_copy[k] = _copy(v)
-                    before[k] = _copy(v)
+                    group_copy[k] = copy_value(v)
+                    before[k] = copy_value(v)
             copies.append(group_copy)
             groups_before.append(before)
-        state_before = {k: _copy(v) for k, v in optimizer_wide_entries(optim).items()}
+        state_before = {k: copy_value(v) for k, v in optimizer_wide_entries(optim).items()}
         optim.param_groups = copies
         ran = False
         try:
@@ -106,7 +106,7 @@ class StepWideState:
                     del optim.state[key]
             if ran:
                 # (The identity test first: most entries are the objects they were.)
-                writes = [{k: _copy(v) for k, v in after.items()
+                writes = [{k: copy_value(v) for k, v in after.items()
                            if k != "params" and not (before.get(k) is v
                                                      and isinstance(v, _IMMUTABLE))
                            and not same_value(before.get(k, _MISSING), v)}
@@ -117,7 +117,7 @@ class StepWideState:
                     kept.update(new)
                     self.written_group_keys.update(new)
                 self._state_writes.update({
-                    key: _copy(state_after.get(key, _MISSING))
+                    key: copy_value(state_after.get(key, _MISSING))
                     for key in state_after.keys() | state_before.keys()
                     if not same_value(state_before.get(key, _MISSING),
                                       state_after.get(key, _MISSING))})

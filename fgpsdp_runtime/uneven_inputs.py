@@ -42,6 +42,8 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 import torch.distributed as dist
 
+from .step_wide_state import copy_value
+
 if TYPE_CHECKING:  # pragma: no cover
     from .ddp import DistributedDataParallel
 
@@ -108,7 +110,7 @@ class UnevenInputs:
         # those every rank stepped alike.
         written = optimizer._step_wide_state.written_group_keys if optimizer is not None \
             else set()
-        own = [{k: _copy(v) for k, v in g.items() if k != "params" and k not in written}
+        own = [{k: copy_value(v) for k, v in g.items() if k != "params" and k not in written}
                for g in optimizer.param_groups] if optimizer is not None else None
         try:
             if exc_type is None:
@@ -286,10 +288,6 @@ def _share_hyperparameters(model: "DistributedDataParallel", optimizer, src: int
     if model.rank != src:
         for group, values in zip(groups, box[0]):
             _update_in_place(group, values)
-
-
-def _copy(value: Any) -> Any:
-    return value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def _update_in_place(group: dict, values: dict) -> None:

@@ -223,6 +223,14 @@ def backward_skipped_on_rank1(rank: int, world_size: int, steps: tuple, use_join
     return [p.detach().clone() for p in model.module.parameters()]
 
 
+def _plain_step(model, opt, step: int, rank: int) -> None:
+    """One step of the MLP on this rank's batch of ``step``."""
+    x, y = make_batch("mlp", step, 0, rank)
+    loss_fn("mlp", model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def load_while_joined(rank: int, world_size: int, what: str, load_at: int) -> dict[str, str]:
     """Rank 0 runs one step, the others three; at step ``load_at`` the active ranks
     rewind to a checkpoint of step 0. Before, a model or full optimizer load missed the
@@ -237,10 +245,7 @@ def _load_while_joined(rank: int, what: str, load_at: int) -> None:
     saved = None
     with ours.join():
         for step in range(1 if rank == 0 else 3):
-            x, y = make_batch("mlp", step, 0, rank)
-            loss_fn("mlp", ours(x), y).backward()
-            opt.step()
-            opt.zero_grad()
+            _plain_step(ours, opt, step, rank)
             if step == 0:
                 saved = {"model": ours.module.state_dict(), "full": opt.full_state_dict(),
                          "shard": opt.state_dict()}
@@ -278,10 +283,7 @@ def tensor_lr_through_join(rank: int, world_size: int) -> dict[str, Any]:
     with ours.join():
         for step in range(1 if rank == 0 else 3):
             lr.fill_(0.05 / (step + 1))
-            x, y = make_batch("mlp", step, 0, rank)
-            loss_fn("mlp", ours(x), y).backward()
-            opt.step()
-            opt.zero_grad()
+            _plain_step(ours, opt, step, rank)
     lr.fill_(0.001)
     return {"same_tensor": opt.param_groups[0]["lr"] is lr,
             "lr": float(opt.param_groups[0]["lr"])}
@@ -297,16 +299,11 @@ def step_counters_through_join(rank: int, world_size: int) -> dict[str, Any]:
     ours = fgp.DistributedDataParallel(MODELS["mlp"](), bucket_cap_mb=0.0001)
     opt = fgp.ShardedOptimizer(ours, StepCountingSGD, lr=0.05)
 
-    def train(steps: int) -> None:
-        for step in range(steps):
-            x, y = make_batch("mlp", step, 0, rank)
-            loss_fn("mlp", ours(x), y).backward()
-            opt.step()
-            opt.zero_grad()
-
     with ours.join():
-        train(1 if rank == 0 else 3)
-    train(2)
+        for step in range(1 if rank == 0 else 3):
+            _plain_step(ours, opt, step, rank)
+    for step in range(2):
+        _plain_step(ours, opt, step, rank)
     return {"k": [g["k"] for g in opt.param_groups],
             "t": [float(g["t"]) for g in opt.param_groups],
             "steps": int(opt.state["steps"]), "meta": opt.state["meta"]["n"]}

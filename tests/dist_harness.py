@@ -2,7 +2,7 @@
 
 Each run starts fresh processes. Not forks of pytest (it may have started
 OpenMP threads) but of a forkserver: one single-threaded process that imports
-torch and the package once, so a rank starts in about 0.05 s instead of the
+torch and the package once, so a rank starts at once instead of after the
 seconds an import of torch takes on CI's two cores (most of the suite's time
 was spent there). A rank gets the parent's environment as it is at the call
 (a test may set variables first) for what is read after the import of torch

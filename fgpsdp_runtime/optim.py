@@ -489,6 +489,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # before unscale_, as torch allows) were of the scaled gradients.
         self._bucket_sq = {}
         self._reduced = False
+        self._clipped_norm = None
         self._loss_unscaled = True
         return not math.isfinite(self._reduce_and_measure())
 
@@ -518,6 +519,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._bucket_sq: dict[int, torch.Tensor] = {}  # measured before a speculative step
         self._globally_used: Optional[list[bool]] = None
         self._applied_coefficient = 1.0  # clipping applied to the gradient this step
+        self._clipped_norm: Optional[float] = None  # the norm measured after the last clip
         # Some rank's speculative steps ran with other hyperparameters than the step's.
         self._speculated_with_other_hyperparameters = False
 
@@ -769,11 +771,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
             # bfloat16, float64 for float64). CUDA takes it as a scalar alike.
             torch._foreach_mul_(shards, torch.tensor(coefficient, dtype=torch.float64))
             self._applied_coefficient *= coefficient
+            self._clipped_norm = None  # measured again when asked for
 
     def _norm_now(self) -> float:
-        """The norm of what the reduced slices hold: the measured total times the
-        clipping applied to them since."""
-        return self._total_norm * self._applied_coefficient
+        """The norm of what the reduced slices hold now. After a clip it is measured
+        again, as torch's second clip_grad_norm_ measures the clipped gradient: the
+        total times the coefficient differs from that by the clipped elements'
+        rounding, and a second coefficient taken from it would be off in the last
+        bits. A collective then (every rank clipped alike: the decision used only
+        all-reduced figures)."""
+        if self._applied_coefficient == 1.0:
+            return self._total_norm
+        if self._clipped_norm is None:
+            local = torch.zeros(2, dtype=torch.float64, device=self._device)
+            for storage in self.model.buckets:
+                if storage.grad_shard_valid:
+                    local += multi_tensor_sq_norm([storage.grad_shard])
+            with self.model.timeline.span("compute", "norm all-reduce"):
+                self.model.all_reduce_sum(local)
+            sq_sum, nonfinite = (float(v) for v in local.cpu())
+            self._clipped_norm = math.inf if nonfinite else math.sqrt(sq_sum)
+        return self._clipped_norm
 
     def _norm_tensor(self, total: float) -> torch.Tensor:
         dtypes = {s.dtype for s in self.model.buckets} or {torch.float32}

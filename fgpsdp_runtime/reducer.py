@@ -109,6 +109,7 @@ class GradientReducer:
         self.reduce_scatters_since_reset = [0] * len(self.buckets)
         self.reduce_scatters_launched = 0
         self._hook_handles = HookHandles()
+        self._grad_accumulators: list[Any] = []  # the nodes carrying our hooks
         self._in_flight: dict[int, PendingOp] = {}
         self._callback_queued = False
         self._grads_in_backward = False  # a parameter's hook ran since the callback was queued
@@ -170,26 +171,38 @@ class GradientReducer:
     # -- hooks -------------------------------------------------------------
 
     def register_hooks(self) -> None:
-        for index, param in enumerate(self.params):
-            if index not in self.slot:
-                continue  # empty parameter: nothing to reduce
-            handle = param.register_post_accumulate_grad_hook(self._make_hook(index))
-            self._hook_handles.add(handle)
+        # On each parameter's gradient accumulator node, not the tensor: a node's
+        # hooks run after every post-accumulate-grad hook of its tensor, so a user's
+        # hook registered after wrapping still sees (and may edit) the local
+        # gradient before it is packed, as under torch DDP, whose reducer hooks the
+        # same node. The node lives only while something holds it (the parameter
+        # keeps a weak reference), so the reducer keeps it: a new node made at the
+        # next forward would carry no hook.
+        self._grad_accumulators = []
+        with torch.enable_grad():
+            for index, param in enumerate(self.params):
+                if index not in self.slot:
+                    continue  # empty parameter: nothing to reduce
+                accumulator = param.view_as(param).grad_fn.next_functions[0][0]
+                self._grad_accumulators.append(accumulator)
+                self._hook_handles.add(accumulator.register_hook(self._make_hook(index)))
 
     def remove_hooks(self) -> None:
         self._hook_handles.remove()
+        self._grad_accumulators = []
 
-    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
-        # Weak: a tensor's hooks live in C++, where the garbage collector cannot
-        # see them, so a strong reference would keep this reducer (and the
-        # wrapper, its threads and buckets) alive as long as the parameter,
-        # and its hooks taking the gradients of a later wrapper of the module.
+    def _make_hook(self, index: int) -> Callable[..., None]:
+        # Weak: a node's hooks live in C++, where the garbage collector cannot see
+        # them, so a strong reference would keep this reducer (and the wrapper, its
+        # threads and buckets) alive as long as the parameter's node (a backward
+        # graph may hold it), and its hooks taking the gradients of a later wrapper
+        # of the module.
         reducer_ref = weakref.ref(self)
 
-        def hook(param: torch.Tensor) -> None:
+        def hook(grad_inputs, grad_outputs) -> None:
             reducer = reducer_ref()
             if reducer is not None:
-                reducer._on_grad_accumulated(index, param)
+                reducer._on_grad_accumulated(index, reducer.params[index])
         return hook
 
     def _on_grad_accumulated(self, index: int, param: torch.Tensor) -> None:

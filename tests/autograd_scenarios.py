@@ -289,3 +289,46 @@ def copy_of_a_parametrized_module(rank: int, world_size: int) -> dict:
             "copy_of_copy_equal": all(torch.equal(a, b)
                                       for a, b in zip(again.parameters(), ema.parameters())),
             "guard_is_the_copys": guard is not None and guard._module() is ema[2]}
+
+
+def user_grad_hooks_side_by_side(rank: int, world_size: int, schedule: str,
+                                 registered: str) -> dict:
+    """A post-accumulate-grad hook that reads and edits the local gradient (halves
+    it, clamps it: per-parameter gradient surgery), registered on the module's
+    parameters ``before`` or ``after`` wrapping, on ours and on torch DDP's. torch
+    DDP runs its reduction after every such hook, whenever it was registered.
+    Returns the largest parameter difference and the hook calls that saw no gradient."""
+    torch.manual_seed(7)
+    base = PlainNet()
+    ref_module = copy.deepcopy(base)
+    saw_none = []
+
+    def hook(param):
+        if param.grad is None:
+            saw_none.append(1)
+            return
+        param.grad.mul_(0.5).clamp_(-0.01, 0.01)
+
+    def register(module):
+        for p in module.parameters():
+            p.register_post_accumulate_grad_hook(hook)
+
+    if registered == "before":
+        register(base)
+        register(ref_module)
+    ours = fgp.DistributedDataParallel(base, bucket_cap_mb=0.0001, schedule=schedule)
+    ref = nn.parallel.DistributedDataParallel(ref_module)
+    if registered == "after":
+        register(base)
+        register(ref_module)
+    # SGD: its update scales with the gradient (AdamW's would hide the halving).
+    opt = fgp.ShardedOptimizer(ours, torch.optim.SGD, lr=0.1, momentum=0.9)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    for step in range(3):
+        x, y = _batch(step, rank)
+        for model, optimizer in ((ours, opt), (ref, ref_opt)):
+            optimizer.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            optimizer.step()
+    ours.synchronize()
+    return {"diff": _param_diff(ours, ref), "saw_none": len(saw_none)}

@@ -73,6 +73,12 @@ def dropped_wrapper_is_freed(rank: int, world_size: int, schedule: str) -> dict[
     hooks = sum(len(m._state_dict_pre_hooks) + len(m._load_state_dict_pre_hooks)
                 + len(m._forward_pre_hooks) for m in module.modules())
     hooks += sum(len(p._post_accumulate_grad_hooks or {}) for p in module.parameters())
+    # No hook of theirs takes a plain backward's gradients (they hook the gradient
+    # accumulator nodes, which went with them).
+    x, y = make_batch("mlp", 0, 0, rank)
+    loss_fn("mlp", module(x), y).backward()
+    hooks += sum(p.grad is None for p in module.parameters())
+    module.zero_grad(set_to_none=True)
     hooks += sum("__getstate__" in vars(m) for m in module.modules())  # the copy guards
     module.load_state_dict(copy.deepcopy(module.state_dict()), assign=True)
     return {"freed": freed, "counts": counts, "python_threads": threading.active_count(),

@@ -1,0 +1,26 @@
+"""A user's post-accumulate-grad hooks see and edit the local gradient before it is
+reduced, whether registered before or after wrapping, as under torch DDP.
+
+Before, the reducer hooked the parameter tensors itself, so a hook registered after
+wrapping ran after the gradient had been taken into its bucket: it saw ``None``.
+"""
+import pytest
+
+from . import autograd_scenarios
+from .dist_harness import run_calls
+
+SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
+CASES = [(autograd_scenarios.user_grad_hooks_side_by_side, schedule, registered)
+         for schedule in SCHEDULES for registered in ("before", "after")]
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_calls(2, CASES, timeout_s=300)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[1]}-{c[2]}" for c in CASES])
+def test_gradient_hooks_run_before_the_reduction_as_under_torch_ddp(results, case):
+    for outcome in results[case]:
+        assert outcome["saw_none"] == 0
+        assert outcome["diff"] == 0.0, outcome

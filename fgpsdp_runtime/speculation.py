@@ -19,7 +19,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .step_wide_state import same_value
+from .step_wide_state import copy_value, same_value
 
 Hyperparameters = list[dict[str, Any]]  # per param group, every entry but "params"
 
@@ -45,8 +45,9 @@ def hyperparameters(param_groups: Sequence[dict]) -> Hyperparameters:
     """A copy of what an optimizer step reads besides the tensors it updates."""
     # dict(group) first: one copy under the GIL, even while another thread
     # writes an entry (the speculative steps run on the scheduler thread).
-    return [{k: (v.clone() if isinstance(v, torch.Tensor) else v)
-             for k, v in dict(group).items() if k != "params"}
+    # copy_value: a tensor inside a tuple (Adam's betas) filled in place by a
+    # momentum schedule must not change the record too.
+    return [{k: copy_value(v) for k, v in dict(group).items() if k != "params"}
             for group in param_groups]
 
 

@@ -26,10 +26,16 @@ _MISSING = object()
 
 
 def same_value(u: Any, v: Any) -> bool:
-    """Equal as a hyperparameter: tensors by device and value, anything else by ==."""
+    """Equal as a hyperparameter: tensors by device and value, lists, tuples and dicts
+    entry by entry (Adam's ``betas`` may hold tensors), anything else by ==."""
     if isinstance(u, torch.Tensor) or isinstance(v, torch.Tensor):
         return (isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor)
                 and u.device == v.device and u.shape == v.shape and torch.equal(u, v))
+    if isinstance(u, (list, tuple)) and isinstance(v, (list, tuple)):
+        return type(u) is type(v) and len(u) == len(v) and all(map(same_value, u, v))
+    if isinstance(u, dict) and isinstance(v, dict):
+        return (type(u) is type(v) and u.keys() == v.keys()
+                and all(same_value(x, v[k]) for k, x in u.items()))
     try:
         return u is v or bool(u == v)
     except Exception:  # noqa: BLE001 - an object without a usable ==: take it as changed
@@ -40,14 +46,27 @@ _IMMUTABLE = (int, float, bool, str, bytes, type(None), torch.dtype, torch.devic
 
 
 def copy_value(value: Any) -> Any:
-    """A copy a run cannot change: tensors cloned, containers copied whole (a count kept
-    in a dict and increased in place, ``state["meta"]["n"] += 1``), the rest as is."""
+    """A copy a run cannot change: tensors cloned, lists, tuples and dicts copied entry
+    by entry (a count kept in a dict and increased in place, ``state["meta"]["n"] +=
+    1``; a tensor in Adam's ``betas`` filled in place by a momentum schedule). Any
+    other object (a module, a config object in a param group) is the same object, as
+    in torch's param groups: copying it would hand the loop back a copy, and a run's
+    changes inside it are the optimizer's own business."""
     if isinstance(value, torch.Tensor):
         return value.clone()
     if isinstance(value, _IMMUTABLE) or (
             type(value) is tuple and all(isinstance(v, _IMMUTABLE) for v in value)):
         return value
-    return copy.deepcopy(value)
+    if type(value) in (list, tuple):
+        return type(value)(copy_value(v) for v in value)
+    if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
+        return type(value)(*(copy_value(v) for v in value))
+    if isinstance(value, (list, dict)):  # subclasses too: OrderedDict, defaultdict
+        new = copy.copy(value)
+        for k in (range(len(value)) if isinstance(value, list) else value):
+            new[k] = copy_value(value[k])
+        return new
+    return value
 
 
 def optimizer_wide_entries(optim: torch.optim.Optimizer) -> dict[Any, Any]:

@@ -326,6 +326,44 @@ def train_eval_modes(rank: int, world_size: int, schedule: str, steps: int = 4) 
             "eval_diffs": eval_diffs}
 
 
+class _GroupSpec:
+    """A plain object a param group carries (no ``==`` of its own)."""
+
+
+def groups_holding_objects(rank: int, world_size: int, schedule: str, steps: int = 3) -> dict:
+    """Param groups that carry a submodule and a plain object, as some trainers tag
+    their groups. torch keeps them as they are; before, every inner run deep-copied
+    them (the group then held a copy), and a module's copy under two_stage raised
+    the "copy of the module between backward and step" error."""
+    torch.manual_seed(1234 + rank)
+    base = MLP()
+    ref_module = copy.deepcopy(base)
+    ref = nn.parallel.DistributedDataParallel(ref_module)
+    ours = fgp.DistributedDataParallel(base, bucket_cap_mb=0.0001, schedule=schedule,
+                                       overlap_plan="layout" if schedule == "two_stage" else "auto")
+
+    def groups(module):
+        layers = [m for m in module.modules() if isinstance(m, nn.Linear)]
+        return [{"params": list(layer.parameters()), "module": layer, "spec": _GroupSpec()}
+                for layer in layers]
+
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, param_groups=groups(base), lr=1e-2)
+    ref_opt = torch.optim.AdamW(groups(ref_module), lr=1e-2)
+    held = [(g["module"], g["spec"]) for g in opt.param_groups]
+    for step in range(steps):
+        x, y = make_batch("mlp", step, 0, rank)
+        for model, optimizer in ((ours, opt), (ref, ref_opt)):
+            loss_fn("mlp", model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    ours.synchronize()
+    return {"param_diff": max(float((a.detach() - b.detach()).abs().max()) for a, b in
+                              zip(ours.module.parameters(), ref.module.parameters())),
+            "same_objects": all(g["module"] is m and g["spec"] is s
+                                for g, (m, s) in zip(opt.param_groups, held)),
+            "commits": ours.scheduler.commits if ours.scheduler else None}
+
+
 class GroupsWithGradientsCountingSGD(StepCountingSGD):
     """Counts a step in a group only when the step reaches one of its gradients: a
     chunk of buckets without the group's elements does not count it, another does."""
@@ -347,6 +385,8 @@ def optimizer_class_and_defaults(optimizer: str):
         return GroupsWithGradientsCountingSGD, {"lr": 0.05}
     if optimizer == "adamw_groups":
         return torch.optim.AdamW, {"lr": 1e-2, "betas": (0.9, 0.95)}
+    if optimizer == "adamw_tensor_betas":  # as torch allows for capturable / compiled steps
+        return torch.optim.AdamW, {"lr": 1e-2, "betas": (torch.tensor(0.9), torch.tensor(0.95))}
     if optimizer == "sgd_momentum":
         return torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}
     if optimizer == "sgd_nesterov_foreach":  # its step writes the gradient in place
@@ -403,7 +443,8 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
     cls, defaults = optimizer_class_and_defaults(optimizer)
     ref_named = [(n, p) for n, p in ref.module.named_parameters() if p.requires_grad]
     ours_named = [(n, p) for n, p in ours.module.named_parameters() if p.requires_grad]
-    ref_opt = cls(make_groups(ref_named, optimizer), **defaults)
+    ref_opt = cls(make_groups(ref_named, optimizer),
+                  **optimizer_class_and_defaults(optimizer)[1])  # tensors of its own
     opt = fgp.ShardedOptimizer(ours, cls, param_groups=make_groups(ours_named, optimizer),
                                max_grad_norm=max_norm, **defaults)
     sched = ref_sched = None
@@ -460,6 +501,11 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
             ref_norms.append(reference_clip_(ref.parameters(), max_norm))
         if cfg.get("hyperparameters_after_backward") == "after_clip":
             set_hyperparameters()  # after clip_grad_norm_'s all-reduce
+        if cfg.get("hyperparameters_after_backward") == "betas_in_place_after_clip":
+            # A momentum schedule filling the tensor in Adam's betas tuple.
+            for o in (opt, ref_opt):
+                for g in o.param_groups:
+                    g["betas"][0].fill_(0.9 - 0.1 * (step % 2))
         opt.step()
         ref_opt.step()
         if cfg.get("zero_grad_via") == "model":  # as DDP loops (and HF's Trainer) do

@@ -59,6 +59,9 @@ SCENARIOS = {
     # clip_grad_norm_ with a bound it never reaches, then the hyperparameters, then step().
     "hyperparameters_after_clip": {"hyperparameters_after_backward": "after_clip",
                                    "manual_clip": 1e6},
+    # ... a tensor inside a hyperparameter's tuple, changed in place.
+    "betas_in_place_after_clip": {"hyperparameters_after_backward": "betas_in_place_after_clip",
+                                  "manual_clip": 1e6, "optimizer": "adamw_tensor_betas"},
 }
 WORLD_SIZES = (2, 3, 4)
 

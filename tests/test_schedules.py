@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from .dist_harness import call_many, run_distributed
-from .scenarios import (global_optimizer_hook_calls, skip_on_inf_norm, train_eval_modes,
-                        train_many, train_with_inf_gradient)
+from .scenarios import (global_optimizer_hook_calls, groups_holding_objects, skip_on_inf_norm,
+                        train_eval_modes, train_many, train_with_inf_gradient)
 from .test_equivalence import SCENARIOS, TOL
 
 SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
@@ -17,7 +17,7 @@ CASES = ("adamw_groups", "clip_triggers", "clip_triggers_nesterov", "clip_idle",
          "order_change", "hyperparameters_after_backward", "hyperparameters_after_clip",
          "model_zero_grad", "zero_before_step", "checkpointed", "checkpointed_reentrant",
          "checkpointed_reentrant_no_sync", "pre_hooks", "parent_reads", "channels_last",
-         "no_sync_forward_only", "step_counters")
+         "no_sync_forward_only", "step_counters", "betas_in_place_after_clip")
 # Many small buckets, so that two_stage has stage-1 buckets to speculate on.
 SMALL_BUCKETS_MB = 0.0001
 
@@ -80,7 +80,12 @@ def test_two_stage_commits_and_rolls_back(topology):
         res = rank_results["hyperparameters_after_clip"]
         assert res["rollbacks"] > 0 and res["commits"] == 0
         assert "hyperparameters changed" in res["speculation_stopped"]
-    moved = ("hyperparameters_after_backward", "hyperparameters_after_clip")
+        # beta1 is the same in the first step (its speculation commits), then changes.
+        res = rank_results["betas_in_place_after_clip"]
+        assert res["rollbacks"] > 0 and res["commits"] > 0
+        assert "hyperparameters changed" in res["speculation_stopped"]
+    moved = ("hyperparameters_after_backward", "hyperparameters_after_clip",
+             "betas_in_place_after_clip")
     assert all(r[case]["speculation_stopped"] is None for r in changed for case in CASES
                if case not in moved)
 
@@ -167,3 +172,14 @@ def test_schedule_free_train_and_eval_move_every_replica():
         for call in calls:
             res = per_call[call]
             assert res["param_diff"] == 0.0 and res["eval_diffs"] == [0.0, 0.0], (rank, call, res)
+
+
+def test_param_groups_keep_the_objects_they_carry():
+    """A submodule and a plain object in each param group stay the same objects through
+    the steps of every schedule, and training matches torch DDP bitwise on 2 ranks."""
+    calls = [(groups_holding_objects, schedule) for schedule in SCHEDULES]
+    for rank, per_call in enumerate(run_distributed(2, call_many, calls, timeout_s=300)):
+        for call in calls:
+            res = per_call[call]
+            assert res["param_diff"] == 0.0 and res["same_objects"], (rank, call, res)
+        assert per_call[calls[-1]]["commits"] > 0  # two_stage speculated, and kept it

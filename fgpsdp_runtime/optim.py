@@ -567,7 +567,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         with these buckets. ``full_state_dict()`` is torch.optim's format.
         """
         self._refuse_speculative_state("state_dict()")
-        return {"shard": self.optim.state_dict(), "rank": self.model.rank,
+        self._run_state_dict_pre_hooks()
+        # The hooks registered on this optimizer see a torch.optim state dict: here
+        # the inner optimizer's, over this rank's slices.
+        shard = self._run_state_dict_post_hooks(self.optim.state_dict())
+        return {"shard": shard, "rank": self.model.rank,
                 "world_size": self.model.world_size, "slice_index": self.model.slice_index,
                 "layout": [(l.dtype_name, l.padded_numel, len(l.spans))
                            for l in self.model.bucket_layouts]}
@@ -583,7 +587,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._refuse_speculative_state("full_state_dict()")
         if self.model._uneven_inputs is not None:
             self.model._uneven_inputs.notify(AnnouncedCall.FULL_STATE, float(rank0_only))
-        return optim_checkpoint.full_state_dict(self, rank0_only)
+        self._run_state_dict_pre_hooks()
+        full = optim_checkpoint.full_state_dict(self, rank0_only)
+        # (With rank0_only the other ranks hold nothing for a post-hook to edit.)
+        return self._run_state_dict_post_hooks(full) if full else full
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict()`` shard (this rank's), or a whole-model dict in
@@ -593,13 +600,38 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.model._uneven_inputs is not None:
             self.model._uneven_inputs.announce_load("opt.load_state_dict()")
         if {"state", "param_groups"} <= set(state_dict) and "shard" not in state_dict:
-            optim_checkpoint.load_full_state_dict(self, state_dict)
+            optim_checkpoint.load_full_state_dict(self, self._run_load_pre_hooks(state_dict))
         else:
+            if isinstance(state_dict.get("shard"), dict):
+                state_dict = dict(state_dict, shard=self._run_load_pre_hooks(state_dict["shard"]))
             self._load_shard(state_dict)
         # torch's load_state_dict replaces the inner optimizer's group list and
         # state: share the new ones, or lr schedulers would write to the old.
         self.param_groups = self.optim.param_groups
         self._share_state()
+        for hook in list(self._optimizer_load_state_dict_post_hooks.values()):
+            hook(self)
+
+    # The hooks of torch.optim.Optimizer's register_state_dict_pre_hook & co., run as
+    # its state_dict() / load_state_dict() run them, on the torch.optim-format dict.
+    def _run_state_dict_pre_hooks(self) -> None:
+        for hook in list(self._optimizer_state_dict_pre_hooks.values()):
+            hook(self)
+
+    def _run_state_dict_post_hooks(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        for hook in list(self._optimizer_state_dict_post_hooks.values()):
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
+
+    def _run_load_pre_hooks(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        state_dict = state_dict.copy()  # as torch's: a hook may replace entries, not the caller's
+        for hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            result = hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def _share_state(self) -> None:
         """The inner optimizer's state, also as ``opt.state``, where a lookup of a model

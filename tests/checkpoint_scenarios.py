@@ -247,6 +247,44 @@ def look_up_model_params_in_state(rank: int, world_size: int) -> dict[str, Any]:
             "pieces": sum(len(g["params"]) for g in opt.param_groups)}
 
 
+def state_dict_hooks(rank: int, world_size: int) -> dict[str, Any]:
+    """torch.optim's state-dict hooks registered on the ShardedOptimizer (checkpoint
+    tagging and migration): they run around full_state_dict(), state_dict() and
+    load_state_dict(), on the torch.optim-format dict, as torch's optimizer runs them.
+    Before, none ran and a migrating load hook was silently skipped."""
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(MODELS["mlp"]())
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    x, y = make_batch("mlp", 0, 0, rank)
+    loss_fn("mlp", model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    calls = []
+
+    def tag(optimizer, state_dict):
+        calls.append("save")
+        return dict(state_dict, tag="written by a hook")
+
+    def migrate(optimizer, state_dict):
+        calls.append("load")
+        for group in state_dict["param_groups"]:
+            group["lr"] = 0.123
+
+    opt.register_state_dict_pre_hook(lambda optimizer: calls.append("before save"))
+    opt.register_state_dict_post_hook(tag)
+    opt.register_load_state_dict_pre_hook(migrate)
+    opt.register_load_state_dict_post_hook(lambda optimizer: calls.append("loaded"))
+    full, shard = opt.full_state_dict(), opt.state_dict()
+    tags = [full.get("tag"), shard["shard"].get("tag")]
+    lrs = []
+    for saved in (full, shard):
+        for group in opt.param_groups:
+            group["lr"] = 1e-2
+        opt.load_state_dict(saved)
+        lrs.append([group["lr"] for group in opt.param_groups])
+    return {"calls": calls, "tags": tags, "lrs": lrs}
+
+
 def shard_under_another_topology(rank: int, world_size: int) -> Optional[str]:
     """A ``state_dict()`` shard saved on 2 nodes x 2, loaded on one node of 4 (a job
     resumed on another machine): ranks 1 and 2 own each other's slice there. Before,

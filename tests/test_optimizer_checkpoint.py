@@ -119,6 +119,13 @@ def test_model_parameter_lookups_in_opt_state_keep_it_saveable():
         assert "reset the entries of its pieces" in res["assignment"]
 
 
+def test_state_dict_hooks_run_as_on_a_torch_optimizer():
+    for res in run_distributed(2, checkpoint_scenarios.state_dict_hooks, timeout_s=120):
+        assert res["calls"] == ["before save", "save"] * 2 + ["load", "loaded"] * 2
+        assert res["tags"] == ["written by a hook"] * 2
+        assert res["lrs"] == [[0.123], [0.123]]
+
+
 def test_shard_of_another_slice_is_refused():
     errors = run_distributed(4, checkpoint_scenarios.shard_under_another_topology,
                              timeout_s=120)

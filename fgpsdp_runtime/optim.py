@@ -278,6 +278,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return self._norm_tensor(total)
 
     @torch.no_grad()
+    def clip_grad_value_(self, clip_value: float) -> None:
+        """Clamp the reduced gradient to [-clip_value, clip_value], as
+        torch.nn.utils.clip_grad_value_ would on DDP's gradients. A collective."""
+        clip_value = float(clip_value)
+        self._announce(AnnouncedCall.CLIP_VALUE, clip_value)
+        self._reduce_and_measure()  # every reduce-scatter landed, every stage-1 step taken
+        changed = torch.zeros(1, dtype=torch.float64, device=self._device)
+        for storage in self.model.buckets:
+            if storage.grad_shard_valid:
+                shard = storage.grad_shard
+                changed += (shard.abs() > clip_value).any()
+                shard.clamp_(-clip_value, clip_value)
+        # Whether any rank's slice changed: the step then measures the norm again
+        # and undoes the speculative steps (every rank decides alike).
+        self.model.all_reduce_sum(changed)
+        if changed.item() > 0:
+            self._values_clipped = True
+            self._clipped_norm = None
+
+    @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         if "grad_scale" in self.__dict__ or "found_inf" in self.__dict__:
             # GradScaler sets them (grad_scale None after an explicit unscale_()).
@@ -331,7 +351,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         model = self.model
         self._forget_stale_measurements()
         measured_earlier = self._reduced  # by clip_grad_norm_, before this call
-        total = self._reduce_and_measure()
+        self._reduce_and_measure()
+        # After clip_grad_value_, what the gradient holds now (its infs clamped: the
+        # step goes on, as torch's would).
+        total = self._norm_now()
         if self.max_grad_norm is not None:
             self._apply_clip(self.max_grad_norm)
         finite = math.isfinite(total)
@@ -359,6 +382,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # same on every rank (it uses only all-reduced figures).
         rolled_back = [b for b in sorted(speculated)
                        if not finite or self._applied_coefficient < 1.0 or other_hyperparameters
+                       or self._values_clipped
                        or self._speculated_on_scaled_gradients
                        or not self._bucket_fully_used(b)
                        or model.reducer.reduce_scatters_since_reset[b] != speculated[b][1]]
@@ -411,6 +435,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             # serial / overlap_backward: the parameters have landed when the step ends.
             model.finish_param_all_gathers()
         self._end_step(would_commit=finite and self._applied_coefficient >= 1.0
+                       and not self._values_clipped
                        and not other_hyperparameters
                        and not self._speculated_on_scaled_gradients)
 
@@ -520,6 +545,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._globally_used: Optional[list[bool]] = None
         self._applied_coefficient = 1.0  # clipping applied to the gradient this step
         self._clipped_norm: Optional[float] = None  # the norm measured after the last clip
+        self._values_clipped = False  # clip_grad_value_ changed an element on some rank
         # Some rank's speculative steps ran with other hyperparameters than the step's.
         self._speculated_with_other_hyperparameters = False
 
@@ -806,13 +832,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._clipped_norm = None  # measured again when asked for
 
     def _norm_now(self) -> float:
-        """The norm of what the reduced slices hold now. After a clip it is measured
-        again, as torch's second clip_grad_norm_ measures the clipped gradient: the
+        """The norm of what the reduced slices hold now. After a clip (or a
+        clip_grad_value_ that changed some element) it is measured again, as torch's
+        second clip_grad_norm_ measures the clipped gradient: the
         total times the coefficient differs from that by the clipped elements'
         rounding, and a second coefficient taken from it would be off in the last
         bits. A collective then (every rank clipped alike: the decision used only
         all-reduced figures)."""
-        if self._applied_coefficient == 1.0:
+        if self._applied_coefficient == 1.0 and not self._values_clipped:
             return self._total_norm
         if self._clipped_norm is None:
             local = torch.zeros(2, dtype=torch.float64, device=self._device)

@@ -59,6 +59,7 @@ class AnnouncedCall(enum.IntEnum):
     FULL_STATE = 6     # args: (rank0_only,)
     REFUSED = 7        # the active ranks raise: so does the joined one
     LOAD = 8           # a model or optimizer load (refused once a rank has joined)
+    CLIP_VALUE = 9     # args: (clip_value,)
 
 
 _N_CALLS = len(AnnouncedCall)
@@ -221,6 +222,8 @@ class UnevenInputs:
             model.begin_param_exchange()
         elif call is AnnouncedCall.CLIP:
             optimizer.clip_grad_norm_(args[0])
+        elif call is AnnouncedCall.CLIP_VALUE:
+            optimizer.clip_grad_value_(args[0])
         elif call is AnnouncedCall.ZERO_GRAD:
             if optimizer is not None:
                 optimizer.zero_grad(set_to_none=args[0] > 0.5)

@@ -494,6 +494,9 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
             to_none = cfg["zero_before_step"] == "none"
             opt.zero_grad(set_to_none=to_none)
             ref_opt.zero_grad(set_to_none=to_none)
+        if cfg.get("clip_value"):
+            opt.clip_grad_value_(cfg["clip_value"])
+            torch.nn.utils.clip_grad_value_(ref.parameters(), cfg["clip_value"])
         if cfg.get("manual_clip"):
             norms.append(float(opt.clip_grad_norm_(cfg["manual_clip"])))
             ref_norms.append(reference_clip_(ref.parameters(), cfg["manual_clip"]))

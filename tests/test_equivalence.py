@@ -26,6 +26,9 @@ SCENARIOS = {
     "manual_clip": {"manual_clip": 0.05},
     # clip_grad_norm_ in the loop and max_grad_norm: the second clips the clipped gradient.
     "manual_clip_then_max_norm": {"manual_clip": 0.05, "max_grad_norm": 0.03},
+    # clip_grad_value_ (it clamps some elements in every step), and then the norm.
+    "clip_value": {"clip_value": 0.02},
+    "clip_value_then_manual_clip": {"clip_value": 0.02, "manual_clip": 0.05},
     "no_sync": {"accumulate": 3},
     "no_sync_via_flag": {"accumulate": 3, "no_sync_via_flag": True},
     # torch DDP decides at forward: no_sync() around the forward alone skips the

@@ -17,7 +17,8 @@ CASES = ("adamw_groups", "clip_triggers", "clip_triggers_nesterov", "clip_idle",
          "order_change", "hyperparameters_after_backward", "hyperparameters_after_clip",
          "model_zero_grad", "zero_before_step", "checkpointed", "checkpointed_reentrant",
          "checkpointed_reentrant_no_sync", "pre_hooks", "parent_reads", "channels_last",
-         "no_sync_forward_only", "step_counters", "betas_in_place_after_clip")
+         "no_sync_forward_only", "step_counters", "betas_in_place_after_clip", "clip_value",
+         "clip_value_then_manual_clip")
 # Many small buckets, so that two_stage has stage-1 buckets to speculate on.
 SMALL_BUCKETS_MB = 0.0001
 
@@ -62,6 +63,8 @@ def test_two_stage_commits_and_rolls_back(topology):
     assert res["no_sync_forward_only"]["rollbacks"] == 0
     assert res["clip_triggers"]["rollbacks"] > 0 and res["clip_triggers"]["commits"] == 0
     assert res["manual_clip"]["rollbacks"] > 0
+    clamped = results("two_stage", topology)[0]["clip_value"]
+    assert clamped["rollbacks"] > 0 and clamped["commits"] == 0
     assert res["unused"]["rollbacks"] > 0  # buckets holding a parameter no rank used
     assert res["accumulate_synced"]["rollbacks"] > 0  # forward between backward and step
     # zero_grad between backward and step undoes that step's speculation, and the

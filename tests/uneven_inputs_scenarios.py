@@ -72,10 +72,14 @@ def train_uneven(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
     norms: list[float] = []
 
     def ours_clip():
+        if cfg.get("clip_value"):
+            opt.clip_grad_value_(cfg["clip_value"])
         if manual:
             norms.append(float(opt.clip_grad_norm_(manual)))
 
     def ref_clip():
+        if cfg.get("clip_value"):
+            torch.nn.utils.clip_grad_value_(ref.parameters(), cfg["clip_value"])
         for limit in (max_norm, manual):
             if limit is not None:
                 reference_clip_(ref.parameters(), limit)
@@ -118,6 +122,9 @@ CASES = {
     "2r-speculation-resumes": {"schedule": "two_stage", "overlap_plan": "layout",
                                "bucket_cap_mb": 0.002, "batches": [5, 2], "then_even_steps": 3,
                                "optimizer": "sgd_momentum", "skip_reference": True},
+    # clip_grad_value_ on the active rank: the joined one clamps its slices too.
+    "2r-clip-value": {"schedule": "two_stage", "overlap_plan": "layout", "bucket_cap_mb": 0.002,
+                      "batches": [3, 5], "clip_value": 0.02, "optimizer": "sgd_momentum"},
     "2r-average-over-active": {"batches": [4, 2], "optimizer": "sgd_momentum",
                                "join": {"divide_by_initial_world_size": False}},
     "2r-disabled-even": {"batches": [3, 3], "model": "bn_frozen", "join": {"enable": False}},

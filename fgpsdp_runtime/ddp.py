@@ -541,6 +541,15 @@ class DistributedDataParallel(nn.Module):
             "fgpsdp: torch.distributed.algorithms.Join([...]) is not supported; use "
             "`with model.join():` (one wrapped model; the ShardedOptimizer needs no joining)")
 
+    def _set_static_graph(self) -> None:
+        """torch DDP's late ``static_graph=True`` (trainers' strategies call it after
+        wrapping): accepted and unneeded, as the keyword is."""
+        self.static_graph = True
+
+    def will_sync_module_buffers(self) -> bool:
+        """torch DDP's: whether a forward broadcasts the buffers first."""
+        return self.forward_sync_buffers and bool(self._synced_buffers())
+
     # A torch DDP method with no meaning here: a clear error instead of
     # nn.Module's "has no attribute", which reads like a version mismatch.
     def register_comm_hook(self, state: object, hook: Any) -> None:

@@ -49,6 +49,9 @@ def train_with_keywords(rank: int, world_size: int, cfg: dict[str, Any]) -> dict
     before = _state(base)
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), **kw)
     ours = fgp.DistributedDataParallel(base, **kw, **cfg.get("ours_kw", {}))
+    if cfg.get("late_static_graph"):  # as trainers' strategies do after wrapping
+        ours._set_static_graph()
+        ref._set_static_graph()
     result = {
         "own_params_kept": (_equal(_state(ours.module)[0], before[0]),
                             _equal(_state(ref.module)[0], before[0])),
@@ -60,7 +63,9 @@ def train_with_keywords(rank: int, world_size: int, cfg: dict[str, Any]) -> dict
         "attributes": [(name, getattr(ours, name), getattr(ref, name)) for name in (
             "device", "dim", "static_graph", "gradient_as_bucket_view", "find_unused_parameters",
             "require_forward_param_sync", "require_backward_grad_sync", "mixed_precision",
-            "forward_sync_buffers")],
+            "forward_sync_buffers")] + [
+            ("will_sync_module_buffers()", ours.will_sync_module_buffers(),
+             ref.will_sync_module_buffers())],
         # The group object itself, never None (code calls model.process_group.size()).
         "same_process_group": ours.process_group is ref.process_group,
     }

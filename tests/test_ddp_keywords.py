@@ -33,6 +33,7 @@ CONFIGS = {
     "accepted_unneeded": {"kw": {"skip_all_reduce_unused_params": True,
                                  "batched_grad_copy": True, "static_graph": True,
                                  "gradient_as_bucket_view": True}},
+    "late_static_graph": {"kw": {}, "late_static_graph": True},
 }
 
 

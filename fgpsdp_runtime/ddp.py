@@ -256,13 +256,16 @@ class DistributedDataParallel(nn.Module):
                                        self._exchange, self.world_size, self.timeline,
                                        launch_during_backward=schedule != "serial")
         self.reducer.register_hooks()
-        self.reducer.round_start_listeners.append(self._announce_reduce_round)
+        # Weak, as every link from the reducer back to the wrapper: a cycle would keep
+        # a dropped wrapper (its hooks taking the module's gradients, its threads,
+        # groups and buckets) alive until the garbage collector's next full pass.
+        self.reducer.round_start_listeners.append(lifecycle.weak_call(self._announce_reduce_round))
         # A ShardedOptimizer registers itself: without one, a loop built for torch
         # DDP (a torch.optim optimizer on module.parameters()) would silently not
         # train, as param.grad stays None; the first backward warns instead.
         self._optimizer_ref: Optional[weakref.ref] = None  # see attach_optimizer
         self._warned_no_optimizer = False
-        self.reducer.backward_end_listeners.append(self._warn_if_no_optimizer)
+        self.reducer.backward_end_listeners.append(lifecycle.weak_call(self._warn_if_no_optimizer))
         self._param_gathers: dict[int, PendingOp] = {}
         # The scheduler thread starts stage-1 all-gathers while the main thread
         # may finish others.

@@ -15,6 +15,7 @@ import dataclasses
 import statistics
 import time
 import warnings
+import weakref
 from typing import Optional
 
 import torch.distributed as dist
@@ -27,7 +28,9 @@ _BOTTLENECK_LANES = {True: ("inter-rs", "inter-ag"), False: ("flat-rs", "flat-ag
 
 class PlanProfiler:
     def __init__(self, model, *, warmup_steps: int = 1, profiled_steps: int = 2):
-        self.model = model
+        # Weak: the wrapper holds this profiler (a cycle would keep a dropped wrapper
+        # alive until the garbage collector's next full pass).
+        self._model_ref = weakref.ref(model)
         self.warmup_steps = warmup_steps
         self.profiled_steps = profiled_steps
         self.steps = 0
@@ -41,6 +44,10 @@ class PlanProfiler:
         model.reducer.backward_end_listeners.append(self._on_backward_end)
         if warmup_steps == 0:
             self._start()
+
+    @property
+    def model(self):
+        return self._model_ref()
 
     # -- listeners (main thread) -------------------------------------------------
 

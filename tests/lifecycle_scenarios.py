@@ -55,8 +55,8 @@ def _resources() -> tuple[int, int]:
 
 
 def dropped_wrapper_is_freed(rank: int, world_size: int, schedule: str) -> dict[str, Any]:
-    """Build, train and drop a wrapper three times: it is freed, with its
-    threads, file descriptors and groups (the module lives on)."""
+    """Build, train and drop a wrapper three times: it is freed as it is dropped,
+    with its threads, file descriptors and groups (the module lives on)."""
     module = MLP()
     counts, freed = [], []
     for _ in range(3):
@@ -64,9 +64,15 @@ def dropped_wrapper_is_freed(rank: int, world_size: int, schedule: str) -> dict[
         opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
         _train(model, opt, rank, range(2))
         ref = weakref.ref(model)
-        del model, opt
+        # Freed when the loop drops it, as torch DDP is, not at the garbage
+        # collector's next full pass (till then its hooks took the module's gradients).
+        gc.disable()
+        try:
+            del model, opt
+            freed.append(ref() is None)
+        finally:
+            gc.enable()
         gc.collect()
-        freed.append(ref() is None)
         counts.append(_resources())
     # The dropped wrappers' hooks are gone from the module (their assign=True
     # refusal with them).

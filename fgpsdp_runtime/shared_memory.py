@@ -38,6 +38,8 @@ every rank agrees to fall back to gloo for good, with one warning.
 from __future__ import annotations
 
 import os
+import re
+import time
 import uuid
 import warnings
 from typing import Optional
@@ -57,6 +59,45 @@ _MAX_SLOT_BYTES = 16 * 2**20
 def shared_memory_dir() -> Optional[str]:
     """Where shared files go; None where the system has no tmpfs for them."""
     return _SHM_DIR if os.path.isdir(_SHM_DIR) and os.access(_SHM_DIR, os.W_OK) else None
+
+
+_REGION_NAME = re.compile(r"fgpsdp-(\d+)-[0-9a-f]{32}")
+# A region's name lives from its creation until every rank of the node has mapped
+# it; one older than this whose creator is gone was left by a killed job.
+_STALE_AFTER_S = 120.0
+
+
+def remove_stale_regions(directory: str) -> list[str]:
+    """Unlink region files whose creating process is gone: a SIGTERM (a scheduler's
+    cancel, torchrun stopping a job) while local rank 0 waited for its peers to map
+    a new region skips the unlink, and tmpfs would hold the file (up to 16 MiB x 2 x
+    (local ranks + 1)) until reboot. Only files older than _STALE_AFTER_S: a process
+    of another PID namespace sharing the directory may be alive though unseen here."""
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    now = time.time()
+    for name in names:
+        match = _REGION_NAME.fullmatch(name)
+        if match is None or int(match.group(1)) == os.getpid():
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+            continue  # alive
+        except ProcessLookupError:
+            pass
+        except (PermissionError, OverflowError):
+            continue  # another user's live process; or not a pid
+        path = os.path.join(directory, name)
+        try:
+            if now - os.stat(path).st_mtime > _STALE_AFTER_S:
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            pass  # gone meanwhile, or not ours to remove
+    return removed
 
 
 def _round_up(n: int, to: int) -> int:
@@ -207,6 +248,7 @@ class SharedMemoryCollectives:
         self.allocations += 1
 
     def _create(self, nbytes: int) -> Optional[str]:
+        remove_stale_regions(self.directory)
         path = os.path.join(self.directory, f"fgpsdp-{os.getpid()}-{uuid.uuid4().hex}")
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

@@ -6,7 +6,7 @@ import os
 import pytest
 import torch
 
-from fgpsdp_runtime.shared_memory import shared_memory_dir
+from fgpsdp_runtime.shared_memory import remove_stale_regions, shared_memory_dir
 
 from .dist_harness import run_distributed
 
@@ -168,3 +168,28 @@ def test_env_switch(monkeypatch):
     assert resolve(None, 4).shared_memory
     monkeypatch.setenv("FGPSDP_SHARED_MEMORY", "0")
     assert not resolve(None, 4).shared_memory
+
+
+def test_regions_left_by_a_killed_job_are_removed(tmp_path):
+    """A SIGTERM while local rank 0 waits for its peers to map a new region skips its
+    unlink: the next region's creation removes such files, and only those (their
+    creator gone, older than a region's name lives)."""
+    import subprocess
+    import sys
+    import time
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # its pid is free now (reused this soon: unlikely)
+    hexname = "0" * 32
+    old = time.time() - 3600
+    files = {"left": f"fgpsdp-{dead.pid}-{hexname}",
+             "fresh": f"fgpsdp-{dead.pid}-{'1' * 32}",            # still being mapped, maybe
+             "alive": f"fgpsdp-{os.getppid()}-{hexname}",          # its creator runs
+             "own": f"fgpsdp-{os.getpid()}-{hexname}",
+             "other": f"fgpsdp-{dead.pid}-notaregion"}
+    for key, name in files.items():
+        (tmp_path / name).write_bytes(b"x")
+        if key != "fresh":
+            os.utime(tmp_path / name, (old, old))
+    assert remove_stale_regions(str(tmp_path)) == [files["left"]]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        name for key, name in files.items() if key != "left")

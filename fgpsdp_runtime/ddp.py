@@ -563,6 +563,7 @@ class DistributedDataParallel(nn.Module):
             "bucket by bucket (inside a node, then across nodes), not all-reduced, so a torch "
             "DDP communication hook has no all-reduce to replace")
 
+    @torch.compiler.disable  # see the note at ShardedOptimizer.zero_grad
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset the gradients: this rank's reduced slices and those no_sync() left.
 
@@ -729,6 +730,7 @@ class DistributedDataParallel(nn.Module):
         if self._param_gathers:
             self.finish_param_all_gathers()
 
+    @torch.compiler.disable  # collectives: see the note at ShardedOptimizer.zero_grad
     def synchronize(self) -> None:
         """Block until every parameter of ``module`` holds its updated value.
 

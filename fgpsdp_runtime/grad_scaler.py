@@ -19,7 +19,7 @@ Other optimizers given to the same scaler go through torch's code unchanged.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional, Union
 
 import torch
 from torch.amp.grad_scaler import OptState
@@ -36,6 +36,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
     collectives for a ShardedOptimizer: call them on every rank.
     """
 
+    # Collectives and the optimizer's bookkeeping: run as they are under
+    # torch.compile (see the note at ShardedOptimizer.zero_grad).
+    @torch.compiler.disable
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         if not isinstance(optimizer, ShardedOptimizer):
             return super().unscale_(optimizer)
@@ -56,6 +59,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             device: torch.full((), float(found_inf), dtype=torch.float32, device=device)}
         state["stage"] = OptState.UNSCALED
 
+    @torch.compiler.disable
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         if not isinstance(optimizer, ShardedOptimizer) or not self._enabled:
             return super().step(optimizer, *args, **kwargs)
@@ -76,3 +80,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
             result = optimizer.step(*args, **kwargs)
         state["stage"] = OptState.STEPPED
         return result
+
+    @torch.compiler.disable
+    def update(self, new_scale: Optional[Union[float, torch.Tensor]] = None) -> None:
+        """torch's update, run as it is under torch.compile: the state it reads was
+        written by the eager unscale_ and step."""
+        super().update(new_scale)

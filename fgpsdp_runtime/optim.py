@@ -75,6 +75,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, model: DistributedDataParallel, optimizer_class: type, *,
                  param_groups: Optional[Sequence[dict[str, Any]]] = None,
                  max_grad_norm: Optional[float] = None, **defaults: Any):
+        # torch.compile(wrapper) gives an OptimizedModule around it; torch DDP's
+        # loops build their optimizer on that one's parameters alike.
+        model = getattr(model, "_orig_mod", model)
         if not isinstance(model, DistributedDataParallel):
             raise TypeError("ShardedOptimizer needs the fgpsdp_runtime.DistributedDataParallel "
                             f"wrapper, got {type(model).__name__}")
@@ -213,6 +216,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Parameter elements whose optimizer state this rank owns (padding excluded)."""
         return self.model.local_numel
 
+    # [Note: the optimizer's calls under torch.compile]
+    # step(), zero_grad(), the clips and train()/eval() run collectives, the
+    # scheduler's hand-over and Python bookkeeping: dynamo runs them as they are
+    # (``torch.compiler.disable``), also inside a compiled training step or under
+    # torch.compile(opt.step). Traced, a graph break on one rank's path (the plan
+    # profiler's broadcast, sent by rank 0 only) hung the others, and two_stage
+    # kept speculative steps that clipping had to undo, as the undo decision read
+    # a coefficient the traced clip never wrote.
+    @torch.compiler.disable
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.model.zero_grad(set_to_none=set_to_none)
         for group in self.optim.param_groups:
@@ -225,10 +237,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # Schedule-free optimizers move their parameters between the point they train
     # at and the average they evaluate at: train() before training, eval() before
     # an evaluation or a save (every rank, as with torch DDP).
+    @torch.compiler.disable
     def train(self) -> None:
         """The inner optimizer's ``train()`` (schedule-free's), on every rank."""
         self._rewrite_slices("train")
 
+    @torch.compiler.disable
     def eval(self) -> None:
         """The inner optimizer's ``eval()`` (schedule-free's), on every rank."""
         self._rewrite_slices("eval")
@@ -264,6 +278,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "its lr is raised)")
         super().add_param_group(param_group)
 
+    @torch.compiler.disable
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the reduced gradient as torch.nn.utils.clip_grad_norm_ would on DDP.
 
@@ -277,6 +292,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._apply_clip(float(max_norm))
         return self._norm_tensor(total)
 
+    @torch.compiler.disable
     @torch.no_grad()
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp the reduced gradient to [-clip_value, clip_value], as
@@ -297,6 +313,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._values_clipped = True
             self._clipped_norm = None
 
+    @torch.compiler.disable  # see the note at zero_grad
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         if "grad_scale" in self.__dict__ or "found_inf" in self.__dict__:

@@ -47,3 +47,25 @@ def test_speculative_steps_during_another_compile_match_torch_ddp():
     rounds otherwise (2.5e-7 off torch DDP). Speculative steps now wait the session out."""
     for rank, diff in enumerate(run_distributed(2, compile_scenarios.speculation_during_a_compile)):
         assert diff == 0.0, (rank, diff)
+
+
+STEP_CASES = [(what, compiled) for what in ("clip", "auto_plan", "scaler")
+              for compiled in (True, False)]
+
+
+def test_a_compiled_training_step_trains_as_the_eager_one():
+    """torch.compile around the whole step (and the wrapper): the optimizer's and the
+    scaler's calls run as they are, so the step is the eager one, bitwise."""
+    per_rank = run_distributed(2, compile_scenarios.compiled_training_steps, STEP_CASES,
+                               timeout_s=600)
+    for rank, res in enumerate(per_rank):
+        for what in ("clip", "auto_plan", "scaler"):
+            compiled, eager = res[(what, True)], res[(what, False)]
+            assert all(torch.equal(a, b) for a, b in zip(compiled["params"], eager["params"])), \
+                (rank, what, compiled["diff_to_ddp"], eager["diff_to_ddp"])
+            if what != "auto_plan":  # (a profiled plan's stage 1 follows the timings)
+                assert (compiled["rollbacks"], compiled["commits"]) == \
+                    (eager["rollbacks"], eager["commits"]), (rank, what)
+            if what != "scaler":
+                assert compiled["diff_to_ddp"] == 0.0, (rank, what, compiled["diff_to_ddp"])
+        assert res[("clip", True)]["rollbacks"] > 0  # clipping undid speculative steps

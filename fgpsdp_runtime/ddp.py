@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import group_pool, lifecycle, shutdown
+from . import lifecycle, shutdown
 from .buckets import BucketStorage, layout_strides
 from .comm import CommStats, FlatExchange, HierarchicalExchange
 from .ddp_options import (bucket_caps_bytes, buffer_sync, ignored_names, ignored_trainable_problem,
@@ -35,7 +35,7 @@ from .profiling import nvtx_range
 from .reducer import GradientReducer, in_backward
 from .tracing import Timeline
 from .topology import (NodeLayout, TopologyArg, check_contiguous_nodes, create_link_groups,
-                       group_timeout, hashed_group_names, new_group_like, resolve)
+                       hashed_group_names, new_group_like, resolve)
 from .uneven_inputs import AnnouncedCall, UnevenInputs
 from .validation import (SUPPORTED_DTYPES, agree_or_raise, describe, local_problems,
                          shared_memory_problem)
@@ -197,12 +197,10 @@ class DistributedDataParallel(nn.Module):
         # Bucket traffic goes over groups of its own (one per link class and
         # phase), driven by worker threads; the wrapper's group stays free for
         # broadcasts and the norm all-reduce. See link_worker.py.
-        # On a subgroup: groups named by a hash, kept for a later wrapper when this
-        # one is dropped (see topology.py and group_pool.py).
-        self._group_naming = hashed_group_names(process_group)
+        hashed_names = hashed_group_names(process_group)  # see topology.py
         if self.topology.uses_hierarchy:
-            rs_groups = create_link_groups(self.topology, process_group, self._group_naming)
-            ag_groups = create_link_groups(self.topology, process_group, self._group_naming)
+            rs_groups = create_link_groups(self.topology, process_group, hashed_names)
+            ag_groups = create_link_groups(self.topology, process_group, hashed_names)
             self._own_groups = [rs_groups.intra, rs_groups.inter, ag_groups.intra,
                                 ag_groups.inter]
             self._exchange = HierarchicalExchange(
@@ -211,7 +209,7 @@ class DistributedDataParallel(nn.Module):
         else:
             ranks = dist.get_process_group_ranks(process_group) if process_group \
                 else list(range(dist.get_world_size()))
-            self._own_groups = [new_group_like(ranks, process_group, self._group_naming)
+            self._own_groups = [new_group_like(ranks, process_group, hashed_names)
                                 for _ in range(2)]
             self._exchange = FlatExchange(
                 *self._own_groups, device, self._comm_stats, self.timeline,
@@ -807,12 +805,8 @@ class DistributedDataParallel(nn.Module):
         exchange = self.__dict__.get("_exchange")
         if exchange is not None:
             exchange.close()
-        naming = self.__dict__.get("_group_naming")
-        kept = naming.groups if naming is not None else []
-        timeout = group_timeout(self.__dict__.get("process_group"))
         for group in self.__dict__.get("_own_groups", ()):
-            if not (any(group is g for g in kept) and group_pool.release(group, timeout)):
-                lifecycle.destroy_gloo_group(group)
+            lifecycle.destroy_gloo_group(group)
 
 
 SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")

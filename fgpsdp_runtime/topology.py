@@ -20,9 +20,6 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
-from . import group_pool
-from .group_pool import ReusableGroups
-
 
 @dataclass(frozen=True)
 class Topology:
@@ -197,10 +194,8 @@ def group_timeout(group: Optional[dist.ProcessGroup]) -> Optional[timedelta]:
         return None
 
 
-def hashed_group_names(group: Optional[dist.ProcessGroup]) -> Optional[ReusableGroups]:
-    """How the wrapper's own groups over ``group`` are named: None, by torch's
-    counter; else by a hash of their ranks, taking back a dropped wrapper's groups
-    where every member can (see group_pool.py).
+def hashed_group_names(group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether the wrapper's own groups over ``group`` are named by a hash of their ranks.
 
     [Note: naming the groups of a wrapper on a subgroup]
     torch names a plain ``new_group`` by a per-process counter. Only a
@@ -211,53 +206,41 @@ def hashed_group_names(group: Optional[dist.ProcessGroup]) -> Optional[ReusableG
     ``use_local_synchronization=True`` torch hashes the ranks and the number
     of groups the process holds instead, and leaves the counter alone. That
     number must be the same on every member: the members compare it (a
-    collective over ``group``, which also tells each what the others released)
-    and fall back to the counter where it differs (a member also in a group the
-    others are not in), as before.
+    collective over ``group``) and fall back to the counter where it differs
+    (a member also in a group the others are not in), as before.
     """
     if group is None or dist.get_world_size(group) == dist.get_world_size():
-        return None  # every rank of the job builds it: the counter agrees
+        return False  # every rank of the job builds it: the counter agrees
     try:
         held = len(dist.distributed_c10d._world.pg_names)
     except AttributeError:  # private: another torch
         held = -1
-    mine = (held, dist.get_rank(), group_pool.offers())
-    gathered: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, mine, group=group)
-    if held < 0 or len({h for h, _, _ in gathered}) != 1:
-        return None
-    return group_pool.ReusableGroups({rank: offered for _, rank, offered in gathered})
+    counts: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(counts, held, group=group)
+    return held >= 0 and len(set(counts)) == 1
 
 
 def new_group_like(ranks: list[int], group: Optional[dist.ProcessGroup],
-                   naming: Optional[ReusableGroups] = None) -> dist.ProcessGroup:
+                   hashed_name: bool = False) -> dist.ProcessGroup:
     """A process group of ``ranks`` with ``group``'s timeout (every rank of ``group``
-    calls it, in the same order); ``naming``: see hashed_group_names."""
+    calls it, in the same order); ``hashed_name``: see hashed_group_names."""
     kwargs = {}
     timeout = group_timeout(group)
     if timeout is not None:
         kwargs["timeout"] = timeout
-    if naming is not None:
-        if dist.get_rank() in ranks:
-            kept = naming.take(ranks, timeout)
-            if kept is not None:
-                naming.keep(kept)
-                return kept
+    if hashed_name:
         try:
-            created = dist.new_group(ranks, use_local_synchronization=True, **kwargs)
-            naming.keep(created)
-            return created
+            return dist.new_group(ranks, use_local_synchronization=True, **kwargs)
         except ValueError as error:
-            # A live group has that name: groups destroyed since (a dropped
-            # world-wide wrapper's) lowered the count it hashes. Every member
-            # holds that group alike.
+            # A live group has that name: groups destroyed since (a dropped wrapper's)
+            # lowered the count it hashes. Every member holds that group alike.
             if "already been created" not in str(error):
                 raise
     return dist.new_group(ranks, **kwargs)
 
 
 def create_link_groups(layout: NodeLayout, group: Optional[dist.ProcessGroup],
-                       naming: Optional[ReusableGroups] = None) -> LinkGroups:
+                       hashed_names: bool = False) -> LinkGroups:
     """Create every node group and rail group, on every rank, in the same order."""
     def global_ranks(ranks):
         if group is None:
@@ -267,11 +250,11 @@ def create_link_groups(layout: NodeLayout, group: Optional[dist.ProcessGroup],
     rank = dist.get_rank(group)
     intra = inter = None
     for node in range(layout.nodes):
-        g = new_group_like(global_ranks(layout.intra_ranks(node)), group, naming)
+        g = new_group_like(global_ranks(layout.intra_ranks(node)), group, hashed_names)
         if layout.node_of(rank) == node:
             intra = g
     for local in range(layout.local_size):
-        g = new_group_like(global_ranks(layout.rail_ranks(local)), group, naming)
+        g = new_group_like(global_ranks(layout.rail_ranks(local)), group, hashed_names)
         if layout.local_rank(rank) == local:
             inter = g
     return LinkGroups(intra=intra, inter=inter)

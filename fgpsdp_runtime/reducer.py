@@ -60,6 +60,15 @@ def in_backward() -> bool:
     return task is not None and task() != -1
 
 
+def _in_compiled_autograd() -> bool:
+    """Whether this backward runs under compiled autograd (private: False elsewhere)."""
+    try:
+        from torch._dynamo import compiled_autograd
+    except ImportError:
+        return False
+    return bool(getattr(compiled_autograd, "in_compiled_autograd_region", False))
+
+
 class GradientReducer:
     """Packs gradients into buckets and reduce-scatters them during backward."""
 
@@ -316,6 +325,11 @@ class GradientReducer:
     def _queue_backward_end(self) -> None:
         # Runs once the whole backward has finished: flushes buckets whose
         # parameters got no gradient on this rank.
+        if _in_compiled_autograd():
+            raise RuntimeError(
+                "fgpsdp: compiled autograd (torch._dynamo.config.compiled_autograd) is not "
+                "supported: the reducer needs the end of backward, which it cannot see "
+                "there; turn it off (torch.compile of the forward works)")
         torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
         self._callback_queued = True
         self.backward_started_at = time.perf_counter()

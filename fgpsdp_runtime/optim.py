@@ -374,7 +374,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         total = self._norm_now()
         if self.max_grad_norm is not None:
             self._apply_clip(self.max_grad_norm)
-        finite = math.isfinite(total)
+        # Under loss scaling, an overflow skips the step even once clip_grad_value_
+        # has clamped its infs (torch's scaler decides by what unscale_ found).
+        finite = math.isfinite(total) and not (self._loss_unscaled
+                                               and not math.isfinite(self._total_norm))
         scheduler = model.scheduler
         speculated = scheduler.speculated if scheduler is not None else {}
         if measured_earlier and speculated:

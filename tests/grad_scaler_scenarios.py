@@ -21,8 +21,9 @@ def scaled_side_by_side(rank: int, world_size: int, case: dict) -> dict:
 
     case keys: ``schedule``; ``precision`` "float32" or "autocast_float16"
     (CPU autocast, from a scale that overflows float16 in the first
-    backwards); ``clip`` None, "optimizer" (``max_grad_norm``) or "manual"
-    (``scaler.unscale_`` then ``opt.clip_grad_norm_``, the AMP recipe);
+    backwards); ``clip`` None, "optimizer" (``max_grad_norm``), "manual"
+    (``scaler.unscale_`` then ``opt.clip_grad_norm_``, the AMP recipe) or "value"
+    (``scaler.unscale_`` then ``opt.clip_grad_value_``);
     ``rank0_overflows_at``: a step whose loss is inf on rank 0 only (the
     inf lands in some ranks' slices only); ``enabled``; ``loop_skips``: with
     clip "manual", the loop itself skips ``scaler.step`` when the norm is not
@@ -61,8 +62,13 @@ def scaled_side_by_side(rank: int, world_size: int, case: dict) -> dict:
         if clip == "manual":
             scaler.unscale_(opt)
             norms.append(float(opt.clip_grad_norm_(1.0)))
+        if clip == "value":  # clamps an overflow's inf: the step must still be skipped
+            scaler.unscale_(opt)
+            opt.clip_grad_value_(0.5)
         ref_scaler.unscale_(ref_opt)
-        if clip is not None:
+        if clip == "value":
+            torch.nn.utils.clip_grad_value_(ref.parameters(), 0.5)
+        elif clip is not None:
             ref_norms.append(reference_clip_(ref.parameters(), 1.0))
         skip = case.get("loop_skips") and not math.isfinite(ref_norms[-1])
         with warnings.catch_warnings(record=True) as caught:

@@ -229,6 +229,7 @@ def new_group_like(ranks: list[int], group: Optional[dist.ProcessGroup],
     if timeout is not None:
         kwargs["timeout"] = timeout
     if hashed_name:
+        _forget_old_rendezvous(ranks, group)
         try:
             return dist.new_group(ranks, use_local_synchronization=True, **kwargs)
         except ValueError as error:
@@ -237,6 +238,35 @@ def new_group_like(ranks: list[int], group: Optional[dist.ProcessGroup],
             if "already been created" not in str(error):
                 raise
     return dist.new_group(ranks, **kwargs)
+
+
+def _forget_old_rendezvous(ranks: list[int], group: Optional[dist.ProcessGroup]) -> None:
+    """Before a hash-named group is created: remove this rank's address of an earlier
+    group of that name from the job's store, then wait for every rank of ``group``.
+
+    torch's hash counts the groups a rank holds, so a wrapper dropped (its groups
+    destroyed) and built again on the same subgroup names its groups as before; the
+    store still held the old rendezvous addresses, and a member reading its peer's
+    before the peer had written a new one failed in gloo's connectFullMesh
+    ("Connection refused"; also right after a barrier). Every rank of ``group``
+    calls this for every group, in the same order (see new_group_like): after the
+    barrier no member's old address is left. Private torch API: where it is missing
+    (another torch, a store that cannot list its keys) nothing is removed.
+    """
+    member = dist.get_rank() in ranks
+    if member:
+        try:
+            c10d = dist.distributed_c10d
+            name = c10d._hash_ranks_to_str(sorted(ranks))
+            if name not in c10d._world.pg_names.values():  # a live group: left alone
+                store = c10d._get_default_store()
+                own = f"/{sorted(ranks).index(dist.get_rank())}"
+                for key in store.list_keys():
+                    if key.startswith(f"{name}/") and key.endswith(own):
+                        store.delete_key(key)
+        except (AttributeError, RuntimeError, NotImplementedError, ValueError):
+            pass
+    dist.barrier(group=group)
 
 
 def create_link_groups(layout: NodeLayout, group: Optional[dist.ProcessGroup],

@@ -108,3 +108,39 @@ def test_subgroup_wrappers_where_hashed_names_would_not_agree(scenario):
     hang); a name taken by a live group raised. Both fall back to torch's counter."""
     results = run_distributed(3, scenario, timeout_s=120, pg_timeout_s=20)
     assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))
+
+
+def _rewrapped_one_member_late(rank: int, world_size: int) -> dict:
+    """Pairs [0, 1] and [2, 3] wrap, train, drop the wrapper and wrap again, one
+    member of each pair a while after the other (a slower data loader), then both at
+    once. The new groups get the dropped ones' names (torch's hash counts the groups
+    held); before, the member arriving first read its peer's address of the old
+    rendezvous from the store: gloo's connection refused."""
+    import gc
+    import time
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = pairs[rank // 2]
+    module = MLP()
+    held, names = [], []
+    for phase in range(3):
+        if phase == 1 and rank % 2:
+            time.sleep(2.0)
+        model = fgp.DistributedDataParallel(module, process_group=group, topology="flat")
+        opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+        for step in range(2):
+            x, y = make_batch("mlp", step, 0, rank)
+            loss_fn("mlp", model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        names.append(sorted(g.group_name for g in model._own_groups))
+        del model, opt
+        gc.collect()
+        held.append(len(dist.distributed_c10d._world.pg_names))
+    return {"held": held, "names": names}
+
+
+def test_a_subgroup_wrapper_rebuilt_with_one_member_late():
+    results = run_distributed(4, _rewrapped_one_member_late, timeout_s=180, pg_timeout_s=30)
+    for res in results:
+        assert res["held"][0] == res["held"][1] == res["held"][2], res
+        assert res["names"][0] == res["names"][1] == res["names"][2], res

@@ -162,3 +162,30 @@ def compiled_training_step(rank: int, world_size: int, what: str, compiled: bool
 
 def compiled_training_steps(rank: int, world_size: int, cases: list[tuple]) -> dict:
     return {case: compiled_training_step(rank, world_size, *case) for case in cases}
+
+
+def compiled_autograd_refused(rank: int, world_size: int) -> str:
+    """Compiled autograd (a backward inside a compiled function with
+    torch._dynamo.config.compiled_autograd on): our error on every rank, where
+    torch's assertion about queue_callback() said nothing of the cause. Returns the
+    message; compiled autograd is off again afterwards."""
+    import torch._dynamo
+    previous = torch._dynamo.config.compiled_autograd
+    torch._dynamo.config.compiled_autograd = True  # read when torch.compile wraps
+    try:
+        torch.manual_seed(0)
+        model = fgp.DistributedDataParallel(MLP())
+        fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+
+        @torch.compile(backend=BACKEND)
+        def forward_backward(x):
+            loss = model(x).square().mean()
+            loss.backward()
+            return loss
+
+        forward_backward(make_batch("mlp", 0, 0, rank)[0])
+        return "no error"
+    except RuntimeError as error:
+        return str(error)
+    finally:
+        torch._dynamo.config.compiled_autograd = previous

@@ -69,3 +69,9 @@ def test_a_compiled_training_step_trains_as_the_eager_one():
             if what != "scaler":
                 assert compiled["diff_to_ddp"] == 0.0, (rank, what, compiled["diff_to_ddp"])
         assert res[("clip", True)]["rollbacks"] > 0  # clipping undid speculative steps
+
+
+def test_compiled_autograd_is_refused_with_a_clear_error():
+    for message in run_distributed(2, compile_scenarios.compiled_autograd_refused,
+                                   timeout_s=300):
+        assert "compiled autograd" in message and "not supported" in message, message

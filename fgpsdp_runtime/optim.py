@@ -301,11 +301,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._announce(AnnouncedCall.CLIP_VALUE, clip_value)
         self._reduce_and_measure()  # every reduce-scatter landed, every stage-1 step taken
         changed = torch.zeros(1, dtype=torch.float64, device=self._device)
-        for storage in self.model.buckets:
-            if storage.grad_shard_valid:
-                shard = storage.grad_shard
-                changed += (shard.abs() > clip_value).any()
-                shard.clamp_(-clip_value, clip_value)
+        for shard in self._valid_grad_shards():
+            changed += (shard.abs() > clip_value).any()
+            shard.clamp_(-clip_value, clip_value)
         # Whether any rank's slice changed: the step then measures the norm again
         # and undoes the speculative steps (every rank decides alike).
         self.model.all_reduce_sum(changed)
@@ -522,9 +520,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._speculated_on_scaled_gradients = bool(scheduler.speculated)
             scheduler.stop_speculating("the gradients are loss-scaled (ShardedGradScaler)",
                                        warn=False)
-        shards = [s.grad_shard for s in self.model.buckets if s.grad_shard_valid]
         by_kind: dict[tuple, list[torch.Tensor]] = {}
-        for shard in shards:
+        for shard in self._valid_grad_shards():
             by_kind.setdefault((shard.device, shard.dtype), []).append(shard)
         for (device, _), grads in by_kind.items():
             found = torch.zeros((), dtype=torch.float32, device=device)  # the norm sees infs too
@@ -851,6 +848,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._applied_coefficient *= coefficient
             self._clipped_norm = None  # measured again when asked for
 
+    def _valid_grad_shards(self) -> list[torch.Tensor]:
+        """This rank's reduced gradient slices, bucket by bucket, but those holding no
+        gradient since zero_grad(set_to_none=True)."""
+        return [s.grad_shard for s in self.model.buckets if s.grad_shard_valid]
+
     def _norm_now(self) -> float:
         """The norm of what the reduced slices hold now. After a clip (or a
         clip_grad_value_ that changed some element) it is measured again, as torch's
@@ -863,9 +865,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return self._total_norm
         if self._clipped_norm is None:
             local = torch.zeros(2, dtype=torch.float64, device=self._device)
-            for storage in self.model.buckets:
-                if storage.grad_shard_valid:
-                    local += multi_tensor_sq_norm([storage.grad_shard])
+            for shard in self._valid_grad_shards():  # in bucket order, as the first total
+                local += multi_tensor_sq_norm([shard])
             with self.model.timeline.span("compute", "norm all-reduce"):
                 self.model.all_reduce_sum(local)
             sq_sum, nonfinite = (float(v) for v in local.cpu())

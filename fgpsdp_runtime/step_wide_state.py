@@ -57,8 +57,8 @@ def copy_value(value: Any) -> Any:
     if isinstance(value, _IMMUTABLE) or (
             type(value) is tuple and all(isinstance(v, _IMMUTABLE) for v in value)):
         return value
-    if type(value) in (list, tuple):
-        return type(value)(copy_value(v) for v in value)
+    if type(value) is tuple:
+        return tuple(copy_value(v) for v in value)
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
         return type(value)(*(copy_value(v) for v in value))
     if isinstance(value, (list, dict)):  # subclasses too: OrderedDict, defaultdict

@@ -62,13 +62,7 @@ def detached_read_side_by_side(rank: int, world_size: int, schedule: str,
         with torch.no_grad():
             ours(_batch(99, rank)[0])
             ref(_batch(99, rank)[0])
-    for step in range(steps):
-        x, y = _batch(step, rank)
-        for model, optimizer in ((ours, opt), (ref, ref_opt)):
-            optimizer.zero_grad()
-            F.mse_loss(model(x), y).backward()
-            optimizer.step()
-    ours.synchronize()
+    _train_both(ours, opt, ref, ref_opt, rank, steps)
     return _param_diff(ours, ref)
 
 
@@ -135,6 +129,17 @@ def _plain_side_by_side(rank: int, schedule: str, build=PlainNet,
     cls, lr = optimizer
     opt = fgp.ShardedOptimizer(ours, cls, lr=lr)
     return ours, opt, ref, cls(ref.parameters(), lr=lr)
+
+
+def _train_both(ours, opt, ref, ref_opt, rank: int, steps: int) -> None:
+    """``steps`` steps of ours and of torch DDP on the same batches, zeroing first."""
+    for step in range(steps):
+        x, y = _batch(step, rank)
+        for model, optimizer in ((ours, opt), (ref, ref_opt)):
+            optimizer.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            optimizer.step()
+    ours.synchronize()
 
 
 def _param_diff(ours, ref) -> float:
@@ -324,11 +329,5 @@ def user_grad_hooks_side_by_side(rank: int, world_size: int, schedule: str,
     # SGD: its update scales with the gradient (AdamW's would hide the halving).
     opt = fgp.ShardedOptimizer(ours, torch.optim.SGD, lr=0.1, momentum=0.9)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
-    for step in range(3):
-        x, y = _batch(step, rank)
-        for model, optimizer in ((ours, opt), (ref, ref_opt)):
-            optimizer.zero_grad()
-            F.mse_loss(model(x), y).backward()
-            optimizer.step()
-    ours.synchronize()
+    _train_both(ours, opt, ref, ref_opt, rank, 3)
     return {"diff": _param_diff(ours, ref), "saw_none": len(saw_none)}

@@ -12,7 +12,7 @@ from torch import nn
 
 import fgpsdp_runtime as fgp
 
-from .scenarios import MLP, make_batch
+from .scenarios import MLP, make_batch, param_diff
 
 BACKEND = "aot_eager"  # dynamo and AOTAutograd as inductor sees them, without its C++ build
 
@@ -62,11 +62,14 @@ def compiled_side_by_side(rank: int, world_size: int, how: str, schedule: str,
         ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
+    return _params_and_diff(ours, ref)
+
+
+def _params_and_diff(ours, ref) -> dict:
+    """Our parameters once landed, and their largest difference to torch DDP's."""
     ours.synchronize()
     return {"params": [p.detach().clone() for p in ours.module.parameters()],
-            "diff_to_ddp": max(float((a.detach() - b.detach()).abs().max())
-                               for a, b in zip(ours.module.parameters(),
-                                               ref.module.parameters()))}
+            "diff_to_ddp": param_diff(ours, ref)}
 
 
 def compiled_many(rank: int, world_size: int, cases: list[tuple]) -> dict:
@@ -152,11 +155,7 @@ def compiled_training_step(rank: int, world_size: int, what: str, compiled: bool
             reference_clip_(ref.parameters(), max_norm)
         ref_opt.step()
         ref_opt.zero_grad()
-    wrapper.synchronize()
-    return {"params": [p.detach().clone() for p in wrapper.module.parameters()],
-            "diff_to_ddp": max(float((a.detach() - b.detach()).abs().max())
-                               for a, b in zip(wrapper.module.parameters(),
-                                               ref.module.parameters())),
+    return {**_params_and_diff(wrapper, ref),
             "rollbacks": wrapper.scheduler.rollbacks, "commits": wrapper.scheduler.commits}
 
 

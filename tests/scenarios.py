@@ -326,6 +326,22 @@ def train_eval_modes(rank: int, world_size: int, schedule: str, steps: int = 4) 
             "eval_diffs": eval_diffs}
 
 
+def train_both(pairs, rank: int, steps: int, model_name: str = "mlp") -> None:
+    """``steps`` plain steps of each (model, optimizer) pair on the same batches."""
+    for step in range(steps):
+        x, y = make_batch(model_name, step, 0, rank)
+        for model, optimizer in pairs:
+            loss_fn(model_name, model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+
+def param_diff(ours, ref) -> float:
+    """Largest parameter difference between two wrapped models' modules."""
+    return max(float((a.detach() - b.detach()).abs().max())
+               for a, b in zip(ours.module.parameters(), ref.module.parameters()))
+
+
 class _GroupSpec:
     """A plain object a param group carries (no ``==`` of its own)."""
 
@@ -350,15 +366,9 @@ def groups_holding_objects(rank: int, world_size: int, schedule: str, steps: int
     opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, param_groups=groups(base), lr=1e-2)
     ref_opt = torch.optim.AdamW(groups(ref_module), lr=1e-2)
     held = [(g["module"], g["spec"]) for g in opt.param_groups]
-    for step in range(steps):
-        x, y = make_batch("mlp", step, 0, rank)
-        for model, optimizer in ((ours, opt), (ref, ref_opt)):
-            loss_fn("mlp", model(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    train_both([(ours, opt), (ref, ref_opt)], rank, steps)
     ours.synchronize()
-    return {"param_diff": max(float((a.detach() - b.detach()).abs().max()) for a, b in
-                              zip(ours.module.parameters(), ref.module.parameters())),
+    return {"param_diff": param_diff(ours, ref),
             "same_objects": all(g["module"] is m and g["spec"] is s
                                 for g, (m, s) in zip(opt.param_groups, held)),
             "commits": ours.scheduler.commits if ours.scheduler else None}

@@ -13,7 +13,7 @@ from torch import nn
 import fgpsdp_runtime as fgp
 
 from .dist_harness import run_distributed
-from .scenarios import MLP, loss_fn, make_batch
+from .scenarios import MLP, param_diff, train_both
 
 
 def _disjoint_subgroups(rank: int, world_size: int, torchrun_env: bool) -> dict:
@@ -31,15 +31,9 @@ def _disjoint_subgroups(rank: int, world_size: int, torchrun_env: bool) -> dict:
                                        topology=None if torchrun_env else "flat")
     opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for step in range(3):
-        x, y = make_batch("mlp", step, 0, rank)
-        for model, optimizer in ((ours, opt), (ref, ref_opt)):
-            loss_fn("mlp", model(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    train_both([(ours, opt), (ref, ref_opt)], rank, 3)
     ours.synchronize()
-    diff = max(float((a - b).abs().max())
-               for a, b in zip(ours.module.parameters(), ref.module.parameters()))
+    diff = param_diff(ours, ref)
     names: list = [None] * world_size
     dist.all_gather_object(names, sorted(g.group_name for g in ours._own_groups))
     # A group every rank creates after the wrappers: the same one everywhere.
@@ -127,11 +121,7 @@ def _rewrapped_one_member_late(rank: int, world_size: int) -> dict:
             time.sleep(2.0)
         model = fgp.DistributedDataParallel(module, process_group=group, topology="flat")
         opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
-        for step in range(2):
-            x, y = make_batch("mlp", step, 0, rank)
-            loss_fn("mlp", model(x), y).backward()
-            opt.step()
-            opt.zero_grad()
+        train_both([(model, opt)], rank, 2)
         names.append(sorted(g.group_name for g in model._own_groups))
         del model, opt
         gc.collect()

@@ -48,6 +48,11 @@ def local_problems(module: torch.nn.Module,
                    trainable: Sequence[tuple[str, torch.nn.Parameter]]) -> list[str]:
     """What this rank finds wrong with its module, as sentences."""
     problems = []
+    if torch.is_inference_mode_enabled():
+        # Tensors made here could never join an autograd graph (torch DDP fails too,
+        # on its first in-place broadcast).
+        problems.append("the wrapper was built under torch.inference_mode(); build it "
+                        "outside (torch.no_grad() is fine)")
     devices = {p.device for _, p in trainable}
     if len(devices) > 1:
         listing = ", ".join(f"{n} on {p.device}" for n, p in trainable[:8])
@@ -56,6 +61,12 @@ def local_problems(module: torch.nn.Module,
     for name, param in trainable:
         if param.device.type == "meta":
             problems.append(f"parameter '{name}' is on the meta device; materialise it first")
+            break
+        if param.is_inference():
+            problems.append(f"parameter '{name}' is an inference tensor (made under "
+                            "torch.inference_mode()) and cannot be trained; create the "
+                            "module outside inference mode, or replace it with "
+                            "nn.Parameter(t.clone()) outside it")
             break
         if param.dtype not in SUPPORTED_DTYPES:
             problems.append(f"parameter '{name}' has dtype {param.dtype}; supported: "

@@ -387,3 +387,20 @@ def settings_equal_in_other_types(rank, world_size):
                                         schedule="next_forward", overlap_plan=plan)
     fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1, max_grad_norm=1 if rank else 1.0)
     return len(model.buckets)
+
+
+def built_under_inference_mode(rank, world_size):
+    # Before: an AttributeError on a grad_fn of None, on that rank alone.
+    model = MLP()
+    if rank == 1:
+        with torch.inference_mode():
+            fgp.DistributedDataParallel(model)
+    else:
+        fgp.DistributedDataParallel(model)
+
+
+def inference_tensor_parameter(rank, world_size):
+    # Before: "Inference tensors do not track version counter", on that rank alone.
+    with torch.inference_mode(rank == world_size - 1):
+        model = MLP()
+    fgp.DistributedDataParallel(model)

@@ -52,7 +52,8 @@ def reference_multi_tensor_pack(tensors: Sequence[torch.Tensor], flat: torch.Ten
     """``flat[offsets[i]:offsets[i] + n_i] = cast(tensors[i] * scale)``."""
     for t, off in zip(tensors, offsets):
         compute = torch.float64 if torch.float64 in (t.dtype, flat.dtype) else torch.float32
-        flat[off:off + t.numel()].copy_(t.reshape(-1).to(compute).mul_(scale))
+        # Not in place: .to() returns the tensor itself when the dtype matches.
+        flat[off:off + t.numel()].copy_(t.reshape(-1).to(compute) * scale)
 
 
 def reference_multi_tensor_unpack(flat: torch.Tensor, tensors: Sequence[torch.Tensor],
@@ -60,7 +61,7 @@ def reference_multi_tensor_unpack(flat: torch.Tensor, tensors: Sequence[torch.Te
     """``tensors[i] = cast(flat[offsets[i]:offsets[i] + n_i] * scale)``."""
     for t, off in zip(tensors, offsets):
         compute = torch.float64 if torch.float64 in (t.dtype, flat.dtype) else torch.float32
-        t.copy_(flat[off:off + t.numel()].to(compute).mul_(scale).view_as(t))
+        t.copy_((flat[off:off + t.numel()].to(compute) * scale).view_as(t))
 
 
 def reference_multi_tensor_sq_norm(tensors: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -117,6 +117,21 @@ def test_unpack_inverts_pack(dtype, sizes, device):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_references_leave_their_inputs_alone(dtype):
+    # They run where the extension has no kernels for the device (a CUDA tensor,
+    # _C built without CUDA): before, with equal dtypes, pack scaled the gradients
+    # in place and unpack the flat buffer.
+    tensors = random_tensors(dtype, "cpu", [5, 17])
+    before = [t.clone() for t in tensors]
+    flat = torch.zeros(22, dtype=dtype)
+    ops.reference_multi_tensor_pack(tensors, flat, [0, 5], 0.5)
+    assert all(torch.equal(a, b) for a, b in zip(tensors, before))
+    flat_before = flat.clone()
+    ops.reference_multi_tensor_unpack(flat, [torch.empty_like(t) for t in tensors], [0, 5], 2.0)
+    assert torch.equal(flat, flat_before)
+
+
 def test_pack_rejects_bad_input():
     flat = torch.zeros(10)
     with pytest.raises(RuntimeError, match="not contiguous"):

@@ -1,6 +1,8 @@
 // dtype dispatch for the torch-free kernels: one switch, used by every launcher.
 #pragma once
 
+#include <type_traits>
+
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -56,22 +58,21 @@ __device__ __forceinline__ __half from_float<__half>(float v) { return __float2h
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
-// Scale-and-cast in float, or in double when either side is double.
+// A double narrowed as torch's CPU casts narrow it: to float first, then to Out.
+template <typename T>
+__device__ __forceinline__ T from_double(double v) { return from_float<T>(static_cast<float>(v)); }
+template <>
+__device__ __forceinline__ double from_double<double>(double v) { return v; }
+
+// Scale-and-cast in float, or in double when either side is double (half and
+// bfloat16 included: the CPU twin and ops.reference_* compute so too).
 template <typename Out, typename In>
 __device__ __forceinline__ Out scale_cast(In v, float scale_f, double scale_d) {
-  return from_float<Out>(to_float(v) * scale_f);
-}
-template <>
-__device__ __forceinline__ double scale_cast<double, double>(double v, float, double scale_d) {
-  return v * scale_d;
-}
-template <>
-__device__ __forceinline__ float scale_cast<float, double>(double v, float, double scale_d) {
-  return static_cast<float>(v * scale_d);
-}
-template <>
-__device__ __forceinline__ double scale_cast<double, float>(float v, float, double scale_d) {
-  return static_cast<double>(v) * scale_d;
+  if constexpr (std::is_same<In, double>::value || std::is_same<Out, double>::value) {
+    return from_double<Out>(to_double(v) * scale_d);
+  } else {
+    return from_float<Out>(to_float(v) * scale_f);
+  }
 }
 
 }  // namespace cuda

@@ -15,13 +15,23 @@ file in /dev/shm, the intra-node phases (and the whole exchange of a
 one-node group) go through shared memory instead (shared_memory.py); the
 inter-node phase stays on gloo. ``Topology(shared_memory=False)`` or
 ``FGPSDP_SHARED_MEMORY=0`` turns it off; ``node_transport`` says which ran.
+
+[Note: memory on the link streams]
+On CUDA each worker runs its collectives on a stream of its own, and NCCL
+called synchronously there neither records its tensors on that stream nor
+keeps them. A tensor allocated on the compute stream (a send buffer, the
+node's partial sum between the two reduce-scatter phases) is dropped by the
+host once its task has been queued; without more, the caching allocator
+would hand its block to the next allocation on the compute stream while
+the slower link has not read it yet (silently wrong gradients). So every
+tensor a task uses is recorded on the worker's stream (record_stream): the
+block is reused only after the work queued there when it was freed.
 """
 from __future__ import annotations
 
 import threading
 import time
 from collections import defaultdict
-from concurrent.futures import Future
 from typing import Callable, Optional
 
 import torch
@@ -135,26 +145,34 @@ class _Exchange:
         shutdown.stop_and_join(self.workers)
 
     def _submit(self, worker: LinkWorker, fn: Callable[[], None], name: str,
-                after: Optional[tuple[Future, LinkWorker]] = None) -> PendingOp:
+                uses: tuple[torch.Tensor, ...], after: Optional[PendingOp] = None) -> PendingOp:
         """Run ``fn`` on ``worker``; with ``after``, once that phase has finished.
 
         On CUDA the work is ordered after what the submitting stream has queued
-        so far (ready event), or after the first phase's stream, and the
-        returned op makes the waiting stream wait for it, without a host sync.
+        so far (ready event), or after the first phase's own collective (its
+        done event: not the whole of its stream, which may already hold later
+        buckets' first phases), and the returned op makes the waiting stream
+        wait for it, without a host sync. ``uses`` are the tensors ``fn`` reads
+        or writes: the caching allocator must not hand their memory to another
+        stream's work before this one's is done (see [Note: memory on the link
+        streams]).
         """
         ready = None
-        if worker.stream is not None and after is None:
-            ready = torch.cuda.Event()
-            ready.record()
+        if worker.stream is not None:
+            for tensor in uses:
+                tensor.record_stream(worker.stream)
+            if after is None:
+                ready = torch.cuda.Event()
+                ready.record(torch.cuda.current_stream(self.device))
         done = torch.cuda.Event() if worker.stream is not None else None
         timeline = self.timeline
 
         def task():
             if after is not None:
-                first, first_worker = after
-                first.result()  # re-raises a failure of the first phase
+                after.future.result()  # re-raises a failure of the first phase
                 if worker.stream is not None:
-                    worker.stream.wait_stream(first_worker.stream)
+                    # Recorded before the first phase's future was resolved.
+                    worker.stream.wait_event(after.done_event)
             if worker.stream is not None:
                 start = timeline.cuda_span_events(worker.stream)
                 run_to_end(fn())
@@ -200,7 +218,7 @@ class FlatExchange(_Exchange):
         return self._submit(self.rs_worker,
                             self._collective("reduce_scatter", self.rs_group, self._rs_shm,
                                              output, input, self.rs_worker),
-                            f"RS {label}")
+                            f"RS {label}", uses=(output, input))
 
     def start_all_gather(self, output: torch.Tensor, input: torch.Tensor,
                          label: str = "") -> PendingOp:
@@ -209,7 +227,7 @@ class FlatExchange(_Exchange):
         return self._submit(self.ag_worker,
                             self._collective("all_gather", self.ag_group, self._ag_shm, output,
                                              input, self.ag_worker),
-                            f"AG {label}")
+                            f"AG {label}", uses=(output, input))
 
     @property
     def workers(self) -> tuple[LinkWorker, ...]:
@@ -247,12 +265,12 @@ class HierarchicalExchange(_Exchange):
         first = self._submit(self.intra_rs,
                              self._collective("reduce_scatter", groups.intra, self._rs_shm,
                                               partial, input, self.intra_rs),
-                             f"RS {label}")
+                             f"RS {label}", uses=(partial, input))
         slots = self.inter_rs.in_flight
         return self._submit(self.inter_rs,
                             lambda: start_reduce_scatter(groups.inter, output, partial,
                                                          scratch_slots=slots),
-                            f"RS {label}", after=(first.future, self.intra_rs))
+                            f"RS {label}", uses=(output, partial), after=first)
 
     def start_all_gather(self, output: torch.Tensor, input: torch.Tensor,
                          label: str = "") -> PendingOp:
@@ -269,11 +287,11 @@ class HierarchicalExchange(_Exchange):
         first = self._submit(self.inter_ag,
                              lambda: start_all_gather(groups.inter, own_chunk, input,
                                                       scratch_slots=slots),
-                             f"AG {label}")
+                             f"AG {label}", uses=(own_chunk, input))
         return self._submit(self.intra_ag,
                             self._collective("all_gather", groups.intra, self._ag_shm, output,
                                              own_chunk, self.intra_ag),
-                            f"AG {label}", after=(first.future, self.inter_ag))
+                            f"AG {label}", uses=(output,), after=first)
 
     @property
     def workers(self) -> tuple[LinkWorker, ...]:

@@ -41,6 +41,20 @@ from .validation import (SUPPORTED_DTYPES, agree_or_raise, describe, local_probl
                          shared_memory_problem)
 
 
+def _make_current_device(module: nn.Module) -> None:
+    """Make the module's GPU the current one, as launchers' set_device does.
+
+    torch DDP runs without it (its tutorial wraps ``model.to(rank)`` alone), but
+    here NCCL's object collectives (the checks across ranks), the events that
+    order the link streams and the streams the forward waits on all take the
+    current device: left at cuda:0, every rank would meet there (NCCL refuses
+    a duplicate GPU) and the forward would wait on another GPU's stream."""
+    device = next((p.device for p in module.parameters() if p.device.type == "cuda"), None)
+    if device is not None and device.index is not None \
+            and torch.cuda.current_device() != device.index:
+        torch.cuda.set_device(device)
+
+
 def _plan_setting(plan: Union[str, OverlapPlan]) -> Any:
     """What ranks must agree on of ``overlap_plan``: a name, or a plan's stages and
     lookahead as ints (not what it predicted of the times; numpy ints compare too)."""
@@ -124,6 +138,7 @@ class DistributedDataParallel(nn.Module):
         # (a parameter no rank used keeps grad=None, as when DDP skips it).
         self.schedule = schedule
         self.module = module
+        _make_current_device(module)
         process_group = process_group_of(process_group, device_mesh)
         self.device_mesh = device_mesh
         # The group object, as torch DDP holds it (code calls model.process_group.size()).

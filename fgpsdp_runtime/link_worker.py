@@ -42,7 +42,10 @@ class PendingOp:
     def __init__(self, future: Optional[Future], done_event=None,
                  on_done: Optional[Callable[[], None]] = None):
         self.future = future
-        self._done_event = done_event  # CUDA: recorded on the link's stream
+        # CUDA: recorded on the link's stream right after the collective, before
+        # the future resolves; a second phase waits on it (it is never replaced).
+        self.done_event = done_event
+        self._done_event = done_event  # what a waiting stream waits on
         self.on_done = on_done
         self._finished = False
         # The main thread and the scheduler thread may both wait for one
@@ -132,6 +135,11 @@ class LinkWorker:
         return future
 
     def _run(self) -> None:
+        if self.stream is not None:
+            # A new thread's current device is cuda:0: leaving `torch.cuda.stream`
+            # would make it current, and CUDA would create a context there (GPU 0's
+            # memory, on every rank of the node).
+            torch.cuda.set_device(self.device)
         while True:
             item = self._queue.get()
             if item is None:

@@ -690,7 +690,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         one rank raises on every rank, so that none goes on alone into the next
         step's collectives."""
         problem = self._shard_problem(state_dict)
-        unfit = torch.tensor([0.0 if problem is None else 1.0])
+        # On the buckets' device: an NCCL-only group has no backend for CPU tensors.
+        unfit = torch.tensor([0.0 if problem is None else 1.0], device=self._device)
         self.model.all_reduce_sum(unfit)
         if problem is not None:
             raise ValueError(problem)

@@ -420,6 +420,8 @@ class GradientReducer:
 
             def on_done(storage=storage, received=received, land=land):
                 land(received)
+                if received.is_cuda:  # read on the waiter's stream: the scheduler's, maybe
+                    received.record_stream(torch.cuda.current_stream(received.device))
                 storage.release_send_buffer()
         else:
             received = storage.grad_shard

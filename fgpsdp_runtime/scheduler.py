@@ -157,7 +157,7 @@ class TwoStageScheduler:
         self._start_thread()
         if self.speculation_stream is not None:
             # The speculative step must follow what this stream queued so far.
-            self.speculation_stream.wait_stream(torch.cuda.current_stream())
+            self.speculation_stream.wait_stream(torch.cuda.current_stream(self.device))
         self._queue.put((b, op, count))
 
     def finish_stage1(self) -> None:
@@ -174,7 +174,7 @@ class TwoStageScheduler:
         self._queue.put(_JOIN)
         self._joined.wait()
         if self.speculation_stream is not None:
-            torch.cuda.current_stream().wait_stream(self.speculation_stream)
+            torch.cuda.current_stream(self.device).wait_stream(self.speculation_stream)
         self._raise_error()
 
     def _raise_error(self) -> None:

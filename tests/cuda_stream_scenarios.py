@@ -1,0 +1,115 @@
+"""CUDA-only scenarios, one GPU, one process, an NCCL world of 1 (run by
+tests/test_cuda_streams.py in a fresh interpreter: ``python -m tests.cuda_stream_scenarios
+CASE``; prints one JSON line).
+
+With one rank every collective is a copy on the link worker's stream, as a
+synchronous NCCL collective runs on the current stream without recording its
+tensors. A GPU sleep before each reduce-scatter stands in for a slow link, so
+that the compute stream runs ahead of the link streams, as it does on a real
+cluster: correct stream code gives the same numbers with and without it.
+"""
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import fgpsdp_runtime as fgp
+from fgpsdp_runtime import comm
+from fgpsdp_runtime.topology import LinkGroups, NodeLayout
+
+_ORIGINAL_RS = comm.start_reduce_scatter
+
+
+def _slow_link(cycles: int) -> None:
+    def delayed(group, output, input, scratch_slots=1):
+        torch.cuda._sleep(cycles)  # on the worker's stream, the current one there
+        return _ORIGINAL_RS(group, output, input, scratch_slots=scratch_slots)
+    comm.start_reduce_scatter = delayed if cycles else _ORIGINAL_RS
+
+
+def hierarchical_partial_sum() -> dict:
+    """The node's partial sum between the two reduce-scatter phases lives only in the
+    workers' tasks: the compute stream must not get its block while the slow second
+    phase has not read it."""
+    _slow_link(int(1e9))
+    world = dist.group.WORLD
+    device = torch.device("cuda", torch.cuda.current_device())
+    exchange = comm.HierarchicalExchange(NodeLayout(1, 1, hierarchical=True),
+                                         LinkGroups(world, world), LinkGroups(world, world),
+                                         device, comm.CommStats())
+    n = 1 << 22
+    sends = [torch.full((n,), float(i + 1), device=device) for i in range(2)]
+    outs = [torch.empty(n, device=device) for _ in range(2)]
+    ops = [exchange.start_reduce_scatter(o, s, f"b{i}") for i, (o, s) in
+           enumerate(zip(outs, sends))]
+    time.sleep(1.0)  # both workers have queued their tasks and dropped the first ones
+    junk = [torch.full((n,), -7.0, device=device) for _ in range(4)]
+    for op in ops:
+        op.wait()
+    torch.cuda.synchronize()
+    exchange.close()
+    _slow_link(0)
+    return {"wrong": [int((o != float(i + 1)).sum()) for i, o in enumerate(outs)],
+            "junk_intact": all(bool((j == -7.0).all()) for j in junk)}
+
+
+def _train(module_seed: int, schedule: str, delay_cycles: int, steps: int = 6):
+    _slow_link(delay_cycles)
+    torch.manual_seed(module_seed)
+    device = torch.device("cuda", torch.cuda.current_device())
+    module = torch.nn.Sequential(*[m for _ in range(8)
+                                   for m in (torch.nn.Linear(512, 512), torch.nn.ReLU())])
+    module = module.to(device)
+    model = fgp.DistributedDataParallel(module, bucket_cap_mb=1, schedule=schedule,
+                                        overlap_plan="layout")
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    generator = torch.Generator(device=device).manual_seed(1)
+    for _ in range(steps):
+        x = torch.randn(256, 512, device=device, generator=generator)
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.synchronize()
+    torch.cuda.synchronize()
+    _slow_link(0)
+    return [p.detach().clone() for p in module.parameters()], model, opt
+
+
+def slow_link_same_result() -> dict:
+    """Every schedule, speculative steps included (two_stage with the layout plan
+    speculates from the first step): a slow link changes no parameter."""
+    out = {}
+    for schedule in ("two_stage", "next_forward", "serial"):
+        fast, _, _ = _train(0, schedule, 0)
+        slow, _, _ = _train(0, schedule, int(2e8))
+        out[schedule] = max(float((a - b).abs().max()) for a, b in zip(fast, slow))
+    return out
+
+
+def shard_round_trip() -> dict:
+    """opt.load_state_dict(opt.state_dict()) on an NCCL group: its check across ranks
+    must not all-reduce a CPU tensor."""
+    _, model, opt = _train(0, "two_stage", 0, steps=2)
+    before = [t.clone() for t in opt.optim.state_dict()["state"][0].values()
+              if isinstance(t, torch.Tensor)]
+    opt.load_state_dict(opt.state_dict())
+    after = [t for t in opt.optim.state_dict()["state"][0].values()
+             if isinstance(t, torch.Tensor)]
+    return {"equal": all(torch.equal(a, b) for a, b in zip(before, after))}
+
+
+CASES = {f.__name__: f for f in (hierarchical_partial_sum, slow_link_same_result,
+                                 shard_round_trip)}
+
+if __name__ == "__main__":
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", os.environ.get("FGPSDP_TEST_PORT", "29555"))
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        print(json.dumps(CASES[sys.argv[1]]()))
+    finally:
+        dist.destroy_process_group()

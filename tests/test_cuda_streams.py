@@ -1,0 +1,43 @@
+"""Stream and allocator safety on CUDA (one GPU; skipped without one).
+
+See tests/cuda_stream_scenarios.py. Each case runs in a fresh interpreter:
+NCCL's group and the patched link must not leak into other tests.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(case: str) -> dict:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, FGPSDP_TEST_PORT=str(port),
+               PYTHONPATH=os.pathsep.join([_ROOT, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-m", "tests.cuda_stream_scenarios", case],
+                          cwd=_ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_partial_sum_outlives_the_slow_phase():
+    result = _run("hierarchical_partial_sum")
+    assert result == {"wrong": [0, 0], "junk_intact": True}
+
+
+def test_slow_link_changes_no_parameter():
+    result = _run("slow_link_same_result")
+    assert result == {"two_stage": 0.0, "next_forward": 0.0, "serial": 0.0}
+
+
+def test_optimizer_shard_round_trip_on_nccl():
+    assert _run("shard_round_trip") == {"equal": True}

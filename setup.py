@@ -36,10 +36,11 @@ def _extension():
     cuda_sources = sorted(glob.glob("csrc/cuda/*.cu")) + sorted(glob.glob("csrc/cuda/*.cpp"))
     if _want_cuda() and cuda_sources:
         # No GPU visible at build time (CI, a docker build, a login node): machine
-        # code for Ampere (sm_8x GPUs run sm_80 code) and Hopper, plus Hopper's PTX,
-        # which the driver compiles for newer GPUs (Blackwell) at first use.
+        # code for Turing, Ampere (sm_8x GPUs run sm_80 code) and Hopper, plus
+        # Hopper's PTX, which the driver compiles for newer GPUs (Blackwell) at
+        # first use. (Volta is not in CUDA 13; name it in TORCH_CUDA_ARCH_LIST.)
         if not torch.cuda.is_available():
-            os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
+            os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "7.5;8.0;9.0+PTX")
         return CUDAExtension(
             "fgpsdp_runtime._C", sources + cuda_sources, include_dirs=include,
             define_macros=[("FGPSDP_WITH_CUDA", "1")],

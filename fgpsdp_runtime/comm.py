@@ -190,7 +190,7 @@ class _Exchange:
                 finish_and_trace()
                 return None
             return finish_and_trace  # the worker runs it, now or on its finishing thread
-        return PendingOp(worker.submit(task, ready), done_event=done)
+        return PendingOp(worker.submit(task, ready), done_event=done, device=self.device)
 
 
 class FlatExchange(_Exchange):

@@ -55,6 +55,22 @@ def _make_current_device(module: nn.Module) -> None:
         torch.cuda.set_device(device)
 
 
+def _connect_nccl_groups(groups: Sequence[Optional[dist.ProcessGroup]],
+                         device: torch.device) -> None:
+    """NCCL creates a group's communicator at its first collective. Left to the link
+    workers, each would create its own from its thread during the first backward,
+    in an order that differs between ranks, while the others' kernels run: NCCL
+    warns that this may deadlock. One small all-reduce per group, here, in the
+    same order on every rank, creates them all before any of that."""
+    if device.type != "cuda":
+        return
+    flag = torch.zeros(1, device=device)
+    for group in groups:
+        if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER \
+                and dist.get_backend(group) == "nccl":
+            dist.all_reduce(flag, group=group)
+
+
 def _plan_setting(plan: Union[str, OverlapPlan]) -> Any:
     """What ranks must agree on of ``overlap_plan``: a name, or a plan's stages and
     lookahead as ints (not what it predicted of the times; numpy ints compare too)."""
@@ -229,6 +245,7 @@ class DistributedDataParallel(nn.Module):
             self._exchange = FlatExchange(
                 *self._own_groups, device, self._comm_stats, self.timeline,
                 one_node_shared_memory=self.topology.shared_memory and self.topology.nodes == 1)
+        _connect_nccl_groups(self._own_groups, device)
 
         infos = [ParamInfo(p.numel(), str(p.dtype).replace("torch.", ""), p.element_size(),
                            layout_strides(p))

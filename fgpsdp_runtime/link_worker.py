@@ -40,8 +40,12 @@ class PendingOp:
     """A submitted bucket operation and what must happen once it has landed."""
 
     def __init__(self, future: Optional[Future], done_event=None,
-                 on_done: Optional[Callable[[], None]] = None):
+                 on_done: Optional[Callable[[], None]] = None,
+                 device: Optional[torch.device] = None):
         self.future = future
+        # CUDA: the GPU whose streams wait, named (the waiting thread's current
+        # device may be another one).
+        self.device = device
         # CUDA: recorded on the link's stream right after the collective, before
         # the future resolves; a second phase waits on it (it is never replaced).
         self.done_event = done_event
@@ -67,17 +71,17 @@ class PendingOp:
                 if self.future is not None:
                     self.future.result()  # re-raises what failed in the worker
                 if self._done_event is not None:
-                    torch.cuda.current_stream().wait_event(self._done_event)
+                    torch.cuda.current_stream(self.device).wait_event(self._done_event)
                 if self.on_done is not None:
                     self.on_done()
                     if self._done_event is not None:
                         # on_done's kernels went to this stream: later waiters follow them.
                         self._done_event = torch.cuda.Event()
-                        self._done_event.record()
+                        self._done_event.record(torch.cuda.current_stream(self.device))
                 self._finished = True
                 return
         if self._done_event is not None:
-            torch.cuda.current_stream().wait_event(self._done_event)
+            torch.cuda.current_stream(self.device).wait_event(self._done_event)
 
 
 def calls_in_flight() -> int:

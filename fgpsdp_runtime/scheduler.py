@@ -170,6 +170,12 @@ class TwoStageScheduler:
             return
         self.on_backward_end()  # anything still deferred
         self._start_thread()
+        if self.speculation_stream is not None:
+            # A stage-1 bucket never handed over (the optimizer was built after the
+            # backward) is stepped at the join with no op to wait for: its gradient
+            # landed on this stream (the reduce-scatters' waits), which the
+            # speculation stream must follow.
+            self.speculation_stream.wait_stream(torch.cuda.current_stream(self.device))
         self._joined.clear()
         self._queue.put(_JOIN)
         self._joined.wait()

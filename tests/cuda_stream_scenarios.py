@@ -9,9 +9,7 @@ that the compute stream runs ahead of the link streams, as it does on a real
 cluster: correct stream code gives the same numbers with and without it.
 """
 import json
-import os
 import sys
-import time
 
 import torch
 import torch.distributed as dist
@@ -45,7 +43,12 @@ def hierarchical_partial_sum() -> dict:
     outs = [torch.empty(n, device=device) for _ in range(2)]
     ops = [exchange.start_reduce_scatter(o, s, f"b{i}") for i, (o, s) in
            enumerate(zip(outs, sends))]
-    time.sleep(1.0)  # both workers have queued their tasks and dropped the first ones
+    # Host-side, not wall-clock: once bucket 1's second phase is queued, both workers
+    # hold bucket 1's tasks only, so bucket 0's partial has no host reference left.
+    for op in ops:
+        op.future.result()
+    # The GPU must still be behind (else the check below proves nothing).
+    conclusive = not ops[0].done_event.query()
     junk = [torch.full((n,), -7.0, device=device) for _ in range(4)]
     for op in ops:
         op.wait()
@@ -53,10 +56,12 @@ def hierarchical_partial_sum() -> dict:
     exchange.close()
     _slow_link(0)
     return {"wrong": [int((o != float(i + 1)).sum()) for i, o in enumerate(outs)],
-            "junk_intact": all(bool((j == -7.0).all()) for j in junk)}
+            "junk_intact": all(bool((j == -7.0).all()) for j in junk),
+            "conclusive": conclusive}
 
 
-def _train(module_seed: int, schedule: str, delay_cycles: int, steps: int = 6):
+def _train(module_seed: int, schedule: str, delay_cycles: int, steps: int = 6,
+           reduce_dtype=None, late_optimizer: bool = False):
     _slow_link(delay_cycles)
     torch.manual_seed(module_seed)
     device = torch.device("cuda", torch.cuda.current_device())
@@ -64,12 +69,14 @@ def _train(module_seed: int, schedule: str, delay_cycles: int, steps: int = 6):
                                    for m in (torch.nn.Linear(512, 512), torch.nn.ReLU())])
     module = module.to(device)
     model = fgp.DistributedDataParallel(module, bucket_cap_mb=1, schedule=schedule,
-                                        overlap_plan="layout")
-    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+                                        overlap_plan="layout", reduce_dtype=reduce_dtype)
+    opt = None if late_optimizer else fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
     generator = torch.Generator(device=device).manual_seed(1)
     for _ in range(steps):
         x = torch.randn(256, 512, device=device, generator=generator)
         model(x).square().mean().backward()
+        if opt is None:  # built between the first backward and its step
+            opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
         opt.step()
         opt.zero_grad(set_to_none=True)
     model.synchronize()
@@ -82,10 +89,17 @@ def slow_link_same_result() -> dict:
     """Every schedule, speculative steps included (two_stage with the layout plan
     speculates from the first step): a slow link changes no parameter."""
     out = {}
-    for schedule in ("two_stage", "next_forward", "serial"):
-        fast, _, _ = _train(0, schedule, 0)
-        slow, _, _ = _train(0, schedule, int(2e8))
-        out[schedule] = max(float((a - b).abs().max()) for a, b in zip(fast, slow))
+    variants = {"two_stage": dict(schedule="two_stage"),
+                "next_forward": dict(schedule="next_forward"),
+                "serial": dict(schedule="serial"),
+                # a `received` temporary landed (cast) on the speculation stream
+                "two_stage_bf16": dict(schedule="two_stage", reduce_dtype=torch.bfloat16),
+                # stage-1 steps taken at the join with op=None
+                "two_stage_late_optimizer": dict(schedule="two_stage", late_optimizer=True)}
+    for name, kwargs in variants.items():
+        fast, _, _ = _train(0, delay_cycles=0, **kwargs)
+        slow, _, _ = _train(0, delay_cycles=int(2e8), **kwargs)
+        out[name] = max(float((a - b).abs().max()) for a, b in zip(fast, slow))
     return out
 
 
@@ -93,6 +107,9 @@ def shard_round_trip() -> dict:
     """opt.load_state_dict(opt.state_dict()) on an NCCL group: its check across ranks
     must not all-reduce a CPU tensor."""
     _, model, opt = _train(0, "two_stage", 0, steps=2)
+    # all_reduce_sum returns early in a world of 1: run the collective anyway, so that
+    # a CPU tensor meets NCCL's "no backend for cpu" as it would with 2 ranks.
+    model.all_reduce_sum = lambda t: dist.all_reduce(t, group=model.process_group)
     before = [t.clone() for t in opt.optim.state_dict()["state"][0].values()
               if isinstance(t, torch.Tensor)]
     opt.load_state_dict(opt.state_dict())
@@ -105,11 +122,10 @@ CASES = {f.__name__: f for f in (hierarchical_partial_sum, slow_link_same_result
                                  shard_round_trip)}
 
 if __name__ == "__main__":
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", os.environ.get("FGPSDP_TEST_PORT", "29555"))
     torch.cuda.set_device(0)
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    # No port, no MASTER_ADDR inherited from a surrounding job: a store in this process.
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        print(json.dumps(CASES[sys.argv[1]]()))
+        print("FGPSDP_RESULT " + json.dumps(CASES[sys.argv[1]]()), flush=True)
     finally:
         dist.destroy_process_group()

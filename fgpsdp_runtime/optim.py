@@ -130,9 +130,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._share_state()
         self._groups_fixed = True  # see add_param_group
         self._bucket_pieces: list[list[torch.Tensor]] = [[] for _ in model.buckets]
-        for pieces in self._pieces.values():
-            for tensor, b, _, _ in pieces:
+        # Per bucket: (parameter index, piece, start, end), for _assign_slice_grads.
+        self._pieces_of_bucket: list[list[tuple]] = [[] for _ in model.buckets]
+        for index, pieces in self._pieces.items():
+            for tensor, b, start, end in pieces:
                 self._bucket_pieces[b].append(tensor)
+                self._pieces_of_bucket[b].append((index, tensor, start, end))
+        # Buckets whose pieces _assign_slice_grads may have given a gradient.
+        self._buckets_with_slice_grads: set[int] = set()
         # reducer.reduce_scatters_launched when this step's were finished: see
         # _forget_stale_measurements.
         self._finished_at: Optional[int] = None
@@ -815,18 +820,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
         optimizer skips it, as after torch DDP). ``globally_used=None`` takes
         every parameter as used (a stage-1 bucket; checked at the step).
         """
+        # Bucket by bucket, touching only the buckets wanted now or given gradients
+        # before: one inner step per chunk (and per speculative bucket) would
+        # otherwise walk every piece of the model, buckets x pieces per step.
         wanted = set(buckets)
         storages = self.model.buckets
-        for index, pieces in self._pieces.items():
-            used = globally_used is None or globally_used[index]
-            for tensor, b, start, end in pieces:
-                storage = storages[b]
-                if b in wanted and used and storage.grad_shard_valid:
+        for b in self._buckets_with_slice_grads - wanted:
+            for _, tensor, _, _ in self._pieces_of_bucket[b]:
+                tensor.grad = None
+        for b in wanted:
+            storage = storages[b]
+            valid = storage.grad_shard_valid
+            source = grads[b] if grads is not None else storage.grad_shard
+            for index, tensor, start, end in self._pieces_of_bucket[b]:
+                if valid and (globally_used is None or globally_used[index]):
                     lo = start - storage.shard_start
-                    source = grads[b] if grads is not None else storage.grad_shard
                     tensor.grad = source[lo:lo + (end - start)]
                 else:
                     tensor.grad = None
+        self._buckets_with_slice_grads = wanted
 
     def _apply_clip(self, max_norm: float) -> None:
         # torch: coefficient max_norm / (total + 1e-6), applied when below 1,

@@ -128,7 +128,12 @@ class GradientReducer:
         self._reset_backward_state()
         # Parameters that received a gradient on this rank since the last
         # reset_used(); summed over ranks to tell globally unused ones apart.
-        self.locally_used = torch.zeros(len(self.params), dtype=torch.bool)
+        # The hooks write the bytes (a tensor's item assignment costs microseconds
+        # per parameter, a third of a hook on a model of small tensors); the
+        # tensor shares them, for the all-reduce.
+        self._used_flags = bytearray(len(self.params))
+        self.locally_used = torch.frombuffer(self._used_flags, dtype=torch.bool) \
+            if self.params else torch.zeros(0, dtype=torch.bool)
         # An optimizer step ran since the last zero_grad(): a backward adding to
         # the reduced gradients then, and a step using them, is most likely a loop
         # that zeroes them where they are not (model.module, param.grad): warned
@@ -232,7 +237,7 @@ class GradientReducer:
         self._grads_in_backward = True
         b, span = self.slot[index]
         param.grad = None  # the reducer holds it until the bucket is packed
-        self.locally_used[index] = True
+        self._used_flags[index] = 1
         if self._seen[index]:
             self._accumulate_second_gradient(index, b, span, grad)
             return
@@ -276,7 +281,9 @@ class GradientReducer:
         held = self._held[b]
         # In the span's memory order: a view for gradients laid out like their
         # parameter (as autograd lays them out), see buckets.py.
-        multi_tensor_pack([to_bucket_order(g.detach(), sp.strides).contiguous()
+        # (A row-major gradient goes as it is: the kernels take any contiguous tensor.)
+        multi_tensor_pack([g if sp.strides is None and g.is_contiguous()
+                           else to_bucket_order(g.detach(), sp.strides).contiguous()
                            for sp, g in held], send,
                           [sp.bucket_offset for sp, _ in held], self.grad_scale)
         self._held[b] = []
@@ -389,7 +396,7 @@ class GradientReducer:
                 if param.grad is not None:  # left by no_sync() iterations
                     self._held[b].append((span, param.grad))
                     param.grad = None
-                    self.locally_used[index] = True
+                    self._used_flags[index] = 1
                 else:
                     zero_spans.append(span)
                 self._seen[index] = True

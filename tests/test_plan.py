@@ -101,3 +101,9 @@ def test_profile_plan_times_reduce_scatters_in_their_own_bytes():
     assert profile_plan(same, backward_s=3.5, forward_order=(2, 1, 0), link=link).stage1 == (0,)
     assert profile_plan(halved, backward_s=3.5, forward_order=(2, 1, 0),
                         link=link).stage1 == (0, 1)
+
+
+def test_overlap_plan_is_public():
+    # The README passes one as DistributedDataParallel(overlap_plan=fgp.OverlapPlan(...)).
+    import fgpsdp_runtime as fgp
+    assert fgp.OverlapPlan is OverlapPlan and "OverlapPlan" in fgp.__all__

@@ -67,7 +67,7 @@ def _connect_nccl_groups(groups: Sequence[Optional[dist.ProcessGroup]],
     flag = torch.zeros(1, device=device)
     for group in groups:
         if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER \
-                and dist.get_backend(group) == "nccl":
+                and "nccl" in str(dist.get_backend(group)):  # "cpu:gloo,cuda:nccl" too
             dist.all_reduce(flag, group=group)
 
 

@@ -42,10 +42,11 @@ def rate_bits_per_s(rate: str) -> float:
 
 
 def run_once(workload, size, system, steps, warmup, out_dir, save_params, port, log,
-             trace_steps=0, trace_dest=None, max_norm=1.0, pin_cpu=False, flush_denormal=False):
+             trace_steps=0, trace_dest=None, max_norm=1.0, pin_cpu=False, flush_denormal=False,
+             ranks_per_node=2):
     python = sys.executable
     cmd = (f"OMP_NUM_THREADS=1 {shlex.quote(python)} -m torch.distributed.run --nnodes=2 "
-           f"--nproc_per_node=2 --node_rank=$NODE_RANK --master_addr=$MASTER_ADDR "
+           f"--nproc_per_node={ranks_per_node} --node_rank=$NODE_RANK --master_addr=$MASTER_ADDR "
            f"--master_port={port} {shlex.quote(os.path.join(HERE, 'train_rank.py'))} "
            f"--workload {workload} --size {size} --system {system} --steps {steps} "
            f"--warmup {warmup} --out {shlex.quote(out_dir)} --trace-steps {trace_steps} "
@@ -63,7 +64,7 @@ def run_once(workload, size, system, steps, warmup, out_dir, save_params, port, 
         # Records are committed: no paths of the machine that ran them.
         f.write(proc.stdout[-20000:].replace(ROOT, "<repo>").replace(sys.prefix, "<venv>"))
     results = []
-    for rank in range(4):
+    for rank in range(2 * ranks_per_node):
         path = os.path.join(out_dir, f"{system}-rank{rank}.json")
         if os.path.exists(path):
             with open(path) as f:
@@ -180,11 +181,11 @@ def steal_cell(shares) -> str:
     return rounds_cell([None if x is None else 100 * x for x in shares or []], "{:.1f}")
 
 
-def summarise(workload, runs, rate_bps, out_dir, systems):
+def summarise(workload, runs, rate_bps, out_dir, systems, world=4):
     """runs: {system: [per-round list of rank results]} -> table rows."""
     rows = {}
     for system in systems:
-        rounds = [r for r in runs.get(system, []) if len(r) == 4]
+        rounds = [r for r in runs.get(system, []) if len(r) == world]
         if not rounds:
             rows[system] = None
             continue
@@ -195,11 +196,11 @@ def summarise(workload, runs, rate_bps, out_dir, systems):
             "step_time_s": step,
             "rounds": [max(x["step_time_s"] for x in r) for r in rounds],
             "peak_rss_bytes": max(x["peak_rss_bytes"] for r in rounds for x in r),
-            # CPU seconds of all four ranks per step (every thread): with all
+            # CPU seconds of all ranks per step (every thread): with all
             # ranks on this machine's cores, cpu / cores bounds the step from below.
             "cpu_s_per_step": statistics.median(sum(x.get("cpu_s_per_step", 0.0) for x in r)
                                                 for r in rounds),
-            # All 4 ranks: fresh pages mapped per step (each is zeroed by the kernel).
+            # All ranks: fresh pages mapped per step (each is zeroed by the kernel).
             "minor_faults_per_step": statistics.median(
                 sum(x.get("minor_faults_per_step", 0.0) for x in r) for r in rounds),
             "cpu_by_role": {role: statistics.median(cpu_roles(r)[role] for r in rounds)
@@ -235,13 +236,16 @@ def all_rows_systems(all_rows) -> set:
 
 
 def markdown(all_rows, meta, command, rate):
-    lines = [f"# Emulated 2x2 cluster benchmark ({meta['date']})", "",
+    per_node = meta.get("ranks_per_node", 2)
+    world = 2 * per_node
+    lines = [f"# Emulated 2x{per_node} cluster benchmark ({meta['date']})", "",
              f"Command: `{command}`", "",
              f"Machine: {meta['machine']}. Versions: {meta['versions']}.", "",
-             f"Emulated cluster: 2 network namespaces x 2 CPU processes (gloo), inter-node "
+             f"Emulated cluster: 2 network namespaces x {per_node} CPU process(es) (gloo), inter-node "
              f"veth shaped with tbf at {rate}; intra-node traffic unshaped, over loopback "
              f"(fgpsdp: through shared memory; `fgpsdp_gloo_intra`: over loopback). "
-             f"All 4 ranks share this machine's cores, so compute is slower than on real nodes"
+             f"All {world} ranks share this machine's {os.cpu_count()} cores, so compute is slower "
+             f"than on real nodes"
              + (" (each rank pinned to core local rank mod cores, so the two ranks on a core "
                 "share it evenly). " if meta.get("pin_cpu") else ". ") +
              ("Every rank flushes subnormal floats to zero (`torch.set_flush_denormal`). "
@@ -259,7 +263,7 @@ def markdown(all_rows, meta, command, rate):
              f"Buckets: the peers at 25 MB (torch DDP's default; FSDP's wrap unit and "
              f"DeepSpeed's buckets to match), fgpsdp at its own default (1/16 of the model, "
              f"1-25 MB); a `_bucket<MB>` suffix sets another size. "
-             f"CPU core-s/step = CPU time of all 4 ranks' processes (every thread) per step; "
+             f"CPU core-s/step = CPU time of all {world} ranks' processes (every thread) per step; "
              f"divided by the machine's {os.cpu_count()} cores it is a lower bound on the step. "
              f"|Δ| = largest parameter difference to torch DDP after the run (AdamW, clip "
              f"{meta.get('max_norm', 1.0):g}).", ""]
@@ -298,8 +302,8 @@ def markdown(all_rows, meta, command, rate):
                 f"{'-' if diff is None else f'{diff:.2g}'} |")
         lines.append("")
         if any((row or {}).get("cpu_by_role") for row in rows.values()):
-            lines += ["CPU core-seconds per step, all 4 ranks, by thread; minor page faults per "
-                      "step, all 4 ranks (fresh pages the kernel maps and zeroes); hypervisor "
+            lines += [f"CPU core-seconds per step, all {world} ranks, by thread; minor page faults per "
+                      f"step, all {world} ranks (fresh pages the kernel maps and zeroes); hypervisor "
                       "steal, per round: the share of this virtual machine's CPU time the host "
                       "gave to others while the steps were timed; host GFLOP/s, per round: a "
                       "single-thread matmul just before the run (a round on a slow stretch of "
@@ -447,6 +451,9 @@ def main() -> None:
                              "of the kernel moving them between cores")
     parser.add_argument("--flush-denormal", action="store_true",
                         help="every rank flushes subnormal floats to zero (see train_rank.py)")
+    parser.add_argument("--ranks-per-node", type=int, default=2,
+                        help="CPU processes per emulated node (1: one rank per core on a 2-core "
+                             "machine, no intra-node phase)")
     parser.add_argument("--trace-steps", type=int, default=2,
                         help="fgpsdp systems record a timeline of their last N timed steps "
                              "in round 1 (0: none)")
@@ -491,8 +498,9 @@ def main() -> None:
                             rnd == 0, port, log, trace_steps=args.trace_steps if traced else 0,
                             trace_dest=os.path.join(f"{stem}-traces", f"{workload}-{system}.json"),
                             max_norm=args.max_norm, pin_cpu=args.pin_cpu,
-                            flush_denormal=args.flush_denormal)
-                        if rc == 0 and len(res) == 4:
+                            flush_denormal=args.flush_denormal,
+                            ranks_per_node=args.ranks_per_node)
+                        if rc == 0 and len(res) == 2 * args.ranks_per_node:
                             for x in res:
                                 x["host_gflops"] = speed
                             runs.setdefault(system, []).append(res)
@@ -502,7 +510,8 @@ def main() -> None:
                             status = f"FAILED (rc {rc}; see {os.path.relpath(log, ROOT)})"
                         print(f"[{workload} round {rnd + 1}/{args.rounds}] {system:<18} {status} "
                               f"({time.time() - t0:.0f}s)", flush=True)
-                rows, floor = summarise(workload, runs, rate_bps, out_dir, systems)
+                rows, floor = summarise(workload, runs, rate_bps, out_dir, systems,
+                                        world=2 * args.ranks_per_node)
                 all_rows[workload] = (rows, floor)
                 raw[workload] = {"rows": rows, "floor": floor, "runs": runs}
                 timelines[workload] = trace_report(stem, workload, systems, args.trace_steps)
@@ -511,7 +520,7 @@ def main() -> None:
     meta = {"date": date, "machine": machine(), "versions": versions(), "rounds": args.rounds,
             "steps": args.steps, "warmup": args.warmup, "trace_steps": args.trace_steps,
             "max_norm": args.max_norm, "pin_cpu": args.pin_cpu,
-            "flush_denormal": args.flush_denormal}
+            "flush_denormal": args.flush_denormal, "ranks_per_node": args.ranks_per_node}
     text = markdown(all_rows, meta, command, args.rate) + timeline_markdown(timelines, stem)
     if chart(all_rows, stem + ".png"):
         text += f"\n![step time per system]({os.path.basename(stem)}.png)\n"

@@ -108,7 +108,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.last_step_skipped = False
 
         groups = self._normalise_groups(param_groups)
-        self._pieces = self._build_pieces()  # param index -> [(piece tensor, bucket, start, end)]
+        # _pieces_of_bucket serves _assign_slice_grads.
+        self._pieces, self._pieces_of_bucket = self._build_pieces()
         slice_groups = []
         for group in groups:
             pieces = [piece for p in group["params"]
@@ -129,13 +130,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.param_groups = self.optim.param_groups
         self._share_state()
         self._groups_fixed = True  # see add_param_group
-        self._bucket_pieces: list[list[torch.Tensor]] = [[] for _ in model.buckets]
-        # Per bucket: (parameter index, piece, start, end), for _assign_slice_grads.
-        self._pieces_of_bucket: list[list[tuple]] = [[] for _ in model.buckets]
-        for index, pieces in self._pieces.items():
-            for tensor, b, start, end in pieces:
-                self._bucket_pieces[b].append(tensor)
-                self._pieces_of_bucket[b].append((index, tensor, start, end))
+        self._bucket_pieces: list[list[torch.Tensor]] = [
+            [tensor for _, tensor, _, _ in pieces] for pieces in self._pieces_of_bucket]
         # Buckets whose pieces _assign_slice_grads may have given a gradient.
         self._buckets_with_slice_grads: set[int] = set()
         # reducer.reduce_scatters_launched when this step's were finished: see
@@ -198,14 +194,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return groups
 
     def _build_pieces(self):
-        pieces: dict[int, list] = {}
+        """This rank's slice pieces, by parameter index ([(piece tensor, bucket, start,
+        end)]) and by bucket ([(parameter index, piece tensor, start, end)])."""
+        by_param: dict[int, list] = {}
+        by_bucket: list[list[tuple]] = [[] for _ in self.model.buckets]
         for b, storage in enumerate(self.model.buckets):
             for piece in storage.layout.shard_pieces(self.model.slice_index):
                 start = piece.bucket_offset
                 end = start + piece.numel
                 tensor = storage.flat_param[start:end]  # a leaf view: updates land in place
-                pieces.setdefault(piece.param_index, []).append((tensor, b, start, end))
-        return pieces
+                by_param.setdefault(piece.param_index, []).append((tensor, b, start, end))
+                by_bucket[b].append((piece.param_index, tensor, start, end))
+        return by_param, by_bucket
 
     def _placeholder(self, params) -> torch.Tensor:
         candidates = list(params) + [p for _, p in self.model.named_trainable_parameters()]

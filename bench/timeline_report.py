@@ -82,6 +82,22 @@ def breakdown(spans, steps: int) -> dict[str, float]:
     return out
 
 
+def link_idle_gaps(spans, lanes: set[str]) -> tuple[float, float, list[tuple[float, float]]]:
+    """Over the trace's window (first to last span of ``lanes``): seconds some lane of
+    ``lanes`` was busy, the window's length, and the gaps (start, end) when none was
+    (a link's two phases: when it carried nothing at all)."""
+    merged: list[list[float]] = []
+    for _, _, s, e in sorted((sp for sp in spans if sp[0] in lanes), key=lambda sp: sp[2]):
+        if merged and s <= merged[-1][1] + 1e-3:  # a hand-over under 1 ms is not a gap
+            merged[-1][1] = max(merged[-1][1], e)
+        else:
+            merged.append([s, e])
+    if not merged:
+        return 0.0, 0.0, []
+    gaps = [(a[1], b[0]) for a, b in zip(merged, merged[1:])]
+    return sum(e - s for s, e in merged), merged[-1][1] - merged[0][0], gaps
+
+
 def overlap_chart(traces: dict[str, list], path: str, title: str) -> bool:
     """One panel per system: a row per lane, a bar per span (RS blue, AG green)."""
     try:
@@ -138,12 +154,21 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("traces", nargs="+")
     parser.add_argument("--steps", type=int, default=1, help="steps in each trace")
     parser.add_argument("--png")
+    parser.add_argument("--link-gaps", metavar="LANES",
+                        help="comma-separated lanes of one link (flat-rs,flat-ag): print "
+                             "when none of them was busy")
     args = parser.parse_args(argv)
     traces = {os.path.basename(p): load_spans(p) for p in args.traces}
     for name, spans in traces.items():
         print(name)
         for key, value in breakdown(spans, args.steps).items():
             print(f"  {key:<34} {value:8.3f} s")
+        if args.link_gaps:
+            busy, window, gaps = link_idle_gaps(spans, set(args.link_gaps.split(",")))
+            print(f"  {args.link_gaps} busy {busy:.3f} s of {window:.3f} s "
+                  f"({100 * busy / window if window else 0:.0f}%); idle:")
+            for start, end in gaps:
+                print(f"    {start:8.3f} -> {end:8.3f}  {end - start:.3f} s")
     if args.png and overlap_chart(traces, args.png, "fgpsdp timeline"):
         print(f"wrote {args.png}")
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 import warnings
 import weakref
 from typing import Any, Iterator, Optional, Sequence, Union
@@ -306,7 +305,6 @@ class DistributedDataParallel(nn.Module):
         # _start_queued_gathers); at most ``_gather_lookahead`` run ahead of forward.
         self._queued_gathers: list[int] = []
         self._gather_lookahead: Optional[int] = None
-        self.forward_ended_at = 0.0  # perf_counter at the end of the last forward
         self._forward_waiter: Optional[ForwardParamWaiter] = None
         # All-gathers run in descending bucket order: buckets were filled in
         # reverse registration order, so this is forward order for most models,
@@ -485,7 +483,8 @@ class DistributedDataParallel(nn.Module):
             # Buckets this forward did not use: started now, so that every rank
             # has issued all of them before backward issues stage-1 all-gathers.
             self._start_queued_gathers(all_of_them=True)
-        self.forward_ended_at = time.perf_counter()
+        if self.plan_profiler is not None:
+            self.plan_profiler.on_forward_end()
         self._sync_buffers_before_forward = torch.is_grad_enabled() and self.reducer.sync_enabled
         self.reducer.note_forward(output)
 

@@ -3,8 +3,9 @@
 Steps ``warmup_steps`` .. ``warmup_steps + profiled_steps - 1`` are measured:
 when backward finished each bucket (from the end of forward), how long
 backward took, and how long each collective held the bottleneck link (from
-the timeline, enabled for those steps if the user had not). A link cost model
-(latency + bytes / bandwidth) is fitted to the collectives, and
+the timeline, enabled for those steps if the user had not); on CUDA the
+compute times are the GPU's, as the link times are (see ``DeviceMarks``). A
+link cost model (latency + bytes / bandwidth) is fitted to the collectives, and
 ``plan.profile_plan`` turns the figures into a plan. Rank 0's plan is
 broadcast, and every rank switches to it at the end of the same step, so the
 order of collectives stays the same everywhere.
@@ -18,6 +19,7 @@ import warnings
 import weakref
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 
 from .plan import BucketProfile, LinkModel, OverlapPlan, profile_plan
@@ -38,8 +40,11 @@ class PlanProfiler:
         self._profiling = False
         self._enabled_timeline = False  # we turned the timeline on, and turn it off
         self._window_start = 0.0
-        self._ready: dict[int, list[float]] = {}
-        self._backward: list[float] = []
+        self._marks = DeviceMarks(model.device) if model.device.type == "cuda" else HostMarks()
+        self._forward_end = None  # the mark of the last forward's end
+        # (forward end, bucket, mark) and (forward end, mark): resolved at the end
+        self._ready_marks: list[tuple] = []
+        self._backward_marks: list[tuple] = []
         model.reducer.bucket_ready_listeners.append(self._on_bucket_ready)
         model.reducer.backward_end_listeners.append(self._on_backward_end)
         if warmup_steps == 0:
@@ -51,13 +56,17 @@ class PlanProfiler:
 
     # -- listeners (main thread) -------------------------------------------------
 
-    def _on_bucket_ready(self, b: int) -> None:
+    def on_forward_end(self) -> None:
         if self._profiling:
-            self._ready.setdefault(b, []).append(time.perf_counter() - self.model.forward_ended_at)
+            self._forward_end = self._marks.mark()
+
+    def _on_bucket_ready(self, b: int) -> None:
+        if self._profiling and self._forward_end is not None:
+            self._ready_marks.append((self._forward_end, b, self._marks.mark()))
 
     def _on_backward_end(self) -> None:
-        if self._profiling:
-            self._backward.append(time.perf_counter() - self.model.forward_ended_at)
+        if self._profiling and self._forward_end is not None:
+            self._backward_marks.append((self._forward_end, self._marks.mark()))
 
     def end_step(self) -> None:
         """Called by the optimizer at the end of every step, on every rank."""
@@ -84,6 +93,7 @@ class PlanProfiler:
         self._profiling = False
         self.done = True
         spans = [s for s in model.timeline.spans() if s[2] >= self._window_start]
+        ready, backward = self._resolve_marks()
         if self._enabled_timeline:
             model.timeline.disable()
             model.timeline.clear()
@@ -91,7 +101,7 @@ class PlanProfiler:
         # Rank 0's, or under join() an active rank's (a joined one times no compute).
         if model.rank == model.authoritative_rank:
             try:
-                plan = self.plan_from(spans)
+                plan = self.plan_from(spans, ready, backward)
             except Exception as error:  # noqa: BLE001 - the others wait in the broadcast
                 warnings.warn(f"fgpsdp: no profile plan ({error!r}); keeping {model.plan}",
                               RuntimeWarning)
@@ -102,14 +112,25 @@ class PlanProfiler:
                                        group=model.process_group)
         model.set_overlap_plan(OverlapPlan.from_json(box[0]))
 
-    def plan_from(self, spans) -> OverlapPlan:
+    def _resolve_marks(self) -> tuple[dict[int, list[float]], list[float]]:
+        """Seconds from each forward's end: per bucket, when backward finished it;
+        and when backward ended."""
+        self._marks.wait()
+        seconds = self._marks.seconds
+        ready: dict[int, list[float]] = {}
+        for origin, b, mark in self._ready_marks:
+            ready.setdefault(b, []).append(seconds(origin, mark))
+        backward = [seconds(origin, mark) for origin, mark in self._backward_marks]
+        self._ready_marks, self._backward_marks, self._forward_end = [], [], None
+        return ready, backward
+
+    def plan_from(self, spans, ready: dict[int, list[float]], backward: list[float]) -> OverlapPlan:
         model = self.model
         layouts = model.bucket_layouts
-        backward_s = statistics.median(self._backward) if self._backward else 0.0
+        backward_s = statistics.median(backward) if backward else 0.0
         reduce_itemsize = [s.reduce_dtype.itemsize for s in model.buckets]
         buckets = [BucketProfile(bytes=l.padded_numel * l.element_size,
-                                 ready_s=statistics.median(self._ready[b])
-                                 if self._ready.get(b) else backward_s,
+                                 ready_s=statistics.median(ready[b]) if ready.get(b) else backward_s,
                                  reduce_bytes=l.padded_numel * reduce_itemsize[b])
                    for b, l in enumerate(layouts)]
         fraction = link_fraction(model.topology, model.world_size)
@@ -126,6 +147,49 @@ class PlanProfiler:
                                                      "bandwidth_Bps": link.bandwidth_Bps},
                          bucket_ready_s=[b.ready_s for b in buckets])
         return dataclasses.replace(plan, predicted=predicted)
+
+
+class HostMarks:
+    """CPU: a mark is the host clock, which is when the work ran."""
+
+    @staticmethod
+    def mark() -> float:
+        return time.perf_counter()
+
+    @staticmethod
+    def seconds(origin: float, mark: float) -> float:
+        return mark - origin
+
+    def wait(self) -> None:
+        pass
+
+
+class DeviceMarks:
+    """CUDA: a mark is an event on the compute stream.
+
+    Why not the host clock: the host only enqueues backward's kernels, and
+    runs ahead of the GPU by as many as the launch queue holds; a gradient hook
+    fires when its bucket's pack is enqueued, not when it has run. Host times
+    would squeeze backward towards its start (and a step that waited on the
+    allocator would stretch it), while the link times come from events on the
+    link streams: the plan would compare two clocks. Events read the GPU's.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def mark(self):
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    @staticmethod
+    def seconds(origin, mark) -> float:
+        return origin.elapsed_time(mark) / 1e3
+
+    def wait(self) -> None:
+        """Once, when the profile ends: every mark's event must have run."""
+        torch.cuda.synchronize(self.device)
 
 
 def link_fraction(topology, world_size: int) -> float:

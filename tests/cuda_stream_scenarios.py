@@ -10,6 +10,7 @@ cluster: correct stream code gives the same numbers with and without it.
 """
 import json
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -118,8 +119,70 @@ def shard_round_trip() -> dict:
     return {"equal": all(torch.equal(a, b) for a, b in zip(before, after))}
 
 
+class _GpuSlowBackward(torch.autograd.Function):
+    """Identity whose backward keeps the GPU busy for ``cycles``; the host goes on."""
+
+    @staticmethod
+    def forward(ctx, x, cycles):
+        ctx.cycles = cycles
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        torch.cuda._sleep(ctx.cycles)
+        return grad, None
+
+
+class _SlowBackwardNet(torch.nn.Module):
+    def __init__(self, layers: int, cycles: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(torch.nn.Linear(512, 512) for _ in range(layers))
+        self.cycles = cycles
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = _GpuSlowBackward.apply(layer(x), self.cycles)
+        return x
+
+
+def profile_reads_gpu_time() -> dict:
+    """overlap_plan="auto" on CUDA: the profile's backward is the GPU's, not the
+    host's, which only enqueues it (before, host clock readings in the hooks)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    layers, cycles = 8, int(2e7)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    torch.cuda.synchronize()
+    gpu_backward_s = layers * start.elapsed_time(end) / 1e3  # at least this per backward
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(_SlowBackwardNet(layers, cycles).to(device),
+                                        bucket_cap_mb=1, schedule="two_stage", overlap_plan="auto")
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    x = torch.randn(64, 512, device=device)
+    host_backward_s = []
+    for _ in range(5):
+        loss = model(x).square().mean()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss.backward()
+        host_backward_s.append(time.perf_counter() - t0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.synchronize()
+    plan = model.plan
+    ready = plan.predicted["bucket_ready_s"]
+    return {"source": plan.source,
+            # the host must have run well ahead, else the check proves nothing
+            "conclusive": max(host_backward_s) < 0.5 * gpu_backward_s,
+            "backward_covers_gpu": plan.predicted["backward_s"] >= 0.9 * gpu_backward_s,
+            "ready_spread": ready[-1] - ready[0] >= 0.5 * gpu_backward_s,
+            "n_buckets": len(ready)}
+
+
 CASES = {f.__name__: f for f in (hierarchical_partial_sum, slow_link_same_result,
-                                 shard_round_trip)}
+                                 shard_round_trip, profile_reads_gpu_time)}
 
 if __name__ == "__main__":
     torch.cuda.set_device(0)

@@ -40,3 +40,11 @@ def test_slow_link_changes_no_parameter():
 
 def test_optimizer_shard_round_trip_on_nccl():
     assert _run("shard_round_trip") == {"equal": True}
+
+
+def test_profile_plan_reads_gpu_time():
+    result = _run("profile_reads_gpu_time")
+    assert result["conclusive"], "the host waited for the GPU in backward"
+    assert result["n_buckets"] >= 4
+    assert result == {"source": "profile", "conclusive": True, "backward_covers_gpu": True,
+                      "ready_spread": True, "n_buckets": result["n_buckets"]}

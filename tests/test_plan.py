@@ -107,3 +107,35 @@ def test_overlap_plan_is_public():
     # The README passes one as DistributedDataParallel(overlap_plan=fgp.OverlapPlan(...)).
     import fgpsdp_runtime as fgp
     assert fgp.OverlapPlan is OverlapPlan and "OverlapPlan" in fgp.__all__
+
+
+def test_device_marks_read_event_times_in_seconds(monkeypatch):
+    """The CUDA profile clock (events on the compute stream), with a fake event:
+    seconds from event times, and one device synchronisation before reading."""
+    import torch
+    from fgpsdp_runtime.plan_profiler import DeviceMarks
+    gpu_clock_ms = [0.0]
+    log = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            assert enable_timing, "elapsed_time needs timing events"
+
+        def record(self, stream):
+            log.append(("record", stream))
+            self.at_ms = gpu_clock_ms[0]
+
+        def elapsed_time(self, other):
+            return other.at_ms - self.at_ms
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: f"compute@{device}")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: log.append(("sync", device)))
+    marks = DeviceMarks(torch.device("cuda", 1))
+    origin = marks.mark()
+    gpu_clock_ms[0] = 250.0
+    later = marks.mark()
+    marks.wait()
+    assert marks.seconds(origin, later) == 0.25
+    cuda1 = torch.device("cuda", 1)
+    assert log == [("record", f"compute@{cuda1}"), ("record", f"compute@{cuda1}"), ("sync", cuda1)]

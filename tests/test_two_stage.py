@@ -22,6 +22,8 @@ def test_auto_plan_profiles_without_speculating_then_switches_on_every_rank(topo
     plan = json.loads(plans.pop())
     assert plan["source"] == "profile"  # switched after the profiled steps of a 5-step run
     assert plan["predicted"]["link"]["bandwidth_Bps"] > 0
+    ready, backward = plan["predicted"]["bucket_ready_s"], plan["predicted"]["backward_s"]
+    assert 0 < min(ready) and max(ready) <= backward  # from the forward's end, host clock
     n = ranks[0]["clip_idle"]["n_buckets"]
     assert n >= 4
     assert sorted(plan["stage1"] + plan["stage2"]) == list(range(n))

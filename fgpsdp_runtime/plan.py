@@ -35,7 +35,7 @@ class BucketProfile:
     """Measured in a profiled iteration: when backward finished the bucket."""
 
     bytes: int
-    ready_s: float  # since backward started
+    ready_s: float  # since the forward ended (backward's start, give or take the loss)
     # The reduce-scatter's bytes when gradients travel in another dtype than
     # the parameters (DistributedDataParallel's reduce_dtype); None: ``bytes``.
     reduce_bytes: Optional[int] = None

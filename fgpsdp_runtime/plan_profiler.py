@@ -54,10 +54,12 @@ class PlanProfiler:
     def model(self):
         return self._model_ref()
 
-    # -- listeners (main thread) -------------------------------------------------
+    # -- listeners (the main thread; on CUDA the hooks run on autograd's device thread) --
 
     def on_forward_end(self) -> None:
-        if self._profiling:
+        # Only a forward that backward will reduce: an eval forward (no grad, or
+        # under no_sync) in between must not move the origin.
+        if self._profiling and torch.is_grad_enabled() and self.model.reducer.sync_enabled:
             self._forward_end = self._marks.mark()
 
     def _on_bucket_ready(self, b: int) -> None:
@@ -84,6 +86,10 @@ class PlanProfiler:
         self._profiling = True
         self._window_start = time.perf_counter()
         timeline = self.model.timeline
+        if self.model.device.type == "cuda":
+            # Here, at a step's end, the host has just waited for the norm: the
+            # clock's synchronisation costs next to nothing.
+            timeline.start_cuda_clock(self.model.device)
         if not timeline.enabled:
             timeline.enable()
             self._enabled_timeline = True
@@ -93,7 +99,8 @@ class PlanProfiler:
         self._profiling = False
         self.done = True
         spans = [s for s in model.timeline.spans() if s[2] >= self._window_start]
-        ready, backward = self._resolve_marks()
+        marks = self._ready_marks, self._backward_marks
+        self._ready_marks, self._backward_marks, self._forward_end = [], [], None
         if self._enabled_timeline:
             model.timeline.disable()
             model.timeline.clear()
@@ -101,7 +108,7 @@ class PlanProfiler:
         # Rank 0's, or under join() an active rank's (a joined one times no compute).
         if model.rank == model.authoritative_rank:
             try:
-                plan = self.plan_from(spans, ready, backward)
+                plan = self.plan_from(spans, *self._resolve_marks(*marks))
             except Exception as error:  # noqa: BLE001 - the others wait in the broadcast
                 warnings.warn(f"fgpsdp: no profile plan ({error!r}); keeping {model.plan}",
                               RuntimeWarning)
@@ -112,17 +119,15 @@ class PlanProfiler:
                                        group=model.process_group)
         model.set_overlap_plan(OverlapPlan.from_json(box[0]))
 
-    def _resolve_marks(self) -> tuple[dict[int, list[float]], list[float]]:
+    def _resolve_marks(self, ready_marks, backward_marks) -> tuple[dict[int, list[float]], list[float]]:
         """Seconds from each forward's end: per bucket, when backward finished it;
         and when backward ended."""
         self._marks.wait()
         seconds = self._marks.seconds
         ready: dict[int, list[float]] = {}
-        for origin, b, mark in self._ready_marks:
+        for origin, b, mark in ready_marks:
             ready.setdefault(b, []).append(seconds(origin, mark))
-        backward = [seconds(origin, mark) for origin, mark in self._backward_marks]
-        self._ready_marks, self._backward_marks, self._forward_end = [], [], None
-        return ready, backward
+        return ready, [seconds(origin, mark) for origin, mark in backward_marks]
 
     def plan_from(self, spans, ready: dict[int, list[float]], backward: list[float]) -> OverlapPlan:
         model = self.model
@@ -173,6 +178,10 @@ class DeviceMarks:
     would squeeze backward towards its start (and a step that waited on the
     allocator would stretch it), while the link times come from events on the
     link streams: the plan would compare two clocks. Events read the GPU's.
+    A gradient hook's mark goes on the stream autograd runs that node on, which
+    waits for the gradient; the end-of-backward callback's on the caller's
+    streams, which autograd syncs with every node's first. Any two marks are on
+    one device, so their difference is defined whatever streams they are on.
     """
 
     def __init__(self, device: torch.device):

@@ -72,16 +72,30 @@ class Timeline:
             if self.enabled:  # disabled meanwhile (and maybe cleared): drop it
                 self.add(lane, name, start, time.perf_counter())
 
+    def start_cuda_clock(self, device, stream=None) -> None:
+        """Pin CUDA event times to the host clock: an event recorded at a known host time.
+
+        One device synchronisation, so call it where the host has just waited for
+        the GPU anyway (the plan profiler does, at the end of a step); otherwise
+        the first CUDA span takes it, on its link worker. Never under ``_lock``:
+        a span added meanwhile (the end of backward adds one) would wait for the GPU.
+        """
+        if self._cuda_origin is not None:
+            return
+        origin = torch.cuda.Event(enable_timing=True)
+        origin.record(stream if stream is not None else torch.cuda.current_stream(device))
+        torch.cuda.synchronize(device)
+        host_origin = time.perf_counter()
+        with self._lock:
+            if self._cuda_origin is None:
+                self._cuda_origin, self._host_origin = origin, host_origin
+
     def cuda_span_events(self, stream) -> Optional[tuple]:
         """Start event recorded on ``stream``; pass it to ``end_cuda_span``."""
         if not self.enabled:
             return None
-        with self._lock:
-            if self._cuda_origin is None:
-                self._cuda_origin = torch.cuda.Event(enable_timing=True)
-                self._cuda_origin.record(stream)
-                torch.cuda.synchronize(stream.device)
-                self._host_origin = time.perf_counter()
+        if self._cuda_origin is None:
+            self.start_cuda_clock(stream.device, stream)
         start = torch.cuda.Event(enable_timing=True)
         start.record(stream)
         return start

@@ -139,3 +139,42 @@ def test_device_marks_read_event_times_in_seconds(monkeypatch):
     assert marks.seconds(origin, later) == 0.25
     cuda1 = torch.device("cuda", 1)
     assert log == [("record", f"compute@{cuda1}"), ("record", f"compute@{cuda1}"), ("sync", cuda1)]
+
+
+def test_timeline_spans_never_wait_for_the_cuda_clock(monkeypatch):
+    """The first CUDA span pins event times to the host clock with a device
+    synchronisation; a span added meanwhile (the end of backward adds one) must
+    not wait for the GPU. Stand-ins: a synchronisation that takes 0.3 s."""
+    import threading
+    import time
+    import torch
+    from fgpsdp_runtime.tracing import Timeline
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self, stream=None):
+            pass
+
+    class FakeStream:
+        device = "cuda:0"
+
+    syncing = threading.Event()
+
+    def slow_synchronize(device=None):
+        syncing.set()
+        time.sleep(0.3)
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", slow_synchronize)
+    timeline = Timeline()
+    timeline.enable()
+    worker = threading.Thread(target=lambda: timeline.cuda_span_events(FakeStream()))
+    worker.start()
+    assert syncing.wait(5)
+    t0 = time.perf_counter()
+    timeline.add("compute", "backward (from first gradient)", 0.0, 1.0)
+    waited = time.perf_counter() - t0
+    worker.join()
+    assert waited < 0.15, f"Timeline.add waited {waited:.3f} s for another thread's device sync"

@@ -26,6 +26,8 @@ from .plan import BucketProfile, LinkModel, OverlapPlan, profile_plan
 
 # The link whose time bounds the exchange: the rail between nodes, or the one group.
 _BOTTLENECK_LANES = {True: ("inter-rs", "inter-ag"), False: ("flat-rs", "flat-ag")}
+_EXTEND = "extend"  # rank 0's word when its window timed no backward
+_MAX_EXTENSIONS = 4  # then the profiling plan is kept (no stage 1)
 
 
 class PlanProfiler:
@@ -38,10 +40,13 @@ class PlanProfiler:
         self.steps = 0
         self.done = False
         self._profiling = False
-        self._enabled_timeline = False  # we turned the timeline on, and turn it off
+        self._extensions = 0  # windows profiled again: the last one timed no backward
         self._window_start = 0.0
         self._marks = DeviceMarks(model.device) if model.device.type == "cuda" else HostMarks()
-        self._forward_end = None  # the mark of the last forward's end
+        # The mark of the end of the forward that the next backward reduces; None
+        # outside one (a round of reduce-scatters at the step, for gradients
+        # accumulated under no_sync(), or a joined rank's round of zeros).
+        self._forward_end = None
         # (forward end, bucket, mark) and (forward end, mark): resolved at the end
         self._ready_marks: list[tuple] = []
         self._backward_marks: list[tuple] = []
@@ -69,12 +74,14 @@ class PlanProfiler:
     def _on_backward_end(self) -> None:
         if self._profiling and self._forward_end is not None:
             self._backward_marks.append((self._forward_end, self._marks.mark()))
+        self._forward_end = None
 
     def end_step(self) -> None:
         """Called by the optimizer at the end of every step, on every rank."""
         if self.done:
             return
         self.steps += 1
+        self._forward_end = None
         if self.steps == self.warmup_steps:
             self._start()
         elif self.steps == self.warmup_steps + self.profiled_steps:
@@ -90,9 +97,7 @@ class PlanProfiler:
             # Here, at a step's end, the host has just waited for the norm: the
             # clock's synchronisation costs next to nothing.
             timeline.start_cuda_clock(self.model.device)
-        if not timeline.enabled:
-            timeline.enable()
-            self._enabled_timeline = True
+        timeline.hold()
 
     def _finish(self) -> None:
         model = self.model
@@ -101,22 +106,34 @@ class PlanProfiler:
         spans = [s for s in model.timeline.spans() if s[2] >= self._window_start]
         marks = self._ready_marks, self._backward_marks
         self._ready_marks, self._backward_marks, self._forward_end = [], [], None
-        if self._enabled_timeline:
-            model.timeline.disable()
-            model.timeline.clear()
-        plan = None
+        decision = None
         # Rank 0's, or under join() an active rank's (a joined one times no compute).
         if model.rank == model.authoritative_rank:
             try:
-                plan = self.plan_from(spans, *self._resolve_marks(*marks))
+                if marks[1]:
+                    decision = self.plan_from(spans, *self._resolve_marks(*marks)).to_json()
+                elif self._extensions < _MAX_EXTENSIONS:
+                    # No backward was reduced in the window (every micro-batch under
+                    # no_sync(), say): nothing to plan from. Profile as many steps again.
+                    decision = _EXTEND
+                else:  # a loop that never reduces in backward: nothing to overlap there
+                    decision = model.plan.to_json()
             except Exception as error:  # noqa: BLE001 - the others wait in the broadcast
                 warnings.warn(f"fgpsdp: no profile plan ({error!r}); keeping {model.plan}",
                               RuntimeWarning)
-                plan = model.plan
-        box = [plan.to_json() if plan is not None else None]
+                decision = model.plan.to_json()
+        box = [decision]
         if model.world_size > 1:
             dist.broadcast_object_list(box, src=model._authoritative_rank(),
                                        group=model.process_group)
+        if box[0] == _EXTEND:  # every rank alike: the decision was broadcast
+            self._extensions += 1
+            self.done = False
+            self.steps = self.warmup_steps
+            self._profiling = True
+            self._window_start = time.perf_counter()
+            return
+        model.timeline.release()
         model.set_overlap_plan(OverlapPlan.from_json(box[0]))
 
     def _resolve_marks(self, ready_marks, backward_marks) -> tuple[dict[int, list[float]], list[float]]:

@@ -86,6 +86,9 @@ class TwoStageScheduler:
         # all-gather sent twice. Decided from all-reduced figures, so every
         # rank speculates in the same steps.
         self.speculating = True
+        # A forward (or zero_grad()) came after this step's first reduction:
+        # gradient accumulation without no_sync(), most likely (see end_step).
+        self._read_before_step = False
         # Set once speculation can never pay off in this run (and why): the
         # loop sets the optimizer's hyperparameters between backward and step,
         # so every speculative step would be redone.
@@ -286,9 +289,12 @@ class TwoStageScheduler:
         a reduction since the step (or zero_grad()) means a read between backward
         and step, which must see the old parameters, or a reset of what
         speculation used."""
-        if (self.optimizer is not None and not self._round_excluded
-                and any(self.model.reducer.reduce_scatters_since_reset)):
-            self.cancel()
+        if any(self.model.reducer.reduce_scatters_since_reset):
+            # Most likely gradient accumulation without no_sync(), which a loop
+            # does on every step: see end_step.
+            self._read_before_step = True
+            if self.optimizer is not None and not self._round_excluded:
+                self.cancel()
 
     def cancel(self) -> None:
         """A forward between backward and step must see the old parameters.
@@ -341,7 +347,13 @@ class TwoStageScheduler:
         self._suspended = False
 
     def end_step(self, would_commit: bool) -> None:
-        self.speculating = would_commit and self.stopped_because is None and not self._suspended
+        # A step whose round was read before it (a forward between backward and
+        # step) would have its speculation undone and its all-gathers sent twice;
+        # the next step most likely does the same. Every rank reduces alike, so
+        # every rank decides alike; a step without such a read speculates again.
+        self.speculating = (would_commit and not self._read_before_step
+                            and self.stopped_because is None and not self._suspended)
+        self._read_before_step = False
         self._reset_round()
 
     def gradients_zeroed(self) -> None:

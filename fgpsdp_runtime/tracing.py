@@ -41,12 +41,30 @@ class Timeline:
         self._cuda_spans: list[tuple[str, str, object, object]] = []
         self._host_origin = time.perf_counter()
         self._cuda_origin = None
+        self._wanted = False  # the user's say: enable() / disable()
+        self._holders = 0  # the runtime's own readers (the plan profiler), see hold()
 
     def enable(self) -> None:
+        self._wanted = True
         self.enabled = True
 
     def disable(self) -> None:
-        self.enabled = False
+        self._wanted = False
+        self.enabled = self._holders > 0
+
+    def hold(self) -> None:
+        """Record for the runtime's own use (the plan profiler's window), whatever
+        the user says meanwhile; release() hands the timeline back."""
+        self._holders += 1
+        self.enabled = True
+
+    def release(self) -> None:
+        """The last holder gone: as the user left it. Kept on, with its spans, if
+        the user enabled it (before or during the hold); else off and empty."""
+        self._holders -= 1
+        if self._holders == 0 and not self._wanted:
+            self.enabled = False
+            self.clear()
 
     def clear(self) -> None:
         with self._lock:

@@ -68,11 +68,12 @@ def test_two_stage_commits_and_rolls_back(topology):
     assert res["unused"]["rollbacks"] > 0  # buckets holding a parameter no rank used
     assert res["accumulate_synced"]["rollbacks"] > 0  # forward between backward and step
     # zero_grad between backward and step undoes that step's speculation, and the
-    # step has no reduction left to step early (it speculated them all again on
-    # zeros: wasted steps, and all-gathers sent twice after set_to_none).
+    # step has no reduction left to step early. A loop that does it on every step
+    # is read alike on every rank after the first: two_stage stops speculating
+    # (before, it speculated and undid every step, its all-gathers sent twice).
     zeroed = res_zeroed(topology)
     stage1 = len(json.loads(zeroed["plan"])["stage1"])
-    assert stage1 > 0 and zeroed["rollbacks"] == 5 * stage1 and zeroed["commits"] == 0
+    assert stage1 > 0 and zeroed["rollbacks"] == stage1 and zeroed["commits"] == 0
     # Hyperparameters set after clip_grad_norm_ (which waits for every speculative
     # step): the first step's are all redone with them, and two_stage speculates no
     # more. (Set right after backward, they may reach the speculative steps that

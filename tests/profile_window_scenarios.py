@@ -1,0 +1,84 @@
+"""Rank functions for tests/test_plan_profiler.py: loops that do unusual things while
+``overlap_plan="auto"`` profiles (steps 2-3), and gradient accumulation without
+no_sync() under two_stage."""
+import time
+
+import torch
+from torch import nn
+
+import fgpsdp_runtime as fgp
+
+
+class _SlowBackward(torch.autograd.Function):
+    """Identity whose backward takes a few ms: buckets are ready at distinct times."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.003)
+        return grad
+
+
+class SlowNet(nn.Module):
+    def __init__(self, layers: int = 4, width: int = 64):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = _SlowBackward.apply(torch.tanh(layer(x)))
+        return x.square().mean()
+
+
+def _batch(step: int, micro: int, rank: int) -> torch.Tensor:
+    return torch.randn(8, 64, generator=torch.Generator().manual_seed(1000 * step + 10 * micro + rank))
+
+
+def _train(rank: int, case: str, schedule: str, overlap_plan: str, steps: int,
+           max_grad_norm=None) -> dict:
+    torch.manual_seed(0)
+    # One Linear(64, 64) per bucket: 4 buckets.
+    model = fgp.DistributedDataParallel(SlowNet(), bucket_cap_mb=0.015, schedule=schedule,
+                                        overlap_plan=overlap_plan)
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2, max_grad_norm=max_grad_norm)
+    for step in range(1, steps + 1):
+        if case == "user_timeline" and step == 2:
+            model.timeline.enable()  # inside the profile's window
+        all_no_sync = ((case == "no_sync_step" and step == 3)
+                       or (case == "no_sync_window" and step in (2, 3))
+                       or case == "always_no_sync")
+        accumulate_synced = case == "accumulate_synced" and step <= 4
+        if all_no_sync:  # reduced at the step
+            for micro in range(2):
+                with model.no_sync():
+                    model(_batch(step, micro, rank)).backward()
+        elif accumulate_synced:  # every micro-batch reduced in its backward
+            for micro in range(2):
+                model(_batch(step, micro, rank)).backward()
+        else:
+            model(_batch(step, 0, rank)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.synchronize()
+    out = {"params": [p.detach().clone() for p in model.module.parameters()],
+           "n_buckets": len(model.bucket_layouts)}
+    if model.scheduler is not None:
+        out.update(plan=model.plan.to_json(), commits=model.scheduler.commits,
+                   rollbacks=model.scheduler.rollbacks,
+                   timeline_enabled=model.timeline.enabled,
+                   timeline_spans=len(model.timeline.spans()))
+    return out
+
+
+def profile_window(rank: int, world_size: int, case: str, overlap_plan: str = "auto",
+                   steps: int = 6) -> dict:
+    """The case under two_stage, and the same loop under serial (bitwise the same
+    parameters, the project's promise)."""
+    ours = _train(rank, case, "two_stage", overlap_plan, steps)
+    serial = _train(rank, case, "serial", overlap_plan, steps)
+    ours["equal_to_serial"] = all(torch.equal(a, b)
+                                  for a, b in zip(ours.pop("params"), serial["params"]))
+    return ours

@@ -1,0 +1,54 @@
+"""overlap_plan="auto": what its profile window makes of unusual loops, and the
+two_stage schedule under gradient accumulation without no_sync()."""
+import json
+
+from .dist_harness import run_calls
+from .profile_window_scenarios import profile_window
+
+_CASES = ("plain", "no_sync_step", "no_sync_window", "user_timeline")
+
+
+def _sane_profile(plan: dict) -> None:
+    predicted = plan["predicted"]
+    ready, backward = predicted["bucket_ready_s"], predicted["backward_s"]
+    # Four layers of a 3 ms backward each, timed from the forward's end.
+    assert 0.006 < backward < 0.5, backward
+    assert all(0 < r <= backward for r in ready), (ready, backward)
+    assert ready == sorted(ready), ready
+
+
+def test_profile_window_unusual_loops():
+    calls = [(profile_window, case) for case in _CASES]
+    calls.append((profile_window, "always_no_sync", "auto", 13))
+    calls.append((profile_window, "accumulate_synced", "layout"))
+    results = run_calls(2, calls, timeout_s=600)
+    for call in calls:
+        ranks = results[call]
+        assert len({r["plan"] for r in ranks}) == 1, f"{call[1]}: ranks run different plans"
+        assert all(r["equal_to_serial"] for r in ranks), f"{call[1]}: differs from serial"
+    plans = {call[1]: json.loads(results[call][0]["plan"]) for call in calls}
+    for case in _CASES:
+        assert plans[case]["source"] == "profile", case
+        # A step entirely under no_sync() reduces at the step: no backward to time
+        # (its round used to be timed from the forward of the step before).
+        _sane_profile(plans[case])
+    # Steps 2-3 reduced in no backward: the window ran again (steps 4-5).
+    assert plans["no_sync_window"]["source"] == "profile"
+    # A loop that never reduces in backward: after four more windows, no stage 1.
+    assert plans["always_no_sync"]["source"] == "profiling"
+    assert plans["always_no_sync"]["stage1"] == []
+    # The user's enable() inside the window: on at the end, with its spans.
+    user = results[(profile_window, "user_timeline")]
+    assert all(r["timeline_enabled"] and r["timeline_spans"] > 0 for r in user)
+    plain = results[(profile_window, "plain")]
+    assert not any(r["timeline_enabled"] or r["timeline_spans"] for r in plain)
+
+    # Accumulation over reduced backwards (steps 1-4, then single backwards, layout
+    # plan: stage 1 from the first step): step 1's speculation is undone by the
+    # second micro-batch's forward; steps 2-4 do not speculate; step 5 has one
+    # backward, so step 6 speculates again and commits.
+    accumulated = results[(profile_window, "accumulate_synced", "layout")]
+    stage1 = len(plans["accumulate_synced"]["stage1"])
+    assert stage1 == accumulated[0]["n_buckets"] - 1
+    for r in accumulated:
+        assert (r["rollbacks"], r["commits"]) == (stage1, stage1), r

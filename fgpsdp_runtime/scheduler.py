@@ -289,11 +289,12 @@ class TwoStageScheduler:
         a reduction since the step (or zero_grad()) means a read between backward
         and step, which must see the old parameters, or a reset of what
         speculation used."""
-        if any(self.model.reducer.reduce_scatters_since_reset):
+        if any(self.model.reducer.reduce_scatters_since_reset) and not self._round_excluded:
             # Most likely gradient accumulation without no_sync(), which a loop
-            # does on every step: see end_step.
+            # does on every step: see end_step. (An excluded round, a GAN's D in
+            # G's backward, speculated nothing and says nothing of the next step.)
             self._read_before_step = True
-            if self.optimizer is not None and not self._round_excluded:
+            if self.optimizer is not None:
                 self.cancel()
 
     def cancel(self) -> None:

@@ -863,6 +863,7 @@ def gan_loop(rank: int, world_size: int, schedule: str) -> dict:
     scheduler = D.scheduler
     result = {"saves": saves,
               "d_commits": scheduler.commits if scheduler else 0,
+              "d_stage1": len(D.plan.stage1) if scheduler else 0,
               "d_rollbacks": scheduler.rollbacks if scheduler else 0}
     time.sleep(0.2)  # the rest of a loop: stage 1 would have run by now
     del D, opt_d, scheduler

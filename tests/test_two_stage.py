@@ -211,5 +211,7 @@ def test_gan_discriminator_does_not_speculate_with_gradients_it_never_steps(two_
         if rank == 0:
             assert res["saves"] == ["ok"] * 4
         if schedule == "two_stage":
-            # No clipping: D's own backwards speculate, and every such step commits.
-            assert res["d_commits"] > 0 and res["d_rollbacks"] == 0, res
+            # No clipping: D's own backwards speculate, and every such step commits
+            # (all four: G's round through D is no read before D's step).
+            assert res["d_stage1"] > 0, res
+            assert res["d_commits"] == 4 * res["d_stage1"] and res["d_rollbacks"] == 0, res

@@ -89,9 +89,12 @@ class PlanProfiler:
 
     # -- the window ----------------------------------------------------------------
 
-    def _start(self) -> None:
+    def _open_window(self) -> None:
         self._profiling = True
         self._window_start = time.perf_counter()
+
+    def _start(self) -> None:
+        self._open_window()
         timeline = self.model.timeline
         if self.model.device.type == "cuda":
             # Here, at a step's end, the host has just waited for the norm: the
@@ -102,7 +105,6 @@ class PlanProfiler:
     def _finish(self) -> None:
         model = self.model
         self._profiling = False
-        self.done = True
         spans = [s for s in model.timeline.spans() if s[2] >= self._window_start]
         marks = self._ready_marks, self._backward_marks
         self._ready_marks, self._backward_marks, self._forward_end = [], [], None
@@ -128,11 +130,10 @@ class PlanProfiler:
                                        group=model.process_group)
         if box[0] == _EXTEND:  # every rank alike: the decision was broadcast
             self._extensions += 1
-            self.done = False
             self.steps = self.warmup_steps
-            self._profiling = True
-            self._window_start = time.perf_counter()
+            self._open_window()
             return
+        self.done = True
         model.timeline.release()
         model.set_overlap_plan(OverlapPlan.from_json(box[0]))
 

@@ -20,6 +20,8 @@ import fgpsdp_runtime as fgp
 from fgpsdp_runtime import comm
 from fgpsdp_runtime.topology import LinkGroups, NodeLayout
 
+from .profile_window_scenarios import SlowNet
+
 _ORIGINAL_RS = comm.start_reduce_scatter
 
 
@@ -120,48 +122,22 @@ def shard_round_trip() -> dict:
     return {"equal": all(torch.equal(a, b) for a, b in zip(before, after))}
 
 
-class _GpuSlowBackward(torch.autograd.Function):
-    """Identity whose backward keeps the GPU busy for ``cycles``; the host goes on."""
-
-    @staticmethod
-    def forward(ctx, x, cycles):
-        ctx.cycles = cycles
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        torch.cuda._sleep(ctx.cycles)
-        return grad, None
-
-
-class _SlowBackwardNet(torch.nn.Module):
-    def __init__(self, layers: int, cycles: int):
-        super().__init__()
-        self.layers = torch.nn.ModuleList(torch.nn.Linear(512, 512) for _ in range(layers))
-        self.cycles = cycles
-
-    def forward(self, x):
-        for layer in self.layers:
-            x = _GpuSlowBackward.apply(layer(x), self.cycles)
-        return x
-
-
 def profile_reads_gpu_time() -> dict:
     """overlap_plan="auto" on CUDA: the profile's backward is the GPU's, not the
     host's, which only enqueues it (before, host clock readings in the hooks)."""
     device = torch.device("cuda", torch.cuda.current_device())
     layers, cycles = 8, int(2e7)
     torch.manual_seed(0)
-    model = fgp.DistributedDataParallel(_SlowBackwardNet(layers, cycles).to(device),
-                                        bucket_cap_mb=1, schedule="two_stage", overlap_plan="auto")
+    slow = SlowNet(layers, width=512, pause=lambda: torch.cuda._sleep(cycles))
+    model = fgp.DistributedDataParallel(slow.to(device), bucket_cap_mb=1, schedule="two_stage",
+                                        overlap_plan="auto")
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
     x = torch.randn(64, 512, device=device)
     host_backward_s, gpu_backward_s = [], []
     for _ in range(5):
-        out = model(x)
+        loss = model(x)  # the loss itself: the profiler's origin is the wrapper's forward end
         forward_end = torch.cuda.Event(enable_timing=True)
-        forward_end.record()  # where the profiler's origin is: the wrapper's forward end
-        loss = out.square().mean()
+        forward_end.record()
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         loss.backward()

@@ -10,26 +10,33 @@ import fgpsdp_runtime as fgp
 
 
 class _SlowBackward(torch.autograd.Function):
-    """Identity whose backward takes a few ms: buckets are ready at distinct times."""
+    """Identity whose backward first calls ``pause`` (a host sleep; on CUDA a GPU
+    sleep, which the host does not wait for): buckets are ready at distinct times."""
 
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, pause):
+        ctx.pause = pause
         return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(0.003)
-        return grad
+        ctx.pause()
+        return grad, None
+
+
+def _host_pause() -> None:
+    time.sleep(0.003)
 
 
 class SlowNet(nn.Module):
-    def __init__(self, layers: int = 4, width: int = 64):
+    def __init__(self, layers: int = 4, width: int = 64, pause=_host_pause):
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+        self.pause = pause
 
     def forward(self, x):
         for layer in self.layers:
-            x = _SlowBackward.apply(torch.tanh(layer(x)))
+            x = _SlowBackward.apply(torch.tanh(layer(x)), self.pause)
         return x.square().mean()
 
 

@@ -11,6 +11,7 @@ processes, so peaks do not carry over.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import sys
@@ -54,7 +55,7 @@ def _rank(rank, world, args, queue):
         trace.append((f"step {step + 1}", rss_mib()))
     system.finish_step()
     dist.barrier()
-    queue.put((rank, trace, peak_mib()))
+    queue.put((rank, trace, peak_mib(), system.schedule_info()))
     dist.destroy_process_group()
 
 
@@ -85,10 +86,19 @@ def main() -> None:
         results = [queue.get() for _ in procs]
         for p in procs:
             p.join()
-        rank, trace, peak = max(results, key=lambda r: r[2])
+        rank, trace, peak, info = max(results, key=lambda r: r[2])
         steps = " ".join(f"{rss:.0f}" for _, rss in trace)
         print(f"{system:<20} peak {peak:7.0f} MiB (rank {rank}); RSS MiB after "
               f"{', '.join(name for name, _ in trace)}: {steps}", flush=True)
+        if info.get("plan"):
+            plan = json.loads(info["plan"])
+            predicted = plan.get("predicted") or {}
+            undo = predicted.get("undo_bytes")
+            print(f"{'':<20} plan from {plan['source']}: stage 1 = {plan['stage1']} of "
+                  f"candidates {predicted.get('stage1_candidates', '-')}, undo records "
+                  f"{'-' if undo is None else f'{undo / 2**20:.1f} MiB'}; speculative steps "
+                  f"committed {info['speculative_commits']}, rolled back "
+                  f"{info['speculative_rollbacks']} (rank {rank})", flush=True)
 
 
 if __name__ == "__main__":

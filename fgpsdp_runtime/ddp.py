@@ -107,7 +107,8 @@ class DistributedDataParallel(nn.Module):
                  forward_sync_buffers: Optional[bool] = None, *,
                  topology: TopologyArg = None, schedule: str = "two_stage",
                  overlap_plan: Union[str, OverlapPlan] = "auto",
-                 reduce_dtype: Optional[torch.dtype] = None):
+                 reduce_dtype: Optional[torch.dtype] = None,
+                 speculation_memory_mb: Optional[float] = None):
         super().__init__()
         refuse_unsupported(mixed_precision=mixed_precision,
                            delay_all_reduce_named_params=delay_all_reduce_named_params,
@@ -132,6 +133,12 @@ class DistributedDataParallel(nn.Module):
             argument_problems.append("overlap_plan must be 'auto', 'layout' or an OverlapPlan, "
                                      f"got {overlap_plan!r}")
             overlap_plan = "layout"
+        if speculation_memory_mb is not None and not (
+                isinstance(speculation_memory_mb, (int, float))
+                and not isinstance(speculation_memory_mb, bool) and speculation_memory_mb >= 0):
+            argument_problems.append("speculation_memory_mb must be a number >= 0 or None, "
+                                     f"got {speculation_memory_mb!r}")
+            speculation_memory_mb = None
         if bucket_cap_mb is not None and not bucket_cap_mb > 0 and bucket_caps is None:
             argument_problems.append(f"bucket_cap_mb must be > 0 (or None: automatic), got "
                                      f"{bucket_cap_mb}")
@@ -203,6 +210,8 @@ class DistributedDataParallel(nn.Module):
         # would leave the others waiting (or summing bytes of another dtype).
         settings = {"topology": self.topology.summary(), "schedule": schedule,
                     "overlap_plan": _plan_setting(overlap_plan),
+                    # It shapes the plan (rank 0's is broadcast): one meaning for all.
+                    "speculation_memory_mb": speculation_memory_mb,
                     "reduce_dtype": str(reduce_dtype),
                     # torch's bucket_cap_mb_list overrides bucket_cap_mb.
                     "bucket_cap_mb": bucket_cap_mb if bucket_caps is None else None,
@@ -327,7 +336,9 @@ class DistributedDataParallel(nn.Module):
             self._gather_lookahead = self.scheduler.plan.lookahead
             if overlap_plan == "auto":
                 # Profiles a few steps, then every rank switches to rank 0's plan.
-                self.plan_profiler = PlanProfiler(self)
+                self.plan_profiler = PlanProfiler(
+                    self, undo_budget_bytes=None if speculation_memory_mb is None
+                    else speculation_memory_mb * 2**20)
         if schedule in ("next_forward", "two_stage"):
             buckets_of: dict[int, list[int]] = {}
             for b, layout in enumerate(self.bucket_layouts):
@@ -335,7 +346,7 @@ class DistributedDataParallel(nn.Module):
                     buckets_of.setdefault(id(self._params[span.param_index]), []).append(b)
             # Weakly: the module's hooks must not keep a dropped wrapper alive.
             self._forward_waiter = ForwardParamWaiter(
-                module, buckets_of, lifecycle.weak_call(self.finish_param_all_gather),
+                module, buckets_of, lifecycle.weak_call(self._finish_param_all_gather_in_forward),
                 lifecycle.weak_call(self.finish_param_all_gathers),
                 lifecycle.weak_call(self._land_gathers_for_a_direct_call),
                 lifecycle.weak_call(self._bucket_storages))
@@ -349,6 +360,11 @@ class DistributedDataParallel(nn.Module):
     @property
     def optimizer_attached(self) -> bool:
         return self._optimizer_ref is not None and self._optimizer_ref() is not None
+
+    @property
+    def attached_optimizer(self):
+        """The ShardedOptimizer stepping this model, or None."""
+        return self._optimizer_ref() if self._optimizer_ref is not None else None
 
     def attach_optimizer(self, optimizer) -> None:
         """ShardedOptimizer's registration: one at a time, a new one once the last is
@@ -682,7 +698,7 @@ class DistributedDataParallel(nn.Module):
                     return
             self.start_param_all_gather(queue.pop(0))
 
-    def finish_param_all_gather(self, bucket: int) -> None:
+    def finish_param_all_gather(self, bucket: int, *, in_forward: bool = False) -> None:
         pending = bucket in self._queued_gathers
         if pending:
             self._start_queued_gathers(until=bucket)
@@ -693,8 +709,12 @@ class DistributedDataParallel(nn.Module):
             if op.done():
                 op.wait()
             else:
+                profiler = self.plan_profiler if in_forward else None
+                need = profiler.mark_forward_need() if profiler is not None else None
                 with self.timeline.span("compute", f"wait AG b{bucket}"):
                     op.wait()
+                if need is not None:
+                    profiler.on_forward_waited(bucket, need)
         if pending:
             # Written by the loop while the gather landed (a clamp right after
             # opt.step()): the gathered slices overwrote part of it, by timing.
@@ -707,6 +727,10 @@ class DistributedDataParallel(nn.Module):
                     "first, on every rank")
         if self._queued_gathers:
             self._start_queued_gathers()
+
+    def _finish_param_all_gather_in_forward(self, bucket: int) -> None:
+        """A forward pre-hook's wait (the plan profiler times these)."""
+        self.finish_param_all_gather(bucket, in_forward=True)
 
     def finish_param_all_gathers(self) -> None:
         self._start_queued_gathers(all_of_them=True)

@@ -221,6 +221,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Parameter elements whose optimizer state this rank owns (padding excluded)."""
         return self.model.local_numel
 
+    def undo_record_bytes(self) -> list[int]:
+        """Per bucket, what a speculative step's undo record holds (see
+        speculation.py): copies of this rank's parameter and gradient slices
+        and of the slice's optimizer state, as large as the state is now."""
+        sizes = []
+        for b, storage in enumerate(self.model.buckets):
+            nbytes = sum(t.numel() * t.element_size()
+                         for t in (storage.param_shard, storage.grad_shard))
+            for piece in self._bucket_pieces[b]:
+                for value in self.optim.state.get(piece, {}).values():
+                    if torch.is_tensor(value):
+                        nbytes += value.numel() * value.element_size()
+            sizes.append(nbytes)
+        return sizes
+
     # [Note: the optimizer's calls under torch.compile]
     # step(), zero_grad(), the clips and train()/eval() run collectives, the
     # scheduler's hand-over and Python bookkeeping: dynamo runs them as they are

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 
 @dataclass(frozen=True)
@@ -105,18 +105,28 @@ def layout_plan(n_buckets: int, forward_order: Sequence[int],
 
 def profile_plan(buckets: Sequence[BucketProfile], backward_s: float, forward_order: Sequence[int],
                  *, link: LinkModel, reduce_fraction: float = 1.0,
-                 lookahead: Optional[int] = None) -> OverlapPlan:
-    """Stage 1 = the buckets whose exchange fits in the network's idle time in backward.
+                 lookahead: Optional[int] = None,
+                 forward_wait_s: Optional[Mapping[int, float]] = None,
+                 undo_bytes: Optional[Sequence[int]] = None,
+                 undo_budget_bytes: Optional[float] = None) -> OverlapPlan:
+    """Stage 1 = the buckets whose exchange fits in the network's idle time in
+    backward, and whose early all-gather the next forward would otherwise wait for.
 
     Simulates the bottleneck link in backward: reduce-scatters in bucket
     order, each starting when its bucket is ready and the link is free; a
-    bucket goes to stage 1 if its all-gather, queued behind the reduce-scatters
+    bucket is a candidate if its all-gather, queued behind the reduce-scatters
     already issued, still finishes before backward ends. ``reduce_fraction``
     scales bytes to what crosses that link per phase (1/local_size for the
     inter-node rail under the hierarchy).
+
+    ``forward_wait_s`` (per bucket: how long the profiled forwards, with every
+    all-gather in stage 2, waited for it) prunes the candidates; see
+    [Note: stage 1 only where the forward waits]. ``undo_bytes`` (per bucket:
+    its undo record) and ``undo_budget_bytes`` bound what stage 1 holds at the
+    step: candidates are kept in forward order while their records fit.
     """
     link_free = 0.0
-    stage1, finish = [], {}
+    candidates, finish = [], {}
     for b, bucket in enumerate(buckets):
         rs_done = max(link_free, bucket.ready_s) + link.seconds(
             bucket.reduce_scatter_bytes * reduce_fraction)
@@ -124,10 +134,62 @@ def profile_plan(buckets: Sequence[BucketProfile], backward_s: float, forward_or
         ag_done = rs_done + link.seconds(bucket.bytes * reduce_fraction)
         finish[b] = ag_done
         if ag_done <= backward_s and b < len(buckets) - 1:
-            stage1.append(b)
+            candidates.append(b)
             link_free = ag_done  # the all-gather occupies the link too
+    # Dropping a candidate only frees link time in backward: the rest still fit.
+    stage1 = candidates
+    if forward_wait_s is not None:
+        stage1 = _where_forward_waits(stage1, forward_order, forward_wait_s, backward_s)
+    if undo_bytes is not None and undo_budget_bytes is not None:
+        stage1 = _within_budget(stage1, forward_order, undo_bytes, undo_budget_bytes)
     stage2 = tuple(b for b in forward_order if b not in stage1)
-    predicted = {"backward_s": backward_s, "allgather_done_s": {str(b): finish[b] for b in finish}}
+    predicted = {"backward_s": backward_s, "allgather_done_s": {str(b): finish[b] for b in finish},
+                 "stage1_candidates": list(candidates)}
+    if forward_wait_s is not None:
+        predicted["forward_wait_s"] = {str(b): forward_wait_s.get(b, 0.0) for b in forward_order}
+    if undo_bytes is not None:
+        predicted["undo_bytes"] = sum(undo_bytes[b] for b in stage1)
     return OverlapPlan(stage1=tuple(stage1), stage2=stage2,
                        lookahead=lookahead or max(1, len(buckets)), source="profile",
                        predicted=predicted)
+
+
+# [Note: stage 1 only where the forward waits]
+# A stage-1 bucket costs an undo record (a copy of its slice's parameters,
+# gradient and optimizer state: four slices for AdamW) from its reduce-scatter
+# to the step, its step's copies, and, when clipping undoes the step, its
+# all-gather twice. It pays only if the next forward would wait for that
+# bucket's all-gather, or for one queued behind it: stage-2 all-gathers run in
+# forward order, so taking a bucket out of stage 2 lands every later one
+# earlier, and none before it. The profiled steps run every all-gather in
+# stage 2, so their forwards' waits say where that is: nowhere (a link the
+# forward outpaces, as inside a node) leaves stage 1 empty; otherwise the
+# candidates after the last bucket the forward waited for in forward order go.
+# A wait counts above 1% of backward: a waiting thread's wake-up, or one lock,
+# is no reason to hold a slice of optimizer state twice.
+_WAIT_TOLERANCE = 0.01
+
+
+def _where_forward_waits(candidates: Sequence[int], forward_order: Sequence[int],
+                         forward_wait_s: Mapping[int, float], backward_s: float) -> list[int]:
+    tolerance = _WAIT_TOLERANCE * backward_s
+    position = {b: i for i, b in enumerate(forward_order)}
+    waited = [position[b] for b in forward_order if forward_wait_s.get(b, 0.0) > tolerance]
+    if not waited:
+        return []
+    last = max(waited)
+    return [b for b in candidates if position[b] <= last]
+
+
+def _within_budget(candidates: Sequence[int], forward_order: Sequence[int],
+                   undo_bytes: Sequence[int], budget: float) -> list[int]:
+    """The candidates earliest in forward order (each lands every later
+    all-gather earlier) while their undo records fit in ``budget``."""
+    position = {b: i for i, b in enumerate(forward_order)}
+    kept, held = set(), 0
+    for b in sorted(candidates, key=position.__getitem__):
+        if held + undo_bytes[b] > budget:
+            continue
+        kept.add(b)
+        held += undo_bytes[b]
+    return [b for b in candidates if b in kept]

@@ -2,11 +2,14 @@
 
 Steps ``warmup_steps`` .. ``warmup_steps + profiled_steps - 1`` are measured:
 when backward finished each bucket (from the end of forward), how long
-backward took, and how long each collective held the bottleneck link (from
-the timeline, enabled for those steps if the user had not); on CUDA the
-compute times are the GPU's, as the link times are (see ``DeviceMarks``). A
-link cost model (latency + bytes / bandwidth) is fitted to the collectives, and
-``plan.profile_plan`` turns the figures into a plan. Rank 0's plan is
+backward took, how long each forward waited for each bucket's all-gather
+(every all-gather is in stage 2 while profiling), and how long each
+collective held the bottleneck link (from the timeline, enabled for those
+steps if the user had not); on CUDA the compute times and waits are the
+GPU's, as the link times are (see ``DeviceMarks``). A link cost model
+(latency + bytes / bandwidth) is fitted to the collectives, and
+``plan.profile_plan`` turns the figures, with the size of each bucket's undo
+record, into a plan. Rank 0's plan is
 broadcast, and every rank switches to it at the end of the same step, so the
 order of collectives stays the same everywhere.
 """
@@ -31,12 +34,14 @@ _MAX_EXTENSIONS = 4  # then the profiling plan is kept (no stage 1)
 
 
 class PlanProfiler:
-    def __init__(self, model, *, warmup_steps: int = 1, profiled_steps: int = 2):
+    def __init__(self, model, *, warmup_steps: int = 1, profiled_steps: int = 2,
+                 undo_budget_bytes: Optional[float] = None):
         # Weak: the wrapper holds this profiler (a cycle would keep a dropped wrapper
         # alive until the garbage collector's next full pass).
         self._model_ref = weakref.ref(model)
         self.warmup_steps = warmup_steps
         self.profiled_steps = profiled_steps
+        self.undo_budget_bytes = undo_budget_bytes  # DistributedDataParallel(speculation_memory_mb=)
         self.steps = 0
         self.done = False
         self._profiling = False
@@ -50,6 +55,7 @@ class PlanProfiler:
         # (forward end, bucket, mark) and (forward end, mark): resolved at the end
         self._ready_marks: list[tuple] = []
         self._backward_marks: list[tuple] = []
+        self._wait_marks: list[tuple] = []  # (bucket, need, landed): a forward's wait
         model.reducer.bucket_ready_listeners.append(self._on_bucket_ready)
         model.reducer.backward_end_listeners.append(self._on_backward_end)
         if warmup_steps == 0:
@@ -66,6 +72,18 @@ class PlanProfiler:
         # under no_sync) in between must not move the origin.
         if self._profiling and torch.is_grad_enabled() and self.model.reducer.sync_enabled:
             self._forward_end = self._marks.mark()
+
+    def mark_forward_need(self):
+        """A forward needs a bucket's all-gather (before it waits): a mark, or None
+        outside the window."""
+        return self._marks.mark() if self._profiling else None
+
+    def on_forward_waited(self, bucket: int, need) -> None:
+        """The forward that took ``need`` may read ``bucket`` now. On CUDA the mark
+        goes on the compute stream after its wait for the all-gather's event: the
+        difference is how long the GPU's forward stood still for it."""
+        if need is not None and self._profiling:
+            self._wait_marks.append((bucket, need, self._marks.mark()))
 
     def _on_bucket_ready(self, b: int) -> None:
         if self._profiling and self._forward_end is not None:
@@ -106,8 +124,9 @@ class PlanProfiler:
         model = self.model
         self._profiling = False
         spans = [s for s in model.timeline.spans() if s[2] >= self._window_start]
-        marks = self._ready_marks, self._backward_marks
+        marks = self._ready_marks, self._backward_marks, self._wait_marks
         self._ready_marks, self._backward_marks, self._forward_end = [], [], None
+        self._wait_marks = []
         decision = None
         # Rank 0's, or under join() an active rank's (a joined one times no compute).
         if model.rank == model.authoritative_rank:
@@ -137,17 +156,22 @@ class PlanProfiler:
         model.timeline.release()
         model.set_overlap_plan(OverlapPlan.from_json(box[0]))
 
-    def _resolve_marks(self, ready_marks, backward_marks) -> tuple[dict[int, list[float]], list[float]]:
+    def _resolve_marks(self, ready_marks, backward_marks, wait_marks
+                       ) -> tuple[dict[int, list[float]], list[float], dict[int, float]]:
         """Seconds from each forward's end: per bucket, when backward finished it;
-        and when backward ended."""
+        and when backward ended. Per bucket, the forwards' waits per profiled step."""
         self._marks.wait()
         seconds = self._marks.seconds
         ready: dict[int, list[float]] = {}
         for origin, b, mark in ready_marks:
             ready.setdefault(b, []).append(seconds(origin, mark))
-        return ready, [seconds(origin, mark) for origin, mark in backward_marks]
+        waits: dict[int, float] = {}
+        for b, need, landed in wait_marks:
+            waits[b] = waits.get(b, 0.0) + max(0.0, seconds(need, landed)) / self.profiled_steps
+        return ready, [seconds(origin, mark) for origin, mark in backward_marks], waits
 
-    def plan_from(self, spans, ready: dict[int, list[float]], backward: list[float]) -> OverlapPlan:
+    def plan_from(self, spans, ready: dict[int, list[float]], backward: list[float],
+                  forward_waits: Optional[dict[int, float]] = None) -> OverlapPlan:
         model = self.model
         layouts = model.bucket_layouts
         backward_s = statistics.median(backward) if backward else 0.0
@@ -164,8 +188,11 @@ class PlanProfiler:
         link = fit_link([(span_bytes(lane, name) * fraction, end - start)
                          for lane, name, start, end in spans
                          if lane in _BOTTLENECK_LANES[model.topology.uses_hierarchy]])
+        optimizer = model.attached_optimizer
+        undo_bytes = optimizer.undo_record_bytes() if optimizer is not None else None
         plan = profile_plan(buckets, backward_s, model.forward_bucket_order, link=link,
-                            reduce_fraction=fraction)
+                            reduce_fraction=fraction, forward_wait_s=forward_waits,
+                            undo_bytes=undo_bytes, undo_budget_bytes=self.undo_budget_bytes)
         predicted = dict(plan.predicted or {}, link={"latency_s": link.latency_s,
                                                      "bandwidth_Bps": link.bandwidth_Bps},
                          bucket_ready_s=[b.ready_s for b in buckets])

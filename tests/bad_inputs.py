@@ -376,6 +376,11 @@ def schedule_invalid_on_one_rank(rank, world_size):
     fgp.DistributedDataParallel(MLP(), schedule="two-stage" if rank == 1 else "two_stage")
 
 
+def speculation_memory_invalid_or_differs(rank, world_size):
+    mb = {0: 64, 1: -1.0, 2: 32}[rank]
+    fgp.DistributedDataParallel(MLP(), speculation_memory_mb=mb)
+
+
 def settings_equal_in_other_types(rank, world_size):
     """Equal settings written otherwise on some ranks are accepted: max_grad_norm 1 or
     1.0, a plan's buckets as numpy ints (before, json could not compare them)."""

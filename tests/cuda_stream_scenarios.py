@@ -23,6 +23,7 @@ from fgpsdp_runtime.topology import LinkGroups, NodeLayout
 from .profile_window_scenarios import SlowNet
 
 _ORIGINAL_RS = comm.start_reduce_scatter
+_ORIGINAL_AG = comm.start_all_gather
 
 
 def _slow_link(cycles: int) -> None:
@@ -165,8 +166,71 @@ def profile_reads_gpu_time() -> dict:
             "n_buckets": len(ready)}
 
 
+def _slow_all_gathers(cycles: int) -> None:
+    def delayed(group, output, input, scratch_slots=1):
+        torch.cuda._sleep(cycles)  # on the worker's stream
+        return _ORIGINAL_AG(group, output, input, scratch_slots=scratch_slots)
+    comm.start_all_gather = delayed if cycles else _ORIGINAL_AG
+
+
+def _gpu_seconds(cycles: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def _profiled_waits(ag_cycles: int, forward_cycles: int) -> tuple[dict, float]:
+    """The auto plan's measured forward waits, and the host's longest forward in the
+    profiled steps (2-3)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    _slow_all_gathers(ag_cycles)
+    torch.manual_seed(0)
+    net = SlowNet(8, width=512, pause=lambda: torch.cuda._sleep(int(1e6)),
+                  forward_pause=(lambda: torch.cuda._sleep(forward_cycles))
+                  if forward_cycles else None)
+    model = fgp.DistributedDataParallel(net.to(device), bucket_cap_mb=1, schedule="two_stage",
+                                        overlap_plan="auto")
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    x = torch.randn(64, 512, device=device)
+    host_forward_s = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        loss = model(x)
+        host_forward_s.append(time.perf_counter() - t0)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    model.synchronize()
+    torch.cuda.synchronize()
+    _slow_all_gathers(0)
+    waits = {int(b): s for b, s in model.plan.predicted["forward_wait_s"].items()}
+    return waits, max(host_forward_s[1:3])
+
+
+def profile_times_forward_waits_on_gpu() -> dict:
+    """overlap_plan="auto" on CUDA: a forward's wait for an all-gather is the compute
+    stream's stall (events around its wait for the all-gather's event), not the
+    host's, which only enqueues the forward. Slow all-gathers and a quick forward:
+    each bucket after the first waits about one all-gather; a slow forward and
+    quick all-gathers: none waits."""
+    cycles = int(2e7)
+    ag_s = _gpu_seconds(cycles)
+    slow_link, host_forward_s = _profiled_waits(ag_cycles=cycles, forward_cycles=0)
+    slow_forward, _ = _profiled_waits(ag_cycles=0, forward_cycles=cycles)
+    later = [w for b, w in slow_link.items() if b != max(slow_link)]  # the first is max(b)
+    return {"n_buckets": len(slow_link),
+            # the host ran ahead of the GPU, else the check proves nothing
+            "conclusive": host_forward_s < 0.5 * ag_s,
+            "slow_link_waits": all(w >= 0.5 * ag_s for w in later),
+            "slow_forward_waits_nothing": max(slow_forward.values()) < 0.1 * ag_s}
+
+
 CASES = {f.__name__: f for f in (hierarchical_partial_sum, slow_link_same_result,
-                                 shard_round_trip, profile_reads_gpu_time)}
+                                 shard_round_trip, profile_reads_gpu_time,
+                                 profile_times_forward_waits_on_gpu)}
 
 if __name__ == "__main__":
     torch.cuda.set_device(0)

@@ -29,13 +29,19 @@ def _host_pause() -> None:
 
 
 class SlowNet(nn.Module):
-    def __init__(self, layers: int = 4, width: int = 64, pause=_host_pause):
+    """``pause`` in backward before each layer; ``forward_pause`` (if given) in
+    forward before each layer: a forward that outpaces the all-gathers."""
+
+    def __init__(self, layers: int = 4, width: int = 64, pause=_host_pause, forward_pause=None):
         super().__init__()
         self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
         self.pause = pause
+        self.forward_pause = forward_pause
 
     def forward(self, x):
         for layer in self.layers:
+            if self.forward_pause is not None:
+                self.forward_pause()
             x = _SlowBackward.apply(torch.tanh(layer(x)), self.pause)
         return x.square().mean()
 
@@ -44,12 +50,19 @@ def _batch(step: int, micro: int, rank: int) -> torch.Tensor:
     return torch.randn(8, 64, generator=torch.Generator().manual_seed(1000 * step + 10 * micro + rank))
 
 
+def _slow_forward_pause() -> None:
+    time.sleep(0.02)  # each layer's all-gather, a 17 KB bucket, takes a few ms here
+
+
 def _train(rank: int, case: str, schedule: str, overlap_plan: str, steps: int,
            max_grad_norm=None) -> dict:
     torch.manual_seed(0)
     # One Linear(64, 64) per bucket: 4 buckets.
-    model = fgp.DistributedDataParallel(SlowNet(), bucket_cap_mb=0.015, schedule=schedule,
-                                        overlap_plan=overlap_plan)
+    net = SlowNet(forward_pause=_slow_forward_pause if case == "slow_forward" else None)
+    model = fgp.DistributedDataParallel(net, bucket_cap_mb=0.015, schedule=schedule,
+                                        overlap_plan=overlap_plan,
+                                        speculation_memory_mb=0.0 if case == "no_undo_memory"
+                                        else None)
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2, max_grad_norm=max_grad_norm)
     for step in range(1, steps + 1):
         if case == "user_timeline" and step == 2:

@@ -49,3 +49,11 @@ def test_profile_plan_reads_gpu_time():
     assert result == {"source": "profile", "conclusive": True, "backward_matches_gpu": True,
                       "ready_spread": True, "ready_in_order": True,
                       "n_buckets": result["n_buckets"]}
+
+
+def test_profile_times_forward_waits_on_the_gpu():
+    result = _run("profile_times_forward_waits_on_gpu")
+    assert result["conclusive"], "the host waited for the GPU in a profiled forward"
+    assert result == {"n_buckets": result["n_buckets"], "conclusive": True,
+                      "slow_link_waits": True, "slow_forward_waits_nothing": True}
+    assert result["n_buckets"] >= 4

@@ -178,3 +178,40 @@ def test_timeline_spans_never_wait_for_the_cuda_clock(monkeypatch):
     waited = time.perf_counter() - t0
     worker.join()
     assert waited < 0.15, f"Timeline.add waited {waited:.3f} s for another thread's device sync"
+
+
+def _three_candidates():
+    # Four buckets, each ready early enough for its exchange to fit in backward,
+    # bucket 3 (the first in forward order) last: candidates 0, 1, 2.
+    link = LinkModel(latency_s=0.0, bandwidth_Bps=100.0)
+    buckets = [BucketProfile(bytes=100, ready_s=3.0 * b) for b in range(4)]
+    return buckets, dict(backward_s=10.0, forward_order=(3, 2, 1, 0), link=link)
+
+
+def test_profile_plan_speculates_only_where_the_forward_waited():
+    buckets, kw = _three_candidates()
+    assert profile_plan(buckets, **kw).stage1 == (0, 1, 2)
+    # The forward outpaced every all-gather (a fast link): no stage 1, no undo records.
+    hidden = profile_plan(buckets, **kw, forward_wait_s={3: 0.0, 2: 0.05})  # <= 1% of backward
+    assert hidden.stage1 == () and hidden.stage2 == (3, 2, 1, 0)
+    assert hidden.predicted["stage1_candidates"] == [0, 1, 2]
+    # It waited for bucket 1 (2nd last in forward order): taking 2 or 1 out of
+    # stage 2 lands bucket 1 earlier; taking 0 (after it) lands nothing earlier.
+    waited = profile_plan(buckets, **kw, forward_wait_s={3: 0.0, 2: 0.0, 1: 0.3})
+    assert waited.stage1 == (1, 2) and waited.stage2 == (3, 0)
+    assert waited.predicted["forward_wait_s"] == {"3": 0.0, "2": 0.0, "1": 0.3, "0": 0.0}
+    # It waited for the last bucket: every candidate may help.
+    assert profile_plan(buckets, **kw, forward_wait_s={0: 0.2}).stage1 == (0, 1, 2)
+
+
+def test_profile_plan_keeps_undo_records_within_a_budget():
+    buckets, kw = _three_candidates()
+    undo = [400, 400, 800, 400]
+    # Earliest in forward order first, each if it still fits: 2 (800 > 700) does
+    # not, 1 does, 0 no longer does (800 > 700).
+    plan = profile_plan(buckets, **kw, undo_bytes=undo, undo_budget_bytes=700)
+    assert plan.stage1 == (1,) and plan.predicted["undo_bytes"] == 400
+    assert profile_plan(buckets, **kw, undo_bytes=undo, undo_budget_bytes=800).stage1 == (2,)
+    assert profile_plan(buckets, **kw, undo_bytes=undo, undo_budget_bytes=0).stage1 == ()
+    unbounded = profile_plan(buckets, **kw, undo_bytes=undo)
+    assert unbounded.stage1 == (0, 1, 2) and unbounded.predicted["undo_bytes"] == 1600

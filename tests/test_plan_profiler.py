@@ -2,10 +2,13 @@
 two_stage schedule under gradient accumulation without no_sync()."""
 import json
 
+from fgpsdp_runtime.plan import _where_forward_waits
+
 from .dist_harness import run_calls
 from .profile_window_scenarios import profile_window
 
-_CASES = ("plain", "no_sync_step", "no_sync_window", "user_timeline")
+_CASES = ("plain", "no_sync_step", "no_sync_window", "user_timeline", "slow_forward",
+          "no_undo_memory")
 
 
 def _sane_profile(plan: dict) -> None:
@@ -32,6 +35,21 @@ def test_profile_window_unusual_loops():
         # A step entirely under no_sync() reduces at the step: no backward to time
         # (its round used to be timed from the forward of the step before).
         _sane_profile(plans[case])
+    for case in _CASES:  # stage 1 follows from what the profile measured
+        plan, predicted = plans[case], plans[case]["predicted"]
+        waits = {int(b): s for b, s in predicted["forward_wait_s"].items()}
+        candidates = predicted["stage1_candidates"]
+        expected = [] if case == "no_undo_memory" else _where_forward_waits(
+            candidates, (3, 2, 1, 0), waits, predicted["backward_s"])
+        assert plan["stage1"] == expected, (case, predicted)
+        # AdamW: parameter, gradient, exp_avg and exp_avg_sq of a 2,080-element slice
+        # (a Linear(64, 64) over 2 ranks), and two 0-dim step counts, per bucket.
+        assert predicted["undo_bytes"] == len(expected) * (4 * 4 * 2080 + 2 * 4), case
+    # A forward that outpaces the all-gathers waits only for the first bucket in
+    # forward order, which stage 1 cannot take (it is reduced last): none speculates.
+    slow = plans["slow_forward"]
+    assert slow["stage1"] == [] and slow["predicted"]["stage1_candidates"], slow
+    assert plans["no_undo_memory"]["predicted"]["stage1_candidates"]
     # Steps 2-3 reduced in no backward: the window ran again (steps 4-5).
     assert plans["no_sync_window"]["source"] == "profile"
     # A loop that never reduces in backward: after four more windows, no stage 1.

@@ -7,7 +7,10 @@ the runtime starts with (``overlap_plan="auto"``: nothing speculated while it
 profiles; ``"layout"``: every bucket but the last in stage 1), then profiles a
 few single-process iterations (when each bucket's gradients are ready in
 backward) and prints the plan the link cost model derives from that profile, as
-JSON too.
+JSON too. A single process cannot time what a run's forwards wait for the
+all-gathers, which prunes stage 1 in the runtime's own profile (see
+``plan.profile_plan``): its stage 1 here is the candidates, the most a run
+would speculate.
 """
 from __future__ import annotations
 

@@ -139,6 +139,15 @@ class DistributedDataParallel(nn.Module):
             argument_problems.append("speculation_memory_mb must be a number >= 0 or None, "
                                      f"got {speculation_memory_mb!r}")
             speculation_memory_mb = None
+        elif speculation_memory_mb is not None and (schedule != "two_stage"
+                                                    or overlap_plan != "auto"):
+            # A plan given (or the layout's) is run as it is; other schedules
+            # do not speculate.
+            warnings.warn("fgpsdp: speculation_memory_mb bounds the plan two_stage derives with "
+                          f"overlap_plan='auto' only; ignored here (schedule={schedule!r}, "
+                          "overlap_plan=" + (repr(overlap_plan) if isinstance(overlap_plan, str)
+                                             else "an OverlapPlan") + ")", UserWarning,
+                          stacklevel=2)
         if bucket_cap_mb is not None and not bucket_cap_mb > 0 and bucket_caps is None:
             argument_problems.append(f"bucket_cap_mb must be > 0 (or None: automatic), got "
                                      f"{bucket_cap_mb}")

@@ -102,3 +102,14 @@ def profile_window(rank: int, world_size: int, case: str, overlap_plan: str = "a
     ours["equal_to_serial"] = all(torch.equal(a, b)
                                   for a, b in zip(ours.pop("params"), serial["params"]))
     return ours
+
+
+def speculation_budget_elsewhere(rank: int, world_size: int) -> list[str]:
+    """speculation_memory_mb where no auto plan is derived: said, not silently dropped."""
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fgp.DistributedDataParallel(SlowNet(), schedule="next_forward", speculation_memory_mb=64)
+        fgp.DistributedDataParallel(SlowNet(), overlap_plan="layout", speculation_memory_mb=64)
+        fgp.DistributedDataParallel(SlowNet(), speculation_memory_mb=64)  # auto: bounds it
+    return [str(w.message) for w in caught if "speculation_memory_mb" in str(w.message)]

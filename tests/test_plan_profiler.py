@@ -5,7 +5,7 @@ import json
 from fgpsdp_runtime.plan import _where_forward_waits
 
 from .dist_harness import run_calls
-from .profile_window_scenarios import profile_window
+from .profile_window_scenarios import profile_window, speculation_budget_elsewhere
 
 _CASES = ("plain", "no_sync_step", "no_sync_window", "user_timeline", "slow_forward",
           "no_undo_memory")
@@ -24,7 +24,12 @@ def test_profile_window_unusual_loops():
     calls = [(profile_window, case) for case in _CASES]
     calls.append((profile_window, "always_no_sync", "auto", 13))
     calls.append((profile_window, "accumulate_synced", "layout"))
+    calls.append((speculation_budget_elsewhere,))
     results = run_calls(2, calls, timeout_s=600)
+    for ranks in results[(speculation_budget_elsewhere,)]:
+        assert len(ranks) == 2, ranks
+        assert "schedule='next_forward'" in ranks[0] and "overlap_plan='layout'" in ranks[1], ranks
+    calls.remove((speculation_budget_elsewhere,))
     for call in calls:
         ranks = results[call]
         assert len({r["plan"] for r in ranks}) == 1, f"{call[1]}: ranks run different plans"

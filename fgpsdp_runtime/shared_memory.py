@@ -226,12 +226,23 @@ class SharedMemoryCollectives:
             if path is not None:
                 encoded = os.path.basename(path).encode()
                 name[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
+        text = ""
         try:
             dist.broadcast(name, src=dist.get_global_rank(self.group, 0), group=self.group)
             text = bytes(name.tolist()).rstrip(b"\0").decode()
             region = self._map(os.path.join(self.directory, text), total) if text else None
             ok = torch.tensor([1 if region is not None else 0], dtype=torch.int32)
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
+        except BaseException:
+            # Local rank 0 may have died after sending the name (killed, os._exit):
+            # its unlink below never runs, and the file would stay in tmpfs until
+            # a later job's stale sweep. A rank that knows the name removes it.
+            if text and path is None:
+                try:
+                    os.unlink(os.path.join(self.directory, text))
+                except OSError:
+                    pass  # rank 0 (alive) or another peer got there first
+            raise
         finally:
             # Every rank has mapped it (or given up, or a peer died in between, when
             # the name would outlive the job in tmpfs): the mapping outlives the name.

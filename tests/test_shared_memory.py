@@ -126,6 +126,39 @@ def test_a_peer_dying_while_a_region_is_mapped_leaves_no_file(tmp_path):
     assert os.listdir(base) == []  # before: the region's file stayed in tmpfs for good
 
 
+def _owner_dies_after_naming_the_region(rank, world, base):
+    """Local rank 0 dies (os._exit, as SIGKILL) after broadcasting a new region's name,
+    before its unlink: rank 1, in the all-reduce that follows, knows the name."""
+    import torch.distributed as dist
+
+    from fgpsdp_runtime.shared_memory import SharedMemoryCollectives
+
+    shm = SharedMemoryCollectives(dist.new_group(list(range(world))), directory=base)
+    dist.barrier()
+    if rank == 0:
+        real_all_reduce = dist.all_reduce
+
+        def dies_at_the_mapping_vote(tensor, *args, **kwargs):
+            if tensor.dtype == torch.int32:  # the "every rank mapped it" vote
+                os._exit(0)
+            return real_all_reduce(tensor, *args, **kwargs)
+        dist.all_reduce = dies_at_the_mapping_vote
+    with open(os.path.join(base, "..", f"rank{rank}-raised"), "w") as f:
+        try:
+            shm.reduce_scatter(torch.empty(4), torch.ones(4 * world))
+        except RuntimeError as error:
+            f.write(type(error).__name__)
+
+
+def test_the_owner_dying_after_naming_a_region_leaves_no_file(tmp_path):
+    base = tmp_path / "shm"
+    base.mkdir()
+    with pytest.raises(RuntimeError, match="rank 0 died without a result"):
+        run_distributed(2, _owner_dies_after_naming_the_region, str(base), pg_timeout_s=20)
+    assert (tmp_path / "rank1-raised").read_text() == "RuntimeError"
+    assert os.listdir(base) == []  # before: the file stayed until a later job's sweep
+
+
 def _train_and_report(rank, world, local_size, shared_memory):
     import fgpsdp_runtime as fgp
     from fgpsdp_runtime.topology import Topology

@@ -355,8 +355,8 @@ class DistributedDataParallel(nn.Module):
                     buckets_of.setdefault(id(self._params[span.param_index]), []).append(b)
             # Weakly: the module's hooks must not keep a dropped wrapper alive.
             self._forward_waiter = ForwardParamWaiter(
-                module, buckets_of, lifecycle.weak_call(self._finish_param_all_gather_in_forward),
-                lifecycle.weak_call(self.finish_param_all_gathers),
+                module, buckets_of, lifecycle.weak_call(self._finish_param_all_gather_for_the_loop),
+                lifecycle.weak_call(self._finish_param_all_gathers_for_the_loop),
                 lifecycle.weak_call(self._land_gathers_for_a_direct_call),
                 lifecycle.weak_call(self._bucket_storages))
         # As torch DDP: buffers are broadcast before a forward that follows a
@@ -493,7 +493,7 @@ class DistributedDataParallel(nn.Module):
             # and sends the restored slices again, which the waits must cover.
             self.scheduler.before_forward()
         if wait_all:
-            self.finish_param_all_gathers()
+            self.finish_param_all_gathers(timed=True)
         if self._sync_buffers_before_forward and self.broadcast_buffers:
             self._broadcast_buffers()
         if self.device_ids is not None:
@@ -707,7 +707,10 @@ class DistributedDataParallel(nn.Module):
                     return
             self.start_param_all_gather(queue.pop(0))
 
-    def finish_param_all_gather(self, bucket: int, *, in_forward: bool = False) -> None:
+    def finish_param_all_gather(self, bucket: int, *, timed: bool = False) -> None:
+        """Wait for ``bucket``'s all-gather. ``timed``: the training loop waits here
+        for updated parameters (a forward, ``synchronize()``), which the plan profiler
+        times (see [Note: stage 1 only where the forward waits] in plan.py)."""
         pending = bucket in self._queued_gathers
         if pending:
             self._start_queued_gathers(until=bucket)
@@ -718,7 +721,7 @@ class DistributedDataParallel(nn.Module):
             if op.done():
                 op.wait()
             else:
-                profiler = self.plan_profiler if in_forward else None
+                profiler = self.plan_profiler if timed else None
                 need = profiler.mark_forward_need() if profiler is not None else None
                 with self.timeline.span("compute", f"wait AG b{bucket}"):
                     op.wait()
@@ -737,16 +740,20 @@ class DistributedDataParallel(nn.Module):
         if self._queued_gathers:
             self._start_queued_gathers()
 
-    def _finish_param_all_gather_in_forward(self, bucket: int) -> None:
-        """A forward pre-hook's wait (the plan profiler times these)."""
-        self.finish_param_all_gather(bucket, in_forward=True)
+    def _finish_param_all_gather_for_the_loop(self, bucket: int) -> None:
+        self.finish_param_all_gather(bucket, timed=True)
 
-    def finish_param_all_gathers(self) -> None:
+    def _finish_param_all_gathers_for_the_loop(self) -> None:
+        self.finish_param_all_gathers(timed=True)
+
+    def finish_param_all_gathers(self, *, timed: bool = False) -> None:
         self._start_queued_gathers(all_of_them=True)
         with self._gathers_lock:
             buckets = sorted(self._param_gathers)
+        # Ascending: the last in forward order first, which was queued last and
+        # lands last; a timed wait for all of them is counted there.
         for bucket in buckets:
-            self.finish_param_all_gather(bucket)
+            self.finish_param_all_gather(bucket, timed=timed)
 
     def set_overlap_plan(self, plan: OverlapPlan) -> None:
         """Replace the two-stage plan; between steps, with the same plan on every rank."""
@@ -790,7 +797,7 @@ class DistributedDataParallel(nn.Module):
                 "fgpsdp: model.module(...) while all-gathers wait to start (a plan with a "
                 "small lookahead): call model.synchronize() on every rank first")
         if self._param_gathers:
-            self.finish_param_all_gathers()
+            self.finish_param_all_gathers(timed=True)
 
     @torch.compiler.disable  # collectives: see the note at ShardedOptimizer.zero_grad
     def synchronize(self) -> None:
@@ -804,7 +811,7 @@ class DistributedDataParallel(nn.Module):
             if self._uneven_inputs is not None and self.scheduler.holds_speculative_values():
                 self._uneven_inputs.notify(AnnouncedCall.SYNCHRONIZE)
             self.scheduler.before_forward()
-        self.finish_param_all_gathers()
+        self.finish_param_all_gathers(timed=True)
 
     # -- introspection ---------------------------------------------------------
 

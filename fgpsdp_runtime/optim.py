@@ -223,16 +223,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def undo_record_bytes(self) -> list[int]:
         """Per bucket, what a speculative step's undo record holds (see
-        speculation.py): copies of this rank's parameter and gradient slices
-        and of the slice's optimizer state, as large as the state is now."""
+        speculation.py): copies of this rank's parameter and gradient slices and
+        of the slice's optimizer state. State not created yet (a piece whose
+        parameter has had no gradient so far) is counted at the bytes per
+        element of the pieces that have it, as the inner optimizer will make it."""
+        state = self.optim.state
+        per_element = 0.0  # state bytes per slice element, where state exists
+        for pieces in self._bucket_pieces:
+            for piece in pieces:
+                if piece in state and piece.numel() > 0:  # per-element entries only
+                    per_element = max(per_element, sum(
+                        v.element_size() for v in state[piece].values()
+                        if torch.is_tensor(v) and v.dim() == 1 and v.shape == piece.shape))
         sizes = []
         for b, storage in enumerate(self.model.buckets):
             nbytes = sum(t.numel() * t.element_size()
                          for t in (storage.param_shard, storage.grad_shard))
             for piece in self._bucket_pieces[b]:
-                for value in self.optim.state.get(piece, {}).values():
-                    if torch.is_tensor(value):
-                        nbytes += value.numel() * value.element_size()
+                if piece in state:
+                    nbytes += sum(v.numel() * v.element_size() for v in state[piece].values()
+                                  if torch.is_tensor(v))
+                else:
+                    nbytes += int(per_element * piece.numel())
             sizes.append(nbytes)
         return sizes
 

@@ -162,11 +162,14 @@ def profile_plan(buckets: Sequence[BucketProfile], backward_s: float, forward_or
 # bucket's all-gather, or for one queued behind it: stage-2 all-gathers run in
 # forward order, so taking a bucket out of stage 2 lands every later one
 # earlier, and none before it. The profiled steps run every all-gather in
-# stage 2, so their forwards' waits say where that is: nowhere (a link the
-# forward outpaces, as inside a node) leaves stage 1 empty; otherwise the
-# candidates after the last bucket the forward waited for in forward order go.
-# A wait counts above 1% of backward: a waiting thread's wake-up, or one lock,
-# is no reason to hold a slice of optimizer state twice.
+# stage 2, so the training loop's waits for them (in forward, or in a
+# synchronize() after the step) say where that is: a candidate stays if the
+# waits at and after it in forward order add up to more than 1% of backward.
+# So a link that outpaces the forward, as inside a node, leaves stage 1 empty
+# (the forward waits at most for its first bucket, never a candidate: it is
+# reduced last). The 1% is for the waits together, which a slightly slow link
+# spreads thinly over many buckets; a thread's wake-up is no reason to hold a
+# slice of optimizer state twice.
 _WAIT_TOLERANCE = 0.01
 
 
@@ -174,11 +177,12 @@ def _where_forward_waits(candidates: Sequence[int], forward_order: Sequence[int]
                          forward_wait_s: Mapping[int, float], backward_s: float) -> list[int]:
     tolerance = _WAIT_TOLERANCE * backward_s
     position = {b: i for i, b in enumerate(forward_order)}
-    waited = [position[b] for b in forward_order if forward_wait_s.get(b, 0.0) > tolerance]
-    if not waited:
-        return []
-    last = max(waited)
-    return [b for b in candidates if position[b] <= last]
+    # The waits a candidate at position i can shorten: its own and every later one's.
+    later_waits, total = [0.0] * len(forward_order), 0.0
+    for i in reversed(range(len(forward_order))):
+        total += forward_wait_s.get(forward_order[i], 0.0)
+        later_waits[i] = total
+    return [b for b in candidates if later_waits[position[b]] > tolerance]
 
 
 def _within_budget(candidates: Sequence[int], forward_order: Sequence[int],

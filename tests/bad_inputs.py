@@ -376,9 +376,12 @@ def schedule_invalid_on_one_rank(rank, world_size):
     fgp.DistributedDataParallel(MLP(), schedule="two-stage" if rank == 1 else "two_stage")
 
 
-def speculation_memory_invalid_or_differs(rank, world_size):
-    mb = {0: 64, 1: -1.0, 2: 32}[rank]
-    fgp.DistributedDataParallel(MLP(), speculation_memory_mb=mb)
+def speculation_memory_invalid(rank, world_size):
+    fgp.DistributedDataParallel(MLP(), speculation_memory_mb=-1.0 if rank == 1 else 64)
+
+
+def speculation_memory_differs(rank, world_size):
+    fgp.DistributedDataParallel(MLP(), speculation_memory_mb=32 if rank == 2 else 64)
 
 
 def settings_equal_in_other_types(rank, world_size):

@@ -1,12 +1,14 @@
 """Rank functions for tests/test_plan_profiler.py: loops that do unusual things while
 ``overlap_plan="auto"`` profiles (steps 2-3), and gradient accumulation without
 no_sync() under two_stage."""
+import contextlib
 import time
 
 import torch
 from torch import nn
 
 import fgpsdp_runtime as fgp
+from fgpsdp_runtime import comm
 
 
 class _SlowBackward(torch.autograd.Function):
@@ -30,7 +32,7 @@ def _host_pause() -> None:
 
 class SlowNet(nn.Module):
     """``pause`` in backward before each layer; ``forward_pause`` (if given) in
-    forward before each layer: a forward that outpaces the all-gathers."""
+    forward before each layer: a forward the all-gathers outpace."""
 
     def __init__(self, layers: int = 4, width: int = 64, pause=_host_pause, forward_pause=None):
         super().__init__()
@@ -50,15 +52,46 @@ def _batch(step: int, micro: int, rank: int) -> torch.Tensor:
     return torch.randn(8, 64, generator=torch.Generator().manual_seed(1000 * step + 10 * micro + rank))
 
 
-def _slow_forward_pause() -> None:
-    time.sleep(0.02)  # each layer's all-gather, a 17 KB bucket, takes a few ms here
+def _long_pause() -> None:
+    # Longer than an all-gather of a 17 KB bucket here (a few ms; 20 ms when slowed)
+    time.sleep(0.04)
+
+
+@contextlib.contextmanager
+def _slow_all_gathers(seconds: float):
+    """Every all-gather first sleeps on its link worker: a link the forward outpaces."""
+    original = comm._Exchange._collective
+
+    def collective(phase, *args):
+        run = original(phase, *args)
+        if phase != "all_gather":
+            return run
+
+        def slowly():
+            time.sleep(seconds)
+            return run()
+        return slowly
+    comm._Exchange._collective = staticmethod(collective)
+    try:
+        yield
+    finally:
+        comm._Exchange._collective = staticmethod(original)
 
 
 def _train(rank: int, case: str, schedule: str, overlap_plan: str, steps: int,
            max_grad_norm=None) -> dict:
+    with _slow_all_gathers(0.02) if case == "slow_all_gathers" else contextlib.nullcontext():
+        return _train_as_is(rank, case, schedule, overlap_plan, steps, max_grad_norm)
+
+
+def _train_as_is(rank: int, case: str, schedule: str, overlap_plan: str, steps: int,
+                 max_grad_norm=None) -> dict:
     torch.manual_seed(0)
-    # One Linear(64, 64) per bucket: 4 buckets.
-    net = SlowNet(forward_pause=_slow_forward_pause if case == "slow_forward" else None)
+    # One Linear(64, 64) per bucket: 4 buckets. The cases about stage 1's size
+    # take a long backward, so that every exchange but the last fits in it.
+    long_backward = case in ("slow_forward", "no_undo_memory", "slow_all_gathers")
+    net = SlowNet(pause=_long_pause if long_backward else _host_pause,
+                  forward_pause=_long_pause if case == "slow_forward" else None)
     model = fgp.DistributedDataParallel(net, bucket_cap_mb=0.015, schedule=schedule,
                                         overlap_plan=overlap_plan,
                                         speculation_memory_mb=0.0 if case == "no_undo_memory"
@@ -113,3 +146,36 @@ def speculation_budget_elsewhere(rank: int, world_size: int) -> list[str]:
         fgp.DistributedDataParallel(SlowNet(), overlap_plan="layout", speculation_memory_mb=64)
         fgp.DistributedDataParallel(SlowNet(), speculation_memory_mb=64)  # auto: bounds it
     return [str(w.message) for w in caught if "speculation_memory_mb" in str(w.message)]
+
+
+class _LateLayerNet(nn.Module):
+    """``late`` joins the forward at step 4: the optimizer has no state for it before."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.late, self.b = (nn.Linear(64, 64) for _ in range(3))
+        self.use_late = False
+
+    def forward(self, x):
+        x = torch.tanh(self.a(x))
+        if self.use_late:
+            x = torch.tanh(self.late(x))
+        return self.b(x).square().mean()
+
+
+def undo_bytes_before_state_exists(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    net = _LateLayerNet()
+    model = fgp.DistributedDataParallel(net, bucket_cap_mb=0.015, find_unused_parameters=True)
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    sizes = {}
+    for step in range(1, 7):
+        net.use_late = step > 3
+        model(_batch(step, 0, rank)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step in (3, 6):
+            sizes[step] = opt.undo_record_bytes()
+    late = {b for b, layout in enumerate(model.bucket_layouts)
+            for span in layout.spans if model._param_names[span.param_index].startswith("late")}
+    return {"step3": sizes[3], "step6": sizes[6], "late_buckets": sorted(late)}

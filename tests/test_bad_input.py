@@ -102,8 +102,10 @@ CASES = [
      [r"cannot build the ShardedOptimizer", r"rank 1: max_grad_norm=None, unlike rank 0's 1\.0"]),
     (bad_inputs.schedule_invalid_on_one_rank, "ValueError",
      [r"rank 1: schedule must be one of .* got 'two-stage'"]),
-    (bad_inputs.speculation_memory_invalid_or_differs, "ValueError",
+    (bad_inputs.speculation_memory_invalid, "ValueError",
      [r"rank 1: speculation_memory_mb must be a number >= 0 or None, got -1\.0"]),
+    (bad_inputs.speculation_memory_differs, "ValueError",
+     [r"rank 2: speculation_memory_mb=32, unlike rank 0's 64"]),
 ]
 
 

@@ -191,7 +191,7 @@ def _three_candidates():
 def test_profile_plan_speculates_only_where_the_forward_waited():
     buckets, kw = _three_candidates()
     assert profile_plan(buckets, **kw).stage1 == (0, 1, 2)
-    # The forward outpaced every all-gather (a fast link): no stage 1, no undo records.
+    # Every all-gather outpaced the forward (a fast link): no stage 1, no undo records.
     hidden = profile_plan(buckets, **kw, forward_wait_s={3: 0.0, 2: 0.05})  # <= 1% of backward
     assert hidden.stage1 == () and hidden.stage2 == (3, 2, 1, 0)
     assert hidden.predicted["stage1_candidates"] == [0, 1, 2]
@@ -215,3 +215,19 @@ def test_profile_plan_keeps_undo_records_within_a_budget():
     assert profile_plan(buckets, **kw, undo_bytes=undo, undo_budget_bytes=0).stage1 == ()
     unbounded = profile_plan(buckets, **kw, undo_bytes=undo)
     assert unbounded.stage1 == (0, 1, 2) and unbounded.predicted["undo_bytes"] == 1600
+
+
+def test_thin_waits_over_many_buckets_count_together():
+    # A link a little slower than compute: 20 buckets each wait 0.9% of backward,
+    # under the 1% a single wait would need, 18% in all.
+    n = 20
+    link = LinkModel(latency_s=0.0, bandwidth_Bps=1e9)
+    buckets = [BucketProfile(bytes=100, ready_s=b / n) for b in range(n)]
+    order = tuple(reversed(range(n)))
+    waits = {b: 0.009 for b in range(n)}
+    plan = profile_plan(buckets, backward_s=1.0, forward_order=order, link=link,
+                        forward_wait_s=waits)
+    # Candidates 0-18; the later waits add to more than 1% down to bucket 1 (two
+    # waits, 1.8%), not at bucket 0 (its own 0.9% alone).
+    assert plan.predicted["stage1_candidates"] == list(range(n - 1))
+    assert plan.stage1 == tuple(range(1, n - 1))

@@ -5,10 +5,11 @@ import json
 from fgpsdp_runtime.plan import _where_forward_waits
 
 from .dist_harness import run_calls
-from .profile_window_scenarios import profile_window, speculation_budget_elsewhere
+from .profile_window_scenarios import (profile_window, speculation_budget_elsewhere,
+                                       undo_bytes_before_state_exists)
 
 _CASES = ("plain", "no_sync_step", "no_sync_window", "user_timeline", "slow_forward",
-          "no_undo_memory")
+          "no_undo_memory", "slow_all_gathers")
 
 
 def _sane_profile(plan: dict) -> None:
@@ -25,11 +26,21 @@ def test_profile_window_unusual_loops():
     calls.append((profile_window, "always_no_sync", "auto", 13))
     calls.append((profile_window, "accumulate_synced", "layout"))
     calls.append((speculation_budget_elsewhere,))
+    calls.append((undo_bytes_before_state_exists,))
     results = run_calls(2, calls, timeout_s=600)
     for ranks in results[(speculation_budget_elsewhere,)]:
         assert len(ranks) == 2, ranks
         assert "schedule='next_forward'" in ranks[0] and "overlap_plan='layout'" in ranks[1], ranks
     calls.remove((speculation_budget_elsewhere,))
+    # A layer the optimizer has no state for yet (first used at step 4): its undo
+    # record counted as it will be (the AdamW state of the other layers per element),
+    # up to the two 0-dim step counts it will add.
+    for r in results[(undo_bytes_before_state_exists,)]:
+        assert r["late_buckets"], r
+        for b in r["late_buckets"]:
+            assert 0 <= r["step6"][b] - r["step3"][b] <= 2 * 4, r
+            assert r["step3"][b] >= 4 * 4 * 2080, r  # parameter, gradient, two states
+    calls.remove((undo_bytes_before_state_exists,))
     for call in calls:
         ranks = results[call]
         assert len({r["plan"] for r in ranks}) == 1, f"{call[1]}: ranks run different plans"
@@ -50,11 +61,18 @@ def test_profile_window_unusual_loops():
         # AdamW: parameter, gradient, exp_avg and exp_avg_sq of a 2,080-element slice
         # (a Linear(64, 64) over 2 ranks), and two 0-dim step counts, per bucket.
         assert predicted["undo_bytes"] == len(expected) * (4 * 4 * 2080 + 2 * 4), case
-    # A forward that outpaces the all-gathers waits only for the first bucket in
-    # forward order, which stage 1 cannot take (it is reduced last): none speculates.
+    # A link that outpaces the forward: it waits at most for the first bucket in forward
+    # order, which stage 1 cannot take (it is reduced last): none speculates.
     slow = plans["slow_forward"]
-    assert slow["stage1"] == [] and slow["predicted"]["stage1_candidates"], slow
-    assert plans["no_undo_memory"]["predicted"]["stage1_candidates"]
+    assert slow["stage1"] == [] and slow["predicted"]["stage1_candidates"] == [0, 1, 2], slow
+    assert plans["no_undo_memory"]["predicted"]["stage1_candidates"] == [0, 1, 2]
+    # All-gathers slower than the forward (20 ms each, on the link worker): it waits
+    # about one all-gather for every bucket, and every candidate speculates.
+    gathers = plans["slow_all_gathers"]
+    waits = gathers["predicted"]["forward_wait_s"]
+    assert all(waits[str(b)] > 0.01 for b in (2, 1, 0)), waits
+    assert gathers["stage1"] == [0, 1, 2], gathers
+    assert all(r["commits"] > 0 for r in results[(profile_window, "slow_all_gathers")])
     # Steps 2-3 reduced in no backward: the window ran again (steps 4-5).
     assert plans["no_sync_window"]["source"] == "profile"
     # A loop that never reduces in backward: after four more windows, no stage 1.

@@ -722,11 +722,11 @@ class DistributedDataParallel(nn.Module):
                 op.wait()
             else:
                 profiler = self.plan_profiler if timed else None
-                need = profiler.mark_forward_need() if profiler is not None else None
+                need = profiler.mark_gather_needed() if profiler is not None else None
                 with self.timeline.span("compute", f"wait AG b{bucket}"):
                     op.wait()
                 if need is not None:
-                    profiler.on_forward_waited(bucket, need)
+                    profiler.on_gather_waited(bucket, need)
         if pending:
             # Written by the loop while the gather landed (a clamp right after
             # opt.step()): the gathered slices overwrote part of it, by timing.

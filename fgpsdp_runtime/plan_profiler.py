@@ -55,7 +55,7 @@ class PlanProfiler:
         # (forward end, bucket, mark) and (forward end, mark): resolved at the end
         self._ready_marks: list[tuple] = []
         self._backward_marks: list[tuple] = []
-        self._wait_marks: list[tuple] = []  # (bucket, need, landed): a forward's wait
+        self._wait_marks: list[tuple] = []  # (bucket, need, landed): the loop's wait
         model.reducer.bucket_ready_listeners.append(self._on_bucket_ready)
         model.reducer.backward_end_listeners.append(self._on_backward_end)
         if warmup_steps == 0:
@@ -73,15 +73,16 @@ class PlanProfiler:
         if self._profiling and torch.is_grad_enabled() and self.model.reducer.sync_enabled:
             self._forward_end = self._marks.mark()
 
-    def mark_forward_need(self):
-        """A forward needs a bucket's all-gather (before it waits): a mark, or None
-        outside the window."""
+    def mark_gather_needed(self):
+        """The training loop (a forward, ``synchronize()``) needs a bucket's
+        all-gather and it has not landed: a mark before it waits, or None outside
+        the window."""
         return self._marks.mark() if self._profiling else None
 
-    def on_forward_waited(self, bucket: int, need) -> None:
-        """The forward that took ``need`` may read ``bucket`` now. On CUDA the mark
+    def on_gather_waited(self, bucket: int, need) -> None:
+        """The loop that took ``need`` may read ``bucket`` now. On CUDA the mark
         goes on the compute stream after its wait for the all-gather's event: the
-        difference is how long the GPU's forward stood still for it."""
+        difference is how long the GPU's work stood still for it."""
         if need is not None and self._profiling:
             self._wait_marks.append((bucket, need, self._marks.mark()))
 

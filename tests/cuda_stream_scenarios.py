@@ -26,11 +26,17 @@ _ORIGINAL_RS = comm.start_reduce_scatter
 _ORIGINAL_AG = comm.start_all_gather
 
 
-def _slow_link(cycles: int) -> None:
+def _after_a_gpu_sleep(collective, cycles: int):
+    """``collective``, first sleeping ``cycles`` on the worker's stream (the current
+    one there); itself for 0."""
     def delayed(group, output, input, scratch_slots=1):
-        torch.cuda._sleep(cycles)  # on the worker's stream, the current one there
-        return _ORIGINAL_RS(group, output, input, scratch_slots=scratch_slots)
-    comm.start_reduce_scatter = delayed if cycles else _ORIGINAL_RS
+        torch.cuda._sleep(cycles)
+        return collective(group, output, input, scratch_slots=scratch_slots)
+    return delayed if cycles else collective
+
+
+def _slow_link(cycles: int) -> None:
+    comm.start_reduce_scatter = _after_a_gpu_sleep(_ORIGINAL_RS, cycles)
 
 
 def hierarchical_partial_sum() -> dict:
@@ -167,10 +173,7 @@ def profile_reads_gpu_time() -> dict:
 
 
 def _slow_all_gathers(cycles: int) -> None:
-    def delayed(group, output, input, scratch_slots=1):
-        torch.cuda._sleep(cycles)  # on the worker's stream
-        return _ORIGINAL_AG(group, output, input, scratch_slots=scratch_slots)
-    comm.start_all_gather = delayed if cycles else _ORIGINAL_AG
+    comm.start_all_gather = _after_a_gpu_sleep(_ORIGINAL_AG, cycles)
 
 
 def _gpu_seconds(cycles: int) -> float:

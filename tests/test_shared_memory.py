@@ -99,43 +99,22 @@ def test_every_rank_falls_back_when_one_cannot_map(tmp_path):
         assert files == []  # rank 0 removed what it created
 
 
-def _peer_dies_while_mapping(rank, world, base):
-    """Rank 1 dies as rank 0 creates a region (a peer killed during the first
-    reduce-scatter): rank 0's broadcast of its name fails."""
+def _a_rank_dies_setting_up_a_region(rank, world, base, when):
+    """The first reduce-scatter maps a region; a rank dies on the way (os._exit, as
+    SIGKILL), and the survivor reports what it raised.
+
+    ``peer``: rank 1 dies as rank 0 creates the region: rank 0's broadcast of its
+    name fails. ``owner``: local rank 0 dies after broadcasting the name, before its
+    unlink: rank 1, in the all-reduce that follows, knows the name."""
     import torch.distributed as dist
 
     from fgpsdp_runtime.shared_memory import SharedMemoryCollectives
 
     shm = SharedMemoryCollectives(dist.new_group(list(range(world))), directory=base)
     dist.barrier()
-    if rank == 1:
+    if when == "peer" and rank == 1:
         os._exit(0)
-    with open(os.path.join(base, "..", "rank0-raised"), "w") as f:
-        try:
-            shm.reduce_scatter(torch.empty(4), torch.ones(4 * world))
-        except RuntimeError as error:
-            f.write(type(error).__name__)
-
-
-def test_a_peer_dying_while_a_region_is_mapped_leaves_no_file(tmp_path):
-    base = tmp_path / "shm"
-    base.mkdir()
-    with pytest.raises(RuntimeError, match="rank 1 died without a result"):
-        run_distributed(2, _peer_dies_while_mapping, str(base), pg_timeout_s=20)
-    assert (tmp_path / "rank0-raised").read_text() == "RuntimeError"
-    assert os.listdir(base) == []  # before: the region's file stayed in tmpfs for good
-
-
-def _owner_dies_after_naming_the_region(rank, world, base):
-    """Local rank 0 dies (os._exit, as SIGKILL) after broadcasting a new region's name,
-    before its unlink: rank 1, in the all-reduce that follows, knows the name."""
-    import torch.distributed as dist
-
-    from fgpsdp_runtime.shared_memory import SharedMemoryCollectives
-
-    shm = SharedMemoryCollectives(dist.new_group(list(range(world))), directory=base)
-    dist.barrier()
-    if rank == 0:
+    if when == "owner" and rank == 0:
         real_all_reduce = dist.all_reduce
 
         def dies_at_the_mapping_vote(tensor, *args, **kwargs):
@@ -150,11 +129,22 @@ def _owner_dies_after_naming_the_region(rank, world, base):
             f.write(type(error).__name__)
 
 
+def test_a_peer_dying_while_a_region_is_mapped_leaves_no_file(tmp_path):
+    base = tmp_path / "shm"
+    base.mkdir()
+    with pytest.raises(RuntimeError, match="rank 1 died without a result"):
+        run_distributed(2, _a_rank_dies_setting_up_a_region, str(base), "peer",
+                        pg_timeout_s=20)
+    assert (tmp_path / "rank0-raised").read_text() == "RuntimeError"
+    assert os.listdir(base) == []  # before: the region's file stayed in tmpfs for good
+
+
 def test_the_owner_dying_after_naming_a_region_leaves_no_file(tmp_path):
     base = tmp_path / "shm"
     base.mkdir()
     with pytest.raises(RuntimeError, match="rank 0 died without a result"):
-        run_distributed(2, _owner_dies_after_naming_the_region, str(base), pg_timeout_s=20)
+        run_distributed(2, _a_rank_dies_setting_up_a_region, str(base), "owner",
+                        pg_timeout_s=20)
     assert (tmp_path / "rank1-raised").read_text() == "RuntimeError"
     assert os.listdir(base) == []  # before: the file stayed until a later job's sweep
 

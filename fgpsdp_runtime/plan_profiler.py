@@ -9,8 +9,8 @@ steps if the user had not); on CUDA the compute times and waits are the
 GPU's, as the link times are (see ``DeviceMarks``). A link cost model
 (latency + bytes / bandwidth) is fitted to the collectives, and
 ``plan.profile_plan`` turns the figures, with the size of each bucket's undo
-record, into a plan. Rank 0's plan is
-broadcast, and every rank switches to it at the end of the same step, so the
+record, into a plan: rank 0's compute and link times, and every bucket's
+longest wait over all ranks (one all-reduce). Rank 0's plan is broadcast, and every rank switches to it at the end of the same step, so the
 order of collectives stays the same everywhere.
 """
 from __future__ import annotations
@@ -56,6 +56,9 @@ class PlanProfiler:
         self._ready_marks: list[tuple] = []
         self._backward_marks: list[tuple] = []
         self._wait_marks: list[tuple] = []  # (bucket, need, landed): the loop's wait
+        # This rank's own waits per bucket in the last window (the plan takes every
+        # rank's longest).
+        self.local_forward_wait_s: dict[int, float] = {}
         model.reducer.bucket_ready_listeners.append(self._on_bucket_ready)
         model.reducer.backward_end_listeners.append(self._on_backward_end)
         if warmup_steps == 0:
@@ -128,12 +131,16 @@ class PlanProfiler:
         marks = self._ready_marks, self._backward_marks, self._wait_marks
         self._ready_marks, self._backward_marks, self._forward_end = [], [], None
         self._wait_marks = []
+        # Every rank's: the step waits for the slowest forward, and ranks wait
+        # differently (another node's link, a slower core).
+        waits = self._slowest_forward_waits(marks[2])
         decision = None
         # Rank 0's, or under join() an active rank's (a joined one times no compute).
         if model.rank == model.authoritative_rank:
             try:
                 if marks[1]:
-                    decision = self.plan_from(spans, *self._resolve_marks(*marks)).to_json()
+                    decision = self.plan_from(spans, *self._resolve_marks(*marks[:2]),
+                                              waits).to_json()
                 elif self._extensions < _MAX_EXTENSIONS:
                     # No backward was reduced in the window (every micro-batch under
                     # no_sync(), say): nothing to plan from. Profile as many steps again.
@@ -157,19 +164,44 @@ class PlanProfiler:
         model.timeline.release()
         model.set_overlap_plan(OverlapPlan.from_json(box[0]))
 
-    def _resolve_marks(self, ready_marks, backward_marks, wait_marks
-                       ) -> tuple[dict[int, list[float]], list[float], dict[int, float]]:
+    def _resolve_marks(self, ready_marks, backward_marks
+                       ) -> tuple[dict[int, list[float]], list[float]]:
         """Seconds from each forward's end: per bucket, when backward finished it;
-        and when backward ended. Per bucket, the forwards' waits per profiled step."""
+        and when backward ended."""
         self._marks.wait()
         seconds = self._marks.seconds
         ready: dict[int, list[float]] = {}
         for origin, b, mark in ready_marks:
             ready.setdefault(b, []).append(seconds(origin, mark))
+        return ready, [seconds(origin, mark) for origin, mark in backward_marks]
+
+    def _resolve_waits(self, wait_marks) -> dict[int, float]:
+        """Per bucket, this rank's forwards' waits per profiled step."""
+        self._marks.wait()
+        seconds = self._marks.seconds
         waits: dict[int, float] = {}
         for b, need, landed in wait_marks:
             waits[b] = waits.get(b, 0.0) + max(0.0, seconds(need, landed)) / self.profiled_steps
-        return ready, [seconds(origin, mark) for origin, mark in backward_marks], waits
+        return waits
+
+    def _slowest_forward_waits(self, wait_marks) -> dict[int, float]:
+        """Per bucket, the longest of every rank's waits (a MAX all-reduce on every
+        rank, joined ones included: they wait for nothing and send zeros)."""
+        model = self.model
+        try:
+            self.local_forward_wait_s = self._resolve_waits(wait_marks)
+        except Exception as error:  # noqa: BLE001 - the others wait in the all-reduce
+            warnings.warn(f"fgpsdp: this rank's forward waits are unknown ({error!r})",
+                          RuntimeWarning)
+            self.local_forward_wait_s = {}
+        if model.world_size == 1:
+            return dict(self.local_forward_wait_s)
+        n = len(model.bucket_layouts)
+        slowest = torch.zeros(n, dtype=torch.float64, device=model.device)
+        for b, s in self.local_forward_wait_s.items():
+            slowest[b] = s
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=model.process_group)
+        return {b: s for b, s in enumerate(slowest.tolist()) if s > 0.0}
 
     def plan_from(self, spans, ready: dict[int, list[float]], backward: list[float],
                   forward_waits: Optional[dict[int, float]] = None) -> OverlapPlan:

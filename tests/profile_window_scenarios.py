@@ -80,7 +80,8 @@ def _slow_all_gathers(seconds: float):
 
 def _train(rank: int, case: str, schedule: str, overlap_plan: str, steps: int,
            max_grad_norm=None) -> dict:
-    with _slow_all_gathers(0.02) if case == "slow_all_gathers" else contextlib.nullcontext():
+    slow = case in ("slow_all_gathers", "slow_forward_on_rank_0")
+    with _slow_all_gathers(0.02) if slow else contextlib.nullcontext():
         return _train_as_is(rank, case, schedule, overlap_plan, steps, max_grad_norm)
 
 
@@ -89,9 +90,13 @@ def _train_as_is(rank: int, case: str, schedule: str, overlap_plan: str, steps: 
     torch.manual_seed(0)
     # One Linear(64, 64) per bucket: 4 buckets. The cases about stage 1's size
     # take a long backward, so that every exchange but the last fits in it.
-    long_backward = case in ("slow_forward", "no_undo_memory", "slow_all_gathers")
+    long_backward = case in ("slow_forward", "no_undo_memory", "slow_all_gathers",
+                             "slow_forward_on_rank_0")
+    # slow_forward_on_rank_0: rank 0's forward outpaces the slowed all-gathers, rank 1's
+    # waits for each.
+    slow_forward = case == "slow_forward" or (case == "slow_forward_on_rank_0" and rank == 0)
     net = SlowNet(pause=_long_pause if long_backward else _host_pause,
-                  forward_pause=_long_pause if case == "slow_forward" else None)
+                  forward_pause=_long_pause if slow_forward else None)
     model = fgp.DistributedDataParallel(net, bucket_cap_mb=0.015, schedule=schedule,
                                         overlap_plan=overlap_plan,
                                         speculation_memory_mb=0.0 if case == "no_undo_memory"
@@ -122,7 +127,9 @@ def _train_as_is(rank: int, case: str, schedule: str, overlap_plan: str, steps: 
         out.update(plan=model.plan.to_json(), commits=model.scheduler.commits,
                    rollbacks=model.scheduler.rollbacks,
                    timeline_enabled=model.timeline.enabled,
-                   timeline_spans=len(model.timeline.spans()))
+                   timeline_spans=len(model.timeline.spans()),
+                   local_forward_wait_s=dict(model.plan_profiler.local_forward_wait_s)
+                   if model.plan_profiler is not None else {})
     return out
 
 

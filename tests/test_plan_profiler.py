@@ -9,7 +9,7 @@ from .profile_window_scenarios import (profile_window, speculation_budget_elsewh
                                        undo_bytes_before_state_exists)
 
 _CASES = ("plain", "no_sync_step", "no_sync_window", "user_timeline", "slow_forward",
-          "no_undo_memory", "slow_all_gathers")
+          "no_undo_memory", "slow_all_gathers", "slow_forward_on_rank_0")
 
 
 def _sane_profile(plan: dict) -> None:
@@ -73,6 +73,17 @@ def test_profile_window_unusual_loops():
     assert all(waits[str(b)] > 0.01 for b in (2, 1, 0)), waits
     assert gathers["stage1"] == [0, 1, 2], gathers
     assert all(r["commits"] > 0 for r in results[(profile_window, "slow_all_gathers")])
+    # Only rank 1 waits (rank 0's forward is slower than the all-gathers): the plan,
+    # which rank 0 makes, takes rank 1's waits, and every candidate speculates.
+    uneven = results[(profile_window, "slow_forward_on_rank_0")]
+    rank0_waits, rank1_waits = (r["local_forward_wait_s"] for r in uneven)
+    assert sum(rank0_waits.get(b, 0.0) for b in (2, 1, 0)) < 0.01, rank0_waits
+    assert all(rank1_waits.get(b, 0.0) > 0.01 for b in (2, 1, 0)), rank1_waits
+    planned = plans["slow_forward_on_rank_0"]
+    for b in range(4):
+        assert planned["predicted"]["forward_wait_s"][str(b)] == max(
+            rank0_waits.get(b, 0.0), rank1_waits.get(b, 0.0)), (b, planned, uneven)
+    assert planned["stage1"] == [0, 1, 2], planned
     # Steps 2-3 reduced in no backward: the window ran again (steps 4-5).
     assert plans["no_sync_window"]["source"] == "profile"
     # A loop that never reduces in backward: after four more windows, no stage 1.

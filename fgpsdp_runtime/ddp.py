@@ -8,7 +8,6 @@ methods below.
 from __future__ import annotations
 
 import contextlib
-import threading
 import warnings
 import weakref
 from typing import Any, Iterator, Optional, Sequence, Union
@@ -24,8 +23,8 @@ from .ddp_options import (bucket_caps_bytes, buffer_sync, ignored_names, ignored
                           process_group_of, refuse_unsupported)
 from .layout import (BucketLayout, ParamInfo, default_bucket_cap_mb, first_bucket_cap_bytes,
                      owned_numel, plan_buckets)
-from .link_worker import PendingOp
 from .forward_waits import ForwardParamWaiter, is_traced_by_dynamo
+from .param_gathers import ParamGathers
 from .param_guards import ParamPlaces, ParamVersions, land_gathers_before_state_dicts
 from .plan import OverlapPlan, layout_plan, profiling_plan
 from .plan_profiler import PlanProfiler
@@ -315,14 +314,9 @@ class DistributedDataParallel(nn.Module):
         self._optimizer_ref: Optional[weakref.ref] = None  # see attach_optimizer
         self._warned_no_optimizer = False
         self.reducer.backward_end_listeners.append(lifecycle.weak_call(self._warn_if_no_optimizer))
-        self._param_gathers: dict[int, PendingOp] = {}
-        # The scheduler thread starts stage-1 all-gathers while the main thread
-        # may finish others.
-        self._gathers_lock = threading.Lock()
-        # Stage-2 all-gathers not started yet, in the order they will be (see
-        # _start_queued_gathers); at most ``_gather_lookahead`` run ahead of forward.
-        self._queued_gathers: list[int] = []
-        self._gather_lookahead: Optional[int] = None
+        self._gathers = ParamGathers(self._exchange, self._buckets, self.timeline,
+                                     self.param_versions, schedule,
+                                     overlaps_forward=schedule in ("next_forward", "two_stage"))
         self._forward_waiter: Optional[ForwardParamWaiter] = None
         # All-gathers run in descending bucket order: buckets were filled in
         # reverse registration order, so this is forward order for most models,
@@ -342,7 +336,7 @@ class DistributedDataParallel(nn.Module):
             self.reducer.reduce_scatter_listeners.append(self.scheduler.on_reduce_scatter)
             self.reducer.backward_end_listeners.append(self.scheduler.on_backward_end)
             self.reducer.backward_start_listeners.append(self.scheduler.on_backward_start)
-            self._gather_lookahead = self.scheduler.plan.lookahead
+            self._gathers.lookahead = self.scheduler.plan.lookahead
             if overlap_plan == "auto":
                 # Profiles a few steps, then every rank switches to rank 0's plan.
                 self.plan_profiler = PlanProfiler(
@@ -504,10 +498,10 @@ class DistributedDataParallel(nn.Module):
 
     def _after_forward(self, output: Any) -> None:
         self._param_places.adopt_new_storage()
-        if self._queued_gathers:
+        if self._gathers.queued:
             # Buckets this forward did not use: started now, so that every rank
             # has issued all of them before backward issues stage-1 all-gathers.
-            self._start_queued_gathers(all_of_them=True)
+            self._gathers.start_queued(all_of_them=True)
         if self.plan_profiler is not None:
             self.plan_profiler.on_forward_end()
         self._sync_buffers_before_forward = torch.is_grad_enabled() and self.reducer.sync_enabled
@@ -654,15 +648,7 @@ class DistributedDataParallel(nn.Module):
 
     def start_param_all_gather(self, bucket: int) -> None:
         """Send this rank's updated slice of ``bucket``; receive everyone else's."""
-        storage = self._buckets[bucket]
-        with self._gathers_lock:
-            previous = self._param_gathers.pop(bucket, None)
-        if previous is not None:
-            previous.wait()
-        op = self._exchange.start_all_gather(storage.flat_param, storage.param_shard,
-                                             label=f"b{bucket}")
-        with self._gathers_lock:
-            self._param_gathers[bucket] = op
+        self._gathers.start(bucket)
 
     @property
     def plan(self) -> Optional[OverlapPlan]:
@@ -682,63 +668,18 @@ class DistributedDataParallel(nn.Module):
         next forward's pre-hooks (up to the plan's lookahead run ahead); the
         other schedules wait for them at the end of the step.
         """
-        self._start_queued_gathers(until=None, all_of_them=True)
+        self._gathers.start_queued(all_of_them=True)
 
     def queue_param_all_gather(self, bucket: int) -> None:
         """Queue ``bucket``'s all-gather behind the step's earlier ones; under the
         forward-overlapped schedules start it now if the lookahead allows."""
-        self._queued_gathers.append(bucket)
-        if self._forward_waiter is not None:
-            self._start_queued_gathers()
-
-    def _start_queued_gathers(self, until: Optional[int] = None, all_of_them: bool = False) -> None:
-        """Start queued all-gathers in queue order: up to the lookahead, and through ``until``.
-
-        The queue's order is the same on every rank, so the all-gathers are
-        issued in the same order everywhere; only how early depends on timing.
-        """
-        queue = self._queued_gathers
-        limit = self._gather_lookahead
-        while queue:
-            if not (all_of_them or limit is None or until in queue):
-                with self._gathers_lock:
-                    ops = list(self._param_gathers.values())
-                if sum(not op.done() for op in ops) >= limit:
-                    return
-            self.start_param_all_gather(queue.pop(0))
+        self._gathers.queue(bucket)
 
     def finish_param_all_gather(self, bucket: int, *, timed: bool = False) -> None:
         """Wait for ``bucket``'s all-gather. ``timed``: the training loop waits here
         for updated parameters (a forward, ``synchronize()``), which the plan profiler
         times (see [Note: stage 1 only where the forward waits] in plan.py)."""
-        pending = bucket in self._queued_gathers
-        if pending:
-            self._start_queued_gathers(until=bucket)
-        with self._gathers_lock:
-            op = self._param_gathers.pop(bucket, None)
-        if op is not None:
-            pending = True
-            if op.done():
-                op.wait()
-            else:
-                profiler = self.plan_profiler if timed else None
-                need = profiler.mark_gather_needed() if profiler is not None else None
-                with self.timeline.span("compute", f"wait AG b{bucket}"):
-                    op.wait()
-                if need is not None:
-                    profiler.on_gather_waited(bucket, need)
-        if pending:
-            # Written by the loop while the gather landed (a clamp right after
-            # opt.step()): the gathered slices overwrote part of it, by timing.
-            name = self.param_versions.written_since_change(bucket)
-            if name is not None:
-                raise RuntimeError(
-                    f"fgpsdp: parameter {name!r} was changed in place after opt.step() while "
-                    f"its updated values were still being all-gathered ({self.schedule} "
-                    "finishes them during the next forward): call model.synchronize() "
-                    "first, on every rank")
-        if self._queued_gathers:
-            self._start_queued_gathers()
+        self._gathers.finish(bucket, self.plan_profiler if timed else None)
 
     def _finish_param_all_gather_for_the_loop(self, bucket: int) -> None:
         self.finish_param_all_gather(bucket, timed=True)
@@ -747,13 +688,7 @@ class DistributedDataParallel(nn.Module):
         self.finish_param_all_gathers(timed=True)
 
     def finish_param_all_gathers(self, *, timed: bool = False) -> None:
-        self._start_queued_gathers(all_of_them=True)
-        with self._gathers_lock:
-            buckets = sorted(self._param_gathers)
-        # Ascending: the last in forward order first, which was queued last and
-        # lands last; a timed wait for all of them is counted there.
-        for bucket in buckets:
-            self.finish_param_all_gather(bucket, timed=timed)
+        self._gathers.finish_all(self.plan_profiler if timed else None)
 
     def set_overlap_plan(self, plan: OverlapPlan) -> None:
         """Replace the two-stage plan; between steps, with the same plan on every rank."""
@@ -761,7 +696,7 @@ class DistributedDataParallel(nn.Module):
             raise RuntimeError("set_overlap_plan: only the two_stage schedule has a plan")
         _check_plan(plan, len(self._buckets))
         self.scheduler.set_plan(plan)
-        self._gather_lookahead = plan.lookahead
+        self._gathers.lookahead = plan.lookahead
 
     def land_gathers_for_a_save(self) -> None:
         """What a ``state_dict`` of ``module`` (or a submodule) waits for.
@@ -790,13 +725,13 @@ class DistributedDataParallel(nn.Module):
                 "fgpsdp: model.module(...) between a backward through it and opt.step() (or "
                 "zero_grad()) would read two_stage's speculative updates; call the wrapper, "
                 "model(...), which undoes them (on every rank), or call it after the step")
-        if self._queued_gathers:
+        if self._gathers.queued:
             # Not started yet (a plan's lookahead below the bucket count): starting
             # them on this rank alone could wait on peers that wait on it.
             raise RuntimeError(
                 "fgpsdp: model.module(...) while all-gathers wait to start (a plan with a "
                 "small lookahead): call model.synchronize() on every rank first")
-        if self._param_gathers:
+        if self._gathers.in_flight:
             self.finish_param_all_gathers(timed=True)
 
     @torch.compiler.disable  # collectives: see the note at ShardedOptimizer.zero_grad

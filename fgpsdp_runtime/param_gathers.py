@@ -1,0 +1,118 @@
+"""The all-gathers of updated parameters: which are in flight, which wait to start.
+
+A step queues its updated buckets in forward order. Under ``serial`` and
+``overlap_backward`` the step waits for all of them at its end; under
+``next_forward`` and ``two_stage`` the next forward's pre-hooks wait for each
+bucket just before its first use, and at most ``lookahead`` all-gathers run ahead
+of forward (the plan's). The stage-1 all-gathers of ``two_stage`` start from the
+scheduler thread while the main thread may finish others: the in-flight table
+is guarded by a lock. The queue's order is the same on every rank, so the
+all-gathers are issued in the same order everywhere; only how early depends on
+timing.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Optional, Sequence
+
+from .link_worker import PendingOp
+
+
+class ParamGathers:
+    def __init__(self, exchange, buckets: Sequence, timeline, param_versions,
+                 schedule: str, overlaps_forward: bool):
+        self._exchange = exchange
+        self._buckets = buckets
+        self._timeline = timeline
+        self._param_versions = param_versions
+        self._schedule = schedule
+        # next_forward / two_stage: a queued all-gather starts as soon as the
+        # lookahead allows; otherwise at the end of the step.
+        self._overlaps_forward = overlaps_forward
+        self._in_flight: dict[int, PendingOp] = {}
+        self._lock = threading.Lock()
+        # Not started yet, in the order they will be.
+        self._queued: list[int] = []
+        self.lookahead: Optional[int] = None  # None: no limit
+
+    @property
+    def queued(self) -> bool:
+        return bool(self._queued)
+
+    @property
+    def in_flight(self) -> bool:
+        return bool(self._in_flight)
+
+    def is_queued(self, bucket: int) -> bool:
+        return bucket in self._queued
+
+    def start(self, bucket: int) -> None:
+        """Send this rank's updated slice of ``bucket``; receive everyone else's."""
+        storage = self._buckets[bucket]
+        with self._lock:
+            previous = self._in_flight.pop(bucket, None)
+        if previous is not None:
+            previous.wait()
+        op = self._exchange.start_all_gather(storage.flat_param, storage.param_shard,
+                                             label=f"b{bucket}")
+        with self._lock:
+            self._in_flight[bucket] = op
+
+    def queue(self, bucket: int) -> None:
+        """Queue ``bucket`` behind the step's earlier ones; under the
+        forward-overlapped schedules start it now if the lookahead allows."""
+        self._queued.append(bucket)
+        if self._overlaps_forward:
+            self.start_queued()
+
+    def start_queued(self, until: Optional[int] = None, all_of_them: bool = False) -> None:
+        """Start queued all-gathers in queue order: up to the lookahead, and through ``until``."""
+        queue = self._queued
+        while queue:
+            if not (all_of_them or self.lookahead is None or until in queue):
+                with self._lock:
+                    ops = list(self._in_flight.values())
+                if sum(not op.done() for op in ops) >= self.lookahead:
+                    return
+            self.start(queue.pop(0))
+
+    def finish(self, bucket: int, timer=None) -> None:
+        """Wait for ``bucket``'s all-gather. ``timer``: the plan profiler, when the
+        training loop waits here (see [Note: stage 1 only where the forward waits]
+        in plan.py); told of a wait for one that has not landed."""
+        pending = bucket in self._queued
+        if pending:
+            self.start_queued(until=bucket)
+        with self._lock:
+            op = self._in_flight.pop(bucket, None)
+        if op is not None:
+            pending = True
+            if op.done():
+                op.wait()
+            else:
+                need = timer.mark_gather_needed() if timer is not None else None
+                with self._timeline.span("compute", f"wait AG b{bucket}"):
+                    op.wait()
+                if need is not None:
+                    timer.on_gather_waited(bucket, need)
+        if pending:
+            # Written by the loop while the gather landed (a clamp right after
+            # opt.step()): the gathered slices overwrote part of it, by timing.
+            name = self._param_versions.written_since_change(bucket)
+            if name is not None:
+                raise RuntimeError(
+                    f"fgpsdp: parameter {name!r} was changed in place after opt.step() while "
+                    f"its updated values were still being all-gathered ({self._schedule} "
+                    "finishes them during the next forward): call model.synchronize() "
+                    "first, on every rank")
+        if self._queued:
+            self.start_queued()
+
+    def finish_all(self, timer=None) -> None:
+        self.start_queued(all_of_them=True)
+        with self._lock:
+            buckets = sorted(self._in_flight)
+        # Ascending: the last in forward order first, which was queued last and
+        # lands last; a timed wait for all of them is counted there.
+        for bucket in buckets:
+            self.finish(bucket, timer)

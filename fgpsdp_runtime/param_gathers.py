@@ -43,9 +43,6 @@ class ParamGathers:
     def in_flight(self) -> bool:
         return bool(self._in_flight)
 
-    def is_queued(self, bucket: int) -> bool:
-        return bucket in self._queued
-
     def start(self, bucket: int) -> None:
         """Send this rank's updated slice of ``bucket``; receive everyone else's."""
         storage = self._buckets[bucket]

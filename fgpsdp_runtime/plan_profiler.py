@@ -79,7 +79,12 @@ class PlanProfiler:
     def mark_gather_needed(self):
         """The training loop (a forward, ``synchronize()``) needs a bucket's
         all-gather and it has not landed: a mark before it waits, or None outside
-        the window."""
+        the window, or on a rank joined under ``model.join()``: its shadowed
+        forwards compute nothing and wait for every all-gather in full, a wait
+        no forward has."""
+        uneven = self.model._uneven_inputs
+        if uneven is not None and uneven.joined:
+            return None
         return self._marks.mark() if self._profiling else None
 
     def on_gather_waited(self, bucket: int, need) -> None:
@@ -186,7 +191,7 @@ class PlanProfiler:
 
     def _slowest_forward_waits(self, wait_marks) -> dict[int, float]:
         """Per bucket, the longest of every rank's waits (a MAX all-reduce on every
-        rank, joined ones included: they wait for nothing and send zeros)."""
+        rank, joined ones included: they time no waits and send zeros)."""
         model = self.model
         try:
             self.local_forward_wait_s = self._resolve_waits(wait_marks)

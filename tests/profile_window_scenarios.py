@@ -186,3 +186,23 @@ def undo_bytes_before_state_exists(rank: int, world_size: int) -> dict:
     late = {b for b, layout in enumerate(model.bucket_layouts)
             for span in layout.spans if model._param_names[span.param_index].startswith("late")}
     return {"step3": sizes[3], "step6": sizes[6], "late_buckets": sorted(late)}
+
+
+def joined_before_the_window(rank: int, world_size: int) -> dict:
+    """Rank 0 runs out of data after step 1 (under ``model.join()``); rank 1 trains 6
+    steps, with a forward slower than the (slowed) all-gathers: it waits for none
+    but the first in forward order. Rank 0's shadowed forwards compute nothing and
+    wait for every all-gather in full: those waits must not shape the plan."""
+    torch.manual_seed(0)
+    with _slow_all_gathers(0.02):
+        net = SlowNet(pause=_long_pause, forward_pause=_long_pause)
+        model = fgp.DistributedDataParallel(net, bucket_cap_mb=0.015)
+        opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+        with model.join():
+            for step in range(1, (1 if rank == 0 else 6) + 1):
+                model(_batch(step, 0, rank)).backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        model.synchronize()
+    return {"plan": model.plan.to_json(),
+            "local_forward_wait_s": dict(model.plan_profiler.local_forward_wait_s)}

@@ -5,7 +5,8 @@ import json
 from fgpsdp_runtime.plan import _where_forward_waits
 
 from .dist_harness import run_calls
-from .profile_window_scenarios import (profile_window, speculation_budget_elsewhere,
+from .profile_window_scenarios import (joined_before_the_window, profile_window,
+                                       speculation_budget_elsewhere,
                                        undo_bytes_before_state_exists)
 
 _CASES = ("plain", "no_sync_step", "no_sync_window", "user_timeline", "slow_forward",
@@ -27,7 +28,17 @@ def test_profile_window_unusual_loops():
     calls.append((profile_window, "accumulate_synced", "layout"))
     calls.append((speculation_budget_elsewhere,))
     calls.append((undo_bytes_before_state_exists,))
+    calls.append((joined_before_the_window,))
     results = run_calls(2, calls, timeout_s=600)
+    # A rank joined through the window times no waits; the active one waits for no
+    # candidate: no stage 1 (it was [0, 1, 2] from the joined rank's waits).
+    joined, active = results[(joined_before_the_window,)]
+    assert joined["local_forward_wait_s"] == {}, joined
+    assert sum(active["local_forward_wait_s"].get(b, 0.0) for b in (2, 1, 0)) < 0.01, active
+    assert joined["plan"] == active["plan"], (joined, active)
+    planned = json.loads(active["plan"])
+    assert planned["source"] == "profile" and planned["stage1"] == [], planned
+    calls.remove((joined_before_the_window,))
     for ranks in results[(speculation_budget_elsewhere,)]:
         assert len(ranks) == 2, ranks
         assert "schedule='next_forward'" in ranks[0] and "overlap_plan='layout'" in ranks[1], ranks

@@ -10,8 +10,9 @@ GPU's, as the link times are (see ``DeviceMarks``). A link cost model
 (latency + bytes / bandwidth) is fitted to the collectives, and
 ``plan.profile_plan`` turns the figures, with the size of each bucket's undo
 record, into a plan: rank 0's compute and link times, and every bucket's
-longest wait over all ranks (one all-reduce). Rank 0's plan is broadcast, and every rank switches to it at the end of the same step, so the
-order of collectives stays the same everywhere.
+longest wait over all ranks (one all-reduce). Rank 0's plan is broadcast, and
+every rank switches to it at the end of the same step, so the order of
+collectives stays the same everywhere.
 """
 from __future__ import annotations
 

@@ -11,7 +11,8 @@ test machine), CPU per rank per operation: reduce-scatter 10-11 ms against
 [Note: the shared-memory protocol]
 Each instance serves one process group and is used by one thread at a time
 (a link worker), so its operations come in the same order on every rank.
-A region holds two halves; round i uses half i % 2::
+A region holds two halves, then a failure flag (see [Note: a failed
+barrier]); round i uses half i % 2::
 
     reduce-scatter: rank l copies its input into slot l of the half,
                     barrier, sums chunk l of every slot (in slot order);
@@ -26,6 +27,17 @@ round i + 2) it has passed the barrier of round i + 1, which every rank
 enters only after it has finished reading half p at round i.
 The barrier is a one-element gloo all-reduce on the group (it also carries
 every rank's store before it, as a socket round trip orders memory).
+
+[Note: a failed barrier]
+On 3 ranks gloo's ring all-reduce of one element is a chain, 2 -> 1 -> 0
+(sum) -> 2 -> 1 (result), each send waiting for its receiver to post the
+receive. Local rank 0 killed inside a barrier after rank 1 had sent it its
+part leaves rank 1 waiting only on rank 2, while only rank 2 sees the closed
+connection: rank 1 would wait until rank 2's process ends (or the timeout, if
+rank 2 went on into another collective). So a rank whose barrier fails sets
+the region's failure flag, and a rank waiting in a barrier looks at the flag
+every _POLL: it fails within that instead of waiting for its peer to exit.
+After a failure every later operation of this instance raises, unrun.
 
 The region grows on demand: every rank sees the same sizes in the same
 order, so all reallocate at the same operation. Local rank 0 creates the
@@ -42,6 +54,7 @@ import re
 import time
 import uuid
 import warnings
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -50,6 +63,8 @@ import torch.distributed as dist
 _SHM_DIR = "/dev/shm"
 _NAME_BYTES = 96  # the broadcast file name, NUL-padded
 _ALIGN = 64  # slot sizes are multiples of this: every dtype's view stays aligned
+_FLAG_BYTES = _ALIGN  # after the halves; its first byte is set by a rank whose collective failed
+_POLL = timedelta(milliseconds=100)  # how often a waiting barrier looks at the flag
 # A bucket larger than this moves in rounds (one barrier each), so that the
 # region stays small: 2 x local ranks x this for a reduce-scatter, 2 x this for
 # an all-gather, whatever the largest bucket.
@@ -121,6 +136,7 @@ class SharedMemoryCollectives:
         self._slot_bytes = 0
         self._op = 0
         self._flag = torch.zeros(1)
+        self._failure: Optional[BaseException] = None  # the first, on this rank
         self.allocations = 0  # regions mapped so far (grows only)
 
     def prepare(self, slots: int) -> bool:
@@ -133,6 +149,7 @@ class SharedMemoryCollectives:
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> bool:
         """Sum ``input`` over the group into chunk ``rank`` -> ``output``; False if disabled
         (the caller then uses gloo)."""
+        self._raise_if_failed()
         n = self.size
         if input.numel() != output.numel() * n:
             raise ValueError(f"reduce-scatter sizes: input {input.numel()} "
@@ -164,6 +181,7 @@ class SharedMemoryCollectives:
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> bool:
         """Chunk ``rank`` of ``output`` <- ``input`` on every rank; False if disabled."""
+        self._raise_if_failed()
         n = self.size
         if output.numel() != input.numel() * n:
             raise ValueError(f"all-gather sizes: output {output.numel()} "
@@ -207,7 +225,39 @@ class SharedMemoryCollectives:
         return half.view(slots, self._slot_bytes)[:, :nbytes].view(like.dtype)
 
     def _barrier(self) -> None:
-        dist.all_reduce(self._flag, group=self.group)
+        """Every rank has stored its part (see [Note: a failed barrier])."""
+        work = dist.all_reduce(self._flag, group=self.group, async_op=True)
+        while True:
+            try:
+                work.wait(_POLL)
+                return
+            except RuntimeError:
+                if work.is_completed():  # not a timed-out wait: the all-reduce's outcome
+                    try:
+                        work.wait()
+                    except BaseException as error:
+                        self._fail(error)
+                        raise
+                    return
+            if self._region is not None and int(self._region[-_FLAG_BYTES]) != 0:
+                error = RuntimeError(
+                    f"fgpsdp: a rank of the {self.name} shared-memory link failed in a collective "
+                    "(a rank of this node died?); this rank stops waiting for it")
+                self._fail(error)
+                raise error
+
+    def _fail(self, error: BaseException) -> None:
+        """This rank's collective failed: later operations raise, and the ranks still
+        waiting in a barrier of this region see the flag (see the note)."""
+        if self._failure is None:
+            self._failure = error
+        if self._region is not None:
+            self._region[-_FLAG_BYTES] = 1
+
+    def _raise_if_failed(self) -> None:
+        if self._failure is not None:
+            raise RuntimeError(f"fgpsdp: the {self.name} shared-memory link failed earlier on "
+                               f"this rank: {self._failure}") from self._failure
 
     def _ready(self, slots: int, slot_bytes: int) -> bool:
         if not self.enabled:
@@ -217,8 +267,8 @@ class SharedMemoryCollectives:
         return self.enabled
 
     def _allocate(self, slots: int, slot_bytes: int) -> None:
-        """Collective: map a new region of 2 x slots x slot_bytes (see the note)."""
-        total = 2 * slots * slot_bytes
+        """Collective: map a new region of 2 x slots x slot_bytes + _FLAG_BYTES (see the note)."""
+        total = 2 * slots * slot_bytes + _FLAG_BYTES
         name = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
         path = None
         if self.rank == 0:
@@ -233,7 +283,8 @@ class SharedMemoryCollectives:
             region = self._map(os.path.join(self.directory, text), total) if text else None
             ok = torch.tensor([1 if region is not None else 0], dtype=torch.int32)
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
-        except BaseException:
+        except BaseException as error:
+            self._fail(error)
             # Local rank 0 may have died after sending the name (killed, os._exit):
             # its unlink below never runs, and the file would stay in tmpfs until
             # a later job's stale sweep. A rank that knows the name removes it.

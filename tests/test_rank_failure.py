@@ -2,6 +2,8 @@
 waiting out the process groups' timeout (gloo closes the dead rank's connections)."""
 import json
 import os
+import signal
+import subprocess
 import time
 
 import pytest
@@ -65,4 +67,68 @@ def test_survivors_fail_fast_when_a_rank_dies(tmp_path, where, schedule):
         outcome = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert outcome["raised"], (rank, outcome)
         # gloo's connection errors come within seconds; a hang would be the timeout.
+        assert outcome["seconds"] < _PG_TIMEOUT_S / 3, (rank, outcome)
+
+
+_STOP_AT = 5  # the flat-ag link's 5th barrier: the first all-gather of step 2's update
+
+
+def _rank_0_killed_in_a_barrier(rank, world, report_dir):
+    """Rank 0 posts its part of a shared-memory barrier's all-reduce and freezes
+    (SIGSTOP: its sockets stay open); the others arrive and rank 1 sends it its part;
+    then rank 0 is SIGKILLed. Only rank 2 sees the closed connection (see
+    [Note: a failed barrier] in shared_memory.py)."""
+    import torch.distributed as dist
+
+    import fgpsdp_runtime as fgp
+    from fgpsdp_runtime.shared_memory import SharedMemoryCollectives
+
+    barrier = SharedMemoryCollectives._barrier
+    calls = {}
+
+    def injected(self):
+        calls[self.name] = calls.get(self.name, 0) + 1
+        if self.name == "flat-ag" and calls[self.name] == _STOP_AT:
+            if rank == 0:
+                dist.all_reduce(self._flag, group=self.group, async_op=True)
+                time.sleep(0.01)
+                subprocess.Popen(["sh", "-c", f"sleep 1; kill -9 {os.getpid()}"])
+                os.kill(os.getpid(), signal.SIGSTOP)
+            time.sleep(0.2)  # the others arrive after rank 0 has frozen
+        barrier(self)
+    SharedMemoryCollectives._barrier = injected
+
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(
+        torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)]), bucket_cap_mb=0.005,
+        schedule="two_stage")
+    assert model.node_transport == "shared_memory"
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    start = time.monotonic()
+    try:
+        for _ in range(6):
+            start = time.monotonic()
+            model(torch.randn(8, 32)).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        model.synchronize()
+        outcome = {"raised": None}
+    except Exception as error:  # noqa: BLE001 - the survivor's view is the result
+        outcome = {"raised": type(error).__name__, "message": str(error)[:300]}
+    outcome["seconds"] = time.monotonic() - start
+    with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(outcome, f)
+
+
+def test_survivors_fail_fast_when_local_rank_0_dies_in_a_shared_memory_barrier(
+        tmp_path, monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # one node: the shared-memory path
+    with pytest.raises(RuntimeError, match="rank 0 died without a result"):
+        run_distributed(3, _rank_0_killed_in_a_barrier, str(tmp_path),
+                        pg_timeout_s=_PG_TIMEOUT_S, timeout_s=2 * _PG_TIMEOUT_S)
+    for rank in (1, 2):
+        outcome = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert outcome["raised"], (rank, outcome)
+        # rank 0 dies about 1.2 s into the step; without the failure flag ranks 1 and 2
+        # waited for each other until the timeout
         assert outcome["seconds"] < _PG_TIMEOUT_S / 3, (rank, outcome)

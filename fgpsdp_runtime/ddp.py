@@ -19,8 +19,8 @@ from torch import nn
 from . import lifecycle, shutdown
 from .buckets import BucketStorage, layout_strides
 from .comm import CommStats, FlatExchange, HierarchicalExchange
-from .ddp_options import (bucket_caps_bytes, buffer_sync, ignored_names, ignored_trainable_problem,
-                          process_group_of, refuse_unsupported)
+from .ddp_options import (bucket_caps_bytes, buffer_sync, device_ids_problem, ignored_names,
+                          ignored_trainable_problem, process_group_of, refuse_unsupported)
 from .layout import (BucketLayout, ParamInfo, default_bucket_cap_mb, first_bucket_cap_bytes,
                      owned_numel, plan_buckets)
 from .forward_waits import ForwardParamWaiter, is_traced_by_dynamo
@@ -35,8 +35,8 @@ from .tracing import Timeline
 from .topology import (NodeLayout, TopologyArg, check_contiguous_nodes, create_link_groups,
                        hashed_group_names, new_group_like, resolve)
 from .uneven_inputs import AnnouncedCall, UnevenInputs
-from .validation import (SUPPORTED_DTYPES, agree_or_raise, describe, local_problems,
-                         shared_memory_problem)
+from .validation import (SUPPORTED_DTYPES, agree_or_raise, describe, describe_buffers,
+                         local_problems, shared_memory_problem)
 
 
 def _make_current_device(module: nn.Module) -> None:
@@ -155,6 +155,10 @@ class DistributedDataParallel(nn.Module):
             argument_problems.append("device_ids must name exactly one device (single-device "
                                      "modules)")
             device_ids = None
+        misplaced = device_ids_problem(device_ids, module) if device_ids is not None else None
+        if misplaced:
+            argument_problems.append(misplaced)
+            device_ids = None
         if not dist.is_available() or not dist.is_initialized():
             if argument_problems:  # no group to tell: said here
                 raise ValueError("fgpsdp: " + "; ".join(argument_problems))
@@ -226,8 +230,15 @@ class DistributedDataParallel(nn.Module):
                     "bucket_cap_mb_list": bucket_caps,
                     "buffer sync (at construction, at forward)": (
                         self._buffer_sync.at_init, self._buffer_sync.at_forward)}
+        # Buffers rank 0 broadcasts (at construction or at each forward) must match
+        # in name, shape and dtype: the broadcast is one flat tensor per dtype.
+        buffers_broadcast = ((init_sync and self._buffer_sync.at_init)
+                             or self._buffer_sync.at_forward)
+        synced_buffers = [(n, b) for n, b in module.named_buffers()
+                          if n not in self._ignored_names] if buffers_broadcast else []
         agree_or_raise(process_group, problems + ([placement] if placement else []),
-                       describe(named), settings=settings)
+                       describe(named), settings=settings,
+                       buffers=describe_buffers(synced_buffers))
 
         self._params = [p for _, p in trainable]
         self._param_names = [n for n, _ in trainable]

@@ -12,6 +12,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,20 @@ def buffer_sync(broadcast_buffers: Optional[bool],
         return BufferSync(at_init=True, at_forward=bool(forward_sync_buffers))
     sync = True if broadcast_buffers is None else bool(broadcast_buffers)
     return BufferSync(at_init=sync, at_forward=sync)
+
+
+def device_ids_problem(device_ids: Sequence[Any], module: nn.Module) -> Optional[str]:
+    """torch DDP's rule: ``device_ids`` only for a GPU module, naming its device
+    (else the forward would move the inputs to a device the module is not on)."""
+    first = device_ids[0]
+    wanted = torch.device("cuda", first) if isinstance(first, int) else torch.device(first)
+    on = {p.device for p in module.parameters()}
+    if any(d.type != wanted.type or (wanted.index is not None and d.index is not None
+                                     and d.index != wanted.index) for d in on):
+        return (f"device_ids={list(device_ids)} names {wanted}, but the module's parameters "
+                f"are on {sorted(str(d) for d in on)}; give device_ids=None for a CPU "
+                "module, or the module's own GPU")
+    return None
 
 
 def process_group_of(process_group: Optional[dist.ProcessGroup],

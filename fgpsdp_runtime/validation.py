@@ -37,6 +37,38 @@ class ParamDescription:
                 f"requires_grad={self.requires_grad}")
 
 
+@dataclass(frozen=True)
+class BufferDescription:
+    """A buffer the wrapper broadcasts from rank 0 (at construction or forward)."""
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    def text(self) -> str:
+        return f"'{self.name}' {list(self.shape)} {self.dtype}"
+
+
+def describe_buffers(named_buffers: Sequence[tuple[str, torch.Tensor]]
+                     ) -> list[BufferDescription]:
+    return [BufferDescription(name, tuple(b.shape), str(b.dtype).replace("torch.", ""))
+            for name, b in named_buffers]
+
+
+def first_buffer_difference(reference: Sequence[BufferDescription],
+                            other: Sequence[BufferDescription]) -> Optional[str]:
+    """Broadcast as one flat tensor per dtype, buffers that differ in shape or dtype
+    would be filled with another rank's bytes (or wait for a broadcast no peer sends)."""
+    for ref, oth in zip(reference, other):
+        if ref != oth:
+            return f"buffer {ref.text()} on rank 0 vs {oth.text()}"
+    if len(reference) != len(other):
+        longer = reference if len(reference) > len(other) else other
+        extra = longer[min(len(reference), len(other))]
+        return (f"{len(reference)} synced buffers on rank 0 vs {len(other)}; first unmatched "
+                f"buffer {extra.text()}")
+    return None
+
+
 def describe(named_params: Sequence[tuple[str, torch.nn.Parameter]]) -> list[ParamDescription]:
     return [ParamDescription(name, tuple(p.shape), str(p.dtype).replace("torch.", ""),
                              bool(p.requires_grad),
@@ -185,19 +217,23 @@ _SETTING_HINTS = {
 
 def agree_or_raise(group: Optional[dist.ProcessGroup], problems: list[str],
                    description: list[ParamDescription],
-                   settings: Optional[dict[str, Any]] = None) -> None:
+                   settings: Optional[dict[str, Any]] = None,
+                   buffers: Optional[list[BufferDescription]] = None) -> None:
     """Share findings, model descriptions and ``settings`` (what every rank must
     resolve alike, by name: the topology, from arguments and the environment, and
     the arguments that shape the collectives); raise the same error on every rank."""
     world = dist.get_world_size(group)
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, (problems, description, settings), group=group)
+    dist.all_gather_object(gathered, (problems, description, settings, buffers or []),
+                           group=group)
     messages = []
-    for rank, (rank_problems, _, _) in enumerate(gathered):
+    for rank, (rank_problems, _, _, _) in enumerate(gathered):
         messages.extend(f"rank {rank}: {p}" for p in rank_problems)
     reference = gathered[0][1]
     for rank in range(1, world):
         diff = first_difference(reference, gathered[rank][1])
+        if diff is None:
+            diff = first_buffer_difference(gathered[0][3], gathered[rank][3])
         if diff is not None:
             messages.append(f"rank {rank}: model differs from rank 0: {diff}")
 

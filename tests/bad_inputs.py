@@ -412,3 +412,31 @@ def inference_tensor_parameter(rank, world_size):
     with torch.inference_mode(rank == world_size - 1):
         model = MLP()
     fgp.DistributedDataParallel(model)
+
+
+def buffer_shapes_differ(rank, world_size):
+    # The parameters agree; rank 1's BatchNorm statistics are wider. The buffer
+    # broadcast (one flat tensor per dtype) filled them with rank 0's bytes silently.
+    width = 6 if rank == 1 else 4
+    fgp.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(width,
+                                                                              affine=False)))
+
+
+def buffer_dtypes_differ(rank, world_size):
+    model = nn.Linear(4, 4)
+    model.register_buffer("scale", torch.ones(3, dtype=torch.float64 if rank == 2
+                                              else torch.float32))
+    fgp.DistributedDataParallel(model)
+
+
+def rank_local_buffers_unsynced(rank, world_size):
+    """Never broadcast (broadcast_buffers=False): they may differ, as under torch DDP."""
+    model = nn.Linear(4, 4)
+    model.register_buffer("local", torch.zeros(rank + 1))
+    return len(fgp.DistributedDataParallel(model, broadcast_buffers=False).bucket_layouts)
+
+
+def device_ids_for_a_cpu_module(rank, world_size):
+    # torch DDP refuses it at construction; before, the first forward moved the
+    # inputs to cuda:0 ("Torch not compiled with CUDA enabled" on a CPU build).
+    fgp.DistributedDataParallel(nn.Linear(4, 4), device_ids=[0])

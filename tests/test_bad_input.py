@@ -9,6 +9,14 @@ from .dist_harness import call_many, run_distributed
 CASES = [
     (bad_inputs.models_differ, "ValueError",
      [r"model differs from rank 0", r"net\.0\.weight", r"\[37, 13\]", r"\[38, 13\]"]),
+    (bad_inputs.buffer_shapes_differ, "ValueError",
+     [r"rank 1: model differs from rank 0: buffer '1\.running_mean' \[4\] float32 on rank 0 "
+      r"vs '1\.running_mean' \[6\] float32"]),
+    (bad_inputs.buffer_dtypes_differ, "ValueError",
+     [r"rank 2: model differs from rank 0: buffer 'scale' \[3\] float32 on rank 0 vs "
+      r"'scale' \[3\] float64"]),
+    (bad_inputs.device_ids_for_a_cpu_module, "ValueError",
+     [r"device_ids=\[0\] names cuda:0, but the module's parameters are on \['cpu'\]"]),
     (bad_inputs.sparse_module, "ValueError", [r"sparse gradients are not supported", r"'0'"]),
     (bad_inputs.sparse_gradient_at_runtime, "RuntimeError", [r"'weight' received a sparse gradient"]),
     (bad_inputs.mixed_devices, "ValueError", [r"rank \d: trainable parameters are on several devices"]),
@@ -129,3 +137,7 @@ def test_every_rank_raises(outcomes, fn, error_type, patterns):
 def test_equal_settings_in_other_types_are_accepted():
     buckets = run_distributed(3, bad_inputs.settings_equal_in_other_types, timeout_s=120)
     assert buckets[0] == buckets[1] == buckets[2] > 0
+
+
+def test_buffers_that_are_never_broadcast_may_differ():
+    assert run_distributed(3, bad_inputs.rank_local_buffers_unsynced, timeout_s=120) == [1, 1, 1]

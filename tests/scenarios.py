@@ -401,7 +401,24 @@ def optimizer_class_and_defaults(optimizer: str):
         return torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}
     if optimizer == "sgd_nesterov_foreach":  # its step writes the gradient in place
         return torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True, "foreach": True}
+    if optimizer in OTHER_TORCH_OPTIMIZERS:
+        return OTHER_TORCH_OPTIMIZERS[optimizer]
     raise ValueError(optimizer)
+
+
+# The rest of torch.optim's elementwise optimizers, each with state of its own kind
+# (a speculative step must back it up and restore it exactly).
+OTHER_TORCH_OPTIMIZERS = {
+    "adam_amsgrad": (torch.optim.Adam, {"lr": 1e-2, "amsgrad": True}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 0.05}),  # state made at construction
+    "adamax": (torch.optim.Adamax, {"lr": 1e-2}),
+    "nadam": (torch.optim.NAdam, {"lr": 1e-2}),  # mu_product: a scalar state tensor
+    "radam": (torch.optim.RAdam, {"lr": 1e-2}),
+    "rmsprop": (torch.optim.RMSprop, {"lr": 1e-2, "momentum": 0.5, "centered": True}),
+    "rprop": (torch.optim.Rprop, {"lr": 1e-2}),  # per-element step sizes, sign of last grad
+    "asgd": (torch.optim.ASGD, {"lr": 1e-2, "t0": 2}),  # eta, mu, averaged params
+    "adadelta": (torch.optim.Adadelta, {"lr": 1.0}),
+}
 
 
 def reference_clip_(params, max_norm: float) -> float:

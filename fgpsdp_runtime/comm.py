@@ -104,6 +104,7 @@ class _Exchange:
         if enabled and shared_memory_eligible(group, device):
             shm = SharedMemoryCollectives(group, name=name)
             shm.prepare(slots)
+            shutdown.register_abortable(shm)  # its barriers stop waiting at exit
             return shm
         return None
 

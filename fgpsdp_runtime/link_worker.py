@@ -198,6 +198,9 @@ class LinkWorker:
 
     request_stop = close
 
+    def is_alive(self) -> bool:
+        return any(t is not None and t.is_alive() for t in (self._thread, self._finisher))
+
     def join(self, timeout: Optional[float] = None) -> None:
         threads = [t for t in (self._thread, self._finisher) if t is not None]
         if threading.current_thread() in threads:

@@ -385,6 +385,9 @@ class TwoStageScheduler:
 
     request_stop = close
 
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def join(self, timeout: Optional[float] = None) -> None:
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout)

@@ -137,6 +137,7 @@ class SharedMemoryCollectives:
         self._op = 0
         self._flag = torch.zeros(1)
         self._failure: Optional[BaseException] = None  # the first, on this rank
+        self._exiting = False  # set at interpreter exit (see abort_waits)
         self.allocations = 0  # regions mapped so far (grows only)
 
     def prepare(self, slots: int) -> bool:
@@ -239,12 +240,27 @@ class SharedMemoryCollectives:
                         self._fail(error)
                         raise
                     return
+            if self._exiting:
+                # The exit gave up waiting for this rank's link worker: a worker left
+                # polling here would take the GIL back during finalization and abort
+                # the process (see shutdown.py). Fail as a dying rank does: the flag
+                # tells the peers' barriers too.
+                error = RuntimeError(
+                    f"fgpsdp: the process is exiting while the {self.name} shared-memory "
+                    "link waited for a peer; this rank stops waiting for it")
+                self._fail(error)
+                raise error
             if self._region is not None and int(self._region[-_FLAG_BYTES]) != 0:
                 error = RuntimeError(
                     f"fgpsdp: a rank of the {self.name} shared-memory link failed in a collective "
                     "(a rank of this node died?); this rank stops waiting for it")
                 self._fail(error)
                 raise error
+
+    def abort_waits(self) -> None:
+        """At exit, after the link workers were given their time: a barrier still
+        waiting raises within _POLL (this rank's failure, which its peers see)."""
+        self._exiting = True
 
     def _fail(self, error: BaseException) -> None:
         """This rank's collective failed: later operations raise, and the ranks still

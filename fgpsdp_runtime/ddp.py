@@ -590,6 +590,14 @@ class DistributedDataParallel(nn.Module):
             "threads and the buckets); copy model.module instead, after model.synchronize() "
             "(the copy is not wrapped)")
 
+    def __reduce_ex__(self, protocol: int) -> Any:
+        # torch.save(model) pickles the wrapper: torch DDP's drops its process
+        # group and reducer; ours holds threads and buckets too. Say what to save.
+        raise TypeError(
+            "fgpsdp: a DistributedDataParallel cannot be pickled (torch.save(model)): it "
+            "holds process groups, threads and the buckets; save model.module "
+            "(torch.save(model.module)) or model.state_dict() instead")
+
     def join(self, divide_by_initial_world_size: bool = True, enable: bool = True,
              throw_on_early_termination: bool = False) -> UnevenInputs:
         """torch DDP's context manager for uneven inputs: ranks may run different

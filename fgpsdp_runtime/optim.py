@@ -311,16 +311,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     @torch.compiler.disable
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
+                        error_if_nonfinite: bool = False,
+                        foreach: Optional[bool] = None) -> torch.Tensor:
         """Clip the reduced gradient as torch.nn.utils.clip_grad_norm_ would on DDP.
 
         Returns the total norm before clipping, the same value on every rank.
+        ``error_if_nonfinite`` raises torch's error on every rank (the total is
+        all-reduced); ``foreach`` is accepted and unneeded.
         """
         if float(norm_type) != 2.0:
-            raise ValueError("only the L2 norm (norm_type=2) is supported")
+            raise ValueError(
+                f"fgpsdp: ShardedOptimizer.clip_grad_norm_ supports only the L2 norm "
+                f"(norm_type=2), not norm_type={norm_type!r}")
         self._announce(AnnouncedCall.CLIP, float(max_norm))
         self._reduce_and_measure()
         total = self._norm_now()  # a clip earlier in this step scaled the slices
+        if error_if_nonfinite and not math.isfinite(total):
+            raise RuntimeError(
+                f"The total norm of order {float(norm_type)} for gradients from `parameters` "
+                "is non-finite, so it cannot be clipped. To disable this error and scale the "
+                "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
         self._apply_clip(float(max_norm))
         return self._norm_tensor(total)
 

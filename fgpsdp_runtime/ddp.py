@@ -590,6 +590,11 @@ class DistributedDataParallel(nn.Module):
             "threads and the buckets); copy model.module instead, after model.synchronize() "
             "(the copy is not wrapped)")
 
+    def __copy__(self) -> "DistributedDataParallel":
+        # Else copy.copy reaches __reduce_ex__ and its pickling message (and without
+        # either, the shallow copy's __del__ stopped the original's threads).
+        return self.__deepcopy__({})
+
     def __reduce_ex__(self, protocol: int) -> Any:
         # torch.save(model) pickles the wrapper: torch DDP's drops its process
         # group and reducer; ours holds threads and buckets too. Say what to save.

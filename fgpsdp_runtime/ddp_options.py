@@ -7,6 +7,7 @@ where it is taken), or is refused with a sentence saying what to use instead.
 """
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
@@ -40,7 +41,14 @@ def device_ids_problem(device_ids: Sequence[Any], module: nn.Module) -> Optional
     """torch DDP's rule: ``device_ids`` only for a GPU module, naming its device
     (else the forward would move the inputs to a device the module is not on)."""
     first = device_ids[0]
-    wanted = torch.device("cuda", first) if isinstance(first, int) else torch.device(first)
+    try:
+        index = operator.index(first)  # an int, a numpy int, a 0-dim integer tensor
+    except TypeError:
+        index = None
+    try:
+        wanted = torch.device("cuda", index) if index is not None else torch.device(first)
+    except (RuntimeError, TypeError) as error:
+        return f"device_ids={list(device_ids)!r}: not a device ({error})"
     on = {p.device for p in module.parameters()}
     if any(d.type != wanted.type or (wanted.index is not None and d.index is not None
                                      and d.index != wanted.index) for d in on):

@@ -37,7 +37,10 @@ connection: rank 1 would wait until rank 2's process ends (or the timeout, if
 rank 2 went on into another collective). So a rank whose barrier fails sets
 the region's failure flag, and a rank waiting in a barrier looks at the flag
 every _POLL: it fails within that instead of waiting for its peer to exit.
-After a failure every later operation of this instance raises, unrun.
+After a failure every later operation of this instance raises, unrun. The
+collectives of a reallocation (_allocate) block without polling: a rank killed
+in one left both survivors seeing the closed connection within about 1 s in
+every injection run, but that is gloo's doing, not this flag's.
 
 The region grows on demand: every rank sees the same sizes in the same
 order, so all reallocate at the same operation. Local rank 0 creates the

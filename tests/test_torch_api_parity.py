@@ -1,9 +1,11 @@
 """Calls a torch DDP loop makes that fgpsdp answers differently (hunt of 2026-12-02):
-torch.save(model) says what to save; clip_grad_norm_ takes torch's keywords."""
+torch.save(model) says what to save, copy.copy(model) is refused; clip_grad_norm_ takes
+torch's keywords."""
+import copy
 import io
 
+import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 import fgpsdp_runtime as fgp
@@ -47,3 +49,16 @@ def test_save_of_the_wrapper_and_torchs_clip_keywords():
         assert "save model.module" in out["save"]
         assert "non-finite" in out["nonfinite"]  # on every rank, also the finite one
         assert out["finite_total"] > 0
+
+
+def copy_of_the_wrapper(rank: int, world_size: int) -> str:
+    model, _ = _wrapped(rank)
+    with pytest.raises(TypeError, match="cannot be copied") as info:
+        copy.copy(model)  # before: copied, and the copy's __del__ stopped the original
+    model(torch.randn(2, 8)).sum().backward()  # the original still trains
+    model.synchronize()
+    return str(info.value)
+
+
+def test_copy_of_the_wrapper_is_refused_and_the_original_trains_on():
+    assert all("copy model.module" in m for m in run_distributed(2, copy_of_the_wrapper))

@@ -25,7 +25,9 @@ while a peer ran more than the timeout behind). Its waits are cut short
 (``abort_waits``): the barrier fails, as a dying rank's does, which its peers
 see, and the threads get ``EXIT_ABORT_JOIN_TIMEOUT_S`` more. A worker blocked
 in a gloo wait (the inter-node exchange) cannot be cut short and is left to
-the interpreter as above. A ``DistributedDataParallel`` that is garbage-collected earlier stops
+the interpreter as above.
+
+A ``DistributedDataParallel`` that is garbage-collected earlier stops
 and joins its threads the same way, so that ``del model`` followed by
 ``destroy_process_group()`` never races a worker thread that is still ending.
 """

@@ -8,7 +8,7 @@ model description, and every rank raises the same exception.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,12 +61,19 @@ def first_buffer_difference(reference: Sequence[BufferDescription],
     for ref, oth in zip(reference, other):
         if ref != oth:
             return f"buffer {ref.text()} on rank 0 vs {oth.text()}"
-    if len(reference) != len(other):
-        longer = reference if len(reference) > len(other) else other
-        extra = longer[min(len(reference), len(other))]
-        return (f"{len(reference)} synced buffers on rank 0 vs {len(other)}; first unmatched "
-                f"buffer {extra.text()}")
-    return None
+    return _count_difference(reference, other, "synced buffers",
+                             lambda extra: f"buffer {extra.text()}")
+
+
+def _count_difference(reference: Sequence, other: Sequence, kind: str,
+                      name: Callable[[Any], str]) -> Optional[str]:
+    """After equal leading items: the counts differ, naming the first unmatched one."""
+    if len(reference) == len(other):
+        return None
+    longer = reference if len(reference) > len(other) else other
+    extra = longer[min(len(reference), len(other))]
+    return (f"{len(reference)} {kind} on rank 0 vs {len(other)}; first unmatched "
+            f"{name(extra)}")
 
 
 def describe(named_params: Sequence[tuple[str, torch.nn.Parameter]]) -> list[ParamDescription]:
@@ -198,12 +205,8 @@ def first_difference(reference: Sequence[ParamDescription],
                 "wrapping" if layouts_differ else ""
             return (f"parameter {ref.text(layouts_differ)} on rank 0 vs "
                     f"{oth.text(layouts_differ)}{hint}")
-    if len(reference) != len(other):
-        longer = reference if len(reference) > len(other) else other
-        extra = longer[min(len(reference), len(other))]
-        return (f"{len(reference)} parameters on rank 0 vs {len(other)}; first unmatched "
-                f"parameter '{extra.name}' {list(extra.shape)}")
-    return None
+    return _count_difference(reference, other, "parameters",
+                             lambda extra: f"parameter '{extra.name}' {list(extra.shape)}")
 
 
 # Said when a setting differs between ranks: how to make them agree.

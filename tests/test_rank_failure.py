@@ -35,13 +35,13 @@ def _one_rank_dies(rank, world, where, schedule, report_dir):
                                         schedule=schedule)
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2, max_grad_norm=1.0)
     dies = rank == world - 1
-    start = time.monotonic()
-    try:
+
+    def steps():
         for step in range(6):
             x = torch.randn(8, 32)
             if dies and step == 3 and where == "forward":
                 os._exit(1)
-            start = time.monotonic()
+            yield
             out = model(x)
             if dies and step == 3 and where == "backward":
                 out = _DiesInBackward.apply(out)
@@ -49,6 +49,16 @@ def _one_rank_dies(rank, world, where, schedule, report_dir):
             opt.step()
             opt.zero_grad(set_to_none=True)
         model.synchronize()
+    _run_and_report(steps(), rank, report_dir)
+
+
+def _run_and_report(steps, rank, report_dir):
+    """Run ``steps`` (a generator yielding as each step starts) and write this rank's
+    outcome: what it raised, and how long its last step ran until then."""
+    start = time.monotonic()
+    try:
+        for _ in steps:
+            start = time.monotonic()
         outcome = {"raised": None}
     except Exception as error:  # noqa: BLE001 - the survivor's view is the result
         outcome = {"raised": type(error).__name__, "message": str(error)[:300]}
@@ -104,20 +114,15 @@ def _rank_0_killed_in_a_barrier(rank, world, report_dir):
         schedule="two_stage")
     assert model.node_transport == "shared_memory"
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
-    start = time.monotonic()
-    try:
+
+    def steps():
         for _ in range(6):
-            start = time.monotonic()
+            yield
             model(torch.randn(8, 32)).square().mean().backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
         model.synchronize()
-        outcome = {"raised": None}
-    except Exception as error:  # noqa: BLE001 - the survivor's view is the result
-        outcome = {"raised": type(error).__name__, "message": str(error)[:300]}
-    outcome["seconds"] = time.monotonic() - start
-    with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(outcome, f)
+    _run_and_report(steps(), rank, report_dir)
 
 
 def test_survivors_fail_fast_when_local_rank_0_dies_in_a_shared_memory_barrier(

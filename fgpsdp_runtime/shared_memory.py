@@ -248,17 +248,16 @@ class SharedMemoryCollectives:
                 # polling here would take the GIL back during finalization and abort
                 # the process (see shutdown.py). Fail as a dying rank does: the flag
                 # tells the peers' barriers too.
-                error = RuntimeError(
-                    f"fgpsdp: the process is exiting while the {self.name} shared-memory "
-                    "link waited for a peer; this rank stops waiting for it")
-                self._fail(error)
-                raise error
-            if self._region is not None and int(self._region[-_FLAG_BYTES]) != 0:
-                error = RuntimeError(
-                    f"fgpsdp: a rank of the {self.name} shared-memory link failed in a collective "
-                    "(a rank of this node died?); this rank stops waiting for it")
-                self._fail(error)
-                raise error
+                why = (f"the process is exiting while the {self.name} shared-memory link "
+                       "waited for a peer")
+            elif self._region is not None and int(self._region[-_FLAG_BYTES]) != 0:
+                why = (f"a rank of the {self.name} shared-memory link failed in a collective "
+                       "(a rank of this node died?)")
+            else:
+                continue
+            error = RuntimeError(f"fgpsdp: {why}; this rank stops waiting for it")
+            self._fail(error)
+            raise error
 
     def abort_waits(self) -> None:
         """At exit, after the link workers were given their time: a barrier still

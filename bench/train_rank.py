@@ -92,6 +92,18 @@ def thread_cpu_seconds() -> dict[str, float]:
     return out
 
 
+class TimedWindow:
+    """The counters at the start of the timed steps, read together."""
+
+    def __init__(self) -> None:
+        self.tx_start = link_tx_bytes()
+        self.start = time.perf_counter()
+        self.cpu_start = time.process_time()
+        self.threads_start = thread_cpu_seconds()
+        self.faults_start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        self.ticks_start = machine_cpu_ticks()
+
+
 def main() -> None:
     # A rank that aborts (SIGABRT from C++, a segfault) prints every thread's
     # Python stack into the run's log.
@@ -136,24 +148,14 @@ def main() -> None:
     total_steps = args.warmup + args.steps
     timeline = system.timeline() if args.trace_steps > 0 else None
     dist.barrier()
-    tx_start = link_tx_bytes()
-    start = time.perf_counter()
-    cpu_start = time.process_time()
-    threads_start = thread_cpu_seconds()
-    faults_start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    ticks_start = machine_cpu_ticks()
+    window = TimedWindow()
     for step in range(total_steps):
         if step == args.warmup:
             # Land what the warm-up deferred (fgpsdp's all-gathers), so that the
             # timed window holds the traffic of exactly the timed steps.
             system.finish_step()
             dist.barrier()
-            tx_start = link_tx_bytes()
-            start = time.perf_counter()
-            cpu_start = time.process_time()
-            threads_start = thread_cpu_seconds()
-            faults_start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-            ticks_start = machine_cpu_ticks()
+            window = TimedWindow()
         if timeline is not None and step == total_steps - args.trace_steps:
             timeline.enable()
         t0 = time.perf_counter()
@@ -162,18 +164,18 @@ def main() -> None:
         step_times.append(time.perf_counter() - t0)
     system.finish_step()
     dist.barrier()
-    elapsed = time.perf_counter() - start
+    elapsed = time.perf_counter() - window.start
     ticks_end = machine_cpu_ticks()
     # All threads of this process (compute, scheduler, link workers, gloo's
     # transport): on a shared machine, the sum over ranks against the cores
     # says whether the step is bound by CPU rather than by the network.
-    cpu_seconds = time.process_time() - cpu_start
+    cpu_seconds = time.process_time() - window.cpu_start
     threads_end = thread_cpu_seconds()
-    cpu_by_thread = {name: (end - threads_start.get(name, 0.0)) / args.steps
+    cpu_by_thread = {name: (end - window.threads_start.get(name, 0.0)) / args.steps
                      for name, end in threads_end.items()}
     # Each minor fault maps (and zeroes) a fresh page: memory that is
     # allocated and freed every step costs CPU here.
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_start
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - window.faults_start
     tx_end = link_tx_bytes()
     final_loss = float(loss.detach())
 
@@ -182,11 +184,12 @@ def main() -> None:
         "step_time_s": elapsed / args.steps, "cpu_s_per_step": cpu_seconds / args.steps,
         "cpu_s_per_step_by_thread": cpu_by_thread, "minor_faults_per_step": faults / args.steps,
         "step_times_s": step_times[args.warmup:],
-        "steal_share": steal_share(ticks_start, ticks_end),
+        "steal_share": steal_share(window.ticks_start, ticks_end),
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "opt_state_bytes": system.opt_state_bytes(), "final_loss": final_loss,
         "local_rank": int(os.environ.get("LOCAL_RANK", rank)),
-        "node_tx_bytes_per_step": (tx_end - tx_start) / args.steps if tx_start >= 0 else None,
+        "node_tx_bytes_per_step": ((tx_end - window.tx_start) / args.steps
+                                   if window.tx_start >= 0 else None),
         "torch": torch.__version__,
         **system.schedule_info(),
     }

@@ -35,7 +35,7 @@ from .profiling import nvtx_range
 from .slice_state import SliceState
 from .speculation import (SliceBackup, compile_session_active, hyperparameters,
                           same_hyperparameters, wait_out_compile_session)
-from .step_wide_state import StepWideState
+from .step_wide_state import StepWideState, copy_value, optimizer_wide_entries
 from .uneven_inputs import AnnouncedCall, UnevenInputs
 from .validation import settings_agree_or_raise
 
@@ -505,12 +505,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         (``torch.optim.optimizer.register_optimizer_step_post_hook``) fires once per
         ``opt.step()``, as for a torch optimizer, not once per chunk of buckets and
         per speculative step."""
-        step = type(self.optim).step
         with self._step_wide_state.run():  # see step_wide_state.py
-            if getattr(step, "hooked", False):  # torch's patch (Optimizer._patch_step_function)
-                step.__wrapped__(self.optim)
-            else:
-                self.optim.step()
+            self._inner_step_unhooked()
+
+    def _inner_step_unhooked(self) -> None:
+        step = type(self.optim).step
+        if getattr(step, "hooked", False):  # torch's patch (Optimizer._patch_step_function)
+            step.__wrapped__(self.optim)
+        else:
+            self.optim.step()
 
     def speculative_step(self, b: int) -> SliceBackup:
         """Stage 1: step bucket b's slice before the global norm is known; return the undo record."""
@@ -660,23 +663,80 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return {"shard": shard, "rank": self.model.rank,
                 "world_size": self.model.world_size, "slice_index": self.model.slice_index,
                 "layout": [(l.dtype_name, l.padded_numel, len(l.spans))
-                           for l in self.model.bucket_layouts]}
+                           for l in self.model.bucket_layouts],
+                "params": self._shard_params()}
 
-    def full_state_dict(self, *, rank0_only: bool = False) -> dict[str, Any]:
+    def _shard_params(self) -> list[list[tuple]]:
+        """Per bucket, which parameter each span holds (name, shape, offset): the
+        layout's sizes alone match after the set of trainable parameters or their
+        order changed (another layer of the same size frozen). Names as torch.compile
+        would not change them (a module compiled before wrapping adds ``_orig_mod.``)."""
+        named = self.model.named_trainable_parameters()
+        return [[(named[s.param_index][0].replace("_orig_mod.", ""),
+                  tuple(named[s.param_index][1].shape), s.bucket_offset)
+                 for s in l.spans] for l in self.model.bucket_layouts]
+
+    def full_state_dict(self, *, rank0_only: bool = False,
+                        init_state: bool = False) -> dict[str, Any]:
         """The state dict a torch.optim optimizer over the whole model would hold.
 
         A collective: call it on every rank. Tensors are on the CPU. With
         ``rank0_only`` the other ranks return ``{}`` (and hold no copy). It
         loads into a ShardedOptimizer at any world size or bucket size, and
-        into a torch optimizer built with the same param groups.
+        into a torch optimizer built with the same param groups. With
+        ``init_state`` the dict holds an entry for every parameter even before the
+        first step, the state a step would create, as a template for an in-place
+        load (``torch.distributed.checkpoint``); the optimizer itself is unchanged.
         """
         self._refuse_speculative_state("full_state_dict()")
         if self.model._uneven_inputs is not None:
-            self.model._uneven_inputs.notify(AnnouncedCall.FULL_STATE, float(rank0_only))
-        self._run_state_dict_pre_hooks()
-        full = optim_checkpoint.full_state_dict(self, rank0_only)
+            self.model._uneven_inputs.notify(AnnouncedCall.FULL_STATE, float(rank0_only),
+                                             float(init_state))
+        created = []
+        if init_state:
+            # A template for an in-place load (torch.distributed.checkpoint's dcp.load
+            # fills only the entries a dict has, and a fresh optimizer has none): the
+            # state a step creates, as torch's get_optimizer_state_dict makes it. It is
+            # removed once copied out, so the optimizer is left as it was.
+            self.model.synchronize()  # no all-gather in flight over the pieces
+            created = self._create_missing_state()
+        try:
+            self._run_state_dict_pre_hooks()
+            full = optim_checkpoint.full_state_dict(self, rank0_only)
+        finally:
+            for key in created:
+                self.optim.state.pop(key, None)
         # (With rank0_only the other ranks hold nothing for a post-hook to edit.)
         return self._run_state_dict_post_hooks(full) if full else full
+
+    def _create_missing_state(self) -> list[Any]:
+        """Give every piece without state the state a step would create (a step on
+        zero gradients at learning rate 0, as torch's _init_optim_state does), and
+        likewise optimizer-wide entries (MADGRAD's step count); return the keys
+        created. The pieces' values are put back as they were, and so is what the
+        run wrote to entries that were there (a step count in a group or state)."""
+        state = self.optim.state
+        pieces = [p for g in self.optim.param_groups for p in g["params"]
+                  if p.numel() > 0 and not state.get(p)]
+        if not pieces:
+            return []
+        before = [p.detach().clone() for p in pieces]
+        try:
+            with self._step_wide_state.run_and_forget():
+                for g in self.optim.param_groups:  # the run's copies of the groups
+                    g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
+                for p in pieces:
+                    p.grad = torch.zeros_like(p)
+                self._inner_step_unhooked()
+                new_wide = {k: copy_value(v) for k, v in optimizer_wide_entries(self.optim).items()}
+        finally:
+            with torch.no_grad():
+                for p, old in zip(pieces, before):
+                    p.grad = None
+                    p.copy_(old)
+        new_wide = {k: v for k, v in new_wide.items() if k not in state}
+        state.update(new_wide)
+        return pieces + list(new_wide)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict()`` shard (this rank's), or a whole-model dict in
@@ -765,6 +825,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if [tuple(x) for x in state_dict["layout"]] != layout:
             return ("optimizer shard was saved with another bucket layout (bucket_cap_mb or "
                     "model changed); full_state_dict() loads with any buckets")
+        saved_params = state_dict.get("params")  # (shards saved before it was recorded: None)
+        if saved_params is not None and \
+                [[(n, tuple(shape), o) for n, shape, o in b] for b in saved_params] \
+                != self._shard_params():
+            return ("optimizer shard was saved with other parameters in the buckets (the set "
+                    "of trainable parameters or their order changed); full_state_dict() "
+                    "loads by parameter")
         return None
 
     def _refuse_speculative_state(self, what: str) -> None:

@@ -141,6 +141,18 @@ class StepWideState:
                     if not same_value(state_before.get(key, _MISSING),
                                       state_after.get(key, _MISSING))})
 
+    @contextmanager
+    def run_and_forget(self) -> Iterator[None]:
+        """A run whose writes outside the pieces are dropped, whatever this step's
+        runs have kept so far (a template's state made for a checkpoint load)."""
+        kept = self._group_writes, self._state_writes
+        self._group_writes, self._state_writes = [], {}
+        try:
+            with self.run():
+                yield
+        finally:
+            self._group_writes, self._state_writes = kept
+
     def discard(self) -> None:
         """The runs so far were undone without a step (two_stage's speculative steps
         cancelled by a forward or synchronize() between backward and step)."""

@@ -56,7 +56,7 @@ class AnnouncedCall(enum.IntEnum):
     CLIP = 3           # args: (max_norm,)
     ZERO_GRAD = 4      # args: (set_to_none,)
     SYNCHRONIZE = 5    # one that undoes two_stage's speculative steps (a collective then)
-    FULL_STATE = 6     # args: (rank0_only,)
+    FULL_STATE = 6     # args: (rank0_only, init_state)
     REFUSED = 7        # the active ranks raise: so does the joined one
     LOAD = 8           # a model or optimizer load (refused once a rank has joined)
     CLIP_VALUE = 9     # args: (clip_value,)
@@ -232,7 +232,7 @@ class UnevenInputs:
         elif call is AnnouncedCall.SYNCHRONIZE:
             model.synchronize()
         elif call is AnnouncedCall.FULL_STATE:
-            optimizer.full_state_dict(rank0_only=args[0] > 0.5)
+            optimizer.full_state_dict(rank0_only=args[0] > 0.5, init_state=args[1] > 0.5)
         elif call is AnnouncedCall.LOAD:
             pass  # loaded while no rank had joined: then this rank would not be here
         elif call is AnnouncedCall.REFUSED:

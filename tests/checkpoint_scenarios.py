@@ -328,3 +328,87 @@ def distributed_checkpoint_round_trip(rank: int, world_size: int, directory: str
     opt.load_state_dict(target["optim"])
     return {"changed_before_load": changed,
             "after_load": compare_state_dicts(opt.full_state_dict(), kept)}
+
+
+def distributed_checkpoint_save(rank: int, world_size: int, directory: str,
+                                optimizer: str) -> None:
+    """Two steps, then ``dcp.save`` of ``opt.full_state_dict()``; rank 0 also keeps it
+    with ``torch.save`` for the comparison."""
+    import torch.distributed.checkpoint as dcp
+    cfg = {"model": "mlp", "optimizer": optimizer, "max_grad_norm": 1.0}
+    ours, opt, ref, ref_opt = _build(rank, cfg)
+    _train(rank, cfg, ours, opt, ref, ref_opt, 0, 2)
+    saved = opt.full_state_dict()
+    dcp.save({"optim": saved}, checkpoint_id=directory)
+    if rank == 0:
+        torch.save(saved, directory + ".pt")
+
+
+def distributed_checkpoint_into_fresh_optimizer(rank: int, world_size: int, directory: str,
+                                                optimizer: str) -> dict[str, Any]:
+    """A resume in new processes: the template for ``dcp.load`` comes from an optimizer
+    that has not stepped, so ``full_state_dict(init_state=True)`` gives it entries."""
+    import torch.distributed.checkpoint as dcp
+    cfg = {"model": "mlp", "optimizer": optimizer, "max_grad_norm": 1.0}
+    ours, opt, _, _ = _build(rank, cfg)
+    plain = opt.full_state_dict()
+    template = {"optim": opt.full_state_dict(init_state=True)}
+    after_template = opt.full_state_dict()
+    dcp.load(template, checkpoint_id=directory)
+    opt.load_state_dict(template["optim"])
+    kept = torch.load(directory + ".pt", weights_only=False)
+    return {"plain_template_entries": len(plain["state"]),
+            "template_entries": len(template["optim"]["state"]),
+            "left_as_it_was": compare_state_dicts(after_template, plain, strides=False)["bitwise"],
+            "after_load": compare_state_dicts(opt.full_state_dict(), kept, strides=False)}
+
+
+def template_leaves_training_unchanged(rank: int, world_size: int,
+                                       optimizer: str) -> dict[str, Any]:
+    """``full_state_dict(init_state=True)`` before the first step changes nothing the
+    training sees: the same parameters as a run without it, bit for bit."""
+    cfg = {"model": "mlp", "optimizer": optimizer, "max_grad_norm": 1.0}
+    finals = []
+    for make_template in (False, True):
+        ours, opt, ref, ref_opt = _build(rank, cfg)
+        if make_template:
+            opt.full_state_dict(init_state=True)
+        _train(rank, cfg, ours, opt, ref, ref_opt, 0, 2)
+        finals.append([p.detach().clone() for p in ours.module.parameters()])
+    return {"bitwise": all(torch.equal(a, b) for a, b in zip(*finals))}
+
+
+class FourLayers(nn.Module):
+    """Two inner layers of one shape: freezing one or the other gives buckets of the
+    same sizes holding other parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.first, self.a, self.b, self.head = (nn.Linear(8, 32), nn.Linear(32, 32),
+                                                 nn.Linear(32, 32), nn.Linear(32, 4))
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.b(torch.tanh(self.a(torch.tanh(self.first(x)))))))
+
+
+def _four_layers(frozen: str):
+    torch.manual_seed(0)
+    module = FourLayers()
+    getattr(module, frozen).requires_grad_(False)
+    model = fgp.DistributedDataParallel(module, bucket_cap_mb=0.001)
+    return model, fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+
+
+def shard_save_with_frozen(rank: int, world_size: int, path: str, frozen: str) -> None:
+    model, opt = _four_layers(frozen)
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.save(opt.state_dict(), f"{path}.{rank}")
+
+
+def shard_load_with_frozen(rank: int, world_size: int, path: str, frozen: str) -> None:
+    _, opt = _four_layers(frozen)
+    opt.load_state_dict(torch.load(f"{path}.{rank}", weights_only=True))

@@ -141,3 +141,38 @@ def test_distributed_checkpoint_saves_and_loads_the_full_state_dict(tmp_path):
                                str(tmp_path / "dcp"), timeout_s=120):
         assert res["changed_before_load"]  # the load has something to undo
         assert res["after_load"]["bitwise"], res["after_load"]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "step_counters"])
+def test_distributed_checkpoint_resumes_into_a_fresh_optimizer(tmp_path, optimizer):
+    # Saved on 2 ranks, loaded on 3 in new processes: a fresh optimizer's plain
+    # full_state_dict() has no state entries, so dcp.load would fill none (and the
+    # resumed run would restart Adam's moments from zero, silently).
+    directory = str(tmp_path / "dcp")
+    run_distributed(2, checkpoint_scenarios.distributed_checkpoint_save, directory, optimizer,
+                    timeout_s=120)
+    for res in run_distributed(3, checkpoint_scenarios.distributed_checkpoint_into_fresh_optimizer,
+                               directory, optimizer, timeout_s=120):
+        if optimizer == "adamw":
+            assert res["plain_template_entries"] == 0 and res["template_entries"] > 0, res
+        assert res["left_as_it_was"], res
+        assert res["after_load"]["bitwise"], res["after_load"]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "step_counters"])
+def test_a_template_before_the_first_step_changes_nothing(optimizer):
+    for res in run_distributed(2, checkpoint_scenarios.template_leaves_training_unchanged,
+                               optimizer, timeout_s=120):
+        assert res["bitwise"]
+
+
+def test_shard_saved_with_other_trainable_parameters_is_refused(tmp_path):
+    # Layer a frozen at the save, b at the load: the buckets have the same sizes, and
+    # the shard would have loaded b's Adam moments into a.
+    path = str(tmp_path / "shard")
+    run_distributed(2, checkpoint_scenarios.shard_save_with_frozen, path, "a", timeout_s=120)
+    results = run_distributed(2, checkpoint_scenarios.shard_load_with_frozen, path, "b",
+                              timeout_s=120, allow_errors=True)
+    for res in results.values():
+        assert not res["ok"] and "other parameters in the buckets" in res["message"], res
+    run_distributed(2, checkpoint_scenarios.shard_load_with_frozen, path, "a", timeout_s=120)

@@ -795,6 +795,61 @@ class DistributedDataParallel(nn.Module):
     def reset_comm_stats(self) -> None:
         self._comm_stats.reset()
 
+    def named_parameters(self, *args: Any, **kwargs: Any):
+        # model.parameters() goes through here. See [Note: reading parameters
+        # through the wrapper].
+        self._before_parameters_read()
+        return super().named_parameters(*args, **kwargs)
+
+    def _before_parameters_read(self) -> None:
+        """[Note: reading parameters through the wrapper]
+        Right after opt.step() the next forward's all-gathers are still landing
+        (two_stage, next_forward): a read of the values then (torch's
+        AveragedModel.update_parameters(model), an EMA by torch._foreach_lerp_, a
+        logged weight norm) would see a mix of updated and old slices, another mix
+        on every rank. So a read through the wrapper lands the all-gathers in flight
+        first: local waits, no collective (a read on rank 0 alone is fine). Not
+        inside a forward (the pre-hooks wait there) or a backward, and not between
+        backward and step under two_stage (the speculative updates stay).
+
+        Between a synchronised backward and the step the gradients are in the
+        buckets and every param.grad is None, so torch.nn.utils.clip_grad_norm_
+        over model.parameters() (nanoGPT's, timm's and HF accelerate's loops) would
+        return 0 and clip nothing: said once."""
+        state = self.__dict__
+        gathers = state.get("_gathers")
+        if gathers is None or in_backward():
+            return  # (during construction, or a backward's hook)
+        reducer = state["reducer"]
+        # (Reduce-scatters since the last step or zero_grad(): reduced gradients wait.)
+        if any(reducer.reduce_scatters_since_reset) and \
+                not state.get("_warned_parameters_without_gradients"):
+            self._warned_parameters_without_gradients = True
+            warnings.warn(
+                "fgpsdp: model.parameters() read between backward and opt.step(): each "
+                "param.grad is None there (the reduced gradients are in this rank's bucket "
+                "slices), so torch.nn.utils.clip_grad_norm_ over them returns 0 and clips "
+                "nothing. Use opt.clip_grad_norm_(max_norm) or "
+                "ShardedOptimizer(..., max_grad_norm=...)", RuntimeWarning, stacklevel=3)
+        waiter = self._forward_waiter
+        if not gathers.in_flight or (waiter is not None and waiter.in_forward):
+            return
+        scheduler = self.scheduler
+        if scheduler is not None and scheduler.holds_speculative_values():
+            return
+        if gathers.queued:
+            # Not started yet (a plan's lookahead below the bucket count): starting
+            # them on this rank alone could wait on peers that wait on it.
+            if not state.get("_warned_parameters_while_gathers_queued"):
+                self._warned_parameters_while_gathers_queued = True
+                warnings.warn(
+                    "fgpsdp: model.parameters() read while all-gathers wait to start (a "
+                    "plan with a small lookahead): their values may be those before the "
+                    "step; call model.synchronize() on every rank first",
+                    RuntimeWarning, stacklevel=3)
+            return
+        self.finish_param_all_gathers(timed=True)
+
     def state_dict(self, *args: Any, **kwargs: Any):
         self.synchronize()
         return super().state_dict(*args, **kwargs)

@@ -79,6 +79,11 @@ class ForwardParamWaiter:
     def remove(self) -> None:
         self._handles.remove()
 
+    @property
+    def in_forward(self) -> bool:
+        """A forward of the wrapper is running."""
+        return self._mode != "off"
+
     # -- per forward -----------------------------------------------------------
 
     def begin_forward(self) -> None:

@@ -134,6 +134,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             [tensor for _, tensor, _, _ in pieces] for pieces in self._pieces_of_bucket]
         # Buckets whose pieces _assign_slice_grads may have given a gradient.
         self._buckets_with_slice_grads: set[int] = set()
+        self._grad_views: dict[int, tuple] = {}  # see _grad_shard_views
         # reducer.reduce_scatters_launched when this step's were finished: see
         # _forget_stale_measurements.
         self._finished_at: Optional[int] = None
@@ -936,14 +937,32 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for b in wanted:
             storage = storages[b]
             valid = storage.grad_shard_valid
-            source = grads[b] if grads is not None else storage.grad_shard
-            for index, tensor, start, end in self._pieces_of_bucket[b]:
+            pieces = self._pieces_of_bucket[b]
+            if grads is not None:
+                source = grads[b]
+                views = [source[start - storage.shard_start:end - storage.shard_start]
+                         for _, _, start, end in pieces]
+            else:
+                views = self._grad_shard_views(b)
+            for (index, tensor, _, _), view in zip(pieces, views):
                 if valid and (globally_used is None or globally_used[index]):
-                    lo = start - storage.shard_start
-                    tensor.grad = source[lo:lo + (end - start)]
+                    tensor.grad = view
                 else:
                     tensor.grad = None
         self._buckets_with_slice_grads = wanted
+
+    def _grad_shard_views(self, b: int) -> list[torch.Tensor]:
+        """The views of bucket b's reduced gradient slice that its pieces take as
+        ``.grad``: made once (a slice per piece per step costs microseconds each on a
+        model of many small tensors), again only if the slice got other storage."""
+        storage = self.model.buckets[b]
+        shard = storage.grad_shard
+        cached = self._grad_views.get(b)
+        if cached is None or cached[0] is not shard or cached[1] != shard.data_ptr():
+            views = [shard[start - storage.shard_start:end - storage.shard_start]
+                     for _, _, start, end in self._pieces_of_bucket[b]]
+            cached = self._grad_views[b] = (shard, shard.data_ptr(), views)
+        return cached[2]
 
     def _apply_clip(self, max_norm: float) -> None:
         # torch: coefficient max_norm / (total + 1e-6), applied when below 1,

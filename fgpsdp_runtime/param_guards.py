@@ -15,6 +15,7 @@ break that silently, and are guarded here:
 """
 from __future__ import annotations
 
+import operator
 import weakref
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
@@ -214,6 +215,24 @@ class ParamPlaces:
                     yield flat, name, param, span, False
 
 
+_VERSION = operator.attrgetter("_version")
+
+
+def _increment_version_takes_a_list() -> bool:
+    bump = getattr(torch.autograd.graph, "increment_version", None)
+    if bump is None:
+        return False
+    probe = [torch.zeros(1), torch.zeros(1)]
+    try:
+        bump(probe)
+    except (TypeError, RuntimeError):
+        return False
+    return [t._version for t in probe] == [1, 1]
+
+
+_BUMPS_A_LIST = _increment_version_takes_a_list()
+
+
 class ParamVersions:
     """The bucketed parameters' autograd version counters, as our own changes left them.
 
@@ -236,15 +255,18 @@ class ParamVersions:
         bump = getattr(torch.autograd.graph, "increment_version", None)  # torch >= 2.1
         for b in buckets:
             params = self._params_of_bucket[b]
-            if bump is not None:
-                for p in params:
-                    bump(p)
-            self._after_change[b] = [p._version for p in params]
+            if bump is not None and params:
+                if _BUMPS_A_LIST:  # one call for the bucket (torch >= 2.4 takes a list)
+                    bump(params)
+                else:
+                    for p in params:
+                        bump(p)
+            self._after_change[b] = list(map(_VERSION, params))
 
     def written_since_change(self, b: int) -> Optional[str]:
         """The name of a parameter of bucket b written in place since our last change
         (said once: the change is taken as known afterwards)."""
         params = self._params_of_bucket[b]
-        now = [p._version for p in params]
+        now = list(map(_VERSION, params))
         before, self._after_change[b] = self._after_change[b], now
         return next((self._names[id(p)] for p, v, w in zip(params, now, before) if v != w), None)

@@ -282,7 +282,9 @@ class GradientReducer:
         # In the span's memory order: a view for gradients laid out like their
         # parameter (as autograd lays them out), see buckets.py.
         # (A row-major gradient goes as it is: the kernels take any contiguous tensor.)
-        multi_tensor_pack([g.detach() if sp.strides is None and g.is_contiguous()
+        # (A gradient without history, as backward leaves them, goes without a detach.)
+        multi_tensor_pack([(g.detach() if g.requires_grad else g)
+                           if sp.strides is None and g.is_contiguous()
                            else to_bucket_order(g.detach(), sp.strides).contiguous()
                            for sp, g in held], send,
                           [sp.bucket_offset for sp, _ in held], self.grad_scale)

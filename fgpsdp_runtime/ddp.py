@@ -301,7 +301,8 @@ class DistributedDataParallel(nn.Module):
             BucketStorage(layout, [self._params[s.param_index] for s in layout.spans],
                           self.slice_index, reduce_dtype)
             for layout in self.bucket_layouts]
-        self._param_places = ParamPlaces(module, self._param_names, self._params, self._buckets)
+        self._param_places = ParamPlaces(module, self._param_names, self._params, self._buckets,
+                                         self._ignored_names)
         self._modules_in_tree = list(module.modules())  # see _compiled_in_place
         self.param_versions = ParamVersions(
             [[self._params[s.param_index] for s in layout.spans] for layout in self.bucket_layouts],

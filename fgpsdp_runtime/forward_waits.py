@@ -28,13 +28,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .lifecycle import HookHandles
-from .param_guards import ModuleHook
-
-
-# True only in code dynamo traces (torch.compiler.is_compiling() is True in
-# every thread while any thread compiles); torch < 2.3 has it under _dynamo.
-is_traced_by_dynamo = getattr(torch.compiler, "is_dynamo_compiling", None) or \
-    torch._dynamo.is_compiling
+from .param_guards import ModuleHook, is_traced_by_dynamo
 
 
 class ForwardParamWaiter:

@@ -9,7 +9,9 @@ break that silently, and are guarded here:
   returned): every ``state_dict`` / ``load_state_dict`` of the module or a
   submodule first lands them;
 - a parameter given new storage or replaced after wrapping (``model.double()``,
-  ``module.weight = nn.Parameter(...)``): the next forward raises;
+  ``module.weight = nn.Parameter(...)``), a submodule holding parameters replaced
+  (``model.module.head = nn.Linear(...)``) or a trainable parameter added: the next
+  forward raises;
 - a parameter changed in place by the loop while its all-gather lands (or after a
   speculative step): its autograd version counter tells (``ParamVersions``).
 """
@@ -142,12 +144,61 @@ def _nothing_to_land() -> None:
     return None
 
 
+# True only in code dynamo traces (torch.compiler.is_compiling() is True in
+# every thread while any thread compiles); torch < 2.3 has it under _dynamo.
+is_traced_by_dynamo = getattr(torch.compiler, "is_dynamo_compiling", None) or \
+    torch._dynamo.is_compiling
+
+# Each module of a wrapped tree -> that wrapper's ParamPlaces (weak both ways: a
+# dropped wrapper or module leaves nothing behind). See ParamPlaces.tree_changed.
+_watched_modules: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = \
+    weakref.WeakKeyDictionary()
+_registration_hooks_added = False
+
+
+def _note_registration(module: nn.Module, name: str, value: object) -> None:
+    """torch's global hook, called when any module gets a submodule or a parameter
+    set: a dictionary lookup, and nothing else unless the module is in a wrapped tree.
+    Not in code dynamo traces (a module set there is torch.compile's own)."""
+    if is_traced_by_dynamo():
+        return None
+    ref = _watched_modules.get(module)
+    places = ref() if ref is not None else None
+    if places is not None:
+        places.tree_changed = True
+    return None  # the value is kept as given
+
+
+def _watch(root: nn.Module, places: "ParamPlaces") -> None:
+    global _registration_hooks_added
+    if not _registration_hooks_added:
+        from torch.nn.modules import module as torch_module
+        for name in ("register_module_module_registration_hook",
+                     "register_module_parameter_registration_hook"):
+            register = getattr(torch_module, name, None)  # (torch >= 2.0)
+            if register is not None:
+                register(_note_registration)
+        _registration_hooks_added = True
+    ref = weakref.ref(places)
+    for m in root.modules():
+        _watched_modules[m] = ref
+
+
 class ParamPlaces:
     """Where each trainable parameter must stay: the module attribute that holds it,
     and its place in its bucket's buffer."""
 
     def __init__(self, module: nn.Module, names: Sequence[str],
-                 params: Sequence[torch.nn.Parameter], buckets: Sequence[BucketStorage]):
+                 params: Sequence[torch.nn.Parameter], buckets: Sequence[BucketStorage],
+                 ignored_names: frozenset = frozenset()):
+        self._root = module
+        self._ignored_names = ignored_names
+        # Every parameter of the module at wrapping, trainable or not.
+        self._known = {id(p) for p in module.parameters()}
+        # Set by torch's registration hooks when a module of the tree gets a
+        # submodule or a parameter: the next check() looks at the tree once.
+        self.tree_changed = False
+        _watch(module, self)
         # Per bucket: its flat buffer, and per parameter (name, owner module,
         # attribute, parameter, byte offset from the buffer's start, span).
         self._buckets = []
@@ -202,6 +253,39 @@ class ParamPlaces:
                 "layout is taken back into the bucket when the module's forward, run "
                 "through the wrapper, makes it; outside it, write in place after "
                 "model.synchronize() instead.)")
+        if self.tree_changed:
+            self.tree_changed = False
+            self._check_tree()
+            _watch(self._root, self)  # submodules added since: watched too
+
+    def _check_tree(self) -> None:
+        """After a submodule or a parameter was set somewhere in the tree: each
+        bucketed parameter's owner is still at its path, and no trainable parameter
+        has come in that no bucket holds. (Swapping a module without parameters, an
+        activation, is fine.)"""
+        for _flat, places in self._buckets:
+            for name, owner, _leaf, _param, _offset, _span in places:
+                path = name.rpartition(".")[0]
+                try:
+                    now = self._root.get_submodule(path)
+                except AttributeError:
+                    now = None
+                if now is not owner:
+                    raise RuntimeError(
+                        f"fgpsdp: submodule '{path}' was replaced after "
+                        "DistributedDataParallel(...) was built: the buckets hold the "
+                        f"parameters of the one it replaced ('{name}'), and the new one's "
+                        "would never be reduced or stepped. Change the module before "
+                        "wrapping it, or drop the wrapper and its optimizer and wrap the "
+                        "module again")
+        for name, param in self._root.named_parameters():
+            if param.requires_grad and id(param) not in self._known \
+                    and name not in self._ignored_names:
+                raise RuntimeError(
+                    f"fgpsdp: parameter '{name}' was added after DistributedDataParallel(...) "
+                    "was built: no bucket holds it, so it would never be reduced or "
+                    "stepped. Add it before wrapping the module, or drop the wrapper and "
+                    "its optimizer and wrap the module again")
 
     def _displaced(self):
         """(flat buffer, name, parameter, span, replaced?) of each parameter not at its

@@ -230,6 +230,25 @@ def parameter_replaced_after_wrapping(rank, world_size):
     model(torch.randn(4, 13))
 
 
+def submodule_replaced_after_wrapping(rank, world_size):
+    # A head replaced after wrapping (fine-tuning code that swaps the classifier):
+    # before, the new head silently never trained, and the old one's slices went on.
+    model = fgp.DistributedDataParallel(MLP())
+    fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    model(torch.randn(4, 13)).sum().backward()
+    model.module.net[1] = nn.ReLU()  # no parameters: fine
+    model(torch.randn(4, 13))
+    model.module.net[4] = nn.Linear(29, 5)
+    model(torch.randn(4, 13))
+
+
+def parameter_added_after_wrapping(rank, world_size):
+    model = fgp.DistributedDataParallel(MLP())
+    fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    model.module.register_parameter("temperature", nn.Parameter(torch.ones(())))
+    model(torch.randn(4, 13))
+
+
 def wrapped_twice(rank, world_size):
     module = MLP()
     first = fgp.DistributedDataParallel(module)

@@ -354,11 +354,13 @@ class DistributedDataParallel(nn.Module):
                 self.plan_profiler = PlanProfiler(
                     self, undo_budget_bytes=None if speculation_memory_mb is None
                     else speculation_memory_mb * 2**20)
+        # id(parameter) -> the buckets holding it (a large one spans several).
+        buckets_of: dict[int, list[int]] = {}
+        for b, layout in enumerate(self.bucket_layouts):
+            for span in layout.spans:
+                buckets_of.setdefault(id(self._params[span.param_index]), []).append(b)
+        self._buckets_of_param = buckets_of
         if schedule in ("next_forward", "two_stage"):
-            buckets_of: dict[int, list[int]] = {}
-            for b, layout in enumerate(self.bucket_layouts):
-                for span in layout.spans:
-                    buckets_of.setdefault(id(self._params[span.param_index]), []).append(b)
             # Weakly: the module's hooks must not keep a dropped wrapper alive.
             self._forward_waiter = ForwardParamWaiter(
                 module, buckets_of, lifecycle.weak_call(self._finish_param_all_gather_for_the_loop),
@@ -799,45 +801,67 @@ class DistributedDataParallel(nn.Module):
     def named_parameters(self, *args: Any, **kwargs: Any):
         # model.parameters() goes through here. See [Note: reading parameters
         # through the wrapper].
-        self._before_parameters_read()
-        return super().named_parameters(*args, **kwargs)
+        named = super().named_parameters(*args, **kwargs)
+        land, warn = self._before_parameters_read()
+        if not (land or warn):
+            return named
+        return self._reading(named, land, warn)
 
-    def _before_parameters_read(self) -> None:
-        """[Note: reading parameters through the wrapper]
-        Right after opt.step() the next forward's all-gathers are still landing
-        (two_stage, next_forward): a read of the values then (torch's
-        AveragedModel.update_parameters(model), an EMA by torch._foreach_lerp_, a
-        logged weight norm) would see a mix of updated and old slices, another mix
-        on every rank. So a read through the wrapper lands the all-gathers in flight
-        first: local waits, no collective (a read on rank 0 alone is fine). Not
-        inside a forward (the pre-hooks wait there) or a backward, and not between
-        backward and step under two_stage (the speculative updates stay).
-
-        Between a synchronised backward and the step the gradients are in the
-        buckets and every param.grad is None, so torch.nn.utils.clip_grad_norm_
-        over model.parameters() (nanoGPT's, timm's and HF accelerate's loops) would
-        return 0 and clip nothing: said once."""
-        state = self.__dict__
-        gathers = state.get("_gathers")
-        if gathers is None or in_backward():
-            return  # (during construction, or a backward's hook)
-        reducer = state["reducer"]
-        # (Reduce-scatters since the last step or zero_grad(): reduced gradients wait.)
-        if any(reducer.reduce_scatters_since_reset) and \
-                not state.get("_warned_parameters_without_gradients"):
+    def _reading(self, named, land: bool, warn: bool):
+        # Each parameter's bucket lands just before the parameter is handed out: an
+        # EMA over all of them lands them all, next(model.parameters()).device only
+        # the first (the forward's first bucket), and the rest keep overlapping.
+        # The warning for torch's clip comes once every parameter was read (a clip
+        # reads them all; a device lookup, one).
+        buckets_of = self._buckets_of_param
+        gathers, waiter = self._gathers, self._forward_waiter
+        for name, param in named:
+            # (Checked again at each: the consumer runs between two parameters.)
+            if land and gathers.in_flight and not gathers.queued \
+                    and (waiter is None or not waiter.in_forward):
+                for b in buckets_of.get(id(param), ()):  # a large one spans several
+                    self.finish_param_all_gather(b, timed=True)
+            yield name, param
+        if warn and not self.__dict__.get("_warned_parameters_without_gradients"):
             self._warned_parameters_without_gradients = True
             warnings.warn(
                 "fgpsdp: model.parameters() read between backward and opt.step(): each "
                 "param.grad is None there (the reduced gradients are in this rank's bucket "
                 "slices), so torch.nn.utils.clip_grad_norm_ over them returns 0 and clips "
                 "nothing. Use opt.clip_grad_norm_(max_norm) or "
-                "ShardedOptimizer(..., max_grad_norm=...)", RuntimeWarning, stacklevel=3)
+                "ShardedOptimizer(..., max_grad_norm=...)", RuntimeWarning, stacklevel=2)
+
+    def _before_parameters_read(self) -> tuple[bool, bool]:
+        """[Note: reading parameters through the wrapper]
+        Right after opt.step() the next forward's all-gathers are still landing
+        (two_stage, next_forward): a read of the values then (torch's
+        AveragedModel.update_parameters(model), an EMA by torch._foreach_lerp_, a
+        logged weight norm) would see a mix of updated and old slices, another mix
+        on every rank. So a read through the wrapper lands each parameter's
+        all-gathers as it hands the parameter out: local waits, no collective (a read
+        on rank 0 alone is fine), and a lookup of the device waits for the first
+        bucket only. Not
+        inside a forward (the pre-hooks wait there) or a backward, and not between
+        backward and step under two_stage (the speculative updates stay).
+
+        Between a synchronised backward and the step the gradients are in the
+        buckets and every param.grad is None, so torch.nn.utils.clip_grad_norm_
+        over model.parameters() (nanoGPT's, timm's and HF accelerate's loops) would
+        return 0 and clip nothing: said once, after a read of all of them (a clip's).
+        Returns (land?, warn?) for _reading."""
+        state = self.__dict__
+        gathers = state.get("_gathers")
+        if gathers is None or in_backward():
+            return False, False  # (during construction, or a backward's hook)
+        # (Reduce-scatters since the last step or zero_grad(): reduced gradients wait.)
+        warn = any(state["reducer"].reduce_scatters_since_reset) and \
+            not state.get("_warned_parameters_without_gradients")
         waiter = self._forward_waiter
         if not gathers.in_flight or (waiter is not None and waiter.in_forward):
-            return
+            return False, warn
         scheduler = self.scheduler
         if scheduler is not None and scheduler.holds_speculative_values():
-            return
+            return False, warn
         if gathers.queued:
             # Not started yet (a plan's lookahead below the bucket count): starting
             # them on this rank alone could wait on peers that wait on it.
@@ -848,8 +872,8 @@ class DistributedDataParallel(nn.Module):
                     "plan with a small lookahead): their values may be those before the "
                     "step; call model.synchronize() on every rank first",
                     RuntimeWarning, stacklevel=3)
-            return
-        self.finish_param_all_gathers(timed=True)
+            return False, warn
+        return True, warn  # the reads land each parameter's bucket (_reading)
 
     def state_dict(self, *args: Any, **kwargs: Any):
         self.synchronize()

@@ -722,10 +722,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not pieces:
             return []
         before = [p.detach().clone() for p in pieces]
+        # The pieces that have state keep it: without a gradient they are not stepped
+        # (after a step, before zero_grad(), they still hold their slice gradients).
+        without = {id(p) for p in pieces}
+        held = [(p, p.grad) for g in self.optim.param_groups for p in g["params"]
+                if id(p) not in without and p.grad is not None]
         try:
+            for p, _ in held:
+                p.grad = None
             with self._step_wide_state.run_and_forget():
                 for g in self.optim.param_groups:  # the run's copies of the groups
-                    g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
+                    if "lr" in g:
+                        g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
                 for p in pieces:
                     p.grad = torch.zeros_like(p)
                 self._inner_step_unhooked()
@@ -735,6 +743,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 for p, old in zip(pieces, before):
                     p.grad = None
                     p.copy_(old)
+            for p, grad in held:
+                p.grad = grad
         new_wide = {k: v for k, v in new_wide.items() if k not in state}
         state.update(new_wide)
         return pieces + list(new_wide)

@@ -260,17 +260,16 @@ class ParamPlaces:
 
     def _check_tree(self) -> None:
         """After a submodule or a parameter was set somewhere in the tree: each
-        bucketed parameter's owner is still at its path, and no trainable parameter
+        bucketed parameter's owner is still in the tree, and no trainable parameter
         has come in that no bucket holds. (Swapping a module without parameters, an
         activation, is fine.)"""
+        # By identity, not by path: a submodule re-parented with its parameters (a
+        # wrapper set around it after wrapping) is still called, its hooks with it.
+        in_tree = {id(m) for m in self._root.modules()}
         for _flat, places in self._buckets:
             for name, owner, _leaf, _param, _offset, _span in places:
-                path = name.rpartition(".")[0]
-                try:
-                    now = self._root.get_submodule(path)
-                except AttributeError:
-                    now = None
-                if now is not owner:
+                if id(owner) not in in_tree:
+                    path = name.rpartition(".")[0]
                     raise RuntimeError(
                         f"fgpsdp: submodule '{path}' was replaced after "
                         "DistributedDataParallel(...) was built: the buckets hold the "

@@ -6,6 +6,8 @@ so slices are not in rank order) it resumes on 3 with other buckets, as does
 the dict torch DDP's optimizer saved, and the run goes on like torch DDP's.
 """
 import pytest
+import torch
+from torch import nn
 
 from . import checkpoint_scenarios
 from .dist_harness import run_distributed
@@ -176,3 +178,72 @@ def test_shard_saved_with_other_trainable_parameters_is_refused(tmp_path):
     for res in results.values():
         assert not res["ok"] and "other parameters in the buckets" in res["message"], res
     run_distributed(2, checkpoint_scenarios.shard_load_with_frozen, path, "a", timeout_s=120)
+
+
+class _TwoHeads(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.main = nn.Linear(16, 2)
+        self.aux = nn.Linear(16, 2)  # unused so far: its slices have no optimizer state
+
+    def forward(self, x):
+        return self.main(torch.tanh(self.body(x)))
+
+
+def _template_after_a_step(rank, world_size, optimizer):
+    import fgpsdp_runtime as fgp
+    finals = []
+    for template in (False, True):
+        torch.manual_seed(0)
+        model = fgp.DistributedDataParallel(_TwoHeads(), schedule="serial")
+        kind, kw = ((torch.optim.AdamW, {"lr": 1e-2}) if optimizer == "adamw"
+                    else (torch.optim.SGD, {"lr": 1e-2, "momentum": 0.9}))
+        opt = fgp.ShardedOptimizer(model, kind, **kw)
+        g = torch.Generator().manual_seed(rank)
+        for step in range(4):
+            opt.zero_grad()  # at the loop's top, as torch's recipes do
+            model(torch.randn(4, 8, generator=g)).square().mean().backward()
+            opt.step()
+            if step == 1 and template:
+                # the pieces still hold their slice gradients here
+                opt.full_state_dict(init_state=True)
+        model.synchronize()
+        finals.append([p.detach().clone() for p in model.module.parameters()])
+    return all(torch.equal(a, b) for a, b in zip(*finals))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd_momentum"])
+def test_template_after_a_step_leaves_the_live_state_alone(optimizer):
+    # Before: the lr=0 run also stepped the pieces that had state (their slice gradients
+    # were still set): SGD's momentum changed silently; AdamW's step count moved on one
+    # rank only, and the next full_state_dict() raised "disagree on its optimizer state".
+    assert run_distributed(2, _template_after_a_step, optimizer) == [True, True]
+
+
+class _NoLR(torch.optim.Optimizer):
+    def __init__(self, params, step_size=0.1):
+        super().__init__(params, {"step_size": step_size})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self.state[p]
+                    if not state:
+                        state["m"] = torch.zeros_like(p)
+                    state["m"].mul_(0.9).add_(p.grad)
+                    p.add_(state["m"], alpha=-group["step_size"])
+
+
+def _template_without_lr(rank, world_size):
+    import fgpsdp_runtime as fgp
+    model = fgp.DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)))
+    opt = fgp.ShardedOptimizer(model, _NoLR, step_size=0.1)
+    return len(opt.full_state_dict(init_state=True)["state"])
+
+
+def test_template_for_an_optimizer_without_lr():
+    # Before: KeyError 'lr' (torch's _init_optim_state sets lr only where a group has one).
+    assert run_distributed(2, _template_without_lr) == [4, 4]

@@ -3,6 +3,7 @@ torch.save(model) says what to save, copy.copy(model) is refused; clip_grad_norm
 torch's keywords."""
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -96,7 +97,6 @@ def test_parameters_read_through_the_wrapper_right_after_the_step_are_updated(sc
 
 
 def torchs_clip_over_wrapper_parameters(rank: int, world_size: int) -> dict:
-    import warnings
     model, opt = _wrapped(rank)
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
     said = {}
@@ -126,3 +126,96 @@ def test_torchs_clip_over_the_wrappers_parameters_between_backward_and_step_warn
         assert said["after_step"][0] == []
         assert len(said["before_step"][0]) == 1 and said["before_step"][1] == 0.0
         assert said["before_step_again"][0] == []  # once per wrapper
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.tanh(self.lin(x))
+
+
+class _Wrapped(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList([_Block() for _ in range(3)])
+        self.head = nn.Linear(16, 2)
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+def _reparented(rank, world_size, schedule):
+    import fgpsdp_runtime as fgp
+    finals = []
+    for after in (False, True):
+        torch.manual_seed(0)
+        net = _Net()
+        def wrap_blocks():
+            for i in range(len(net.blocks)):
+                net.blocks[i] = _Wrapped(net.blocks[i])  # same module, same parameters
+        if not after:
+            wrap_blocks()
+        model = fgp.DistributedDataParallel(net, schedule=schedule, bucket_cap_mb=0.0005)
+        opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+        if after:
+            wrap_blocks()
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(3):
+            model(torch.randn(4, 8, generator=g)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+        model.synchronize()
+        finals.append([p.detach().clone() for p in net.parameters()])
+    return all(torch.equal(a, b) for a, b in zip(*finals))
+
+
+@pytest.mark.parametrize("schedule", ["serial", "next_forward"])
+def test_submodule_reparented_after_wrapping_trains_as_before(schedule):
+    # Before: "submodule 'blocks.2.lin' was replaced ... would never be reduced or stepped",
+    # though its parameters are the bucketed ones (cc0a8e1 trained it bitwise).
+    assert run_distributed(2, _reparented, schedule) == [True, True]
+
+
+def _device_lookup(rank, world_size):
+    import fgpsdp_runtime as fgp
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(
+        nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(),
+                      nn.Linear(16, 2)), schedule="next_forward", bucket_cap_mb=0.0005)
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    g = torch.Generator().manual_seed(rank)
+    in_flight_at_forward = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            for _micro in range(2):  # accumulation without no_sync()
+                x = torch.randn(4, 8, generator=g).to(next(model.parameters()).device)
+                in_flight_at_forward.append(model._gathers.in_flight)
+                model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    return {"overlap_kept": any(in_flight_at_forward),
+            "warnings": [str(w.message) for w in caught if "clips nothing" in str(w.message)]}
+
+
+def test_device_lookup_through_the_wrapper_keeps_the_overlap_and_does_not_warn():
+    # Before: next(model.parameters()) landed every all-gather (no overlap with the next
+    # forward left), and between two accumulation backwards it warned about torch's clip.
+    for res in run_distributed(2, _device_lookup):
+        assert res["overlap_kept"] and res["warnings"] == [], res

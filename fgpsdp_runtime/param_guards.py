@@ -254,8 +254,8 @@ class ParamPlaces:
                 "through the wrapper, makes it; outside it, write in place after "
                 "model.synchronize() instead.)")
         if self.tree_changed:
+            self._check_tree()  # (raising, it stays set: the next forward raises too)
             self.tree_changed = False
-            self._check_tree()
             _watch(self._root, self)  # submodules added since: watched too
 
     def _check_tree(self) -> None:

@@ -35,7 +35,7 @@ from .profiling import nvtx_range
 from .slice_state import SliceState
 from .speculation import (SliceBackup, compile_session_active, hyperparameters,
                           same_hyperparameters, wait_out_compile_session)
-from .step_wide_state import StepWideState, copy_value, optimizer_wide_entries
+from .step_wide_state import StepWideState
 from .uneven_inputs import AnnouncedCall, UnevenInputs
 from .validation import settings_agree_or_raise
 
@@ -665,17 +665,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "world_size": self.model.world_size, "slice_index": self.model.slice_index,
                 "layout": [(l.dtype_name, l.padded_numel, len(l.spans))
                            for l in self.model.bucket_layouts],
-                "params": self._shard_params()}
-
-    def _shard_params(self) -> list[list[tuple]]:
-        """Per bucket, which parameter each span holds (name, shape, offset): the
-        layout's sizes alone match after the set of trainable parameters or their
-        order changed (another layer of the same size frozen). Names as torch.compile
-        would not change them (a module compiled before wrapping adds ``_orig_mod.``)."""
-        named = self.model.named_trainable_parameters()
-        return [[(named[s.param_index][0].replace("_orig_mod.", ""),
-                  tuple(named[s.param_index][1].shape), s.bucket_offset)
-                 for s in l.spans] for l in self.model.bucket_layouts]
+                "params": optim_checkpoint.shard_params(self)}
 
     def full_state_dict(self, *, rank0_only: bool = False,
                         init_state: bool = False) -> dict[str, Any]:
@@ -700,7 +690,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             # state a step creates, as torch's get_optimizer_state_dict makes it. It is
             # removed once copied out, so the optimizer is left as it was.
             self.model.synchronize()  # no all-gather in flight over the pieces
-            created = self._create_missing_state()
+            created = optim_checkpoint.create_missing_state(self)
         try:
             self._run_state_dict_pre_hooks()
             full = optim_checkpoint.full_state_dict(self, rank0_only)
@@ -709,45 +699,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self.optim.state.pop(key, None)
         # (With rank0_only the other ranks hold nothing for a post-hook to edit.)
         return self._run_state_dict_post_hooks(full) if full else full
-
-    def _create_missing_state(self) -> list[Any]:
-        """Give every piece without state the state a step would create (a step on
-        zero gradients at learning rate 0, as torch's _init_optim_state does), and
-        likewise optimizer-wide entries (MADGRAD's step count); return the keys
-        created. The pieces' values are put back as they were, and so is what the
-        run wrote to entries that were there (a step count in a group or state)."""
-        state = self.optim.state
-        pieces = [p for g in self.optim.param_groups for p in g["params"]
-                  if p.numel() > 0 and not state.get(p)]
-        if not pieces:
-            return []
-        before = [p.detach().clone() for p in pieces]
-        # The pieces that have state keep it: without a gradient they are not stepped
-        # (after a step, before zero_grad(), they still hold their slice gradients).
-        without = {id(p) for p in pieces}
-        held = [(p, p.grad) for g in self.optim.param_groups for p in g["params"]
-                if id(p) not in without and p.grad is not None]
-        try:
-            for p, _ in held:
-                p.grad = None
-            with self._step_wide_state.run_and_forget():
-                for g in self.optim.param_groups:  # the run's copies of the groups
-                    if "lr" in g:
-                        g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
-                for p in pieces:
-                    p.grad = torch.zeros_like(p)
-                self._inner_step_unhooked()
-                new_wide = {k: copy_value(v) for k, v in optimizer_wide_entries(self.optim).items()}
-        finally:
-            with torch.no_grad():
-                for p, old in zip(pieces, before):
-                    p.grad = None
-                    p.copy_(old)
-            for p, grad in held:
-                p.grad = grad
-        new_wide = {k: v for k, v in new_wide.items() if k not in state}
-        state.update(new_wide)
-        return pieces + list(new_wide)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict()`` shard (this rank's), or a whole-model dict in
@@ -839,7 +790,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         saved_params = state_dict.get("params")  # (shards saved before it was recorded: None)
         if saved_params is not None and \
                 [[(n, tuple(shape), o) for n, shape, o in b] for b in saved_params] \
-                != self._shard_params():
+                != optim_checkpoint.shard_params(self):
             return ("optimizer shard was saved with other parameters in the buckets (the set "
                     "of trainable parameters or their order changed); full_state_dict() "
                     "loads by parameter")

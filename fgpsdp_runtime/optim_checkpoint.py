@@ -37,7 +37,7 @@ import torch.distributed as dist
 
 from .buckets import span_as_param, to_bucket_order
 from .group_collectives import all_gather_single
-from .step_wide_state import optimizer_wide_entries
+from .step_wide_state import copy_value, optimizer_wide_entries
 
 if TYPE_CHECKING:  # imported for annotations only: optim imports this module
     from .optim import ShardedOptimizer
@@ -278,3 +278,58 @@ def _piece_of(value: Any, per_element: bool, offset: int, numel: int,
     if per_element:
         return to_bucket_order(value, strides)[offset:offset + numel].clone()
     return value.clone()
+
+
+def shard_params(opt: ShardedOptimizer) -> list[list[tuple]]:
+    """What a ``state_dict()`` shard records of its buckets besides their sizes: per
+    bucket, which parameter each span holds (name, shape, offset). The sizes alone
+    match after the set of trainable parameters or their order changed (another
+    layer of the same size frozen). Names as torch.compile would not change them (a
+    module compiled before wrapping adds ``_orig_mod.``)."""
+    named = opt.model.named_trainable_parameters()
+    return [[(named[s.param_index][0].replace("_orig_mod.", ""),
+              tuple(named[s.param_index][1].shape), s.bucket_offset)
+             for s in layout.spans] for layout in opt.model.bucket_layouts]
+
+
+def create_missing_state(opt: ShardedOptimizer) -> list[Any]:
+    """For ``full_state_dict(init_state=True)``: give every piece without state the
+    state a step would create (a step on zero gradients at learning rate 0, as
+    torch's ``_init_optim_state`` does for ``get_optimizer_state_dict``), and likewise
+    optimizer-wide entries (MADGRAD's step count); return the keys created, which
+    the caller removes once the dict is copied out. The pieces' values are put back
+    as they were, and so is what the run wrote to entries that were there (a step
+    count in a group or in the state)."""
+    optim = opt.optim
+    state = optim.state
+    pieces = [p for g in optim.param_groups for p in g["params"]
+              if p.numel() > 0 and not state.get(p)]
+    if not pieces:
+        return []
+    before = [p.detach().clone() for p in pieces]
+    # The pieces that have state keep it: without a gradient they are not stepped
+    # (after a step, before zero_grad(), they still hold their slice gradients).
+    without = {id(p) for p in pieces}
+    held = [(p, p.grad) for g in optim.param_groups for p in g["params"]
+            if id(p) not in without and p.grad is not None]
+    try:
+        for p, _ in held:
+            p.grad = None
+        with opt._step_wide_state.run_and_forget():
+            for g in optim.param_groups:  # the run's copies of the groups
+                if "lr" in g:
+                    g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
+            for p in pieces:
+                p.grad = torch.zeros_like(p)
+            opt._inner_step_unhooked()
+            new_wide = {k: copy_value(v) for k, v in optimizer_wide_entries(optim).items()}
+    finally:
+        with torch.no_grad():
+            for p, old in zip(pieces, before):
+                p.grad = None
+                p.copy_(old)
+        for p, grad in held:
+            p.grad = grad
+    new_wide = {k: v for k, v in new_wide.items() if k not in state}
+    state.update(new_wide)
+    return pieces + list(new_wide)

@@ -149,24 +149,66 @@ def _nothing_to_land() -> None:
 is_traced_by_dynamo = getattr(torch.compiler, "is_dynamo_compiling", None) or \
     torch._dynamo.is_compiling
 
-# Each module of a wrapped tree -> that wrapper's ParamPlaces (weak both ways: a
-# dropped wrapper or module leaves nothing behind). See ParamPlaces.tree_changed.
-_watched_modules: "weakref.WeakKeyDictionary[nn.Module, weakref.ref]" = \
-    weakref.WeakKeyDictionary()
+# id(module) -> (weak reference to the module, weak reference to its wrapper's
+# ParamPlaces), for each module of a wrapped tree; an entry goes when its module is
+# freed. Keyed by id, not by the module: torch's hooks see every module of the
+# process, and a module class with __eq__ and no __hash__ (a @dataclass nn.Module)
+# or a __hash__ that reads attributes set later in its __init__ must still build.
+# See ParamPlaces.tree_changed.
+_watched_modules: "dict[int, tuple[weakref.ref, weakref.ref]]" = {}
 _registration_hooks_added = False
+
+
+def _forget(module_ref: weakref.ref, key: int) -> None:
+    entry = _watched_modules.get(key)
+    if entry is not None and entry[0] is module_ref:
+        del _watched_modules[key]
 
 
 def _note_registration(module: nn.Module, name: str, value: object) -> None:
     """torch's global hook, called when any module gets a submodule or a parameter
-    set: a dictionary lookup, and nothing else unless the module is in a wrapped tree.
-    Not in code dynamo traces (a module set there is torch.compile's own)."""
+    set (before it is set): a dictionary lookup by id, and nothing else unless the
+    module is in a wrapped tree. Not in code dynamo traces (a module set there is
+    torch.compile's own).
+
+    In the tree, setting what is already there (``self.weight = self.weight``, HF's
+    tie_weights()) or swapping one parameter-free module for another (an activation
+    cached in forward) changes nothing the buckets hold: the next forward does not
+    walk the tree for it. A submodule set is watched at once, its own submodules
+    with it."""
     if is_traced_by_dynamo():
         return None
-    ref = _watched_modules.get(module)
-    places = ref() if ref is not None else None
-    if places is not None:
-        places.tree_changed = True
+    entry = _watched_modules.get(id(module))
+    if entry is None or entry[0]() is not module:
+        return None
+    places = entry[1]()
+    if places is None:
+        return None
+    state = module.__dict__
+    if value is not None and (state.get("_parameters", {}).get(name) is value
+                              or state.get("_modules", {}).get(name) is value):
+        return None
+    if isinstance(value, nn.Module):
+        _watch_subtree(value, entry[1])
+        old = state.get("_modules", {}).get(name)
+        if (old is None or next(old.parameters(), None) is None) \
+                and next(value.parameters(), None) is None \
+                and state.get("_parameters", {}).get(name) is None:
+            return None  # parameter-free for parameter-free (or a new one)
+    places.tree_changed = True
     return None  # the value is kept as given
+
+
+def _watch_subtree(root: nn.Module, places_ref: weakref.ref) -> None:
+    for m in root.modules():
+        key = id(m)
+        entry = _watched_modules.get(key)
+        if entry is not None and entry[0]() is m:
+            if entry[1] is not places_ref:
+                _watched_modules[key] = (entry[0], places_ref)
+            continue
+        module_ref = weakref.ref(m, lambda r, k=key: _forget(r, k))
+        _watched_modules[key] = (module_ref, places_ref)
 
 
 def _watch(root: nn.Module, places: "ParamPlaces") -> None:
@@ -179,9 +221,7 @@ def _watch(root: nn.Module, places: "ParamPlaces") -> None:
             if register is not None:
                 register(_note_registration)
         _registration_hooks_added = True
-    ref = weakref.ref(places)
-    for m in root.modules():
-        _watched_modules[m] = ref
+    _watch_subtree(root, weakref.ref(places))
 
 
 class ParamPlaces:
@@ -255,8 +295,7 @@ class ParamPlaces:
                 "model.synchronize() instead.)")
         if self.tree_changed:
             self._check_tree()  # (raising, it stays set: the next forward raises too)
-            self.tree_changed = False
-            _watch(self._root, self)  # submodules added since: watched too
+            self.tree_changed = False  # (submodules set since are watched already)
 
     def _check_tree(self) -> None:
         """After a submodule or a parameter was set somewhere in the tree: each

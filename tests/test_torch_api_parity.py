@@ -2,6 +2,7 @@
 torch.save(model) says what to save, copy.copy(model) is refused; clip_grad_norm_ takes
 torch's keywords."""
 import copy
+import dataclasses
 import io
 import warnings
 
@@ -219,3 +220,80 @@ def test_device_lookup_through_the_wrapper_keeps_the_overlap_and_does_not_warn()
     # forward left), and between two accumulation backwards it warned about torch's clip.
     for res in run_distributed(2, _device_lookup):
         assert res["overlap_kept"] and res["warnings"] == [], res
+
+
+# The global registration hook (param_guards) sees every module of the process: a
+# model that has nothing to do with the wrapper must still build, and a forward that
+# sets what is already there must not cost a walk of the tree each step.
+@dataclasses.dataclass(eq=True)  # eq=True, not frozen: __hash__ is None
+class _DataclassBlock(nn.Module):
+    width: int = 4
+
+    def __post_init__(self):
+        super().__init__()
+        self.lin = nn.Linear(self.width, self.width)
+
+
+class _HashByName(nn.Module):  # __hash__ reads an attribute set after the submodule
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.name = "h"
+
+    def __hash__(self):
+        return hash(self.name)
+
+    def __eq__(self, other):
+        return self is other
+
+
+def _unrelated_modules_after_wrapping(rank, world_size):
+    model = fgp.DistributedDataParallel(nn.Linear(4, 4), schedule="next_forward")
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    for _ in range(2):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        _DataclassBlock(4)  # unrelated models of the same process
+        _HashByName()
+    return True
+
+
+def test_unhashable_unrelated_module_builds_while_a_wrapper_lives():
+    # Before: TypeError: unhashable type: '_DataclassBlock' (and AttributeError for
+    # _HashByName) from the global hook's WeakKeyDictionary lookup.
+    assert run_distributed(2, _unrelated_modules_after_wrapping) == [True, True]
+
+
+class _CachesActivation(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.act = nn.Tanh()          # a parameter-free module cached each forward
+        self.lin.weight = self.lin.weight  # the same parameter set again
+        return self.act(self.lin(x))
+
+
+def _no_tree_walk_for_no_change(rank, world_size):
+    model = fgp.DistributedDataParallel(_CachesActivation(), schedule="next_forward")
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    flags = []
+    for _ in range(3):
+        model(torch.randn(2, 4)).sum().backward()
+        flags.append(model._param_places.tree_changed)
+        opt.step()
+        opt.zero_grad()
+    # A real change is still refused.
+    model.module.lin = nn.Linear(4, 4)
+    try:
+        model(torch.randn(2, 4))
+    except RuntimeError as e:
+        return flags, "was replaced" in str(e)
+    return flags, False
+
+
+def test_setting_what_is_there_or_a_parameter_free_module_marks_nothing():
+    for flags, refused in run_distributed(2, _no_tree_walk_for_no_change):
+        assert flags == [False, False, False] and refused

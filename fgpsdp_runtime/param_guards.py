@@ -149,13 +149,15 @@ def _nothing_to_land() -> None:
 is_traced_by_dynamo = getattr(torch.compiler, "is_dynamo_compiling", None) or \
     torch._dynamo.is_compiling
 
-# id(module) -> (weak reference to the module, weak reference to its wrapper's
+# id(module) -> (weak reference to the module, weak references to its wrappers'
 # ParamPlaces), for each module of a wrapped tree; an entry goes when its module is
 # freed. Keyed by id, not by the module: torch's hooks see every module of the
 # process, and a module class with __eq__ and no __hash__ (a @dataclass nn.Module)
 # or a __hash__ that reads attributes set later in its __init__ must still build.
 # See ParamPlaces.tree_changed.
-_watched_modules: "dict[int, tuple[weakref.ref, weakref.ref]]" = {}
+# A module in the trees of two live wrappers (a shared parameter-free container) is
+# watched for both: a change there is a change to each tree.
+_watched_modules: "dict[int, tuple[weakref.ref, tuple[weakref.ref, ...]]]" = {}
 _registration_hooks_added = False
 
 
@@ -181,21 +183,24 @@ def _note_registration(module: nn.Module, name: str, value: object) -> None:
     entry = _watched_modules.get(id(module))
     if entry is None or entry[0]() is not module:
         return None
-    places = entry[1]()
-    if places is None:
+    live = [places for places in (ref() for ref in entry[1]) if places is not None]
+    if not live:
         return None
     state = module.__dict__
     if value is not None and (state.get("_parameters", {}).get(name) is value
                               or state.get("_modules", {}).get(name) is value):
         return None
     if isinstance(value, nn.Module):
-        _watch_subtree(value, entry[1])
+        for places_ref in entry[1]:
+            _watch_subtree(value, places_ref)
         old = state.get("_modules", {}).get(name)
-        if (old is None or next(old.parameters(), None) is None) \
-                and next(value.parameters(), None) is None \
-                and state.get("_parameters", {}).get(name) is None:
-            return None  # parameter-free for parameter-free (or a new one)
-    places.tree_changed = True
+        # Only a swap (an activation cached in forward) is let through: with no module
+        # there, one may have been deleted (`del module.head`, which no hook sees).
+        if old is not None and next(old.parameters(), None) is None \
+                and next(value.parameters(), None) is None:
+            return None  # parameter-free for parameter-free
+    for places in live:
+        places.tree_changed = True
     return None  # the value is kept as given
 
 
@@ -204,11 +209,12 @@ def _watch_subtree(root: nn.Module, places_ref: weakref.ref) -> None:
         key = id(m)
         entry = _watched_modules.get(key)
         if entry is not None and entry[0]() is m:
-            if entry[1] is not places_ref:
-                _watched_modules[key] = (entry[0], places_ref)
+            if places_ref not in entry[1]:  # (identity: a weakref to a live object)
+                kept = tuple(ref for ref in entry[1] if ref() is not None)
+                _watched_modules[key] = (entry[0], kept + (places_ref,))
             continue
         module_ref = weakref.ref(m, lambda r, k=key: _forget(r, k))
-        _watched_modules[key] = (module_ref, places_ref)
+        _watched_modules[key] = (module_ref, (places_ref,))
 
 
 def _watch(root: nn.Module, places: "ParamPlaces") -> None:

@@ -269,9 +269,10 @@ class _CachesActivation(nn.Module):
     def __init__(self):
         super().__init__()
         self.lin = nn.Linear(4, 4)
+        self.act = nn.Identity()
 
     def forward(self, x):
-        self.act = nn.Tanh()          # a parameter-free module cached each forward
+        self.act = nn.Tanh()          # a parameter-free module swapped in each forward
         self.lin.weight = self.lin.weight  # the same parameter set again
         return self.act(self.lin(x))
 
@@ -297,3 +298,42 @@ def _no_tree_walk_for_no_change(rank, world_size):
 def test_setting_what_is_there_or_a_parameter_free_module_marks_nothing():
     for flags, refused in run_distributed(2, _no_tree_walk_for_no_change):
         assert flags == [False, False, False] and refused
+
+
+# A parameter-free module shared by two wrappers' trees, or set into a second tree:
+# a trainable parameter added there later is refused by both (each tree holds it).
+def _shared_param_free_module(rank, world_size):
+    a, b = nn.Sequential(nn.Linear(4, 4), nn.Sequential()), nn.Sequential(nn.Linear(4, 4))
+    first = fgp.DistributedDataParallel(a)
+    second = fgp.DistributedDataParallel(b)
+    b.add_module("shared", a[1])      # parameter-free: marks nothing
+    a[1].append(nn.Linear(4, 4))
+    refused = []
+    for model in (first, second):
+        try:
+            model(torch.randn(2, 4))
+            refused.append(False)
+        except RuntimeError as e:
+            refused.append("was added" in str(e))
+    return refused
+
+
+def test_a_parameter_added_to_a_module_shared_by_two_wrappers_is_refused_by_both():
+    assert run_distributed(2, _shared_param_free_module) == [[True, True]] * 2
+
+
+# `del module.head` passes no hook; a parameter-free module set there afterwards is
+# a replacement as `module.head = nn.Identity()` is.
+def _deleted_then_param_free(rank, world_size):
+    model = fgp.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
+    del model.module[1]
+    model.module.add_module("1", nn.Identity())
+    try:
+        model(torch.randn(2, 4))
+    except RuntimeError as e:
+        return "was replaced" in str(e)
+    return False
+
+
+def test_a_deleted_submodule_replaced_by_a_parameter_free_one_is_refused():
+    assert run_distributed(2, _deleted_then_param_free) == [True, True]

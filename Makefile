@@ -1,9 +1,12 @@
 # The two commands of the README, and the benchmark entry points.
-# Both create or reuse .venv in the repository root with the CPU build of torch.
+# Both create or reuse .venv in the repository root with torch (its CPU build where
+# pip's index serves that, as in CI; see TORCH_PIP_ARGS).
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION ?= 2.13.0
+# e.g. --index-url https://download.pytorch.org/whl/cpu where plain PyPI would give the CUDA build
+TORCH_PIP_ARGS ?=
 STAMP := $(VENV)/.fgpsdp-installed
 
 BENCH_STAMP := $(VENV)/.fgpsdp-bench-installed
@@ -20,7 +23,8 @@ $(PY):
 
 $(STAMP): $(PY) setup.py $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.cu csrc/include/*/*.h)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet torch==$(TORCH_VERSION) numpy pytest hypothesis ninja setuptools wheel
+	$(PY) -m pip install --quiet $(TORCH_PIP_ARGS) torch==$(TORCH_VERSION)
+	$(PY) -m pip install --quiet numpy pytest hypothesis ninja setuptools wheel
 	FGPSDP_SKIP_CUDA=1 $(PY) -m pip install --quiet --no-build-isolation -e .
 	touch $(STAMP)
 

@@ -1,7 +1,7 @@
 """Guards that keep the model's parameters and the bucket buffers one and the same.
 
 Parameters are views of the bucket buffers (see buckets.py): the optimizer and
-the all-gathers write the buffers, and the model reads the views. Two things
+the all-gathers write the buffers, and the model reads the views. Three things
 break that silently, and are guarded here:
 
 - a state dict taken or loaded while a step's all-gathers are in flight
@@ -192,7 +192,8 @@ def _note_registration(module: nn.Module, name: str, value: object) -> None:
         return None
     if isinstance(value, nn.Module):
         for places_ref in entry[1]:
-            _watch_subtree(value, places_ref)
+            if places_ref() is not None:  # (a dropped wrapper's watches nothing new)
+                _watch_subtree(value, places_ref)
         old = state.get("_modules", {}).get(name)
         # Only a swap (an activation cached in forward) is let through: with no module
         # there, one may have been deleted (`del module.head`, which no hook sees).
@@ -242,7 +243,9 @@ class ParamPlaces:
         # Every parameter of the module at wrapping, trainable or not.
         self._known = {id(p) for p in module.parameters()}
         # Set by torch's registration hooks when a module of the tree gets a
-        # submodule or a parameter: the next check() looks at the tree once.
+        # submodule or a parameter (not when it is set what it holds, nor for a
+        # parameter-free swap: see _note_registration): the next check() looks at
+        # the tree once.
         self.tree_changed = False
         _watch(module, self)
         # Per bucket: its flat buffer, and per parameter (name, owner module,
@@ -300,8 +303,15 @@ class ParamPlaces:
                 "through the wrapper, makes it; outside it, write in place after "
                 "model.synchronize() instead.)")
         if self.tree_changed:
-            self._check_tree()  # (raising, it stays set: the next forward raises too)
-            self.tree_changed = False  # (submodules set since are watched already)
+            self.tree_changed = False  # (first: a set during the walk is seen next time)
+            try:
+                self._check_tree()
+            except RuntimeError:
+                self.tree_changed = True  # the next forward raises too
+                raise
+            # Submodules set through a hook are watched already; one that came in
+            # without one (ModuleList.insert) is watched from here on, as before.
+            _watch_subtree(self._root, weakref.ref(self))
 
     def _check_tree(self) -> None:
         """After a submodule or a parameter was set somewhere in the tree: each

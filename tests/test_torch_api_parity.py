@@ -306,7 +306,8 @@ def _shared_param_free_module(rank, world_size):
     a, b = nn.Sequential(nn.Linear(4, 4), nn.Sequential()), nn.Sequential(nn.Linear(4, 4))
     first = fgp.DistributedDataParallel(a)
     second = fgp.DistributedDataParallel(b)
-    b.add_module("shared", a[1])      # parameter-free: marks nothing
+    b.add_module("shared", a[1])      # nothing was there: marks second (a 'del' may have been)
+    second(torch.randn(2, 4))          # checked and cleared: only the shared watch can tell now
     a[1].append(nn.Linear(4, 4))
     refused = []
     for model in (first, second):
@@ -337,3 +338,22 @@ def _deleted_then_param_free(rank, world_size):
 
 def test_a_deleted_submodule_replaced_by_a_parameter_free_one_is_refused():
     assert run_distributed(2, _deleted_then_param_free) == [True, True]
+
+
+# A submodule that came in without a hook (nn.Sequential.insert) is watched once a
+# later noticed change has been checked: a parameter appended to it is refused.
+def _inserted_then_appended(rank, world_size):
+    model = fgp.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
+    model.module.insert(1, nn.Sequential())          # not noticed (README)
+    model.module.add_module("extra", nn.Identity())  # noticed: the next forward checks
+    model(torch.randn(2, 4))                          # nothing bucketed changed: passes
+    model.module[1].append(nn.Linear(4, 4))
+    try:
+        model(torch.randn(2, 4))
+    except RuntimeError as e:
+        return "was added" in str(e)
+    return False
+
+
+def test_a_parameter_appended_to_a_module_inserted_without_a_hook_is_refused():
+    assert run_distributed(2, _inserted_then_appended) == [True, True]

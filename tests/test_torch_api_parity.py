@@ -357,3 +357,33 @@ def _inserted_then_appended(rank, world_size):
 
 def test_a_parameter_appended_to_a_module_inserted_without_a_hook_is_refused():
     assert run_distributed(2, _inserted_then_appended) == [True, True]
+
+
+# After backwards run only under no_sync(), the clip first reduces what they accumulated:
+# its norm is the averaged gradient's, on every rank (torch DDP's would be each rank's own).
+def _clip_after_no_sync_only(rank, world_size):
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    model = fgp.DistributedDataParallel(copy.deepcopy(reference))
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    torch.manual_seed(1 + rank)  # other data on each rank
+    x = torch.randn(4, 8)
+    reference(x).square().sum().backward()
+    grads = [p.grad.clone() for p in reference.parameters()]
+    local = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+    for g in grads:
+        dist.all_reduce(g)
+        g /= world_size
+    averaged = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
+    with model.no_sync():
+        model(x).square().sum().backward()
+    total = float(opt.clip_grad_norm_(1e9))
+    return total, averaged, local
+
+
+def test_clip_after_backwards_under_no_sync_only_measures_the_averaged_gradient():
+    (t0, avg0, local0), (t1, avg1, local1) = run_distributed(2, _clip_after_no_sync_only)
+    assert t0 == t1 and abs(avg0 - avg1) < 1e-6
+    assert abs(t0 - avg0) < 1e-5 * avg0
+    assert abs(local0 - local1) > 1e-3  # the ranks' own norms differ: the test can tell

@@ -183,25 +183,26 @@ def _note_registration(module: nn.Module, name: str, value: object) -> None:
     entry = _watched_modules.get(id(module))
     if entry is None or entry[0]() is not module:
         return None
-    live = [places for places in (ref() for ref in entry[1]) if places is not None]
-    if not live:
+    live_refs = [ref for ref in entry[1] if ref() is not None]  # (dropped wrappers out)
+    if not live_refs:
         return None
     state = module.__dict__
     if value is not None and (state.get("_parameters", {}).get(name) is value
                               or state.get("_modules", {}).get(name) is value):
         return None
     if isinstance(value, nn.Module):
-        for places_ref in entry[1]:
-            if places_ref() is not None:  # (a dropped wrapper's watches nothing new)
-                _watch_subtree(value, places_ref)
+        for places_ref in live_refs:
+            _watch_subtree(value, places_ref)
         old = state.get("_modules", {}).get(name)
         # Only a swap (an activation cached in forward) is let through: with no module
         # there, one may have been deleted (`del module.head`, which no hook sees).
         if old is not None and next(old.parameters(), None) is None \
                 and next(value.parameters(), None) is None:
             return None  # parameter-free for parameter-free
-    for places in live:
-        places.tree_changed = True
+    for places_ref in live_refs:
+        places = places_ref()
+        if places is not None:
+            places.tree_changed = True
     return None  # the value is kept as given
 
 

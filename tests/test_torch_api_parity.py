@@ -222,6 +222,15 @@ def test_device_lookup_through_the_wrapper_keeps_the_overlap_and_does_not_warn()
         assert res["overlap_kept"] and res["warnings"] == [], res
 
 
+def _forward_refused(model, words: str) -> bool:
+    """Whether a forward of `model` raises, saying `words`."""
+    try:
+        model(torch.randn(2, 4))
+    except RuntimeError as e:
+        return words in str(e)
+    return False
+
+
 # The global registration hook (param_guards) sees every module of the process: a
 # model that has nothing to do with the wrapper must still build, and a forward that
 # sets what is already there must not cost a walk of the tree each step.
@@ -288,11 +297,7 @@ def _no_tree_walk_for_no_change(rank, world_size):
         opt.zero_grad()
     # A real change is still refused.
     model.module.lin = nn.Linear(4, 4)
-    try:
-        model(torch.randn(2, 4))
-    except RuntimeError as e:
-        return flags, "was replaced" in str(e)
-    return flags, False
+    return flags, _forward_refused(model, "was replaced")
 
 
 def test_setting_what_is_there_or_a_parameter_free_module_marks_nothing():
@@ -309,14 +314,7 @@ def _shared_param_free_module(rank, world_size):
     b.add_module("shared", a[1])      # nothing was there: marks second (a 'del' may have been)
     second(torch.randn(2, 4))          # checked and cleared: only the shared watch can tell now
     a[1].append(nn.Linear(4, 4))
-    refused = []
-    for model in (first, second):
-        try:
-            model(torch.randn(2, 4))
-            refused.append(False)
-        except RuntimeError as e:
-            refused.append("was added" in str(e))
-    return refused
+    return [_forward_refused(model, "was added") for model in (first, second)]
 
 
 def test_a_parameter_added_to_a_module_shared_by_two_wrappers_is_refused_by_both():
@@ -329,11 +327,7 @@ def _deleted_then_param_free(rank, world_size):
     model = fgp.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
     del model.module[1]
     model.module.add_module("1", nn.Identity())
-    try:
-        model(torch.randn(2, 4))
-    except RuntimeError as e:
-        return "was replaced" in str(e)
-    return False
+    return _forward_refused(model, "was replaced")
 
 
 def test_a_deleted_submodule_replaced_by_a_parameter_free_one_is_refused():
@@ -348,11 +342,7 @@ def _inserted_then_appended(rank, world_size):
     model.module.add_module("extra", nn.Identity())  # noticed: the next forward checks
     model(torch.randn(2, 4))                          # nothing bucketed changed: passes
     model.module[1].append(nn.Linear(4, 4))
-    try:
-        model(torch.randn(2, 4))
-    except RuntimeError as e:
-        return "was added" in str(e)
-    return False
+    return _forward_refused(model, "was added")
 
 
 def test_a_parameter_appended_to_a_module_inserted_without_a_hook_is_refused():

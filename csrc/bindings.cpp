@@ -3,6 +3,7 @@
 #include <torch/extension.h>
 
 #include "fgpsdp/kernels.h"
+#include "fgpsdp/shm_barrier.h"
 
 namespace fgpsdp {
 namespace {
@@ -95,4 +96,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("multi_tensor_sq_norm", &fgpsdp::multi_tensor_sq_norm,
         "float64 [sum of squares, non-finite flag] of many tensors, on their device");
   m.def("has_cuda_kernels", &fgpsdp::has_cuda_kernels);
+  m.def("shm_barrier_area_bytes", &fgpsdp::cpu::shm_barrier_area_bytes,
+        "bytes of the shared-memory barrier's area for a group of `size` ranks");
+  m.def("shm_barrier_supported", &fgpsdp::cpu::shm_barrier_supported);
+  // It may wait for as long as the group's timeout: the GIL is let go meanwhile.
+  m.def("shm_barrier_wait", &fgpsdp::cpu::shm_barrier_wait,
+        py::call_guard<py::gil_scoped_release>(),
+        "publish an arrival and wait for every rank's; 0 passed, else why not");
 }

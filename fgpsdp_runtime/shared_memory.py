@@ -11,7 +11,8 @@ test machine), CPU per rank per operation: reduce-scatter 10-11 ms against
 [Note: the shared-memory protocol]
 Each instance serves one process group and is used by one thread at a time
 (a link worker), so its operations come in the same order on every rank.
-A region holds two halves, then a failure flag (see [Note: a failed
+A region holds two halves, the barrier's area (see [Note: the shared-memory
+barrier] in shm_barrier.py), then a failure flag (see [Note: a failed
 barrier]); round i uses half i % 2::
 
     reduce-scatter: rank l copies its input into slot l of the half,
@@ -25,19 +26,22 @@ A bucket larger than a slot moves in several rounds, a piece of every chunk
 each. One barrier per round suffices: before rank l writes half p again (at
 round i + 2) it has passed the barrier of round i + 1, which every rank
 enters only after it has finished reading half p at round i.
-The barrier is a one-element gloo all-reduce on the group (it also carries
-every rank's store before it, as a socket round trip orders memory).
+The barrier is counts in the region, waited for in C++ (shm_barrier.py);
+where that cannot run it is a one-element gloo all-reduce on the group (which
+also orders every rank's stores before it, as a socket round trip does).
 
 [Note: a failed barrier]
-On 3 ranks gloo's ring all-reduce of one element is a chain, 2 -> 1 -> 0
+A rank whose collective fails sets the region's failure flag; a rank waiting
+in a barrier looks at it every few milliseconds and fails too instead of
+waiting for its peer to exit. The counts barrier also fails as soon as a
+missing peer's process is gone. The gloo barrier needs the flag most: on 3
+ranks gloo's ring all-reduce of one element is a chain, 2 -> 1 -> 0
 (sum) -> 2 -> 1 (result), each send waiting for its receiver to post the
 receive. Local rank 0 killed inside a barrier after rank 1 had sent it its
 part leaves rank 1 waiting only on rank 2, while only rank 2 sees the closed
 connection: rank 1 would wait until rank 2's process ends (or the timeout, if
-rank 2 went on into another collective). So a rank whose barrier fails sets
-the region's failure flag, and a rank waiting in a barrier looks at the flag
-every _POLL: it fails within that instead of waiting for its peer to exit.
-After a failure every later operation of this instance raises, unrun. The
+rank 2 went on into another collective); the flag, looked at every _POLL,
+ends that wait. After a failure every later operation of this instance raises, unrun. The
 collectives of a reallocation (_allocate) block without polling: a rank killed
 in one left both survivors seeing the closed connection within about 1 s in
 every injection run, but that is gloo's doing, not this flag's.
@@ -62,6 +66,9 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+
+from .shm_barrier import (RegionBarrier, area_bytes, group_timeout_s, native_barrier_wanted,
+                          open_region_barrier)
 
 _SHM_DIR = "/dev/shm"
 _NAME_BYTES = 96  # the broadcast file name, NUL-padded
@@ -138,7 +145,11 @@ class SharedMemoryCollectives:
         self._slots = 0
         self._slot_bytes = 0
         self._op = 0
-        self._flag = torch.zeros(1)
+        self._flag = torch.zeros(1)  # the gloo barrier's all-reduced element
+        self._native_barrier = native_barrier_wanted()
+        self._timeout_s = group_timeout_s(group) if self._native_barrier else 0.0
+        self._region_barrier: Optional[RegionBarrier] = None  # None: gloo's barrier
+        self._exit_byte = torch.zeros(1, dtype=torch.uint8)  # set by abort_waits
         self._failure: Optional[BaseException] = None  # the first, on this rank
         self._exiting = False  # set at interpreter exit (see abort_waits)
         self.allocations = 0  # regions mapped so far (grows only)
@@ -230,6 +241,30 @@ class SharedMemoryCollectives:
 
     def _barrier(self) -> None:
         """Every rank has stored its part (see [Note: a failed barrier])."""
+        if self._region_barrier is not None:
+            return self._counts_barrier(self._region_barrier)
+        return self._gloo_barrier()
+
+    def _counts_barrier(self, barrier: RegionBarrier) -> None:
+        rc = barrier.wait(self._region[-_FLAG_BYTES:], self._exit_byte)
+        if rc == 0:
+            return
+        if rc == 1:
+            why = (f"a rank of the {self.name} shared-memory link failed in a collective "
+                   "(a rank of this node died?)")
+        elif rc == 2:
+            why = (f"the process is exiting while the {self.name} shared-memory link "
+                   "waited for a peer")
+        elif rc == 3:
+            why = (f"the {self.name} shared-memory link waited {barrier.timeout_s:.0f} s "
+                   "(the group's timeout) for a peer")
+        else:
+            why = f"local rank {rc - 100} of the {self.name} shared-memory link has exited"
+        error = RuntimeError(f"fgpsdp: {why}; this rank stops waiting for it")
+        self._fail(error)
+        raise error
+
+    def _gloo_barrier(self) -> None:
         work = dist.all_reduce(self._flag, group=self.group, async_op=True)
         while True:
             try:
@@ -263,6 +298,7 @@ class SharedMemoryCollectives:
         """At exit, after the link workers were given their time: a barrier still
         waiting raises within _POLL (this rank's failure, which its peers see)."""
         self._exiting = True
+        self._exit_byte[0] = 1
 
     def _fail(self, error: BaseException) -> None:
         """This rank's collective failed: later operations raise, and the ranks still
@@ -285,8 +321,10 @@ class SharedMemoryCollectives:
         return self.enabled
 
     def _allocate(self, slots: int, slot_bytes: int) -> None:
-        """Collective: map a new region of 2 x slots x slot_bytes + _FLAG_BYTES (see the note)."""
-        total = 2 * slots * slot_bytes + _FLAG_BYTES
+        """Collective: map a new region of 2 x slots x slot_bytes, the barrier's area and
+        _FLAG_BYTES (see the note)."""
+        barrier_bytes = area_bytes(self.size)
+        total = 2 * slots * slot_bytes + barrier_bytes + _FLAG_BYTES
         name = torch.zeros(_NAME_BYTES, dtype=torch.uint8)
         path = None
         if self.rank == 0:
@@ -295,13 +333,24 @@ class SharedMemoryCollectives:
                 encoded = os.path.basename(path).encode()
                 name[:len(encoded)] = torch.tensor(list(encoded), dtype=torch.uint8)
         text = ""
+        barrier = None
         try:
             dist.broadcast(name, src=dist.get_global_rank(self.group, 0), group=self.group)
             text = bytes(name.tolist()).rstrip(b"\0").decode()
             region = self._map(os.path.join(self.directory, text), total) if text else None
-            ok = torch.tensor([1 if region is not None else 0], dtype=torch.int32)
+            if region is not None and self._native_barrier:
+                # Locked before the agreement below, so before any peer's first barrier
+                # (and before rank 0 unlinks the name).
+                area = region[total - _FLAG_BYTES - barrier_bytes:total - _FLAG_BYTES]
+                barrier = open_region_barrier(area, os.path.join(self.directory, text),
+                                              self.rank, self.size, self._timeout_s)
+            # 0: not mapped here; 1: mapped; 2: mapped, with the counts barrier.
+            ok = torch.tensor([0 if region is None else 2 if barrier is not None else 1],
+                              dtype=torch.int32)
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
         except BaseException as error:
+            if barrier is not None:
+                barrier.close()
             self._fail(error)
             # Local rank 0 may have died after sending the name (killed, os._exit):
             # its unlink below never runs, and the file would stay in tmpfs until
@@ -317,6 +366,12 @@ class SharedMemoryCollectives:
             # the name would outlive the job in tmpfs): the mapping outlives the name.
             if path is not None:
                 os.unlink(path)
+        if int(ok) < 2 and barrier is not None:
+            barrier.close()  # a peer cannot lock its byte: gloo's barrier for this region
+            barrier = None
+        if self._region_barrier is not None:
+            self._region_barrier.close()  # the old region's
+        self._region_barrier = barrier
         if int(ok) == 0:
             self.enabled = False
             self._region = None

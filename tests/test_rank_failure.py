@@ -86,8 +86,9 @@ _STOP_AT = 5  # the flat-ag link's 5th barrier: the first all-gather of step 2's
 def _rank_0_killed_in_a_barrier(rank, world, report_dir):
     """Rank 0 posts its part of a shared-memory barrier's all-reduce and freezes
     (SIGSTOP: its sockets stay open); the others arrive and rank 1 sends it its part;
-    then rank 0 is SIGKILLed. Only rank 2 sees the closed connection (see
-    [Note: a failed barrier] in shared_memory.py)."""
+    then rank 0 is SIGKILLed. With gloo's barrier only rank 2 sees the closed
+    connection (see [Note: a failed barrier] in shared_memory.py); with the counts
+    barrier the all-reduce is one no one else posts and rank 0 never arrives."""
     import torch.distributed as dist
 
     import fgpsdp_runtime as fgp
@@ -125,9 +126,11 @@ def _rank_0_killed_in_a_barrier(rank, world, report_dir):
     _run_and_report(steps(), rank, report_dir)
 
 
+@pytest.mark.parametrize("barrier", ["native", "gloo"])  # see shm_barrier.py
 def test_survivors_fail_fast_when_local_rank_0_dies_in_a_shared_memory_barrier(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, barrier):
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)  # one node: the shared-memory path
+    monkeypatch.setenv("FGPSDP_SHM_BARRIER", barrier)
     with pytest.raises(RuntimeError, match="rank 0 died without a result"):
         run_distributed(3, _rank_0_killed_in_a_barrier, str(tmp_path),
                         pg_timeout_s=_PG_TIMEOUT_S, timeout_s=2 * _PG_TIMEOUT_S)

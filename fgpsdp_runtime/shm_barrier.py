@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from . import ops
+from .topology import group_timeout
 
 _LINE = 64
 
@@ -57,11 +58,10 @@ def area_bytes(size: int) -> int:
 
 
 def group_timeout_s(group: dist.ProcessGroup) -> float:
-    """The gloo group's timeout (torch has no public getter; its default otherwise)."""
-    try:
-        return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()
-    except Exception:  # a private attribute: it may move between torch versions
-        return dist.distributed_c10d.default_pg_timeout.total_seconds()
+    """The group's timeout (torch's default where it cannot be read), capped at about
+    31 years so that the C++ deadline cannot overflow."""
+    timeout = group_timeout(group) or dist.distributed_c10d.default_pg_timeout
+    return min(timeout.total_seconds(), 1e9)
 
 
 class RegionBarrier:

@@ -207,9 +207,11 @@ class FGPSDP(System):
     name = "fgpsdp"
 
     def __init__(self, model, loss_fn, bucket_cap_mb=None, calls_in_flight=None,
-                 first_bucket_at_cap=False, **ddp_kwargs):
+                 first_bucket_at_cap=False, shm_barrier=None, **ddp_kwargs):
         if calls_in_flight is not None:  # read when the link workers start
             os.environ["FGPSDP_CALLS_IN_FLIGHT"] = str(calls_in_flight)
+        if shm_barrier is not None:  # read when the shared-memory links are made
+            os.environ["FGPSDP_SHM_BARRIER"] = shm_barrier
         if first_bucket_at_cap:  # read when the wrapper builds its buckets
             fgp.layout.FIRST_BUCKET_CAP_MB = None
         # None: fgpsdp's own default (sized to the model, 1-25 MB).
@@ -389,6 +391,8 @@ def fgpsdp_variant(name: str):
     ``fgpsdp_gloo_intra`` (intra-node bytes over gloo's TCP loopback, not
     shared memory), ``fgpsdp_one_call_in_flight`` (each link worker waits for
     a call before posting the next: link_worker.calls_in_flight),
+    ``fgpsdp_gloo_barrier`` (the shared-memory rounds' barrier is gloo's one-element
+    all-reduce, not the counts in the region: shm_barrier.py),
     ``fgpsdp_first_bucket_at_cap`` (the first bucket closes at the bucket cap,
     not at layout.FIRST_BUCKET_CAP_MB), ``fgpsdp_<schedule>``.
     """
@@ -396,6 +400,8 @@ def fgpsdp_variant(name: str):
         return {}
     if name == "fgpsdp_one_call_in_flight":
         return {"calls_in_flight": 1}
+    if name == "fgpsdp_gloo_barrier":
+        return {"shm_barrier": "gloo"}
     if name == "fgpsdp_first_bucket_at_cap":
         return {"first_bucket_at_cap": True}
     if name == "fgpsdp_flat":

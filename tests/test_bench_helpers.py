@@ -27,6 +27,7 @@ def test_system_names(bench_modules):
     assert systems.fgpsdp_variant("fgpsdp") == {}
     assert systems.fgpsdp_variant("fgpsdp_flat") == {"topology": "flat"}
     assert systems.fgpsdp_variant("fgpsdp_gloo_intra")["topology"].shared_memory is False
+    assert systems.fgpsdp_variant("fgpsdp_gloo_barrier") == {"shm_barrier": "gloo"}
     assert systems.fgpsdp_variant("fgpsdp_next_forward") == {"schedule": "next_forward"}
     assert systems.fgpsdp_variant("fgpsdp_one_call_in_flight") == {"calls_in_flight": 1}
     assert systems.fgpsdp_variant("fgpsdp_first_bucket_at_cap") == {"first_bucket_at_cap": True}

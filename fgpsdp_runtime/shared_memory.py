@@ -41,10 +41,11 @@ receive. Local rank 0 killed inside a barrier after rank 1 had sent it its
 part leaves rank 1 waiting only on rank 2, while only rank 2 sees the closed
 connection: rank 1 would wait until rank 2's process ends (or the timeout, if
 rank 2 went on into another collective); the flag, looked at every _POLL,
-ends that wait. After a failure every later operation of this instance raises, unrun. The
-collectives of a reallocation (_allocate) block without polling: a rank killed
-in one left both survivors seeing the closed connection within about 1 s in
-every injection run, but that is gloo's doing, not this flag's.
+ends that wait. After a failure every later operation of this instance
+raises, unrun. The collectives of a reallocation (_allocate) block without
+polling: a rank killed in one left both survivors seeing the closed
+connection within about 1 s in every injection run, but that is gloo's doing,
+not this flag's.
 
 The region grows on demand: every rank sees the same sizes in the same
 order, so all reallocate at the same operation. Local rank 0 creates the

@@ -3,21 +3,23 @@
 [Note: the shared-memory barrier]
 A shared-memory collective needs one barrier per round (see [Note: the
 shared-memory protocol] in shared_memory.py). It used to be a one-element gloo
-all-reduce: a TCP round trip over loopback, 0.37 ms and 0.25 ms of CPU per
-barrier on the 2-core test machine (wip measurement with 2 ranks), which made a
-bucket of a few KB cost 15-20x its copies. Here it is counts in the region:
+all-reduce: a TCP round trip over loopback, 0.36-0.48 ms (0.23-0.31 ms of CPU)
+per barrier with 2 ranks on the 2-core test machine, which made a bucket of a
+few KB cost tens of times its copies; the counts take 6-7 us
+(bench/shm_barrier.py, docs/benchmarks/2026-12-03-shm-barrier-cpu.md):
 
     arrive : rank r stores count[r] = k (release: its copies before are seen by
              whoever acquires it), bumps the wake word and futex-wakes sleepers
     wait   : spin a few microseconds, then sleep on the wake word (futex) until
-             every count[j] >= k; every _POLL_MS look at the failure flag, the
-             exit byte, the peers' liveness and the deadline
+             every count[j] >= k; every 2 ms (kPollNs in csrc/cpu/shm_barrier_cpu.cpp)
+             look at the failure flag, the exit byte, the peers' liveness and
+             the deadline
 
 Liveness: a rank that died never arrives. Each rank holds a POSIX record lock
 on byte `rank` of the region's file (taken before the allocation's agreement,
 so before any barrier), which the kernel drops when the process ends,
 SIGKILL included. A waiter that finds a missing peer's byte unlocked fails at
-once (within _POLL_MS), where the gloo barrier waited for gloo to see the
+once (within 2 ms), where the gloo barrier waited for gloo to see the
 closed socket. Record locks belong to the process, not to a thread or to
 forked children (DataLoader workers holding the inherited descriptor keep
 nothing alive), and no PID is compared, so ranks may live in different PID

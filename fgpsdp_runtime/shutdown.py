@@ -19,9 +19,10 @@ finalization) each is asked to stop and is waited for, for at most
 ``EXIT_JOIN_TIMEOUT_S`` in all: a thread stuck in a collective whose peer is
 gone delays the exit by that much and is then left to the interpreter, as
 before. Except a shared-memory barrier: it polls (see [Note: a failed barrier]
-in shared_memory.py), so a worker left in one takes the GIL back every 100 ms
-and would abort the process (seen every time a rank raised after backward
-while a peer ran more than the timeout behind). Its waits are cut short
+in shared_memory.py), so a worker left in one takes the GIL back (gloo's
+barrier every 100 ms, the counts barrier when its wait ends) and would abort
+the process (seen every time a rank raised after backward while a peer ran
+more than the timeout behind, with gloo's barrier). Its waits are cut short
 (``abort_waits``): the barrier fails, as a dying rank's does, which its peers
 see, and the threads get ``EXIT_ABORT_JOIN_TIMEOUT_S`` more. A worker blocked
 in a gloo wait (the inter-node exchange) cannot be cut short and is left to

@@ -109,7 +109,9 @@ class LinkWorker:
     A task may return a function that finishes it (waits for the messages it
     posted): with more than one call in flight, a second thread runs those in
     the same order and resolves each task's future, while the worker goes on
-    posting. Futures are resolved in submission order either way.
+    posting. A task that returns nothing is resolved by the worker itself when no
+    earlier one is with that thread (one thread wake-up less per collective).
+    Futures are resolved in submission order either way.
     """
 
     def __init__(self, name: str, device: torch.device, in_flight: Optional[int] = None):
@@ -123,6 +125,11 @@ class LinkWorker:
         self._finishes: Optional["queue.SimpleQueue"] = None
         self._slots: Optional[threading.Semaphore] = None
         self._finisher: Optional[threading.Thread] = None
+        # Calls handed to the finishing thread and not yet resolved; read by the
+        # worker (a call that finished whole is resolved on the worker only when
+        # none is, so futures still resolve in submission order).
+        self._finishing = 0
+        self._finishing_lock = threading.Lock()
         if self.in_flight > 1:
             self._finishes = queue.SimpleQueue()
             self._slots = threading.Semaphore(self.in_flight)
@@ -168,6 +175,15 @@ class LinkWorker:
             else:
                 failure = None
             if self._finishes is not None:
+                if finish is None and self._finishing == 0:
+                    # Finished whole on this thread (shared memory, NCCL, gloo's
+                    # collectives) with no earlier call still finishing: resolve it
+                    # here, in order, without a hop to the finishing thread.
+                    self._resolve(finish, failure, future)
+                    self._slots.release()
+                    continue
+                with self._finishing_lock:
+                    self._finishing += 1
                 self._finishes.put((finish, failure, future))
                 continue
             self._resolve(finish, failure, future)
@@ -178,6 +194,8 @@ class LinkWorker:
             if item is None:
                 return
             self._resolve(*item)
+            with self._finishing_lock:
+                self._finishing -= 1
             self._slots.release()
 
     @staticmethod

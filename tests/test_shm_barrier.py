@@ -98,6 +98,19 @@ def test_a_rank_that_cannot_lock_makes_every_rank_use_gloos_barrier():
     assert run_distributed(3, _one_rank_cannot_lock) == [(True, True, 0)] * 3
 
 
+def _report_one_reduce_scatter(shm, out, x, path):
+    """Run one reduce-scatter and write what it raised and how long it took."""
+    start = time.monotonic()
+    try:
+        shm.reduce_scatter(out, x)
+        outcome = {"raised": None}
+    except RuntimeError as error:
+        outcome = {"raised": str(error)}
+    outcome["seconds"] = time.monotonic() - start
+    with open(path, "w") as f:
+        json.dump(outcome, f)
+
+
 def _peer_never_arrives(rank, world, report_dir):
     """Rank 0 does not arrive (it sleeps past its group's 3 s timeout); rank 1 fails
     at the timeout, not sooner and not never."""
@@ -114,16 +127,7 @@ def _peer_never_arrives(rank, world, report_dir):
     if rank == 0:
         time.sleep(6)
         return None
-    start = time.monotonic()
-    try:
-        shm.reduce_scatter(out, x)
-        outcome = {"raised": None}
-    except RuntimeError as error:
-        outcome = {"raised": str(error)}
-    outcome["seconds"] = time.monotonic() - start
-    with open(os.path.join(report_dir, "rank1.json"), "w") as f:
-        json.dump(outcome, f)
-    return None
+    _report_one_reduce_scatter(shm, out, x, os.path.join(report_dir, "rank1.json"))
 
 
 def test_a_peer_that_never_arrives_fails_the_wait_at_the_groups_timeout(tmp_path):
@@ -148,15 +152,7 @@ def _killed_before_arriving(rank, world, report_dir):
     if rank == 0:
         subprocess.Popen(["sh", "-c", f"sleep 1; kill -9 {os.getpid()}"])
         os.kill(os.getpid(), signal.SIGSTOP)
-    start = time.monotonic()
-    try:
-        shm.reduce_scatter(out, x)
-        outcome = {"raised": None}
-    except RuntimeError as error:
-        outcome = {"raised": str(error)}
-    outcome["seconds"] = time.monotonic() - start
-    with open(os.path.join(report_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(outcome, f)
+    _report_one_reduce_scatter(shm, out, x, os.path.join(report_dir, f"rank{rank}.json"))
 
 
 def test_survivors_see_a_killed_local_rank_gone_from_the_counts_barrier(tmp_path):

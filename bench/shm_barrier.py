@@ -9,8 +9,9 @@ exchange runs through shared memory) and measures, per barrier kind
 - a barrier alone, and a reduce-scatter / all-gather of a 30 KB bucket
   (microseconds per operation, wall and process CPU, rank 0);
 - a training step of a 20 x Linear(64, 64) MLP, AdamW, batch 16, at
-  ``--bucket-mb`` (0.03: 10 buckets), every schedule-independent cost of a small
-  model, beside torch DDP on the same model (milliseconds per step, rank 0).
+  ``--bucket-mb`` (0.03: 10 buckets), the default schedule (two_stage), where the
+  fixed cost per bucket shows, beside torch DDP on the same model (milliseconds
+  per step, rank 0).
 
 Rounds alternate the kinds; medians over rounds are printed.
 """

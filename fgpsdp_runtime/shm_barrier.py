@@ -50,7 +50,10 @@ def native_barrier_wanted() -> bool:
     """Whether the counts-in-the-region barrier can and may be used here."""
     if os.environ.get("FGPSDP_SHM_BARRIER", "native") == "gloo" or not ops.extension_available():
         return False
-    return bool(ops._C.shm_barrier_supported())
+    # An extension built before the barrier existed (sources updated, not rebuilt)
+    # has no such function: gloo's barrier then, as without the extension.
+    supported = getattr(ops._C, "shm_barrier_supported", None)
+    return supported is not None and bool(supported())
 
 
 def area_bytes(size: int) -> int:

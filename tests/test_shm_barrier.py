@@ -169,3 +169,16 @@ def test_survivors_see_a_killed_local_rank_gone_from_the_counts_barrier(tmp_path
         assert gone in o["raised"] or flagged in o["raised"], outcomes
         # killed about 1 s after the others began to wait (the timeout: 60 s)
         assert o["seconds"] < 5, outcomes
+
+
+def test_an_extension_built_before_the_barrier_means_gloos_barrier(monkeypatch):
+    from fgpsdp_runtime import ops, shm_barrier
+
+    class OlderBuild:  # the kernels, no barrier functions
+        multi_tensor_pack = staticmethod(lambda *args: None)
+    monkeypatch.setattr(ops, "_C", OlderBuild())
+    assert not shm_barrier.native_barrier_wanted()
+    monkeypatch.undo()
+    assert shm_barrier.native_barrier_wanted()
+    monkeypatch.setenv("FGPSDP_SHM_BARRIER", "gloo")
+    assert not shm_barrier.native_barrier_wanted()

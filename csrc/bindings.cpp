@@ -96,8 +96,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("multi_tensor_sq_norm", &fgpsdp::multi_tensor_sq_norm,
         "float64 [sum of squares, non-finite flag] of many tensors, on their device");
   m.def("has_cuda_kernels", &fgpsdp::has_cuda_kernels);
-  m.def("shm_barrier_area_bytes", &fgpsdp::cpu::shm_barrier_area_bytes,
-        "bytes of the shared-memory barrier's area for a group of `size` ranks");
   m.def("shm_barrier_supported", &fgpsdp::cpu::shm_barrier_supported);
   // It may wait for as long as the group's timeout: the GIL is let go meanwhile.
   m.def("shm_barrier_wait", &fgpsdp::cpu::shm_barrier_wait,

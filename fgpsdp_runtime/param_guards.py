@@ -183,15 +183,16 @@ def _note_registration(module: nn.Module, name: str, value: object) -> None:
     entry = _watched_modules.get(id(module))
     if entry is None or entry[0]() is not module:
         return None
-    live_refs = [ref for ref in entry[1] if ref() is not None]  # (dropped wrappers out)
-    if not live_refs:
+    # (ref, ParamPlaces) of the live wrappers, held until the end: dropped ones out once.
+    live = [(ref, places) for ref in entry[1] if (places := ref()) is not None]
+    if not live:
         return None
     state = module.__dict__
     if value is not None and (state.get("_parameters", {}).get(name) is value
                               or state.get("_modules", {}).get(name) is value):
         return None
     if isinstance(value, nn.Module):
-        for places_ref in live_refs:
+        for places_ref, _ in live:
             _watch_subtree(value, places_ref)
         old = state.get("_modules", {}).get(name)
         # Only a swap (an activation cached in forward) is let through: with no module
@@ -199,10 +200,8 @@ def _note_registration(module: nn.Module, name: str, value: object) -> None:
         if old is not None and next(old.parameters(), None) is None \
                 and next(value.parameters(), None) is None:
             return None  # parameter-free for parameter-free
-    for places_ref in live_refs:
-        places = places_ref()
-        if places is not None:
-            places.tree_changed = True
+    for _, places in live:
+        places.tree_changed = True
     return None  # the value is kept as given
 
 

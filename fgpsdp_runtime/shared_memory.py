@@ -247,7 +247,7 @@ class SharedMemoryCollectives:
         return self._gloo_barrier()
 
     def _counts_barrier(self, barrier: RegionBarrier) -> None:
-        rc = barrier.wait(self._region[-_FLAG_BYTES:], self._exit_byte)
+        rc = barrier.wait()
         if rc == 0:
             return
         if rc == 1:
@@ -343,7 +343,8 @@ class SharedMemoryCollectives:
                 # Locked before the agreement below, so before any peer's first barrier
                 # (and before rank 0 unlinks the name).
                 area = region[total - _FLAG_BYTES - barrier_bytes:total - _FLAG_BYTES]
-                barrier = open_region_barrier(area, os.path.join(self.directory, text),
+                barrier = open_region_barrier(area, region[-_FLAG_BYTES:], self._exit_byte,
+                                              os.path.join(self.directory, text),
                                               self.rank, self.size, self._timeout_s)
             # 0: not mapped here; 1: mapped; 2: mapped, with the counts barrier.
             ok = torch.tensor([0 if region is None else 2 if barrier is not None else 1],

@@ -71,12 +71,17 @@ def group_timeout_s(group: dist.ProcessGroup) -> float:
 
 class RegionBarrier:
     """The barrier of one region: ``area`` (uint8, zeroed, area_bytes(size) long) inside
-    it, and this rank's lock on byte ``rank`` of the region's file at ``path``."""
+    it, and this rank's lock on byte ``rank`` of the region's file at ``path``. A wait
+    also ends when the byte ``flag`` (the region's failure flag) or ``exit_byte`` is set."""
 
-    def __init__(self, area: torch.Tensor, path: str, rank: int, size: int, timeout_s: float):
+    def __init__(self, area: torch.Tensor, flag: torch.Tensor, exit_byte: torch.Tensor,
+                 path: str, rank: int, size: int, timeout_s: float):
         if area.numel() != area_bytes(size):
             raise ValueError(f"barrier area of {area.numel()} bytes, need {area_bytes(size)}")
-        self._area = area
+        # The tensors keep the mapping alive; their addresses are what the C++ reads.
+        self._tensors = (area, flag, exit_byte)
+        self._area_ptr, self._flag_ptr, self._exit_ptr = (
+            area.data_ptr(), flag.data_ptr(), exit_byte.data_ptr())
         self.rank, self.size, self.timeout_s = rank, size, timeout_s
         self.arrivals = 0  # barriers this rank has entered in this region
         fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
@@ -91,24 +96,25 @@ class RegionBarrier:
         self._close = weakref.finalize(self, os.close, fd)
         self._close.atexit = False
 
-    def wait(self, flag: torch.Tensor, exit_byte: torch.Tensor) -> int:
-        """Arrive and wait for every rank: 0, or why not (1: a rank set ``flag``;
-        2: ``exit_byte`` is set; 3: the timeout passed; 100 + r: local rank r is gone)."""
+    def wait(self) -> int:
+        """Arrive and wait for every rank: 0, or why not (1: a rank set the flag;
+        2: the exit byte is set; 3: the timeout passed; 100 + r: local rank r is gone)."""
         self.arrivals += 1
-        return int(ops._C.shm_barrier_wait(self._area.data_ptr(), self.rank, self.size,
-                                           self.arrivals, self._fd, flag.data_ptr(),
-                                           exit_byte.data_ptr(), self.timeout_s))
+        return int(ops._C.shm_barrier_wait(self._area_ptr, self.rank, self.size, self.arrivals,
+                                           self._fd, self._flag_ptr, self._exit_ptr,
+                                           self.timeout_s))
 
     def close(self) -> None:
         """Let go of the lock (the region is replaced)."""
         self._close()
 
 
-def open_region_barrier(area: torch.Tensor, path: str, rank: int, size: int,
+def open_region_barrier(area: torch.Tensor, flag: torch.Tensor, exit_byte: torch.Tensor,
+                        path: str, rank: int, size: int,
                         timeout_s: float) -> Optional[RegionBarrier]:
     """A RegionBarrier, or None where the file cannot be locked (the ranks then agree
     on gloo's barrier for this region)."""
     try:
-        return RegionBarrier(area, path, rank, size, timeout_s)
+        return RegionBarrier(area, flag, exit_byte, path, rank, size, timeout_s)
     except OSError:
         return None

@@ -71,8 +71,6 @@ bool lock_free(int fd, int64_t r) {
 }
 }  // namespace
 
-int64_t shm_barrier_area_bytes(int64_t size) { return (1 + size) * kLine; }
-
 bool shm_barrier_supported() { return true; }
 
 int64_t shm_barrier_wait(int64_t area, int64_t rank, int64_t size, int64_t target, int64_t lock_fd,
@@ -117,8 +115,6 @@ int64_t shm_barrier_wait(int64_t area, int64_t rank, int64_t size, int64_t targe
 }
 
 #else  // no futex, no shared-memory barrier: the caller uses gloo's
-
-int64_t shm_barrier_area_bytes(int64_t size) { return (1 + size) * 64; }
 
 bool shm_barrier_supported() { return false; }
 

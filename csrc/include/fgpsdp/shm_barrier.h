@@ -6,8 +6,6 @@
 namespace fgpsdp {
 namespace cpu {
 
-// Bytes of the barrier's area in a region of `size` ranks.
-int64_t shm_barrier_area_bytes(int64_t size);
 // Whether this build has the barrier (Linux: futex and record locks).
 bool shm_barrier_supported();
 // Publish arrival `target` of `rank` in the area at address `area` and wait until

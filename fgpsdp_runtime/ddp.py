@@ -718,10 +718,18 @@ class DistributedDataParallel(nn.Module):
         self._gathers.finish_all(self.plan_profiler if timed else None)
 
     def set_overlap_plan(self, plan: OverlapPlan) -> None:
-        """Replace the two-stage plan; between steps, with the same plan on every rank."""
+        """Replace the two-stage plan; between steps, with the same plan on every rank.
+        Under ``overlap_plan="auto"`` it ends the profile too: the plan set here is
+        kept, not replaced by the profile's."""
         if self.scheduler is None:
             raise RuntimeError("set_overlap_plan: only the two_stage schedule has a plan")
         _check_plan(plan, len(self._buckets))
+        if self.plan_profiler is not None:
+            self.plan_profiler.stop()
+        self.install_overlap_plan(plan)
+
+    def install_overlap_plan(self, plan: OverlapPlan) -> None:
+        """The plan profiler's switch to its plan (checked, the same on every rank)."""
         self.scheduler.set_plan(plan)
         self._gathers.lookahead = plan.lookahead
 

@@ -48,6 +48,7 @@ class PlanProfiler:
         self._profiling = False
         self._extensions = 0  # windows profiled again: the last one timed no backward
         self._window_start = 0.0
+        self._holds_timeline = False  # from the first window's start to the plan
         self._marks = DeviceMarks(model.device) if model.device.type == "cuda" else HostMarks()
         # The mark of the end of the forward that the next backward reduces; None
         # outside one (a round of reduce-scatters at the step, for gradients
@@ -117,6 +118,20 @@ class PlanProfiler:
 
     # -- the window ----------------------------------------------------------------
 
+    def stop(self) -> None:
+        """The caller set a plan of its own (``model.set_overlap_plan``): profile no
+        more, so that the profile's plan does not replace it. Between steps, on
+        every rank, as the plan is set (the profile ends in a broadcast)."""
+        if self.done:
+            return
+        self.done = True
+        if self._holds_timeline:
+            self._holds_timeline = False
+            self.model.timeline.release()
+        self._profiling = False
+        self._ready_marks, self._backward_marks, self._wait_marks = [], [], []
+        self._forward_end = None
+
     def _open_window(self) -> None:
         self._profiling = True
         self._window_start = time.perf_counter()
@@ -129,6 +144,7 @@ class PlanProfiler:
             # clock's synchronisation costs next to nothing.
             timeline.start_cuda_clock(self.model.device)
         timeline.hold()
+        self._holds_timeline = True
 
     def _finish(self) -> None:
         model = self.model
@@ -167,8 +183,9 @@ class PlanProfiler:
             self._open_window()
             return
         self.done = True
+        self._holds_timeline = False
         model.timeline.release()
-        model.set_overlap_plan(OverlapPlan.from_json(box[0]))
+        model.install_overlap_plan(OverlapPlan.from_json(box[0]))
 
     def _resolve_marks(self, ready_marks, backward_marks
                        ) -> tuple[dict[int, list[float]], list[float]]:

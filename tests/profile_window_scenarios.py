@@ -105,6 +105,12 @@ def _train_as_is(rank: int, case: str, schedule: str, overlap_plan: str, steps: 
     for step in range(1, steps + 1):
         if case == "user_timeline" and step == 2:
             model.timeline.enable()  # inside the profile's window
+        # A plan of the caller's, before the window (step 1) or inside it (step 3):
+        # kept, the profile ends there (it used to replace the plan after step 3).
+        if (case, step) in (("hand_plan_before_window", 1), ("hand_plan_in_window", 3)) \
+                and schedule == "two_stage":
+            model.set_overlap_plan(fgp.OverlapPlan(stage1=(0, 1, 2), stage2=(3,), lookahead=4,
+                                                   source="by hand"))
         all_no_sync = ((case == "no_sync_step" and step == 3)
                        or (case == "no_sync_window" and step in (2, 3))
                        or case == "always_no_sync")

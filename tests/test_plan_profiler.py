@@ -29,7 +29,18 @@ def test_profile_window_unusual_loops():
     calls.append((speculation_budget_elsewhere,))
     calls.append((undo_bytes_before_state_exists,))
     calls.append((joined_before_the_window,))
+    hand_plans = [(profile_window, case) for case in ("hand_plan_before_window",
+                                                      "hand_plan_in_window")]
+    calls += hand_plans
     results = run_calls(2, calls, timeout_s=600)
+    # model.set_overlap_plan under "auto" ends the profile: its plan stays, speculates,
+    # and the timeline the window held is off and empty again.
+    for call in hand_plans:
+        for r in results[call]:
+            assert json.loads(r["plan"])["source"] == "by hand", (call, r["plan"])
+            assert r["equal_to_serial"] and r["commits"] > 0, (call, r)
+            assert not r["timeline_enabled"] and r["timeline_spans"] == 0, (call, r)
+        calls.remove(call)
     # A rank joined through the window times no waits; the active one waits for no
     # candidate: no stage 1 (it was [0, 1, 2] from the joined rank's waits).
     joined, active = results[(joined_before_the_window,)]

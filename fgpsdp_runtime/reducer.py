@@ -213,6 +213,10 @@ class GradientReducer:
         # of the module.
         reducer_ref = weakref.ref(self)
 
+        # Autograd calls this from inside a compiled training step too (the backward
+        # is a graph break, dynamo's frame callback still set): run it as it is, as
+        # the optimizer's calls run, not traced (one recompile per parameter index).
+        @torch.compiler.disable
         def hook(grad_inputs, grad_outputs) -> None:
             reducer = reducer_ref()
             if reducer is not None:
@@ -320,6 +324,7 @@ class GradientReducer:
         """
         reducer_ref = weakref.ref(self)
 
+        @torch.compiler.disable  # see _make_hook
         def hook(grad: torch.Tensor) -> None:
             reducer = reducer_ref()
             if reducer is not None and reducer.backward_sync and not reducer._callback_queued:
@@ -331,6 +336,7 @@ class GradientReducer:
             if tensor.requires_grad and tensor.grad_fn is not None:
                 tensor.register_hook(hook)
 
+    @torch.compiler.disable  # see _make_hook
     def _queue_backward_end(self) -> None:
         # Runs once the whole backward has finished: flushes buckets whose
         # parameters got no gradient on this rank.
@@ -345,6 +351,7 @@ class GradientReducer:
         for listener in self.backward_start_listeners:
             listener()
 
+    @torch.compiler.disable  # autograd's end-of-backward callback: see _make_hook
     def _on_backward_end(self) -> None:
         # Every schedule reduces once per backward ("serial" only here, at the
         # end), so accumulating over several backwards sums the same way.

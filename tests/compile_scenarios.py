@@ -188,3 +188,46 @@ def compiled_autograd_refused(rank: int, world_size: int) -> str:
         return str(error)
     finally:
         torch._dynamo.config.compiled_autograd = previous
+
+
+def compiled_step_leaves_our_hooks_untraced(rank: int, world_size: int, schedule: str) -> dict:
+    """A whole training step under torch.compile: autograd calls our gradient-accumulator
+    hooks, output hooks and end-of-backward callback from inside the compiled frame's
+    graph break. Before, dynamo traced them (one recompile per parameter index up to
+    config.recompile_limit, whose warning every rank logged, and UserWarnings about
+    _thread.allocate_lock, our multi_tensor_pack and time.perf_counter)."""
+    import io
+    import logging
+    import warnings
+    torch.manual_seed(0)
+    base = nn.Sequential(*[nn.Linear(16, 16) for _ in range(10)])  # > recompile_limit params
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    kw = {"overlap_plan": "layout"} if schedule == "two_stage" else {}
+    model = fgp.DistributedDataParallel(base, bucket_cap_mb=0.0001, schedule=schedule, **kw)
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    log = io.StringIO()
+    handler = logging.StreamHandler(log)
+    logging.getLogger("torch._dynamo").addHandler(handler)
+
+    def step(x):
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    compiled = torch.compile(step, backend=BACKEND)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for i in range(4):
+                x = torch.randn(4, 16, generator=torch.Generator().manual_seed(10 * i + rank))
+                compiled(x)
+                ref(x).square().mean().backward()
+                ref_opt.step()
+                ref_opt.zero_grad()
+    finally:
+        logging.getLogger("torch._dynamo").removeHandler(handler)
+    return {"diff_to_ddp": _params_and_diff(model, ref)["diff_to_ddp"],
+            "dynamo_warnings": sorted({str(w.message)[:120] for w in caught
+                                       if "Dynamo" in str(w.message)}),
+            "recompile_limit_hit": "recompile_limit" in log.getvalue()}

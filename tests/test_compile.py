@@ -75,3 +75,13 @@ def test_compiled_autograd_is_refused_with_a_clear_error():
     for message in run_distributed(2, compile_scenarios.compiled_autograd_refused,
                                    timeout_s=300):
         assert "compiled autograd" in message and "not supported" in message, message
+
+
+@pytest.mark.parametrize("schedule", ("serial", "two_stage"))
+def test_a_compiled_training_step_does_not_trace_the_reducer_hooks(schedule):
+    for rank, res in enumerate(run_distributed(
+            2, compile_scenarios.compiled_step_leaves_our_hooks_untraced, schedule,
+            timeout_s=300)):
+        assert res["diff_to_ddp"] == 0.0, (rank, res)
+        assert res["dynamo_warnings"] == [], (rank, res["dynamo_warnings"])
+        assert not res["recompile_limit_hit"], rank

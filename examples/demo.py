@@ -87,10 +87,14 @@ def run(rank: int, world_size: int, port: int, args) -> None:
     diffs = [torch.zeros(1, dtype=torch.float64) for _ in range(world_size)]
     dist.all_gather(diffs, torch.tensor([diff], dtype=torch.float64))
     if rank == 0:
-        med = {k: sorted(v[1:])[len(v[1:]) // 2] * 1e3 for k, v in times.items()}
         print("-" * 52)
-        print(f"median step time (ms, excluding step 0): fgpsdp {med['fgpsdp']:.1f}, "
-              f"DDP {med['ddp']:.1f}  (CPU processes sharing this machine's cores)")
+        # Step 0 includes warm-up; leave it out when there is another step to show.
+        timed = {k: (v[1:] or v) for k, v in times.items()}
+        if all(timed.values()):
+            med = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in timed.items()}
+            which = "excluding step 0" if args.steps > 1 else "step 0 only"
+            print(f"median step time (ms, {which}): fgpsdp {med['fgpsdp']:.1f}, "
+                  f"DDP {med['ddp']:.1f}  (CPU processes sharing this machine's cores)")
         print("optimizer-state bytes per rank:")
         for r, t in enumerate(gathered):
             print(f"  rank {r}: fgpsdp {int(t[0]):>10,}   DDP {int(t[1]):>10,}")
@@ -111,12 +115,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=30, help="training steps (at least 1)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--bucket-cap-mb", type=float, default=0.1)
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

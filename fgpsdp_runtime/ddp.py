@@ -745,7 +745,10 @@ class DistributedDataParallel(nn.Module):
             raise RuntimeError(
                 "fgpsdp: a state_dict() or a copy of the module (copy.deepcopy, torch.save) "
                 "between backward and opt.step() would hold two_stage's speculative updates; "
-                "save or copy after opt.step(), or call model.synchronize() on every rank first")
+                "save or copy after opt.step(), or call model.synchronize() on every rank first "
+                "(not after a step cut short by an exception or Ctrl-C: the ranks may have "
+                "stopped at different points, and synchronize() would wait for the process "
+                "group's timeout; keep the checkpoint of the last completed step)")
         # With the default lookahead every all-gather has started at the step;
         # with a smaller one, save on every rank (the rest start here).
         self.finish_param_all_gathers()

@@ -221,6 +221,9 @@ class DistributedDataParallel(nn.Module):
         # What the ranks' collectives must pair on: one rank's setting alone
         # would leave the others waiting (or summing bytes of another dtype).
         settings = {"topology": self.topology.summary(), "schedule": schedule,
+                    # A rank skipping the initial broadcast would pair its first
+                    # reduce-scatter with the others' broadcast.
+                    "init_sync": bool(init_sync),
                     "overlap_plan": _plan_setting(overlap_plan),
                     # It shapes the plan (rank 0's is broadcast): one meaning for all.
                     "speculation_memory_mb": speculation_memory_mb,

@@ -81,33 +81,46 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not isinstance(model, DistributedDataParallel):
             raise TypeError("ShardedOptimizer needs the fgpsdp_runtime.DistributedDataParallel "
                             f"wrapper, got {type(model).__name__}")
+        # Checked on every rank before any is refused: a rank that raised alone would
+        # leave the others to fail in their first collective (or wait out the timeout).
+        self.model = model
+        problem: Optional[Exception] = None
+        groups = None
+        try:
+            if not (isinstance(optimizer_class, type)
+                    and issubclass(optimizer_class, torch.optim.Optimizer)):
+                raise TypeError("optimizer_class must be a torch.optim.Optimizer subclass "
+                                f"(for example torch.optim.AdamW), got {optimizer_class!r}")
+            name = getattr(optimizer_class, "__name__", "").lower()
+            if name in _NOT_ELEMENTWISE or any(part in name for part in _NOT_ELEMENTWISE_PARTS):
+                raise TypeError(f"{optimizer_class.__name__} is not element-wise (its update reads "
+                                "a whole tensor's shape or norm, or all parameters, or blocks of "
+                                "quantized state, or it needs a closure or sparse gradients); it "
+                                "cannot run on flat slices")
+            if max_grad_norm is not None and not (max_grad_norm > 0):
+                raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
+            groups = self._normalise_groups(param_groups)
+        except (TypeError, ValueError) as error:
+            problem = error
         # A rank clipping alone would roll back and send again what the others
-        # commit: their collectives would no longer pair. (First: a rank that
-        # raises below alone would leave the others waiting here.)
+        # commit: their collectives would no longer pair. Groups that differ
+        # would step the slices of one parameter with other hyperparameters.
         settings_agree_or_raise(model.process_group, {
             "optimizer_class": getattr(optimizer_class, "__module__", "") + "."
             + getattr(optimizer_class, "__qualname__", repr(optimizer_class)),
             # repr of a float: 1 and 1.0 agree, and nan equals nan (refused below).
-            "max_grad_norm": _float_text(max_grad_norm)},
+            "max_grad_norm": _float_text(max_grad_norm),
+            "argument problem": None if problem is None
+            else f"{type(problem).__name__}: {problem}",
+            "param_groups (parameter indices per group)": None if groups is None else
+            [[model.param_index(p) for p in g["params"]] for g in groups]},
             "cannot build the ShardedOptimizer")
-        if not (isinstance(optimizer_class, type)
-                and issubclass(optimizer_class, torch.optim.Optimizer)):
-            raise TypeError("optimizer_class must be a torch.optim.Optimizer subclass "
-                            f"(for example torch.optim.AdamW), got {optimizer_class!r}")
-        name = getattr(optimizer_class, "__name__", "").lower()
-        if name in _NOT_ELEMENTWISE or any(part in name for part in _NOT_ELEMENTWISE_PARTS):
-            raise TypeError(f"{optimizer_class.__name__} is not element-wise (its update reads a "
-                            "whole tensor's shape or norm, or all parameters, or blocks of "
-                            "quantized state, or it needs a closure or sparse gradients); it "
-                            "cannot run on flat slices")
-        if max_grad_norm is not None and not (max_grad_norm > 0):
-            raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
-        self.model = model
+        if problem is not None:
+            raise problem
         self.max_grad_norm = max_grad_norm
         self.skipped_steps = 0  # steps skipped because the gradient norm was inf/NaN
         self.last_step_skipped = False
 
-        groups = self._normalise_groups(param_groups)
         # _pieces_of_bucket serves _assign_slice_grads.
         self._pieces, self._pieces_of_bucket = self._build_pieces()
         slice_groups = []

@@ -111,7 +111,7 @@ def resolve(topology: TopologyArg, world_size: int,
         raise TypeError(f"topology must be a Topology, 'flat' or 'auto', got {type(topology).__name__}")
     local = topology.local_size
     if local is None:
-        local = _local_size_from_env(world_size) if group_ranks is None \
+        local = _local_size_from_env(world_size, topology.hierarchical) if group_ranks is None \
             else _local_size_of_subgroup_from_env(group_ranks)
     if not isinstance(local, int) or local < 1:
         raise ValueError(f"local_size must be a positive integer, got {local!r}")
@@ -125,13 +125,22 @@ def resolve(topology: TopologyArg, world_size: int,
                       shared_memory=bool(shared_memory))
 
 
-def _local_size_from_env(world_size: int) -> int:
+def _local_size_from_env(world_size: int, hierarchical: bool = True) -> int:
     value = os.environ.get("LOCAL_WORLD_SIZE")
     if value is None:
         return world_size  # not launched by torchrun: assume one node
     local = int(value)
-    if local < 1 or world_size % local:
-        raise ValueError(f"LOCAL_WORLD_SIZE={local} does not divide the world size {world_size}")
+    if local < 1:
+        raise ValueError(f"LOCAL_WORLD_SIZE={local} is not a positive integer")
+    if world_size % local:
+        if not hierarchical:
+            # Nodes of different sizes (torchrun agents with different
+            # --nproc_per_node): without the hierarchy only "one node or
+            # several" counts, and this node is not all of them. As a subgroup
+            # spread unevenly over nodes (_local_size_of_subgroup_from_env).
+            return 1
+        raise ValueError(f"LOCAL_WORLD_SIZE={local} does not divide the world size {world_size}"
+                         " (nodes of different sizes: topology='flat' runs on them)")
     return local
 
 

@@ -463,3 +463,26 @@ def device_ids_for_a_cpu_module(rank, world_size):
     # torch DDP refuses it at construction; before, the first forward moved the
     # inputs to cuda:0 ("Torch not compiled with CUDA enabled" on a CPU build).
     fgp.DistributedDataParallel(nn.Linear(4, 4), device_ids=[0])
+
+
+def init_sync_differs(rank, world_size):
+    """A rank that skips the initial broadcast would pair its first reduce-scatter with
+    the others' broadcast (torch DDP hangs there)."""
+    fgp.DistributedDataParallel(MLP(), init_sync=rank != 1)
+
+
+def optimizer_argument_bad_on_one_rank(rank, world_size):
+    """Refused on rank 1 alone: before, the others went on into their first collective."""
+    model = fgp.DistributedDataParallel(MLP())
+    extra = [nn.Parameter(torch.zeros(3))] if rank == 1 else []
+    fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1,
+                         param_groups=[{"params": list(model.parameters()) + extra}])
+
+
+def optimizer_groups_differ(rank, world_size):
+    """Slices of one parameter would step with another group's hyperparameters."""
+    model = fgp.DistributedDataParallel(MLP())
+    params = list(model.parameters())
+    groups = [{"params": params}] if rank == 0 else [{"params": params[:2]},
+                                                      {"params": params[2:]}]
+    fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1, param_groups=groups)

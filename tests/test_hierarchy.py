@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from fgpsdp_runtime.topology import NodeLayout, Topology, resolve
 
@@ -133,3 +134,43 @@ def test_two_torchrun_agents_detect_topology(tmp_path):
     lines = sorted((tmp_path / f"rank{r}.txt").read_text() for r in range(4))
     # rank, node, local, slice, param diff
     assert lines == sorted(f"{r} {r // 2} {r % 2} {(r % 2) * 2 + r // 2} ok" for r in range(4))
+
+
+def test_flat_on_nodes_of_different_sizes(monkeypatch):
+    """torchrun agents with --nproc_per_node 2 and 1 (world 3): 'flat' runs, as torch DDP
+    does (it was refused: LOCAL_WORLD_SIZE must divide the world); the hierarchy still
+    needs equal nodes."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    layout = resolve("flat", 3)
+    assert not layout.uses_hierarchy and layout.nodes > 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    assert layout.summary() == resolve("flat", 3).summary()  # the other node's rank agrees
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match="does not divide"):
+        resolve(None, 3)
+
+
+def _flat_on_uneven_nodes(rank, world_size):
+    from torch import nn
+
+    import fgpsdp_runtime as fgp
+    os.environ.update(LOCAL_WORLD_SIZE="2" if rank < 2 else "1",
+                      GROUP_RANK="0" if rank < 2 else "1",
+                      LOCAL_RANK=str(rank % 2 if rank < 2 else 0))
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    model = fgp.DistributedDataParallel(module, topology="flat")
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1, max_grad_norm=0.5)
+    for step in range(3):
+        torch.manual_seed(step + 10 * rank)
+        model(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    model.synchronize()
+    return [p.detach().clone() for p in model.module.parameters()]
+
+
+def test_flat_trains_on_nodes_of_different_sizes():
+    ranks = run_distributed(3, _flat_on_uneven_nodes, timeout_s=120)
+    for other in ranks[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(ranks[0], other))

@@ -89,12 +89,11 @@ def run(rank: int, world_size: int, port: int, args) -> None:
     if rank == 0:
         print("-" * 52)
         # Step 0 includes warm-up; leave it out when there is another step to show.
-        timed = {k: (v[1:] or v) for k, v in times.items()}
-        if all(timed.values()):
-            med = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in timed.items()}
-            which = "excluding step 0" if args.steps > 1 else "step 0 only"
-            print(f"median step time (ms, {which}): fgpsdp {med['fgpsdp']:.1f}, "
-                  f"DDP {med['ddp']:.1f}  (CPU processes sharing this machine's cores)")
+        timed = {k: (v[1:] or v) for k, v in times.items()}  # --steps >= 1
+        med = {k: sorted(v)[len(v) // 2] * 1e3 for k, v in timed.items()}
+        which = "excluding step 0" if args.steps > 1 else "step 0 only"
+        print(f"median step time (ms, {which}): fgpsdp {med['fgpsdp']:.1f}, "
+              f"DDP {med['ddp']:.1f}  (CPU processes sharing this machine's cores)")
         print("optimizer-state bytes per rank:")
         for r, t in enumerate(gathered):
             print(f"  rank {r}: fgpsdp {int(t[0]):>10,}   DDP {int(t[1]):>10,}")

@@ -48,7 +48,6 @@ class PlanProfiler:
         self._profiling = False
         self._extensions = 0  # windows profiled again: the last one timed no backward
         self._window_start = 0.0
-        self._holds_timeline = False  # from the first window's start to the plan
         self._marks = DeviceMarks(model.device) if model.device.type == "cuda" else HostMarks()
         # The mark of the end of the forward that the next backward reduces; None
         # outside one (a round of reduce-scatters at the step, for gradients
@@ -125,8 +124,7 @@ class PlanProfiler:
         if self.done:
             return
         self.done = True
-        if self._holds_timeline:
-            self._holds_timeline = False
+        if self.steps >= self.warmup_steps:  # _start() ran: its hold on the timeline
             self.model.timeline.release()
         self._profiling = False
         self._ready_marks, self._backward_marks, self._wait_marks = [], [], []
@@ -144,7 +142,6 @@ class PlanProfiler:
             # clock's synchronisation costs next to nothing.
             timeline.start_cuda_clock(self.model.device)
         timeline.hold()
-        self._holds_timeline = True
 
     def _finish(self) -> None:
         model = self.model
@@ -183,7 +180,6 @@ class PlanProfiler:
             self._open_window()
             return
         self.done = True
-        self._holds_timeline = False
         model.timeline.release()
         model.install_overlap_plan(OverlapPlan.from_json(box[0]))
 

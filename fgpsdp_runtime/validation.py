@@ -92,6 +92,14 @@ def local_problems(module: torch.nn.Module,
         # on its first in-place broadcast).
         problems.append("the wrapper was built under torch.inference_mode(); build it "
                         "outside (torch.no_grad() is fine)")
+    if not trainable:
+        # torch DDP refuses it too: there would be nothing to reduce or step, and
+        # a loop that wraps such a module by mistake (all of it frozen before the
+        # layers to fine-tune were unfrozen) is better told than left running
+        # steps that change nothing.
+        problems.append("the module has no parameter that requires a gradient (none at "
+                        "all, or all frozen): nothing to train in data parallel; unfreeze "
+                        "the parameters to train before wrapping")
     devices = {p.device for _, p in trainable}
     if len(devices) > 1:
         listing = ", ".join(f"{n} on {p.device}" for n, p in trainable[:8])

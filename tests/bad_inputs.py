@@ -166,6 +166,15 @@ def process_group_and_device_mesh(rank, world_size):
     fgp.DistributedDataParallel(MLP(), process_group=mesh.get_group(), device_mesh=mesh)
 
 
+def all_parameters_frozen(rank, world_size):
+    model = MLP().requires_grad_(False)
+    fgp.DistributedDataParallel(model)
+
+
+def no_parameters(rank, world_size):
+    fgp.DistributedDataParallel(nn.Sequential(nn.ReLU(), nn.Flatten()))
+
+
 def trainable_parameter_ignored(rank, world_size):
     model = MLP()
     torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(

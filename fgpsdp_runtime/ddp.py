@@ -8,6 +8,7 @@ methods below.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 import weakref
 from typing import Any, Iterator, Optional, Sequence, Union
@@ -63,10 +64,28 @@ def _connect_nccl_groups(groups: Sequence[Optional[dist.ProcessGroup]],
     if device.type != "cuda":
         return
     flag = torch.zeros(1, device=device)
-    for group in groups:
-        if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER \
-                and "nccl" in str(dist.get_backend(group)):  # "cpu:gloo,cuda:nccl" too
-            dist.all_reduce(flag, group=group)
+    nccl_groups = [group for group in groups
+                   if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER
+                   and "nccl" in str(dist.get_backend(group))]  # "cpu:gloo,cuda:nccl" too
+    for group in nccl_groups:
+        dist.all_reduce(flag, group=group)
+    _warn_if_one_hardware_queue(len(nccl_groups))
+
+
+def _warn_if_one_hardware_queue(nccl_groups: int) -> None:
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 (set for Megatron-style tensor-parallel
+    overlap) gives every CUDA stream of the process one hardware queue, which runs
+    kernels in launch order. NCCL kernels wait for their peers, and the link
+    workers' launch orders across groups differ between ranks (link_worker.py):
+    NCCL only guarantees progress to concurrent communicators whose kernels can
+    run side by side (the hazard NCCL documents; not yet run on a GPU)."""
+    if nccl_groups > 1 and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() == "1":
+        warnings.warn("fgpsdp: CUDA_DEVICE_MAX_CONNECTIONS=1 puts every CUDA stream of this "
+                      "process in one hardware queue, while this wrapper runs collectives "
+                      f"on {nccl_groups} NCCL communicators at once from separate threads, "
+                      "in orders that may differ between ranks: their kernels can then wait "
+                      "on each other across ranks (a hang). Unset it for training with "
+                      "fgpsdp.", RuntimeWarning, stacklevel=4)
 
 
 def _plan_setting(plan: Union[str, OverlapPlan]) -> Any:

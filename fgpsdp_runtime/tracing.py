@@ -41,6 +41,7 @@ class Timeline:
         self._cuda_spans: list[tuple[str, str, object, object]] = []
         self._host_origin = time.perf_counter()
         self._cuda_origin = None
+        self._cuda_origin_device = None
         self._wanted = False  # the user's say: enable() / disable()
         self._holders = 0  # the runtime's own readers (the plan profiler), see hold()
 
@@ -94,9 +95,11 @@ class Timeline:
         """Pin CUDA event times to the host clock: an event recorded at a known host time.
 
         One device synchronisation, so call it where the host has just waited for
-        the GPU anyway (the plan profiler does, at the end of a step); otherwise
-        the first CUDA span takes it, on its link worker. Never under ``_lock``:
+        the GPU anyway (the plan profiler does, at the end of a step), and only
+        from the training thread (see cuda_span_events). Never under ``_lock``:
         a span added meanwhile (the end of backward adds one) would wait for the GPU.
+        Without it, the first CUDA span's start event is the origin, tied to the
+        host clock when the spans are read.
         """
         if self._cuda_origin is not None:
             return
@@ -112,10 +115,17 @@ class Timeline:
         """Start event recorded on ``stream``; pass it to ``end_cuda_span``."""
         if not self.enabled:
             return None
-        if self._cuda_origin is None:
-            self.start_cuda_clock(stream.device, stream)
         start = torch.cuda.Event(enable_timing=True)
         start.record(stream)
+        if self._cuda_origin is None:
+            # No device synchronisation here: this runs on a link worker just
+            # before its collective, and a worker waiting for the whole device
+            # may wait for another link's collective whose peer, on another rank,
+            # is that rank's worker blocked the same way: a hang across ranks.
+            with self._lock:
+                if self._cuda_origin is None:
+                    self._cuda_origin, self._host_origin = start, None
+                    self._cuda_origin_device = stream.device
         return start
 
     def end_cuda_span(self, lane: str, name: str, start, stream) -> None:
@@ -136,10 +146,20 @@ class Timeline:
         if cuda_spans:
             torch.cuda.synchronize()
             origin = self._cuda_origin
+            if self._host_origin is None:  # the origin is a span's start event
+                self._host_origin = self._host_time_of(origin)
             for lane, name, start, end in cuda_spans:
                 spans.append((lane, name, self._host_origin + origin.elapsed_time(start) / 1e3,
                               self._host_origin + origin.elapsed_time(end) / 1e3))
         return sorted(spans, key=lambda s: s[2])
+
+    def _host_time_of(self, event) -> float:
+        """perf_counter reading at which ``event`` (recorded, completed) ran: an
+        event recorded now on the idle device, and the GPU time between them."""
+        now = torch.cuda.Event(enable_timing=True)
+        now.record(torch.cuda.current_stream(self._cuda_origin_device))
+        now.synchronize()
+        return time.perf_counter() - event.elapsed_time(now) / 1e3
 
     def chrome_trace(self) -> dict:
         """Chrome trace JSON object: complete ("X") events in microseconds."""

@@ -6,6 +6,7 @@ import random
 import threading
 import time
 
+import pytest
 import torch
 
 from fgpsdp_runtime.link_worker import LinkWorker
@@ -71,3 +72,21 @@ def test_a_failure_resolves_in_order_between_finishing_calls():
     worker.close()
     worker.join(timeout=10)
     assert order == [0, 1, 2]
+
+
+def test_one_hardware_queue_with_several_nccl_communicators_warns(monkeypatch):
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 serialises the link workers' NCCL kernels in
+    launch order, which differs between ranks: said at wrapping, not left to hang."""
+    import warnings
+    from fgpsdp_runtime.ddp import _warn_if_one_hardware_queue
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    with pytest.warns(RuntimeWarning, match=r"CUDA_DEVICE_MAX_CONNECTIONS=1 .* 4 NCCL "
+                      r"communicators at once"):
+        _warn_if_one_hardware_queue(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _warn_if_one_hardware_queue(1)  # one communicator: one launch order
+        monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+        _warn_if_one_hardware_queue(4)
+        monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+        _warn_if_one_hardware_queue(4)

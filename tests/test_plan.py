@@ -142,7 +142,7 @@ def test_device_marks_read_event_times_in_seconds(monkeypatch):
 
 
 def test_timeline_spans_never_wait_for_the_cuda_clock(monkeypatch):
-    """The first CUDA span pins event times to the host clock with a device
+    """start_cuda_clock pins event times to the host clock with a device
     synchronisation; a span added meanwhile (the end of backward adds one) must
     not wait for the GPU. Stand-ins: a synchronisation that takes 0.3 s."""
     import threading
@@ -170,7 +170,7 @@ def test_timeline_spans_never_wait_for_the_cuda_clock(monkeypatch):
     monkeypatch.setattr(torch.cuda, "synchronize", slow_synchronize)
     timeline = Timeline()
     timeline.enable()
-    worker = threading.Thread(target=lambda: timeline.cuda_span_events(FakeStream()))
+    worker = threading.Thread(target=lambda: timeline.start_cuda_clock("cuda:0", FakeStream()))
     worker.start()
     assert syncing.wait(5)
     t0 = time.perf_counter()
@@ -178,6 +178,65 @@ def test_timeline_spans_never_wait_for_the_cuda_clock(monkeypatch):
     waited = time.perf_counter() - t0
     worker.join()
     assert waited < 0.15, f"Timeline.add waited {waited:.3f} s for another thread's device sync"
+
+
+def test_link_workers_cuda_spans_never_synchronise_the_device(monkeypatch):
+    """A link worker's first CUDA span must not synchronise the device: that waits
+    for the other links' collectives, whose peers on other ranks may be workers
+    blocked the same way (a hang). Its start event becomes the origin, tied to
+    the host clock when the spans are read. Stand-ins: events on a fake GPU clock."""
+    import threading
+    import time
+    import torch
+    from fgpsdp_runtime.tracing import Timeline
+    gpu_clock_ms = [100.0]
+    syncs = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            assert enable_timing
+
+        def record(self, stream=None):
+            self.at_ms = gpu_clock_ms[0]
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return other.at_ms - self.at_ms
+
+    class FakeStream:
+        device = "cuda:0"
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: syncs.append(
+        threading.current_thread().name))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+    timeline = Timeline()
+    timeline.enable()
+
+    def link_worker():
+        for name, start_ms, end_ms in (("RS b0", 150.0, 250.0), ("RS b1", 250.0, 300.0)):
+            gpu_clock_ms[0] = start_ms
+            start = timeline.cuda_span_events(FakeStream())
+            gpu_clock_ms[0] = end_ms
+            timeline.end_cuda_span("intra-rs", name, start, FakeStream())
+
+    worker = threading.Thread(target=link_worker, name="link worker")
+    worker.start()
+    worker.join()
+    assert syncs == [], f"the link worker synchronised the device: {syncs}"
+    gpu_clock_ms[0] = 400.0  # the GPU time when the spans are read
+    before = time.perf_counter()
+    spans = timeline.spans()
+    after = time.perf_counter()
+    assert "link worker" not in syncs and syncs  # read on this thread, after one sync
+    (_, n0, s0, e0), (_, n1, s1, e1) = spans
+    assert (n0, n1) == ("RS b0", "RS b1")
+    # Each event at (host time of "now") - (400 ms - its GPU time).
+    assert before - 0.25 <= s0 <= after - 0.25 and before - 0.15 <= e0 <= after - 0.15
+    assert abs((e0 - s0) - 0.1) < 1e-9 and abs((s1 - e0)) < 1e-9 and abs((e1 - s1) - 0.05) < 1e-9
+    assert timeline.spans()[0][2] == s0  # the origin's host time is kept once found
 
 
 def _three_candidates():

@@ -11,6 +11,7 @@ cluster: correct stream code gives the same numbers with and without it.
 import json
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -231,9 +232,60 @@ def profile_times_forward_waits_on_gpu() -> dict:
             "slow_forward_waits_nothing": max(slow_forward.values()) < 0.1 * ag_s}
 
 
+def timeline_enabled_mid_run() -> dict:
+    """model.timeline.enable() after the first step, with no plan profiler to pin
+    the CUDA clock: no link worker synchronises the device (across ranks that can
+    hang), and the spans read back are GPU times on the host clock: a
+    reduce-scatter behind a GPU sleep lasts at least the sleep and lies between
+    the host's readings before the steps and after reading the spans."""
+    cycles = int(2e8)
+    sleep_s = _gpu_seconds(cycles)
+    torch.manual_seed(0)
+    device = torch.device("cuda", torch.cuda.current_device())
+    module = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)]).to(device)
+    model = fgp.DistributedDataParallel(module, bucket_cap_mb=1, schedule="next_forward",
+                                        overlap_plan="layout")
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    x = torch.randn(64, 512, device=device)
+
+    def step():
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    step()
+    model.synchronize()
+    torch.cuda.synchronize()
+    _slow_link(cycles)
+    syncing_threads = []
+    original_synchronize = torch.cuda.synchronize
+
+    def recording_synchronize(device=None):
+        syncing_threads.append(threading.current_thread().name)
+        return original_synchronize(device)
+    torch.cuda.synchronize = recording_synchronize
+    try:
+        model.timeline.enable()
+        before = time.perf_counter()
+        step()
+        step()
+        model.synchronize()
+        spans = model.timeline.spans()
+        after = time.perf_counter()
+    finally:
+        torch.cuda.synchronize = original_synchronize
+        _slow_link(0)
+    reduce_scatters = [(start, end) for lane, _, start, end in spans if lane.endswith("-rs")]
+    return {"worker_syncs": [n for n in syncing_threads if n != threading.main_thread().name],
+            "reduce_scatters": len(reduce_scatters) >= 2,
+            "each_lasts_the_sleep": all(end - start >= 0.9 * sleep_s
+                                        for start, end in reduce_scatters),
+            "on_the_host_clock": all(before <= start and end <= after
+                                     for start, end in reduce_scatters)}
+
+
 CASES = {f.__name__: f for f in (hierarchical_partial_sum, slow_link_same_result,
                                  shard_round_trip, profile_reads_gpu_time,
-                                 profile_times_forward_waits_on_gpu)}
+                                 profile_times_forward_waits_on_gpu, timeline_enabled_mid_run)}
 
 if __name__ == "__main__":
     torch.cuda.set_device(0)

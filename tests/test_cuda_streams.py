@@ -57,3 +57,9 @@ def test_profile_times_forward_waits_on_the_gpu():
     assert result == {"n_buckets": result["n_buckets"], "conclusive": True,
                       "slow_link_waits": True, "slow_forward_waits_nothing": True}
     assert result["n_buckets"] >= 4
+
+
+def test_timeline_enabled_mid_run_never_syncs_on_a_link_worker():
+    assert _run("timeline_enabled_mid_run") == {
+        "worker_syncs": [], "reduce_scatters": True, "each_lasts_the_sleep": True,
+        "on_the_host_clock": True}

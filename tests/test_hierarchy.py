@@ -148,6 +148,12 @@ def test_flat_on_nodes_of_different_sizes(monkeypatch):
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(ValueError, match="does not divide"):
         resolve(None, 3)
+    # Nodes of 4 and 2 (world 6): the small node's size divides the world, the
+    # large one's does not; both resolve to what the ranks compare alike.
+    small = resolve("flat", 6)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert resolve("flat", 6).summary() == small.summary()
+    assert not small.uses_hierarchy and small.slice_index(5) == 5
 
 
 def _flat_on_uneven_nodes(rank, world_size):

@@ -834,23 +834,33 @@ def synchronize_between_backward_and_step(rank: int, world_size: int, schedule: 
             "rollbacks": model.scheduler.rollbacks if model.scheduler else 0}
 
 
-def _gan_iteration(step: int, rank: int, G, D, opt_g, opt_d) -> None:
+def _gan_iteration(step: int, rank: int, G, D, opt_g, opt_d, gradient_penalty: bool) -> None:
     """DCGAN's loop: D is zeroed before its backward; G's backward then runs
-    through D, whose gradients it adds to are never stepped (zeroed next time)."""
+    through D, whose gradients it adds to are never stepped (zeroed next time).
+    ``gradient_penalty``: WGAN-GP's term in D's loss, the norm of D's input
+    gradient at points between real and fake (torch.autograd.grad, create_graph:
+    a backward through D that reaches no parameter, then one that reaches them
+    twice, through the penalty's graph)."""
     criterion = nn.BCEWithLogitsLoss()
     g = torch.Generator().manual_seed(100 * step + rank)
     real, z = torch.randn(8, 12, generator=g), torch.randn(8, 4, generator=g)
     opt_d.zero_grad()
     fake = G(z)
-    (criterion(D(real), torch.ones(8, 1))
-     + criterion(D(fake.detach()), torch.zeros(8, 1))).backward()
+    loss_d = (criterion(D(real), torch.ones(8, 1))
+              + criterion(D(fake.detach()), torch.zeros(8, 1)))
+    if gradient_penalty:
+        mix = torch.rand(8, 1, generator=g)
+        between = (mix * real + (1 - mix) * fake.detach()).requires_grad_(True)
+        grad, = torch.autograd.grad(D(between).sum(), between, create_graph=True)
+        loss_d = loss_d + 10 * ((grad.norm(2, dim=1) - 1) ** 2).mean()
+    loss_d.backward()
     opt_d.step()
     opt_g.zero_grad()
     criterion(D(fake), torch.ones(8, 1)).backward()
     opt_g.step()
 
 
-def gan_loop(rank: int, world_size: int, schedule: str) -> dict:
+def gan_loop(rank: int, world_size: int, schedule: str, gradient_penalty: bool = False) -> dict:
     """A DCGAN loop, G and D wrapped apart, beside torch DDP doing the same; D's
     module saved on rank 0 after every iteration (between G's backward through D
     and D's next zero_grad()), and D's wrapper dropped at the end there."""
@@ -868,8 +878,8 @@ def gan_loop(rank: int, world_size: int, schedule: str) -> dict:
     ref_opt_g, ref_opt_d = (torch.optim.Adam(m.parameters(), lr=1e-2) for m in (ref_g, ref_d))
     saves = []
     for step in range(4):
-        _gan_iteration(step, rank, G, D, opt_g, opt_d)
-        _gan_iteration(step, rank, ref_g, ref_d, ref_opt_g, ref_opt_d)
+        _gan_iteration(step, rank, G, D, opt_g, opt_d, gradient_penalty)
+        _gan_iteration(step, rank, ref_g, ref_d, ref_opt_g, ref_opt_d, gradient_penalty)
         if rank == 0:  # torch DDP's idiom: one rank saves
             try:
                 d_module.state_dict()

@@ -85,7 +85,7 @@ TWO_RANK_CALLS = ([(step_and_gather_order, s) for s in ORDER_SCHEDULES]
                   + [(synchronize_between_backward_and_step, s) for s in ("two_stage", "serial")]
                   + [(load_checkpoint_with_gathers_in_flight, *case) for case in LOAD_CASES]
                   + [(save_checkpoint_with_gathers_in_flight, *case) for case in SAVE_CASES]
-                  + [(gan_loop, s) for s in GAN_SCHEDULES])
+                  + [(gan_loop, s, gp) for s in GAN_SCHEDULES for gp in (False, True)])
 
 
 @pytest.fixture(scope="module")
@@ -199,13 +199,18 @@ def test_module_state_dict_lands_the_gathers_in_flight_first(two_ranks, schedule
         assert torch.equal(v, res[1]["landed"][k]), k
 
 
+@pytest.mark.parametrize("gradient_penalty", [False, True], ids=["dcgan", "wgan_gp"])
 @pytest.mark.parametrize("schedule", GAN_SCHEDULES)
-def test_gan_discriminator_does_not_speculate_with_gradients_it_never_steps(two_ranks, schedule):
+def test_gan_discriminator_does_not_speculate_with_gradients_it_never_steps(
+        two_ranks, schedule, gradient_penalty):
     """DCGAN: G's backward adds to D's gradients after D's step, and D zeroes them
     before its next backward. two_stage must not step D speculatively with them
     (it did: every D step then rolled back, a rank-0 save of D raised, and a D
-    wrapper dropped there left those steps in the module). Bitwise torch DDP."""
-    for rank, res in enumerate(two_ranks[(gan_loop, schedule)]):
+    wrapper dropped there left those steps in the module). Bitwise torch DDP.
+    With WGAN-GP's penalty D's backward is preceded by torch.autograd.grad
+    through D (no parameter reached: no round of reduce-scatters) and reaches
+    D's parameters through the penalty's double-backward graph too."""
+    for rank, res in enumerate(two_ranks[(gan_loop, schedule, gradient_penalty)]):
         for a, b in zip(res["params"], res["reference"]):
             assert torch.equal(a, b), f"rank {rank}"
         if rank == 0:

@@ -235,8 +235,13 @@ def agree_or_raise(group: Optional[dist.ProcessGroup], problems: list[str],
     the arguments that shape the collectives); raise the same error on every rank."""
     world = dist.get_world_size(group)
     gathered: list = [None] * world
-    dist.all_gather_object(gathered, (problems, description, settings, buffers or []),
-                           group=group)
+    # Out of inference mode: a wrapper built under it must fail on every rank
+    # with the message below, and older torch (2.4) failed the gather itself on
+    # that rank alone (its tensors are inference tensors), leaving the others
+    # waiting for the process group's timeout.
+    with torch.inference_mode(False):
+        dist.all_gather_object(gathered, (problems, description, settings, buffers or []),
+                               group=group)
     messages = []
     for rank, (rank_problems, _, _, _) in enumerate(gathered):
         messages.extend(f"rank {rank}: {p}" for p in rank_problems)

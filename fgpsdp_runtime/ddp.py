@@ -472,7 +472,11 @@ class DistributedDataParallel(nn.Module):
     def _broadcast_buffers(self) -> None:
         buffers = self._synced_buffers()
         if buffers and self.world_size > 1:
-            with torch.autograd._unsafe_preserve_version_counter(tuple(buffers)):
+            with contextlib.ExitStack() as versions_kept:
+                # One tensor per context: torch 2.4's takes no tuple.
+                for buffer in buffers:
+                    versions_kept.enter_context(
+                        torch.autograd._unsafe_preserve_version_counter(buffer))
                 _broadcast_coalesced(buffers, self._authoritative_rank(), self.process_group)
 
     # -- forward -------------------------------------------------------------

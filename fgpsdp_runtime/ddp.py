@@ -8,6 +8,7 @@ methods below.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import warnings
 import weakref
@@ -86,6 +87,28 @@ def _warn_if_one_hardware_queue(nccl_groups: int) -> None:
                       "in orders that may differ between ranks: their kernels can then wait "
                       "on each other across ranks (a hang). Unset it for training with "
                       "fgpsdp.", RuntimeWarning, stacklevel=4)
+
+
+@functools.lru_cache(maxsize=None)
+def _version_keeper_takes_tuples() -> bool:
+    try:
+        torch.autograd._unsafe_preserve_version_counter((torch.empty(0),))
+        return True
+    except (AttributeError, TypeError):  # torch 2.4: one tensor only
+        return False
+
+
+def _versions_kept(tensors: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager:
+    """The tensors' version counters restored on exit (an in-place broadcast into
+    buffers autograd saved must not fail backward's version check, as torch DDP's
+    does not): one context for them all, or, where torch takes no tuple, one
+    each (about ten times slower for a ResNet's buffers)."""
+    if _version_keeper_takes_tuples():
+        return torch.autograd._unsafe_preserve_version_counter(tuple(tensors))
+    stack = contextlib.ExitStack()
+    for tensor in tensors:
+        stack.enter_context(torch.autograd._unsafe_preserve_version_counter(tensor))
+    return stack
 
 
 def _plan_setting(plan: Union[str, OverlapPlan]) -> Any:
@@ -472,11 +495,7 @@ class DistributedDataParallel(nn.Module):
     def _broadcast_buffers(self) -> None:
         buffers = self._synced_buffers()
         if buffers and self.world_size > 1:
-            with contextlib.ExitStack() as versions_kept:
-                # One tensor per context: torch 2.4's takes no tuple.
-                for buffer in buffers:
-                    versions_kept.enter_context(
-                        torch.autograd._unsafe_preserve_version_counter(buffer))
+            with _versions_kept(buffers):
                 _broadcast_coalesced(buffers, self._authoritative_rank(), self.process_group)
 
     # -- forward -------------------------------------------------------------

@@ -377,3 +377,21 @@ def test_clip_after_backwards_under_no_sync_only_measures_the_averaged_gradient(
     assert t0 == t1 and abs(avg0 - avg1) < 1e-6
     assert abs(t0 - avg0) < 1e-5 * avg0
     assert abs(local0 - local1) > 1e-3  # the ranks' own norms differ: the test can tell
+
+
+@pytest.mark.parametrize("takes_tuples", [True, False], ids=["one_context", "one_per_tensor"])
+def test_buffer_broadcast_keeps_version_counters(monkeypatch, takes_tuples):
+    """The in-place broadcast into buffers at forward must leave their version
+    counters as they were (a buffer saved for backward would fail its check), also
+    on torch 2.4, whose _unsafe_preserve_version_counter takes one tensor only."""
+    from fgpsdp_runtime import ddp
+    if takes_tuples and not ddp._version_keeper_takes_tuples():
+        pytest.skip("this torch's _unsafe_preserve_version_counter takes no tuple")
+    monkeypatch.setattr(ddp, "_version_keeper_takes_tuples", lambda: takes_tuples)
+    buffers = [torch.zeros(3) for _ in range(4)]
+    versions = [b._version for b in buffers]
+    with ddp._versions_kept(buffers):
+        for b in buffers:
+            b.add_(1.0)
+    assert [b._version for b in buffers] == versions
+    assert all(torch.equal(b, torch.ones(3)) for b in buffers)

@@ -235,7 +235,7 @@ def test_link_workers_cuda_spans_never_synchronise_the_device(monkeypatch):
     assert (n0, n1) == ("RS b0", "RS b1")
     # Each event at (host time of "now") - (400 ms - its GPU time).
     assert before - 0.25 <= s0 <= after - 0.25 and before - 0.15 <= e0 <= after - 0.15
-    assert abs((e0 - s0) - 0.1) < 1e-9 and abs((s1 - e0)) < 1e-9 and abs((e1 - s1) - 0.05) < 1e-9
+    assert abs((e0 - s0) - 0.1) < 1e-9 and abs(s1 - e0) < 1e-9 and abs((e1 - s1) - 0.05) < 1e-9
     assert timeline.spans()[0][2] == s0  # the origin's host time is kept once found
 
 

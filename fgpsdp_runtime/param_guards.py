@@ -292,7 +292,7 @@ class ParamPlaces:
         (``share_memory()``) keeps every view in place: allowed, as the check
         is relative to the buffer. Runs before every forward: addresses only."""
         for _flat, name, param, _span, replaced in self._displaced():
-            problem = "was replaced by another tensor" if replaced else \
+            problem = self._replacement(name, param) if replaced else \
                 f"was given new storage (now {param.dtype} on {param.device})"
             raise RuntimeError(
                 f"fgpsdp: parameter '{name}' {problem} after DistributedDataParallel(...) "
@@ -340,6 +340,25 @@ class ParamPlaces:
                     "was built: no bucket holds it, so it would never be reduced or "
                     "stepped. Add it before wrapping the module, or drop the wrapper and "
                     "its optimizer and wrap the module again")
+
+    def _replacement(self, name: str, param: torch.Tensor) -> str:
+        """What became of a bucketed parameter its module no longer holds under its name."""
+        for _flat, places in self._buckets:
+            for place_name, owner, leaf, place_param, _offset, _span in places:
+                if place_name != name or place_param is not param:
+                    continue
+                path = name.rpartition(".")[0]
+                # torch.nn.utils.spectral_norm (the hook-based one) and the old
+                # weight_norm move the parameter to '<leaf>_orig' or '<leaf>_g/_v'
+                # and set '<leaf>' to a tensor they compute in forward.
+                moved = [n for n, p in owner._parameters.items() if p is param]
+                if moved:
+                    where = f"{path}.{moved[0]}" if path else moved[0]
+                    return (f"was moved to '{where}' (as torch.nn.utils.spectral_norm does; "
+                            "apply it before wrapping)")
+                if owner._parameters.get(leaf) is None:
+                    return "was removed from its module"
+        return "was replaced by another tensor"
 
     def _displaced(self):
         """(flat buffer, name, parameter, span, replaced?) of each parameter not at its

@@ -239,6 +239,15 @@ def parameter_replaced_after_wrapping(rank, world_size):
     model(torch.randn(4, 13))
 
 
+def spectral_norm_after_wrapping(rank, world_size):
+    # The hook-based spectral_norm moves 'weight' to 'weight_orig' and makes
+    # 'weight' a tensor it computes in forward: the message says where it went.
+    model = fgp.DistributedDataParallel(MLP())
+    fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    torch.nn.utils.spectral_norm(model.module.net[2])
+    model(torch.randn(4, 13))
+
+
 def submodule_replaced_after_wrapping(rank, world_size):
     # A head replaced after wrapping (fine-tuning code that swaps the classifier):
     # before, the new head silently never trained, and the old one's slices went on.

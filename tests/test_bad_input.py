@@ -90,6 +90,9 @@ CASES = [
       r"views of this rank's bucket slices"]),
     (bad_inputs.parameter_replaced_after_wrapping, "RuntimeError",
      [r"parameter 'net\.2\.bias' was replaced by another tensor"]),
+    (bad_inputs.spectral_norm_after_wrapping, "RuntimeError",
+     [r"parameter 'net\.2\.weight' was moved to 'net\.2\.weight_orig' \(as "
+      r"torch\.nn\.utils\.spectral_norm does; apply it before wrapping\)"]),
     (bad_inputs.submodule_replaced_after_wrapping, "RuntimeError",
      [r"submodule 'net\.4' was replaced after DistributedDataParallel",
       r"the parameters of the one it replaced \('net\.4\.(weight|bias)'\)"]),

@@ -21,6 +21,12 @@ from typing import Iterable, Optional, Sequence
 # Slice starts are aligned to this many bytes so that vectorised kernels and
 # NCCL see aligned pointers; padding stays below world_size * SLICE_ALIGN_BYTES.
 SLICE_ALIGN_BYTES = 128
+# Each parameter's span starts on this many bytes, as a parameter torch allocates on
+# its own does (the CPU allocator aligns to 64 bytes): torch's CPU kernels take other
+# code paths, which round differently, for a tensor whose data is not so aligned (a
+# Linear(64, 1) forward, a batch of 1 or 5, through an MKL gemv), and the parameters
+# are the views the forward reads, so a packed layout broke bitwise parity with DDP.
+PARAM_ALIGN_BYTES = 64
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -68,7 +74,8 @@ class BucketLayout:
 
     @property
     def numel(self) -> int:
-        """Elements that hold parameter data (padding excluded)."""
+        """Elements up to the last parameter's end (the padding after it excluded;
+        the gaps that align each parameter's start included)."""
         return self.spans[-1].bucket_end if self.spans else 0
 
     @property
@@ -86,10 +93,23 @@ class BucketLayout:
         start = rank * self.shard_numel
         return start, start + self.shard_numel
 
+    def filler_ranges(self) -> tuple[tuple[int, int], ...]:
+        """[start, end) ranges of the flat buffer that hold no parameter: the gaps
+        that align each parameter's start, then the padding after the last one.
+        They take part in every sum, so a buffer gradients are packed into holds
+        zeros there."""
+        ranges, end = [], 0
+        for span in self.spans:
+            if span.bucket_offset > end:
+                ranges.append((end, span.bucket_offset))
+            end = span.bucket_end
+        if self.padded_numel > end:
+            ranges.append((end, self.padded_numel))
+        return tuple(ranges)
+
     def owned_numel(self, rank: int) -> int:
         """Parameter elements (not padding) in rank's slice."""
-        start, end = self.shard_range(rank)
-        return max(0, min(end, self.numel) - start)
+        return sum(piece.numel for piece in self.shard_pieces(rank))
 
     def shard_pieces(self, rank: int) -> tuple[ShardPiece, ...]:
         """The parameter pieces inside rank's slice, in bucket order."""
@@ -207,7 +227,8 @@ def plan_buckets(
         elsize_of[dtype_name] = info.element_size
         nbytes = info.numel * info.element_size
         spans = open_buckets.setdefault(dtype_name, [])
-        offset = spans[-1].bucket_end if spans else 0
+        param_align = max(1, PARAM_ALIGN_BYTES // info.element_size)
+        offset = _round_up(spans[-1].bucket_end, param_align) if spans else 0
         spans.append(ParamSpan(param_index=index, bucket_offset=offset, numel=info.numel,
                                strides=info.strides))
         open_bytes[dtype_name] = open_bytes.get(dtype_name, 0) + nbytes

@@ -72,3 +72,24 @@ def test_bucket_storage_keeps_layouts_and_values():
         assert p.data_ptr() == flat[span.bucket_offset:].data_ptr()
         assert torch.equal(flat[span.bucket_offset:span.bucket_end],
                            to_bucket_order(value, span.strides))
+
+
+@pytest.mark.parametrize("sizes", [[3, 7, 1, 16], [16, 32]])  # with gaps between, without
+def test_send_buffer_holds_zeros_where_no_parameter_is(monkeypatch, sizes):
+    # Parameters start 64-byte aligned (layout.PARAM_ALIGN_BYTES), so a bucket of odd
+    # sizes has gaps between them; they and the tail padding take part in the
+    # reduce-scatter's sum and in the norm of the slice, so they must be zeros in
+    # the buffer gradients are packed into, whatever memory it came from.
+    params = [torch.nn.Parameter(torch.randn(n)) for n in sizes]
+    infos = [ParamInfo(n, "float32", 4) for n in sizes]
+    (layout,) = plan_buckets(infos, bucket_cap_bytes=1 << 20, world_size=3)
+    assert (len(layout.filler_ranges()) > 1) == (sizes == [3, 7, 1, 16])
+    storage = BucketStorage(layout, [params[s.param_index] for s in layout.spans], 0)
+    real_empty = torch.empty
+    monkeypatch.setattr(torch, "empty",
+                        lambda *a, **kw: real_empty(*a, **kw).fill_(float("nan")))
+    send = storage.acquire_send_buffer()
+    for lo, hi in layout.filler_ranges():
+        assert torch.equal(send[lo:hi], torch.zeros(hi - lo))
+    for span in layout.spans:  # left for the packing
+        assert torch.isnan(send[span.bucket_offset:span.bucket_end]).all()

@@ -260,20 +260,36 @@ def _forget_old_rendezvous(ranks: list[int], group: Optional[dist.ProcessGroup])
     ("Connection refused"; also right after a barrier). Every rank of ``group``
     calls this for every group, in the same order (see new_group_like): after the
     barrier no member's old address is left. Private torch API: where it is missing
-    (another torch, a store that cannot list its keys) nothing is removed.
+    (another torch) nothing is removed.
+
+    torch 2.4 hashes the ranks alone (``_process_group_name``; no
+    ``_hash_ranks_to_str``), skipping the names of live groups: a rebuilt wrapper
+    gets its dropped groups' names there too, and its store (TCPStore) cannot list
+    its keys. There the keys gloo writes are removed by name:
+    ``{name}//cpu//{device}/{group rank}`` (one per gloo device).
     """
     member = dist.get_rank() in ranks
     if member:
         try:
             c10d = dist.distributed_c10d
-            name = c10d._hash_ranks_to_str(sorted(ranks))
+            # torch 2.4 has no _hash_ranks_to_str; its _process_group_name moves no
+            # counter for a hashed name.
+            hashed = getattr(c10d, "_hash_ranks_to_str", None)
+            name = (hashed(sorted(ranks)) if hashed is not None
+                    else c10d._process_group_name(sorted(ranks), use_hashed_name=True))
             if name not in c10d._world.pg_names.values():  # a live group: left alone
                 store = c10d._get_default_store()
-                own = f"/{sorted(ranks).index(dist.get_rank())}"
-                for key in store.list_keys():
-                    if key.startswith(f"{name}/") and key.endswith(own):
-                        store.delete_key(key)
-        except (AttributeError, RuntimeError, NotImplementedError, ValueError):
+                index = sorted(ranks).index(dist.get_rank())
+                own = f"/{index}"
+                if hasattr(store, "list_keys"):
+                    for key in store.list_keys():
+                        if key.startswith(f"{name}/") and key.endswith(own):
+                            store.delete_key(key)
+                else:
+                    device = 0
+                    while store.delete_key(f"{name}//cpu//{device}/{index}"):
+                        device += 1
+        except (AttributeError, RuntimeError, NotImplementedError, ValueError, TypeError):
             pass
     dist.barrier(group=group)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 from typing import Callable, Optional
 
 import torch
@@ -207,7 +208,11 @@ class FGPSDP(System):
     name = "fgpsdp"
 
     def __init__(self, model, loss_fn, bucket_cap_mb=None, calls_in_flight=None,
-                 first_bucket_at_cap=False, shm_barrier=None, **ddp_kwargs):
+                 first_bucket_at_cap=False, shm_barrier=None, training_thread_nice=None,
+                 **ddp_kwargs):
+        # Raised after the first step, once every communication thread exists
+        # (threads inherit their creator's nice value): see train_step.
+        self.training_thread_nice = training_thread_nice
         if calls_in_flight is not None:  # read when the link workers start
             os.environ["FGPSDP_CALLS_IN_FLIGHT"] = str(calls_in_flight)
         if shm_barrier is not None:  # read when the shared-memory links are made
@@ -225,6 +230,11 @@ class FGPSDP(System):
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        if self.training_thread_nice is not None:
+            # Only this thread: on cores the ranks share, the kernel then runs a
+            # runnable link worker or gloo thread before the training threads.
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), self.training_thread_nice)
+            self.training_thread_nice = None
         return loss
 
     def finish_step(self):
@@ -394,7 +404,9 @@ def fgpsdp_variant(name: str):
     ``fgpsdp_gloo_barrier`` (the shared-memory rounds' barrier is gloo's one-element
     all-reduce, not the counts in the region: shm_barrier.py),
     ``fgpsdp_first_bucket_at_cap`` (the first bucket closes at the bucket cap,
-    not at layout.FIRST_BUCKET_CAP_MB), ``fgpsdp_<schedule>``.
+    not at layout.FIRST_BUCKET_CAP_MB), ``fgpsdp_comm_first`` (after the first
+    step the training thread runs at nice 10, every other thread of the rank at
+    its nice 0, so communication threads win the shared cores), ``fgpsdp_<schedule>``.
     """
     if name == "fgpsdp":
         return {}
@@ -404,6 +416,8 @@ def fgpsdp_variant(name: str):
         return {"shm_barrier": "gloo"}
     if name == "fgpsdp_first_bucket_at_cap":
         return {"first_bucket_at_cap": True}
+    if name == "fgpsdp_comm_first":
+        return {"training_thread_nice": 10}
     if name == "fgpsdp_flat":
         return {"topology": "flat"}
     if name == "fgpsdp_gloo_intra":

@@ -31,6 +31,7 @@ def test_system_names(bench_modules):
     assert systems.fgpsdp_variant("fgpsdp_next_forward") == {"schedule": "next_forward"}
     assert systems.fgpsdp_variant("fgpsdp_one_call_in_flight") == {"calls_in_flight": 1}
     assert systems.fgpsdp_variant("fgpsdp_first_bucket_at_cap") == {"first_bucket_at_cap": True}
+    assert systems.fgpsdp_variant("fgpsdp_comm_first") == {"training_thread_nice": 10}
     assert systems.fgpsdp_variant("fgpsdp_sideways") is None
     assert systems.fgpsdp_variant("ddp") is None
     assert systems.split_bucket_suffix("fgpsdp_next_forward_bucket8") == ("fgpsdp_next_forward", 8.0)

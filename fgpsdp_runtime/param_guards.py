@@ -348,9 +348,10 @@ class ParamPlaces:
                 if place_name != name or place_param is not param:
                     continue
                 path = name.rpartition(".")[0]
-                # torch.nn.utils.spectral_norm (the hook-based one) and the old
-                # weight_norm move the parameter to '<leaf>_orig' or '<leaf>_g/_v'
-                # and set '<leaf>' to a tensor they compute in forward.
+                # torch.nn.utils.spectral_norm (the hook-based one) moves the
+                # parameter to '<leaf>_orig' and sets '<leaf>' to a tensor it
+                # computes in forward; the old weight_norm removes it for two new
+                # ones ('<leaf>_g', '<leaf>_v').
                 moved = [n for n, p in owner._parameters.items() if p is param]
                 if moved:
                     where = f"{path}.{moved[0]}" if path else moved[0]

@@ -1,4 +1,6 @@
 """Rank functions that feed fgpsdp bad input (imported by spawned ranks)."""
+import warnings
+
 import torch
 import torch.utils.checkpoint
 from torch import nn
@@ -245,6 +247,16 @@ def spectral_norm_after_wrapping(rank, world_size):
     model = fgp.DistributedDataParallel(MLP())
     fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
     torch.nn.utils.spectral_norm(model.module.net[2])
+    model(torch.randn(4, 13))
+
+
+def old_weight_norm_after_wrapping(rank, world_size):
+    # The deprecated hook-based weight_norm removes 'weight' for 'weight_g' and 'weight_v'.
+    model = fgp.DistributedDataParallel(MLP())
+    fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)
+        torch.nn.utils.weight_norm(model.module.net[2])
     model(torch.randn(4, 13))
 
 

@@ -93,6 +93,8 @@ CASES = [
     (bad_inputs.spectral_norm_after_wrapping, "RuntimeError",
      [r"parameter 'net\.2\.weight' was moved to 'net\.2\.weight_orig' \(as "
       r"torch\.nn\.utils\.spectral_norm does; apply it before wrapping\)"]),
+    (bad_inputs.old_weight_norm_after_wrapping, "RuntimeError",
+     [r"parameter 'net\.2\.weight' was removed from its module after DistributedDataParallel"]),
     (bad_inputs.submodule_replaced_after_wrapping, "RuntimeError",
      [r"submodule 'net\.4' was replaced after DistributedDataParallel",
       r"the parameters of the one it replaced \('net\.4\.(weight|bias)'\)"]),

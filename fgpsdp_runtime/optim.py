@@ -805,8 +805,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 [[(n, tuple(shape), o) for n, shape, o in b] for b in saved_params] \
                 != optim_checkpoint.shard_params(self):
             return ("optimizer shard was saved with other parameters in the buckets (the set "
-                    "of trainable parameters or their order changed); full_state_dict() "
-                    "loads by parameter")
+                    "of trainable parameters or their order changed, or an fgpsdp before "
+                    "parameters started 64-byte aligned placed them otherwise); "
+                    "full_state_dict() loads by parameter")
         return None
 
     def _refuse_speculative_state(self, what: str) -> None:

@@ -4,7 +4,8 @@ Pure arithmetic, no communication and no tensors, so it can be unit-tested and
 property-tested without processes.
 
 [Note: fine-grained slices]
-Every bucket is one flat buffer holding several parameters back to back. The
+Every bucket is one flat buffer holding several parameters one after another,
+each starting 64-byte aligned (PARAM_ALIGN_BYTES; zeros in the gaps). The
 buffer is padded so that it splits into ``world_size`` equal, aligned,
 contiguous slices; rank ``r`` owns slice ``r`` of every bucket. Ownership is
 at element granularity: a parameter may straddle two or more slices, so every
@@ -186,8 +187,9 @@ def plan_buckets(
 
     ``order`` is the order gradients are expected to become ready (by default
     reverse registration order, as backward usually produces them). A bucket
-    holds one dtype and closes once it reaches the cap (torch DDP's rule), so
-    it exceeds the cap only by its last parameter. The first bucket to close
+    holds one dtype and closes once its parameters' bytes reach the cap (torch
+    DDP's rule), so they exceed it only by its last parameter (the buffer also
+    holds the alignment gaps, under 64 bytes a parameter). The first bucket to close
     closes at ``first_bucket_cap_bytes`` when that is smaller (torch DDP's
     1 MB first bucket): backward fills it first, and the sooner it closes the
     sooner the links start. ``bucket_caps_bytes`` (torch DDP's

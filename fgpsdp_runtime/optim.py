@@ -799,7 +799,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         layout = [(l.dtype_name, l.padded_numel, len(l.spans)) for l in self.model.bucket_layouts]
         if [tuple(x) for x in state_dict["layout"]] != layout:
             return ("optimizer shard was saved with another bucket layout (bucket_cap_mb or "
-                    "model changed); full_state_dict() loads with any buckets")
+                    "model changed, or an fgpsdp before parameters started 64-byte aligned "
+                    "sized the buckets); full_state_dict() loads with any buckets")
         saved_params = state_dict.get("params")  # (shards saved before it was recorded: None)
         if saved_params is not None and \
                 [[(n, tuple(shape), o) for n, shape, o in b] for b in saved_params] \

@@ -292,7 +292,10 @@ class ParamPlaces:
         (``share_memory()``) keeps every view in place: allowed, as the check
         is relative to the buffer. Runs before every forward: addresses only."""
         for _flat, name, param, _span, replaced in self._displaced():
-            problem = self._replacement(name, param) if replaced else \
+            moved = self._moved_to(name, param) if replaced else None
+            if moved is not None:
+                raise RuntimeError(moved)
+            problem = self._replaced_or_removed(name, param) if replaced else \
                 f"was given new storage (now {param.dtype} on {param.device})"
             raise RuntimeError(
                 f"fgpsdp: parameter '{name}' {problem} after DistributedDataParallel(...) "
@@ -341,24 +344,45 @@ class ParamPlaces:
                     "stepped. Add it before wrapping the module, or drop the wrapper and "
                     "its optimizer and wrap the module again")
 
-    def _replacement(self, name: str, param: torch.Tensor) -> str:
-        """What became of a bucketed parameter its module no longer holds under its name."""
+    def _place(self, name: str, param: torch.Tensor):
+        """(owner module, leaf name) a bucketed parameter was wrapped at."""
         for _flat, places in self._buckets:
             for place_name, owner, leaf, place_param, _offset, _span in places:
-                if place_name != name or place_param is not param:
-                    continue
-                path = name.rpartition(".")[0]
-                # torch.nn.utils.spectral_norm (the hook-based one) moves the
-                # parameter to '<leaf>_orig' and sets '<leaf>' to a tensor it
-                # computes in forward; the old weight_norm removes it for two new
-                # ones ('<leaf>_g', '<leaf>_v').
-                moved = [n for n, p in owner._parameters.items() if p is param]
-                if moved:
-                    where = f"{path}.{moved[0]}" if path else moved[0]
-                    return (f"was moved to '{where}' (as torch.nn.utils.spectral_norm does; "
-                            "apply it before wrapping)")
-                if owner._parameters.get(leaf) is None:
-                    return "was removed from its module"
+                if place_name == name and place_param is param:
+                    return owner, leaf
+        return None, None
+
+    def _moved_to(self, name: str, param: torch.Tensor) -> Optional[str]:
+        """The message for a parameter its module now holds under another name
+        (the same object, still a view of its bucket), or None."""
+        owner, leaf = self._place(name, param)
+        if owner is None:
+            return None
+        where = next((n for n, p in owner.named_parameters(remove_duplicate=False)
+                      if p is param), None)
+        if where is None:
+            return None
+        path = name.rpartition(".")[0]
+        full = f"{path}.{where}" if path else where
+        # The hook-based torch.nn.utils.spectral_norm moves it to '<leaf>_orig';
+        # torch.nn.utils.parametrize (parametrizations.spectral_norm, orthogonal,
+        # weight_norm) to 'parametrizations.<leaf>.original'.
+        how = (" (as torch.nn.utils.spectral_norm does)" if where == f"{leaf}_orig" else
+               " (as torch.nn.utils.parametrize does)"
+               if where == f"parametrizations.{leaf}.original" else "")
+        return (f"fgpsdp: parameter '{name}' was moved to '{full}'{how} after "
+                "DistributedDataParallel(...) was built: the wrapper keeps each parameter "
+                "at the name it had then (its module's forward waits for its bucket, "
+                "state dicts name it so). Apply such a change to the module before "
+                "wrapping it")
+
+    def _replaced_or_removed(self, name: str, param: torch.Tensor) -> str:
+        """What became of a bucketed parameter its module no longer holds at all."""
+        owner, leaf = self._place(name, param)
+        # The old torch.nn.utils.weight_norm removes it for two new ones
+        # ('<leaf>_g', '<leaf>_v').
+        if owner is not None and owner._parameters.get(leaf) is None:
+            return "was removed from its module"
         return "was replaced by another tensor"
 
     def _displaced(self):

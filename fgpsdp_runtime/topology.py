@@ -266,7 +266,9 @@ def _forget_old_rendezvous(ranks: list[int], group: Optional[dist.ProcessGroup])
     ``_hash_ranks_to_str``), skipping the names of live groups: a rebuilt wrapper
     gets its dropped groups' names there too, and its store (TCPStore) cannot list
     its keys. There the keys gloo writes are removed by name:
-    ``{name}//cpu//{device}/{group rank}`` (one per gloo device).
+    ``{name}//cpu//{device}/{group rank}`` (one per gloo device). Only gloo's
+    groups are destroyed with a wrapper (lifecycle.destroy_gloo_group): an NCCL
+    group stays alive, so its name stays taken and is never reused.
     """
     member = dist.get_rank() in ranks
     if member:

@@ -250,6 +250,14 @@ def spectral_norm_after_wrapping(rank, world_size):
     model(torch.randn(4, 13))
 
 
+def parametrization_after_wrapping(rank, world_size):
+    # parametrize moves 'weight' to 'parametrizations.weight.original'.
+    model = fgp.DistributedDataParallel(MLP())
+    fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    torch.nn.utils.parametrizations.spectral_norm(model.module.net[2])
+    model(torch.randn(4, 13))
+
+
 def old_weight_norm_after_wrapping(rank, world_size):
     # The deprecated hook-based weight_norm removes 'weight' for 'weight_g' and 'weight_v'.
     model = fgp.DistributedDataParallel(MLP())

@@ -92,7 +92,11 @@ CASES = [
      [r"parameter 'net\.2\.bias' was replaced by another tensor"]),
     (bad_inputs.spectral_norm_after_wrapping, "RuntimeError",
      [r"parameter 'net\.2\.weight' was moved to 'net\.2\.weight_orig' \(as "
-      r"torch\.nn\.utils\.spectral_norm does; apply it before wrapping\)"]),
+      r"torch\.nn\.utils\.spectral_norm does\) after DistributedDataParallel",
+      r"Apply such a change to the module before wrapping it"]),
+    (bad_inputs.parametrization_after_wrapping, "RuntimeError",
+     [r"parameter 'net\.2\.weight' was moved to 'net\.2\.parametrizations\.weight\.original' "
+      r"\(as torch\.nn\.utils\.parametrize does\)"]),
     (bad_inputs.old_weight_norm_after_wrapping, "RuntimeError",
      [r"parameter 'net\.2\.weight' was removed from its module after DistributedDataParallel"]),
     (bad_inputs.submodule_replaced_after_wrapping, "RuntimeError",

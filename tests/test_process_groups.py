@@ -134,3 +134,38 @@ def test_a_subgroup_wrapper_rebuilt_with_one_member_late():
     for res in results:
         assert res["held"][0] == res["held"][1] == res["held"][2], res
         assert res["names"][0] == res["names"][1] == res["names"][2], res
+
+
+def _forget_by_name_without_list_keys(rank: int, world_size: int) -> dict:
+    # torch 2.4's API, simulated on this torch: no _hash_ranks_to_str, the name from
+    # _process_group_name, and a store that cannot list its keys.
+    from fgpsdp_runtime import topology
+    c10d = dist.distributed_c10d
+    real_store = c10d._get_default_store()
+
+    class StoreWithoutListKeys:
+        def delete_key(self, key):
+            return real_store.delete_key(key)
+
+    live = next(iter(c10d._world.pg_names.values()))  # the default group's name
+    for name in ("stale", live):
+        for device in (0, 1):
+            real_store.set(f"{name}//cpu//{device}/0", "address")
+    saved = (c10d._hash_ranks_to_str, c10d._process_group_name, c10d._get_default_store)
+    names = iter(["stale", live])
+    try:
+        del c10d._hash_ranks_to_str
+        c10d._process_group_name = lambda ranks, use_hashed_name: next(names)
+        c10d._get_default_store = StoreWithoutListKeys
+        topology._forget_old_rendezvous([0], None)  # a dropped group's name
+        topology._forget_old_rendezvous([0], None)  # a live group's name: left alone
+    finally:
+        (c10d._hash_ranks_to_str, c10d._process_group_name, c10d._get_default_store) = saved
+    return {f"{name}/{device}": real_store.check([f"{name}//cpu//{device}/0"])
+            for name in ("stale", live) for device in (0, 1)}
+
+
+def test_dropped_groups_addresses_removed_where_the_store_cannot_list_keys():
+    (kept,) = run_distributed(1, _forget_by_name_without_list_keys)
+    assert [kept[k] for k in sorted(kept) if k.startswith("stale")] == [False, False]
+    assert all(v for k, v in kept.items() if not k.startswith("stale")), kept

@@ -8,7 +8,8 @@ forward through the wrapper and through model.module, an AveragedModel EMA
 updated through the wrapper, bfloat16 autocast as a variant, and a resume from
 a mid-run checkpoint. On 2 ranks fgpsdp must be bitwise torch DDP whose clip
 takes the total in float64 (the one documented difference), and the resume
-bitwise the uninterrupted run; on 3, bitwise DDP that also sums in rank order.
+bitwise the uninterrupted run; on 3, and on 2 nodes of 2, bitwise DDP that also
+sums in the runtime's order.
 """
 from __future__ import annotations
 
@@ -96,6 +97,18 @@ def _ordered_hook(state, bucket):  # fgpsdp's sum: (g0 + g1) + g2 ... of gradien
     return fut
 
 
+def _two_nodes_hook(state, bucket):  # fgpsdp's sum on 2 nodes x 2: (g0 + g1) + (g2 + g3)
+    import torch.distributed as dist
+    # Times 1/W first, as the runtime packs; then each node's pair in rank order (the
+    # intra-node reduce-scatter), then the two nodes' partial sums (the rail's).
+    t = bucket.buffer().mul_(1.0 / dist.get_world_size())
+    p = [torch.empty_like(t) for _ in range(4)]
+    dist.all_gather(p, t)
+    fut = torch.futures.Future()
+    fut.set_result(t.copy_((p[0] + p[1]) + (p[2] + p[3])))
+    return fut
+
+
 @torch.no_grad()
 def _clip64(params, max_norm):
     grads = [p.grad for p in params if p.grad is not None]
@@ -105,18 +118,20 @@ def _clip64(params, max_norm):
     return total
 
 
-def _train(rank, system, schedule, autocast, ckpt=None):
+def _train(rank, system, schedule, autocast, ckpt=None, hook=_ordered_hook, topology=None):
+    # topology: fgp.Topology's keywords (None: the default's resolution).
     import fgpsdp_runtime as fgp
     from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
     torch.manual_seed(0)
     module = _GPT()
     if system == "ddp":
         model = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=0.01)
-        model.register_comm_hook(None, _ordered_hook)
+        model.register_comm_hook(None, hook)
         opt = torch.optim.AdamW(_groups(module), lr=3e-3)
     else:
-        model = fgp.DistributedDataParallel(module, bucket_cap_mb=0.01, schedule=schedule,
-                                           overlap_plan="layout")
+        model = fgp.DistributedDataParallel(
+            module, bucket_cap_mb=0.01, schedule=schedule, overlap_plan="layout",
+            topology=None if topology is None else fgp.Topology(**topology))
         opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, param_groups=_groups(module), lr=3e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, _lr)
     ema = AveragedModel(model.module, multi_avg_fn=get_ema_multi_avg_fn(0.9))
@@ -160,17 +175,22 @@ def _train(rank, system, schedule, autocast, ckpt=None):
                                          "rng": torch.get_rng_state(), "step": step})
     if system == "fgp" and model.scheduler is not None:
         out["speculated"] = (model.scheduler.commits, model.scheduler.rollbacks)
+    if system == "fgp":
+        out["transport"] = model.node_transport
     out["params"] = [p.detach().clone() for p in model.parameters()]  # the wrapper's: landed
     out["ema"] = [p.detach().clone() for p in ema.module.parameters()]
     return out
 
 
-def _recipe(rank, world_size, schedules, autocast):
-    ref = _train(rank, "ddp", None, autocast)
+def _recipe(rank, world_size, schedules, autocast, hook=_ordered_hook, topology=None,
+            transport=None):
+    ref = _train(rank, "ddp", None, autocast, hook=hook)
     problems = []
     for schedule in schedules:
-        run = _train(rank, "fgp", schedule, autocast)
-        resumed = _train(rank, "fgp", schedule, autocast, ckpt=run["ckpt"])
+        run = _train(rank, "fgp", schedule, autocast, topology=topology)
+        resumed = _train(rank, "fgp", schedule, autocast, ckpt=run["ckpt"], topology=topology)
+        if transport is not None and run["transport"] != transport:
+            problems.append(f"{schedule}: the node's bytes went through {run['transport']}")
         for what in ("params", "ema"):
             if not all(torch.equal(a, b) for a, b in zip(run[what], ref[what])):
                 problems.append(f"{schedule}: {what} differ from DDP")
@@ -200,4 +220,18 @@ def test_gpt_recipe_on_three_ranks_bitwise_torch_ddp_summing_in_rank_order():
     # hook; with it the results must be bitwise, not only within rounding.
     schedules = ["serial", "two_stage"]
     for problems in run_distributed(3, _recipe, schedules, False, timeout_s=300):
+        assert problems == []
+
+
+@pytest.mark.parametrize("shared_memory,transport", [(None, "shared_memory"), (False, "gloo")])
+def test_gpt_recipe_on_two_nodes_of_two_bitwise_torch_ddp_summing_node_by_node(
+        shared_memory, transport):
+    # Topology(local_size=2) on 4 ranks: the reduce-scatter adds each node's two
+    # 1/W-scaled gradients in rank order, then the two nodes' partial sums
+    # (comm.HierarchicalExchange; a 2-rank sum is one torch.add through gloo and
+    # through shared memory alike): ((g0 + g1) + g2) + g3, the one-node order, gives
+    # other bits here (6e-4 apart after 10 steps, helper h91), so the hook is the node order.
+    topology = {"local_size": 2, "shared_memory": shared_memory}
+    for problems in run_distributed(4, _recipe, ["serial", "two_stage"], False,
+                                    _two_nodes_hook, topology, transport, timeout_s=300):
         assert problems == []

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from tests.dist_harness import run_distributed
+from .dist_harness import run_distributed
 
 
 def _train(rank: int, world_size: int, schedule: str) -> bool:

@@ -24,7 +24,7 @@ from .comm import CommStats, FlatExchange, HierarchicalExchange
 from .ddp_options import (bucket_caps_bytes, buffer_sync, device_ids_problem, ignored_names,
                           ignored_trainable_problem, process_group_of, refuse_unsupported)
 from .layout import (BucketLayout, ParamInfo, default_bucket_cap_mb, first_bucket_cap_bytes,
-                     owned_numel, plan_buckets)
+                     owned_numel, param_alignment_for, plan_buckets)
 from .forward_waits import ForwardParamWaiter, is_traced_by_dynamo
 from .param_gathers import ParamGathers
 from .param_guards import ParamPlaces, ParamVersions, land_gathers_before_state_dicts
@@ -337,7 +337,8 @@ class DistributedDataParallel(nn.Module):
             world_size=self.world_size,
             # As torch DDP: a 1 MB first bucket only under the default cap.
             first_bucket_cap_bytes=first_bucket_cap_bytes() if bucket_cap_mb is None else None,
-            bucket_caps_bytes=bucket_caps)
+            bucket_caps_bytes=bucket_caps,
+            param_align_bytes=param_alignment_for(device.type))
         # None: gradients are reduced in their parameters' dtype, as torch DDP
         # does; torch.bfloat16 halves the reduce-scatter's bytes (DDP's
         # bf16_compress_hook, FSDP's MixedPrecision(reduce_dtype=...)).

@@ -5,7 +5,8 @@ property-tested without processes.
 
 [Note: fine-grained slices]
 Every bucket is one flat buffer holding several parameters one after another,
-each starting 64-byte aligned (PARAM_ALIGN_BYTES; zeros in the gaps). The
+each starting aligned as torch would allocate it (param_alignment_for; zeros in
+the gaps). The
 buffer is padded so that it splits into ``world_size`` equal, aligned,
 contiguous slices; rank ``r`` owns slice ``r`` of every bucket. Ownership is
 at element granularity: a parameter may straddle two or more slices, so every
@@ -28,6 +29,15 @@ SLICE_ALIGN_BYTES = 128
 # Linear(64, 1) forward, a batch of 1 or 5, through an MKL gemv), and the parameters
 # are the views the forward reads, so a packed layout broke bitwise parity with DDP.
 PARAM_ALIGN_BYTES = 64
+# On CUDA: torch tells cuBLASLt each operand's alignment, up to 256 bytes, and its
+# heuristics choose the kernel by it (ATen's CUDABlas _getAlignment); the caching
+# allocator gives a parameter of its own 512. Not yet run on a GPU.
+CUDA_PARAM_ALIGN_BYTES = 256
+
+
+def param_alignment_for(device_type: str) -> int:
+    """Where ``plan_buckets`` starts each parameter, for parameters on ``device_type``."""
+    return CUDA_PARAM_ALIGN_BYTES if device_type == "cuda" else PARAM_ALIGN_BYTES
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -182,6 +192,7 @@ def plan_buckets(
     bucket_caps_bytes: Sequence[int] | None = None,
     order: Iterable[int] | None = None,
     align_bytes: int = SLICE_ALIGN_BYTES,
+    param_align_bytes: int = PARAM_ALIGN_BYTES,
 ) -> tuple[BucketLayout, ...]:
     """Group parameters into buckets of at most ``bucket_cap_bytes`` each.
 
@@ -189,7 +200,7 @@ def plan_buckets(
     reverse registration order, as backward usually produces them). A bucket
     holds one dtype and closes once its parameters' bytes reach the cap (torch
     DDP's rule), so they exceed it only by its last parameter (the buffer also
-    holds the alignment gaps, under 64 bytes a parameter). The first bucket to close
+    holds the alignment gaps, under ``param_align_bytes`` a parameter). The first bucket to close
     closes at ``first_bucket_cap_bytes`` when that is smaller (torch DDP's
     1 MB first bucket): backward fills it first, and the sooner it closes the
     sooner the links start. ``bucket_caps_bytes`` (torch DDP's
@@ -229,7 +240,7 @@ def plan_buckets(
         elsize_of[dtype_name] = info.element_size
         nbytes = info.numel * info.element_size
         spans = open_buckets.setdefault(dtype_name, [])
-        param_align = max(1, PARAM_ALIGN_BYTES // info.element_size)
+        param_align = max(1, param_align_bytes // info.element_size)
         offset = _round_up(spans[-1].bucket_end, param_align) if spans else 0
         spans.append(ParamSpan(param_index=index, bucket_offset=offset, numel=info.numel,
                                strides=info.strides))

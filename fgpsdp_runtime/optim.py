@@ -799,7 +799,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         layout = [(l.dtype_name, l.padded_numel, len(l.spans)) for l in self.model.bucket_layouts]
         if [tuple(x) for x in state_dict["layout"]] != layout:
             return ("optimizer shard was saved with another bucket layout (bucket_cap_mb or "
-                    "model changed, or an fgpsdp before parameters started 64-byte aligned "
+                    "model changed, or an fgpsdp before parameters started aligned "
                     "sized the buckets); full_state_dict() loads with any buckets")
         saved_params = state_dict.get("params")  # (shards saved before it was recorded: None)
         if saved_params is not None and \
@@ -807,7 +807,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 != optim_checkpoint.shard_params(self):
             return ("optimizer shard was saved with other parameters in the buckets (the set "
                     "of trainable parameters or their order changed, or an fgpsdp before "
-                    "parameters started 64-byte aligned placed them otherwise); "
+                    "parameters started aligned placed them otherwise); "
                     "full_state_dict() loads by parameter")
         return None
 

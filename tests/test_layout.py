@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fgpsdp_runtime.layout import (SLICE_ALIGN_BYTES, ParamInfo, default_bucket_cap_mb, owned_numel,
-                                   plan_buckets)
+                                   param_alignment_for, plan_buckets)
 
 
 def fp32(n):
@@ -141,17 +141,21 @@ def test_bad_arguments(kwargs, message):
 @settings(max_examples=40, deadline=None)
 @given(sizes=st.lists(st.tuples(st.integers(1, 300), st.sampled_from(["f32", "bf16"])),
                       min_size=1, max_size=12), world=st.integers(1, 5),
-       cap=st.integers(4, 2000))
-def test_every_parameter_starts_aligned(sizes, world, cap):
-    # As a parameter torch allocates by itself (64 bytes): torch's CPU kernels round
-    # differently on misaligned data (a Linear(64, 1) forward on a batch of 5), and the
-    # parameters are the views the forward reads.
+       cap=st.integers(4, 2000), device_type=st.sampled_from(["cpu", "cuda"]))
+def test_every_parameter_starts_aligned(sizes, world, cap, device_type):
+    # As a parameter torch allocates by itself (64 bytes on the CPU): torch's CPU
+    # kernels round differently on misaligned data (a Linear(64, 1) forward on a batch
+    # of 5), and the parameters are the views the forward reads. On CUDA, 256: the
+    # most cuBLASLt is told of.
+    align = param_alignment_for(device_type)
+    assert align == {"cpu": 64, "cuda": 256}[device_type]
     infos = [fp32(n) if d == "f32" else ParamInfo(n, "bfloat16", 2) for n, d in sizes]
-    layouts = plan_buckets(infos, bucket_cap_bytes=cap, world_size=world)
+    layouts = plan_buckets(infos, bucket_cap_bytes=cap, world_size=world,
+                           param_align_bytes=align)
     check_layout(infos, layouts, world)
     for layout in layouts:
         for span in layout.spans:
-            assert span.bucket_offset * layout.element_size % 64 == 0
+            assert span.bucket_offset * layout.element_size % align == 0
         # The spans and the filler (gaps and tail padding) tile the buffer.
         pieces = sorted([(s.bucket_offset, s.bucket_end) for s in layout.spans]
                         + list(layout.filler_ranges()))

@@ -76,7 +76,7 @@ def test_bucket_storage_keeps_layouts_and_values():
 
 @pytest.mark.parametrize("sizes", [[3, 7, 1, 16], [16, 32]])  # with gaps between, without
 def test_send_buffer_holds_zeros_where_no_parameter_is(monkeypatch, sizes):
-    # Parameters start 64-byte aligned (layout.PARAM_ALIGN_BYTES), so a bucket of odd
+    # Parameters start 64-byte aligned on the CPU (layout.PARAM_ALIGN_BYTES), so a bucket of odd
     # sizes has gaps between them; they and the tail padding take part in the
     # reduce-scatter's sum and in the norm of the slice, so they must be zeros in
     # the buffer gradients are packed into, whatever memory it came from.

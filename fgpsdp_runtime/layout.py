@@ -6,8 +6,7 @@ property-tested without processes.
 [Note: fine-grained slices]
 Every bucket is one flat buffer holding several parameters one after another,
 each starting aligned as torch would allocate it (param_alignment_for; zeros in
-the gaps). The
-buffer is padded so that it splits into ``world_size`` equal, aligned,
+the gaps). The buffer is padded so that it splits into ``world_size`` equal, aligned,
 contiguous slices; rank ``r`` owns slice ``r`` of every bucket. Ownership is
 at element granularity: a parameter may straddle two or more slices, so every
 rank owns (and sends, and receives) the same number of bytes whatever the mix

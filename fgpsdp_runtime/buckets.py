@@ -67,12 +67,11 @@ class BucketStorage:
         # into it instead of adding (zero_grad(set_to_none=True) semantics).
         self.grad_shard_valid = False
         self.send_buffer: Optional[torch.Tensor] = None
-        # The elements of no parameter where parameters leave gaps between them
-        # (layout.PARAM_ALIGN_BYTES); None where the tail padding is all of them.
-        filler = layout.filler_ranges()
-        has_gaps = any(hi < layout.padded_numel for _lo, hi in filler)
-        self._filler_index = torch.cat(
-            [torch.arange(lo, hi) for lo, hi in filler]).to(self.device) if has_gaps else None
+        # The elements of no parameter: the gaps that align each parameter's start
+        # (layout.param_alignment_for) and the tail padding.
+        self._filler_index = torch.tensor(
+            [i for lo, hi in layout.filler_ranges() for i in range(lo, hi)],
+            dtype=torch.long, device=self.device)
 
     @staticmethod
     def span_view(flat: torch.Tensor, span: ParamSpan) -> torch.Tensor:
@@ -83,12 +82,8 @@ class BucketStorage:
         if self.send_buffer is None:
             buf = torch.empty(self.layout.padded_numel, dtype=self.reduce_dtype,
                               device=self.device)
-            # Padding and alignment gaps take part in the sum: zeros, in one
-            # indexed fill where parameters leave gaps between them.
-            if self._filler_index is None:
-                buf[self.layout.numel:].zero_()
-            else:
-                buf.index_fill_(0, self._filler_index, 0)
+            # Padding and alignment gaps take part in the sum: zeros, in one indexed fill.
+            buf.index_fill_(0, self._filler_index, 0)
             self.send_buffer = buf
         return self.send_buffer
 

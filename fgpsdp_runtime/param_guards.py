@@ -274,7 +274,7 @@ class ParamPlaces:
         current (each module waits for its bucket), so the copy loses nothing.
         New storage given outside a forward, right after a step, may hold
         values read while all-gathers were landing: ``check`` refuses it."""
-        for flat, _name, param, span, replaced in self._displaced():
+        for flat, _name, param, span, _owner, _leaf, replaced in self._displaced():
             if replaced or param.numel() != span.numel:
                 continue
             view = span_as_param(flat[span.bucket_offset:span.bucket_end], param.shape,
@@ -291,11 +291,12 @@ class ParamPlaces:
         silently never change again. Storage moved as a whole
         (``share_memory()``) keeps every view in place: allowed, as the check
         is relative to the buffer. Runs before every forward: addresses only."""
-        for _flat, name, param, _span, replaced in self._displaced():
-            moved = self._moved_to(name, param) if replaced else None
+        for _flat, name, param, _span, owner, leaf, replaced in self._displaced():
+            moved = _moved_to(name, param, owner, leaf) if replaced else None
             if moved is not None:
                 raise RuntimeError(moved)
-            problem = self._replaced_or_removed(name, param) if replaced else \
+            problem = ("was removed from its module" if owner._parameters.get(leaf) is None
+                       else "was replaced by another tensor") if replaced else \
                 f"was given new storage (now {param.dtype} on {param.device})"
             raise RuntimeError(
                 f"fgpsdp: parameter '{name}' {problem} after DistributedDataParallel(...) "
@@ -344,57 +345,40 @@ class ParamPlaces:
                     "stepped. Add it before wrapping the module, or drop the wrapper and "
                     "its optimizer and wrap the module again")
 
-    def _place(self, name: str, param: torch.Tensor):
-        """(owner module, leaf name) a bucketed parameter was wrapped at."""
-        for _flat, places in self._buckets:
-            for place_name, owner, leaf, place_param, _offset, _span in places:
-                if place_name == name and place_param is param:
-                    return owner, leaf
-        return None, None
-
-    def _moved_to(self, name: str, param: torch.Tensor) -> Optional[str]:
-        """The message for a parameter its module now holds under another name
-        (the same object, still a view of its bucket), or None."""
-        owner, leaf = self._place(name, param)
-        if owner is None:
-            return None
-        where = next((n for n, p in owner.named_parameters(remove_duplicate=False)
-                      if p is param), None)
-        if where is None:
-            return None
-        path = name.rpartition(".")[0]
-        full = f"{path}.{where}" if path else where
-        # The hook-based torch.nn.utils.spectral_norm moves it to '<leaf>_orig';
-        # torch.nn.utils.parametrize (parametrizations.spectral_norm, orthogonal,
-        # weight_norm) to 'parametrizations.<leaf>.original'.
-        how = (" (as torch.nn.utils.spectral_norm does)" if where == f"{leaf}_orig" else
-               " (as torch.nn.utils.parametrize does)"
-               if where == f"parametrizations.{leaf}.original" else "")
-        return (f"fgpsdp: parameter '{name}' was moved to '{full}'{how} after "
-                "DistributedDataParallel(...) was built: the wrapper keeps each parameter "
-                "at the name it had then (its module's forward waits for its bucket, "
-                "state dicts name it so). Apply such a change to the module before "
-                "wrapping it")
-
-    def _replaced_or_removed(self, name: str, param: torch.Tensor) -> str:
-        """What became of a bucketed parameter its module no longer holds at all."""
-        owner, leaf = self._place(name, param)
-        # The old torch.nn.utils.weight_norm removes it for two new ones
-        # ('<leaf>_g', '<leaf>_v').
-        if owner is not None and owner._parameters.get(leaf) is None:
-            return "was removed from its module"
-        return "was replaced by another tensor"
-
     def _displaced(self):
-        """(flat buffer, name, parameter, span, replaced?) of each parameter not at its
-        place: replaced by another, or given new storage. Addresses only."""
+        """(flat buffer, name, parameter, span, owner module, leaf name, replaced?) of
+        each parameter not at its place: no longer its module's (replaced, moved,
+        removed; the old weight_norm removes it for '<leaf>_g' and '<leaf>_v'), or
+        given new storage. Addresses only."""
         for flat, places in self._buckets:
             start = flat.data_ptr()
             for name, owner, leaf, param, offset, span in places:
                 if owner._parameters.get(leaf) is not param:
-                    yield flat, name, param, span, True
+                    yield flat, name, param, span, owner, leaf, True
                 elif param.data_ptr() - start != offset:
-                    yield flat, name, param, span, False
+                    yield flat, name, param, span, owner, leaf, False
+
+
+def _moved_to(name: str, param: torch.Tensor, owner: nn.Module, leaf: str) -> Optional[str]:
+    """The message for a parameter its module now holds under another name (the
+    same object, still a view of its bucket), or None."""
+    where = next((n for n, p in owner.named_parameters(remove_duplicate=False)
+                  if p is param), None)
+    if where is None:
+        return None
+    path = name.rpartition(".")[0]
+    full = f"{path}.{where}" if path else where
+    # The hook-based torch.nn.utils.spectral_norm moves it to '<leaf>_orig';
+    # torch.nn.utils.parametrize (parametrizations.spectral_norm, orthogonal,
+    # weight_norm) to 'parametrizations.<leaf>.original'.
+    how = (" (as torch.nn.utils.spectral_norm does)" if where == f"{leaf}_orig" else
+           " (as torch.nn.utils.parametrize does)"
+           if where == f"parametrizations.{leaf}.original" else "")
+    return (f"fgpsdp: parameter '{name}' was moved to '{full}'{how} after "
+            "DistributedDataParallel(...) was built: the wrapper keeps each parameter "
+            "at the name it had then (its module's forward waits for its bucket, "
+            "state dicts name it so). Apply such a change to the module before "
+            "wrapping it")
 
 
 _VERSION = operator.attrgetter("_version")

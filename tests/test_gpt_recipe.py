@@ -83,30 +83,35 @@ def _batch(step, micro, rank):
     return s[:, :-1], s[:, 1:]
 
 
-def _ordered_hook(state, bucket):  # fgpsdp's sum: (g0 + g1) + g2 ... of gradients times 1/W
+def _scaled_and_gathered(bucket):
+    """The bucket times 1/W, as the runtime scales (not divided by W: on 3 ranks they
+    round apart), and every rank's, in rank order."""
     import torch.distributed as dist
-    # Times 1/W, as the runtime scales (not divided by W: on 3 ranks they round apart).
     t = bucket.buffer().mul_(1.0 / dist.get_world_size())
     parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, t)
+    return t, parts
+
+
+def _done(t, total):
+    fut = torch.futures.Future()
+    fut.set_result(t.copy_(total))
+    return fut
+
+
+def _ordered_hook(state, bucket):  # fgpsdp's sum on one node: (g0 + g1) + g2 ...
+    t, parts = _scaled_and_gathered(bucket)
     acc = parts[0].clone()
     for p in parts[1:]:
         acc += p
-    fut = torch.futures.Future()
-    fut.set_result(t.copy_(acc))
-    return fut
+    return _done(t, acc)
 
 
 def _two_nodes_hook(state, bucket):  # fgpsdp's sum on 2 nodes x 2: (g0 + g1) + (g2 + g3)
-    import torch.distributed as dist
-    # Times 1/W first, as the runtime packs; then each node's pair in rank order (the
-    # intra-node reduce-scatter), then the two nodes' partial sums (the rail's).
-    t = bucket.buffer().mul_(1.0 / dist.get_world_size())
-    p = [torch.empty_like(t) for _ in range(4)]
-    dist.all_gather(p, t)
-    fut = torch.futures.Future()
-    fut.set_result(t.copy_((p[0] + p[1]) + (p[2] + p[3])))
-    return fut
+    # Each node's pair in rank order (the intra-node reduce-scatter), then the two
+    # nodes' partial sums (the rail's).
+    t, p = _scaled_and_gathered(bucket)
+    return _done(t, (p[0] + p[1]) + (p[2] + p[3]))
 
 
 @torch.no_grad()

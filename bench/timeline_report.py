@@ -98,6 +98,17 @@ def link_idle_gaps(spans, lanes: set[str]) -> tuple[float, float, list[tuple[flo
     return sum(e - s for s, e in merged), merged[-1][1] - merged[0][0], gaps
 
 
+def span_lines(spans, lanes: Optional[set[str]]) -> list[str]:
+    """One line per span of ``lanes`` (all lanes: None), in start order, times in
+    seconds after the trace's first span: start, end, duration, lane, name."""
+    if not spans:
+        return []
+    t0 = min(s for _, _, s, _ in spans)
+    return [f"{s - t0:8.3f} {e - t0:8.3f} {e - s:7.3f}  {lane:<10} {name}"
+            for lane, name, s, e in sorted(spans, key=lambda sp: sp[2])
+            if lanes is None or lane in lanes]
+
+
 def overlap_chart(traces: dict[str, list], path: str, title: str) -> bool:
     """One panel per system: a row per lane, a bar per span (RS blue, AG green)."""
     try:
@@ -157,6 +168,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--link-gaps", metavar="LANES",
                         help="comma-separated lanes of one link (flat-rs,flat-ag): print "
                              "when none of them was busy")
+    parser.add_argument("--spans", metavar="LANES",
+                        help="comma-separated lanes (or 'all'): list their spans, times in "
+                             "seconds after the trace's first span")
     args = parser.parse_args(argv)
     traces = {os.path.basename(p): load_spans(p) for p in args.traces}
     for name, spans in traces.items():
@@ -169,6 +183,9 @@ def main(argv: Optional[list[str]] = None) -> None:
                   f"({100 * busy / window if window else 0:.0f}%); idle:")
             for start, end in gaps:
                 print(f"    {start:8.3f} -> {end:8.3f}  {end - start:.3f} s")
+        if args.spans:
+            lanes = None if args.spans == "all" else set(args.spans.split(","))
+            print("\n".join(span_lines(spans, lanes)))
     if args.png and overlap_chart(traces, args.png, "fgpsdp timeline"):
         print(f"wrote {args.png}")
 

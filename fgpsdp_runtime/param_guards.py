@@ -292,12 +292,14 @@ class ParamPlaces:
         (``share_memory()``) keeps every view in place: allowed, as the check
         is relative to the buffer. Runs before every forward: addresses only."""
         for _flat, name, param, _span, owner, leaf, replaced in self._displaced():
-            moved = _moved_to(name, param, owner, leaf) if replaced else None
-            if moved is not None:
+            if not replaced:
+                problem = f"was given new storage (now {param.dtype} on {param.device})"
+            elif (moved := _moved_to(name, param, owner, leaf)) is not None:
                 raise RuntimeError(moved)
-            problem = ("was removed from its module" if owner._parameters.get(leaf) is None
-                       else "was replaced by another tensor") if replaced else \
-                f"was given new storage (now {param.dtype} on {param.device})"
+            elif owner._parameters.get(leaf) is None:
+                problem = "was removed from its module"
+            else:
+                problem = "was replaced by another tensor"
             raise RuntimeError(
                 f"fgpsdp: parameter '{name}' {problem} after DistributedDataParallel(...) "
                 "was built: it no longer lives in its bucket and would not train. Cast, "

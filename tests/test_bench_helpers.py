@@ -239,3 +239,19 @@ def test_breakdown_counts_only_the_waits_inside_a_step(bench_modules):
     assert out["step waits for reduce-scatters"] == pytest.approx(0.4)
     assert out["forward_s"] == pytest.approx(1.0) and out["backward_s"] == pytest.approx(0.9)
     assert out["window_s"] == pytest.approx(3.8)
+
+
+def test_span_lines_list_the_chosen_lanes_from_the_first_span(bench_modules):
+    sys.path.insert(0, BENCH)
+    try:
+        import timeline_report
+    finally:
+        sys.path.remove(BENCH)
+    spans = [("inter-rs", "RS b1", 10.5, 10.7), ("compute", "forward", 10.0, 10.4),
+             ("inter-ag", "AG b0", 10.1, 10.3)]
+    lines = timeline_report.span_lines(spans, {"inter-rs", "inter-ag"})
+    assert [line.split() for line in lines] == [
+        ["0.100", "0.300", "0.200", "inter-ag", "AG", "b0"],
+        ["0.500", "0.700", "0.200", "inter-rs", "RS", "b1"]]
+    assert len(timeline_report.span_lines(spans, None)) == 3
+    assert timeline_report.span_lines([], None) == []

@@ -844,10 +844,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 speculated[b][1] != model.reducer.reduce_scatters_since_reset[b]
             local += part if part is not None and not stale \
                 else multi_tensor_sq_norm([storage.grad_shard])
-        differ = torch.tensor([float(self._speculation_hyperparameters_differ(speculated))],
-                              dtype=torch.float64, device=local.device)
-        used = model.reducer.locally_used.to(device=local.device, dtype=torch.float64)
-        packet = torch.cat([local, differ, used])
+        # The host-side figures in one CPU tensor and one copy: on CUDA a copy from
+        # pageable memory (torch.tensor(..., device=cuda), .to(cuda)) waits for the
+        # whole stream; from pinned memory it is queued behind the norms.
+        flags = torch.empty(1 + len(model.reducer.locally_used), dtype=torch.float64)
+        flags[0] = float(self._speculation_hyperparameters_differ(speculated))
+        flags[1:] = model.reducer.locally_used
+        if local.is_cuda:
+            flags = flags.pin_memory()
+        packet = torch.cat([local, flags.to(local.device, non_blocking=True)])
         with model.timeline.span("compute", "norm all-reduce"):
             model.all_reduce_sum(packet)
         packet = packet.cpu()

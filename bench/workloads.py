@@ -90,6 +90,25 @@ class VGG16(nn.Module):
 
 # -- Transformer encoders: BERT and ViT ---------------------------------------
 
+# nn.TransformerEncoderLayer registers norm1 and norm2 after its linear layers, so
+# reverse registration order (how fgpsdp fills its buckets) is not the order backward
+# makes gradients ready: the bucket holding a layer's norm1 waits until the end of
+# that layer's backward. With this variable set to "forward", each layer's submodules
+# are registered in the order a norm_first layer runs them: same model, same
+# arithmetic (initial values differ, as the parameters are drawn in another order),
+# buckets ready in order. An experiment's switch (docs/benchmarks/*-bucket-ready-order.md).
+ENCODER_ORDER_ENV = "FGPSDP_BENCH_ENCODER_ORDER"
+_FORWARD_ORDER = ("norm1", "self_attn", "dropout1", "norm2", "linear1", "dropout", "linear2",
+                  "dropout2")
+
+
+def _register_in_forward_order(layer: nn.TransformerEncoderLayer) -> None:
+    assert layer.norm_first, "the order below is a norm_first layer's"
+    names = [n for n in _FORWARD_ORDER if n in layer._modules]
+    names += [n for n in layer._modules if n not in names]
+    layer._modules = {n: layer._modules[n] for n in names}
+
+
 class Encoder(nn.Module):
     def __init__(self, d_model: int, n_layer: int, n_head: int):
         super().__init__()
@@ -97,6 +116,9 @@ class Encoder(nn.Module):
                                            activation="gelu", batch_first=True, norm_first=True)
         self.layers = nn.TransformerEncoder(layer, n_layer, enable_nested_tensor=False)
         self.norm = nn.LayerNorm(d_model)
+        if os.environ.get(ENCODER_ORDER_ENV) == "forward":
+            for each in self.layers.layers:
+                _register_in_forward_order(each)
 
     def forward(self, x):
         return self.norm(self.layers(x))

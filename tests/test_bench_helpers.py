@@ -255,3 +255,43 @@ def test_span_lines_list_the_chosen_lanes_from_the_first_span(bench_modules):
         ["0.500", "0.700", "0.200", "inter-rs", "RS", "b1"]]
     assert len(timeline_report.span_lines(spans, None)) == 3
     assert timeline_report.span_lines([], None) == []
+
+
+def test_encoder_forward_order_switch(bench_modules, monkeypatch):
+    """FGPSDP_BENCH_ENCODER_ORDER=forward: reverse registration order becomes the order
+    backward makes an encoder layer's gradients ready (what the buckets are filled by)."""
+    import workloads  # on the path while bench_modules is alive
+    cfg = workloads.WorkloadConfig("vit", "cpu", 1, {"image": 16, "patch": 8, "d_model": 16,
+                                                     "n_layer": 2, "n_head": 2, "num_classes": 3},
+                                   "image", image=16, classes=3)
+
+    def layer_param_order(model):
+        prefix = "encoder.layers.layers.0."
+        return [n[len(prefix):] for n, _ in model.named_parameters() if n.startswith(prefix)]
+
+    def ready_order(model):
+        names = {id(p): n for n, p in model.named_parameters()}
+        seen = []
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(lambda p: seen.append(names[id(p)]))
+        x, y = workloads.make_batch(cfg, 0, 0)
+        workloads.loss_fn(cfg)(model(x), y).backward()
+        prefix = "encoder.layers.layers.0."
+        return [n[len(prefix):] for n in seen if n.startswith(prefix)]
+
+    monkeypatch.delenv(workloads.ENCODER_ORDER_ENV, raising=False)
+    built = workloads.build_model(cfg)
+    assert layer_param_order(built)[0] == "self_attn.in_proj_weight"  # torch's own order
+    monkeypatch.setenv(workloads.ENCODER_ORDER_ENV, "forward")
+    reordered = workloads.build_model(cfg)
+    assert layer_param_order(reordered)[:2] == ["norm1.weight", "norm1.bias"]
+    assert sorted(layer_param_order(reordered)) == sorted(layer_param_order(built))
+
+    def modules_of(names):  # weight and bias of one module are ready together
+        return [n.rsplit(".", 1)[0] for n in names]
+
+    expected = modules_of(reversed(layer_param_order(reordered)))
+    assert list(dict.fromkeys(modules_of(ready_order(reordered)))) == \
+        list(dict.fromkeys(expected))
+    assert list(dict.fromkeys(modules_of(ready_order(built)))) != \
+        list(dict.fromkeys(modules_of(reversed(layer_param_order(built)))))

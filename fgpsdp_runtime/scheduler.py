@@ -104,6 +104,7 @@ class TwoStageScheduler:
         self._next = 0  # position in plan.stage1 of the next bucket to speculate
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._joined = threading.Event()
+        self._join_ready = None  # CUDA: the main stream at the last join (finish_stage1)
         self._error: Optional[BaseException] = None
         self._thread: Optional[threading.Thread] = None
         device = model.buckets[0].device if model.buckets else torch.device("cpu")
@@ -158,10 +159,18 @@ class TwoStageScheduler:
 
     def _hand_over(self, b: int, op, count: int) -> None:
         self._start_thread()
-        if self.speculation_stream is not None:
-            # The speculative step must follow what this stream queued so far.
-            self.speculation_stream.wait_stream(torch.cuda.current_stream(self.device))
-        self._queue.put((b, op, count))
+        # The speculative step must follow what this stream queued so far: an
+        # event the thread waits for just before this bucket's step (a wait put
+        # on the speculation stream from here would also hold back the kernels
+        # of an earlier bucket's step that the thread is still launching).
+        self._queue.put((b, op, count, self._current_stream_event()))
+
+    def _current_stream_event(self):
+        if self.speculation_stream is None:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
 
     def finish_stage1(self) -> None:
         """At the step: every stage-1 bucket not yet speculated, in plan order; then join.
@@ -173,12 +182,11 @@ class TwoStageScheduler:
             return
         self.on_backward_end()  # anything still deferred
         self._start_thread()
-        if self.speculation_stream is not None:
-            # A stage-1 bucket never handed over (the optimizer was built after the
-            # backward) is stepped at the join with no op to wait for: its gradient
-            # landed on this stream (the reduce-scatters' waits), which the
-            # speculation stream must follow.
-            self.speculation_stream.wait_stream(torch.cuda.current_stream(self.device))
+        # A stage-1 bucket never handed over (the optimizer was built after the
+        # backward) is stepped at the join with no op to wait for: its gradient
+        # landed on this stream (the reduce-scatters' waits), which its step must
+        # follow.
+        self._join_ready = self._current_stream_event()
         self._joined.clear()
         self._queue.put(_JOIN)
         self._joined.wait()
@@ -219,8 +227,8 @@ class TwoStageScheduler:
                 if item is _JOIN:
                     self._advance(until_end=True)
                 else:
-                    b, op, count = item
-                    self._arrived[b] = (op, count)
+                    b, op, count, ready = item
+                    self._arrived[b] = (op, count, ready)
                     self._advance(until_end=False)
             except BaseException as error:  # raised again on the main thread at the join
                 if self._error is None:
@@ -236,17 +244,19 @@ class TwoStageScheduler:
             arrived = self._arrived.pop(b, None)
             if arrived is None and not until_end:
                 return
-            op, count = arrived if arrived is not None else \
-                (None, self.model.reducer.reduce_scatters_since_reset[b])
+            op, count, ready = arrived if arrived is not None else \
+                (None, self.model.reducer.reduce_scatters_since_reset[b], self._join_ready)
             if count == 0:
                 # No reduction since the step or zero_grad() (one between backward
                 # and step): nothing to step early. The same on every rank.
                 self._next += 1
                 continue
-            self._speculate(b, op, count)
+            self._speculate(b, op, count, ready)
 
-    def _speculate(self, b: int, op, count: int) -> None:
+    def _speculate(self, b: int, op, count: int, ready=None) -> None:
         if self.speculation_stream is not None:
+            if ready is not None:
+                self.speculation_stream.wait_event(ready)
             with torch.cuda.stream(self.speculation_stream):
                 self._speculate_on_current_stream(b, op, count)
         else:

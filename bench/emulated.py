@@ -477,7 +477,11 @@ def main() -> None:
     stem = os.path.join(args.out, f"{date}-{args.tag}")
     log = stem + ".log"
     open(log, "w").close()
-    command = "python bench/emulated.py " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    # The workloads' switches (FGPSDP_BENCH_*, see workloads.py) reach the ranks through
+    # the environment: the report's command carries them, or it would not reproduce.
+    bench_env = {k: v for k, v in sorted(os.environ.items()) if k.startswith("FGPSDP_BENCH_")}
+    command = ("".join(f"{k}={shlex.quote(v)} " for k, v in bench_env.items())
+               + "python bench/emulated.py " + " ".join(shlex.quote(a) for a in sys.argv[1:]))
 
     subprocess.run(["bash", CLUSTER, "up", args.rate], check=True)
     all_rows, raw, timelines = {}, {}, {}

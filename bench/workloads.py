@@ -94,9 +94,9 @@ class VGG16(nn.Module):
 # reverse registration order (how fgpsdp fills its buckets) is not the order backward
 # makes gradients ready: the bucket holding a layer's norm1 waits until the end of
 # that layer's backward. With this variable set to "forward", each layer's submodules
-# are registered in the order a norm_first layer runs them: same model, same
-# arithmetic (initial values differ, as the parameters are drawn in another order),
-# buckets ready in order. An experiment's switch (docs/benchmarks/*-bucket-ready-order.md).
+# are registered in the order a norm_first layer runs them: same model, same initial
+# values (drawn before the reordering), buckets ready in order. An experiment's switch
+# (docs/benchmarks/*-bucket-ready-order.md); emulated.py writes it into its report's command.
 ENCODER_ORDER_ENV = "FGPSDP_BENCH_ENCODER_ORDER"
 _FORWARD_ORDER = ("norm1", "self_attn", "dropout1", "norm2", "linear1", "dropout", "linear2",
                   "dropout2")

@@ -100,7 +100,8 @@ class TwoStageScheduler:
         self._handed: set[int] = set()  # stage-1 buckets handed to the thread this step
         # Handed over at the backward's end (see [Note: parameters the backward still reads]).
         self._deferred: list[tuple] = []
-        self._arrived: dict[int, tuple] = {}  # bucket -> (reduce-scatter op, its count)
+        # bucket -> (reduce-scatter op, its count, CUDA event of the handing stream or None)
+        self._arrived: dict[int, tuple] = {}
         self._next = 0  # position in plan.stage1 of the next bucket to speculate
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._joined = threading.Event()
@@ -253,7 +254,7 @@ class TwoStageScheduler:
                 continue
             self._speculate(b, op, count, ready)
 
-    def _speculate(self, b: int, op, count: int, ready=None) -> None:
+    def _speculate(self, b: int, op, count: int, ready) -> None:
         if self.speculation_stream is not None:
             if ready is not None:
                 self.speculation_stream.wait_event(ready)

@@ -223,11 +223,7 @@ def test_host_speed_probe_is_a_positive_rate_and_keeps_the_thread_count(bench_mo
 
 
 def test_breakdown_counts_only_the_waits_inside_a_step(bench_modules):
-    sys.path.insert(0, BENCH)
-    try:
-        import timeline_report
-    finally:
-        sys.path.remove(BENCH)
+    import timeline_report  # on the path while bench_modules is alive
     spans = [("compute", "forward", 0.0, 1.0), ("compute", "wait AG b3", 0.2, 0.5),
              ("compute", "backward (from first gradient)", 1.1, 2.0),
              ("compute", "optimizer step", 2.0, 3.0), ("compute", "wait reduce-scatters", 2.0, 2.4),
@@ -242,11 +238,7 @@ def test_breakdown_counts_only_the_waits_inside_a_step(bench_modules):
 
 
 def test_span_lines_list_the_chosen_lanes_from_the_first_span(bench_modules):
-    sys.path.insert(0, BENCH)
-    try:
-        import timeline_report
-    finally:
-        sys.path.remove(BENCH)
+    import timeline_report  # on the path while bench_modules is alive
     spans = [("inter-rs", "RS b1", 10.5, 10.7), ("compute", "forward", 10.0, 10.4),
              ("inter-ag", "AG b0", 10.1, 10.3)]
     lines = timeline_report.span_lines(spans, {"inter-rs", "inter-ag"})

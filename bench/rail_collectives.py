@@ -10,7 +10,9 @@ on a float32 buffer of ``--mib`` MiB, first on rail 0 alone, then on both rails
 at once (they share the one shaped link, as the hierarchy's rails do here).
 Rank 0 prints ms per op, the rate each rail got (bytes one rank sends / time)
 and CPU ms per op (every thread of the process). The gloo rows are what
-fgpsdp's exchange ran before: all_to_all_single plus a sum, and all_gather_into_tensor.
+fgpsdp's exchange ran before: all_to_all_single plus a sum, and all_gather_into_tensor;
+"all-gather sends first" is fgpsdp's all-gather as it posted its messages before
+receives went first (each piece's send, then its receive).
 """
 from __future__ import annotations
 
@@ -50,12 +52,29 @@ def main() -> None:
         dist.all_to_all_single(received, bucket, group=rail)
         torch.sum(received.view(2, -1), dim=0, out=chunk)
 
+    def all_gather_sends_first():
+        # fgpsdp's order up to d13d0af: each piece's send, then its
+        # receive ([Note: receives first] in gloo_collectives.py).
+        me = dist.get_rank(rail)
+        peer = dist.get_global_rank(rail, 1 - me)
+        chunks = gathered.view(2, -1)
+        chunks[me].copy_(bucket[:numel // 2])
+        piece = max(1, gloo_collectives.PIECE_BYTES // 4)
+        works = []
+        for i, (mine, theirs) in enumerate(zip(chunks[me].split(piece),
+                                               chunks[1 - me].split(piece))):
+            works.append(dist.isend(mine, peer, group=rail, tag=i))
+            works.append(dist.irecv(theirs, peer, group=rail, tag=i))
+        for work in works:
+            work.wait()
+
     operations = {
         "reduce-scatter gloo": gloo_reduce_scatter,
         "reduce-scatter fgpsdp": lambda: reduce_scatter_blocking(rail, chunk, bucket),
         "all-gather gloo": lambda: dist.all_gather_into_tensor(gathered, bucket[:numel // 2],
                                                                 group=rail),
         "all-gather fgpsdp": lambda: all_gather_blocking(rail, gathered, bucket[:numel // 2]),
+        "all-gather sends first": all_gather_sends_first,
     }
     sent_bytes = numel * 4 / 2  # one rank sends half the buffer in either operation
     rows = []

@@ -100,3 +100,33 @@ def _calls_in_flight(rank, world, piece_bytes):
 def test_calls_in_flight_on_one_group_do_not_mix(world):
     # 64-byte pieces: every call is many messages per peer with the same tags.
     assert run_distributed(world, _calls_in_flight, 64) == [0] * world
+
+
+def test_every_receive_is_posted_before_any_send(monkeypatch):
+    # gloo sends a message's data only once the receiver's notification has come
+    # back, in the same TCP stream as the receiver's own data; a receive posted
+    # after a send would queue that notification behind the send's data
+    # ([Note: receives first] in gloo_collectives.py). Order only: no link here.
+    import torch.distributed as dist
+
+    from fgpsdp_runtime import gloo_collectives
+
+    posted = []
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 1)
+    monkeypatch.setattr(dist, "get_global_rank", lambda group, rank: 10 + rank)
+    monkeypatch.setattr(dist, "isend", lambda t, peer, group=None, tag=0:
+                        posted.append(("send", peer, tag, t.numel())))
+    monkeypatch.setattr(dist, "irecv", lambda t, peer, group=None, tag=0:
+                        posted.append(("recv", peer, tag, t.numel())))
+    monkeypatch.setattr(gloo_collectives, "PIECE_BYTES", 16)  # 4 float32 per piece
+    sends = [torch.zeros(10) for _ in range(3)]
+    recvs = [torch.zeros(10) for _ in range(3)]
+    works = gloo_collectives.post_exchange(object(), sends, recvs)
+
+    kinds = [kind for kind, *_ in posted]
+    assert len(works) == len(posted) == 2 * 2 * 3  # 2 peers, 3 pieces each way
+    assert kinds == ["recv"] * 6 + ["send"] * 6
+    # Within each side: piece by piece, peers from the next rank on.
+    expected = [(peer, tag, numel) for tag, numel in enumerate([4, 4, 2]) for peer in (12, 10)]
+    assert [p[1:] for p in posted if p[0] == "recv"] == expected
+    assert [p[1:] for p in posted if p[0] == "send"] == expected

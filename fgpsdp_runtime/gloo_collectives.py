@@ -6,12 +6,14 @@ to 1 Gbit/s, one rail of two ranks, a 25 MiB buffer) gloo's
 ``all_to_all_single`` moved 0.46 Gbit/s and ``all_gather_into_tensor``
 0.58-0.60; the same bytes as one isend/irecv per peer 0.48, as 4 MiB pieces
 all in flight 0.74, as 1 MiB pieces 0.87 (bench/rail_collectives.py; the
-record is docs/benchmarks/2026-11-30-rail-collectives-cpu.md). With one
-message per direction the link idles between gloo's per-message steps; with
-several in flight it does not. (gloo's ``reduce_scatter`` is worse still: it
-sends as many bytes as an all-reduce.) So both collectives here post every
-message at once, split into pieces of at most ``PIECE_BYTES``, and wait for
-all:
+record is docs/benchmarks/2026-11-30-rail-collectives-cpu.md). Those
+point-to-point figures had each send posted before its receive, and most of
+what the larger messages lost was the turn-taking of [Note: receives first]:
+with every receive posted first, one message per direction moves 0.93 and
+4 MiB pieces 0.92, level with 1 MiB pieces. (gloo's ``reduce_scatter`` is
+worse still: it sends as many bytes as an all-reduce.) So both collectives
+here post every message at once, split into pieces of at most
+``PIECE_BYTES``, and wait for all:
 
 - reduce-scatter: chunk j of the input goes to rank j; this rank receives its
   chunk from every peer and sums the n chunks in rank order (the same order
@@ -37,9 +39,9 @@ to d13d0af) let a rank whose peer's notices had already arrived write a piece
 of data and then the notice for the matching piece the other way, so the two
 directions took turns: on the emulated 1 Gbit/s link, an all-gather of one
 12.5 MiB message each way took 218 ms instead of the 113 ms it takes with the
-receive posted first, in 1 MiB pieces 121-125 ms instead of 114-116, and
-VGG-16's step at 2x1 went from 0.67-0.69 s to 0.61-0.63 s
-(docs/benchmarks/2026-12-04-receives-first.md).
+receive posted first (in 1 MiB pieces 119-125 ms against 114-121, within
+the bench's spread), and VGG-16's step at 2x1 went from 0.67-0.69 s to
+0.61-0.63 s (docs/benchmarks/2026-12-04-receives-first.md).
 So a call posts every receive before its first send.
 """
 from __future__ import annotations

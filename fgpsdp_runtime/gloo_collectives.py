@@ -9,8 +9,8 @@ all in flight 0.74, as 1 MiB pieces 0.87 (bench/rail_collectives.py; the
 record is docs/benchmarks/2026-11-30-rail-collectives-cpu.md). Those
 point-to-point figures had each send posted before its receive, and most of
 what the larger messages lost was the turn-taking of [Note: receives first]:
-with every receive posted first, one message per direction moves 0.93 and
-4 MiB pieces 0.92, level with 1 MiB pieces. (gloo's ``reduce_scatter`` is
+with every receive posted first, one message per direction moves 0.92-0.93
+and 4 MiB pieces 0.92, level with 1 MiB pieces. (gloo's ``reduce_scatter`` is
 worse still: it sends as many bytes as an all-reduce.) So both collectives
 here post every message at once, split into pieces of at most
 ``PIECE_BYTES``, and wait for all:
@@ -42,7 +42,9 @@ directions took turns: on the emulated 1 Gbit/s link, an all-gather of one
 receive posted first (in 1 MiB pieces 119-125 ms against 114-121, within
 the bench's spread), and VGG-16's step at 2x1 went from 0.67-0.69 s to
 0.61-0.63 s (docs/benchmarks/2026-12-04-receives-first.md).
-So a call posts every receive before its first send.
+So a call posts every receive before its first send. (A later call's notices
+still queue behind an earlier call's data, but that data moves both ways at
+once, so the directions do not take turns.)
 """
 from __future__ import annotations
 

@@ -18,6 +18,19 @@ differs from the recording (another branch, another module order) waits for
 every pending bucket at the first difference, runs safely, and the next
 forward records again. Parameters read outside any module's forward must be
 synchronised by the caller (``model.synchronize()``).
+
+[Note: one module ahead]
+A difference is seen only at the first pre-hook that does not match, after
+whatever the forward ran since the last one that did. A forward that skips
+the module due next and reads its parameters in its place
+(``F.linear(h, self.b.weight)`` instead of ``self.b(h)``) reads them in that
+gap, before anything tells it apart from the recording (Megatron-LM issue
+950: a module ran with stale weights). So each pre-hook also waits for what
+the next recorded one needs: every bucket is waited for one module before
+its first recorded reader. It costs the overlap of one module's compute at a
+bucket's boundary. A read, in that gap, of a module further ahead is not
+covered (two modules skipped, the second's weight read): such a forward must
+be synchronised by the caller.
 """
 from __future__ import annotations
 
@@ -47,7 +60,9 @@ class ForwardParamWaiter:
         self._wait_bucket = wait_bucket
         self._wait_all = wait_all
         self._recorded: Optional[list[int]] = None  # id(module) in pre-hook order
-        self._needs: list[list[int]] = []  # buckets to wait for at each recorded position
+        # Buckets to wait for at each recorded position: what that module and the
+        # next one need (see [Note: one module ahead]).
+        self._needs: list[list[int]] = []
         self._recording: list[int] = []
         self._first_read: dict[int, int] = {}  # id(param) -> recording position
         self._read_recorder: Optional[_ParamReadRecorder] = None
@@ -100,7 +115,7 @@ class ForwardParamWaiter:
             recorder.__exit__(None, None, None)
         if self._mode == "record":
             self._recorded = self._recording
-            self._needs = self._assign(self._recording)
+            self._needs = _one_module_ahead(self._assign(self._recording))
         # Buckets no module waited for (modules skipped this time): land them now.
         self._wait_all()
         self._mode = "off"
@@ -197,6 +212,15 @@ class ForwardParamWaiter:
                     seen_bucket.add(b)
                     needs[position].append(b)
         return needs
+
+
+def _one_module_ahead(needs: list[list[int]]) -> list[list[int]]:
+    """Each position's buckets waited for at the position before (the first's at the
+    first): see [Note: one module ahead]."""
+    ahead = [list(buckets) if position == 0 else [] for position, buckets in enumerate(needs)]
+    for position in range(1, len(needs)):
+        ahead[position - 1].extend(needs[position])
+    return ahead
 
 
 # Calls that read a tensor's metadata, not its values: a model may look at a

@@ -342,3 +342,55 @@ def every_structure(rank: int, world_size: int) -> dict:
         results[(name, "next_forward")] = side_by_side(rank, world_size, name, "next_forward")
     return results
 
+
+
+class SkipsEveryOtherForward(nn.Module):
+    """Every other forward reads mid's parameters in place of calling mid (a branch):
+    the module order changes there only after the read."""
+
+    def __init__(self):
+        super().__init__()
+        # mid large enough that its all-gather is still in flight at the read.
+        self.inp, self.mid, self.out = nn.Linear(6, 1024), nn.Linear(1024, 1024), nn.Linear(1024, 3)
+        self.forwards = 0
+
+    def forward(self, x):
+        self.forwards += 1
+        h = torch.tanh(self.inp(x))
+        if self.forwards % 2 == 0:
+            h = torch.tanh(F.linear(h, self.mid.weight, self.mid.bias))
+        else:
+            h = torch.tanh(self.mid(h))
+        return self.out(h)
+
+
+def trained_apart(rank: int, world_size: int, schedule: str) -> dict:
+    """fgpsdp and torch DDP (AdamW) each train SkipsEveryOtherForward on their own:
+    a torch DDP step between fgpsdp's step and its next forward would give the
+    all-gathers time to land. Returns the largest parameter difference and the steps
+    whose loss differed."""
+    import fgpsdp_runtime as fgp
+    torch.manual_seed(0)
+    ref_module = SkipsEveryOtherForward()
+    ours_module = SkipsEveryOtherForward()
+    ours_module.load_state_dict(ref_module.state_dict())
+    ref = nn.parallel.DistributedDataParallel(ref_module)
+    ours = fgp.DistributedDataParallel(ours_module, bucket_cap_mb=0.0001, schedule=schedule)
+    losses = {}
+    for model, opt in ((ref, torch.optim.AdamW(ref.parameters(), lr=1e-2)),
+                       (ours, fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2))):
+        losses[model] = []
+        for step in range(STEPS):
+            gen = torch.Generator().manual_seed(1000 * step + rank)
+            x, y = torch.randn(4, 6, generator=gen), torch.randn(4, 3, generator=gen)
+            loss = F.mse_loss(model(x), y)
+            losses[model].append(loss.item())
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    ours.synchronize()
+    diff = max(float((p - r).abs().max()) for p, r in
+               zip(ours_module.parameters(), ref_module.parameters()))
+    return {"diff": diff, "steps_differing": [step for step, (a, b) in
+                                              enumerate(zip(losses[ours], losses[ref])) if a != b],
+            "deviations": ours._forward_waiter.deviations}

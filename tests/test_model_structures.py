@@ -4,7 +4,7 @@ that rolls some steps back, and under next_forward."""
 import pytest
 
 from .dist_harness import run_distributed
-from .structure_scenarios import STRUCTURES, every_structure
+from .structure_scenarios import STRUCTURES, every_structure, trained_apart
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -26,3 +26,12 @@ def test_structures_train_as_torch_ddp(world_size):
                     problems.append((key, rank, name, relative, moved_ref, moved))
     assert not problems, problems[:10]
     assert committed > 0 and rolled_back > 0, (committed, rolled_back)
+
+
+@pytest.mark.parametrize("schedule", ["next_forward", "two_stage"])
+def test_a_branch_reading_a_skipped_module_in_its_place_reads_the_updated_values(schedule):
+    # Before: the forwards that read mid's weight without calling mid read it while
+    # its all-gather was still landing (the old values), under both schedules.
+    for rank, res in enumerate(run_distributed(2, trained_apart, schedule, timeout_s=300)):
+        assert res["diff"] == 0.0 and res["steps_differing"] == [], (rank, res)
+        assert res["deviations"] > 0, (rank, res)  # the branch was taken, and seen

@@ -25,12 +25,16 @@ whatever the forward ran since the last one that did. A forward that skips
 the module due next and reads its parameters in its place
 (``F.linear(h, self.b.weight)`` instead of ``self.b(h)``) reads them in that
 gap, before anything tells it apart from the recording (Megatron-LM issue
-950: a module ran with stale weights). So each pre-hook also waits for what
-the next recorded one needs: every bucket is waited for one module before
-its first recorded reader. It costs the overlap of one module's compute at a
-bucket's boundary. A read, in that gap, of a module further ahead is not
-covered (two modules skipped, the second's weight read): such a forward must
-be synchronised by the caller.
+950: a module ran with stale weights). So what the next recorded module
+needs is waited for as soon as nothing but such a gap can come before it:
+when a module returns (its forward hook; only the caller's code runs between
+it and the next pre-hook), or, where the next module is called from inside
+this one (a child), at this one's pre-hook. Waiting one whole module early
+instead cost VGG-16 5-14% per step at 2x1 (every conv's compute lost its
+overlap); this costs the caller's code between two modules (an activation, a
+pooling). A read, in that gap, of a module further ahead is not covered (two
+modules skipped, the second's weight read): such a forward must be
+synchronised by the caller.
 """
 from __future__ import annotations
 
@@ -60,9 +64,12 @@ class ForwardParamWaiter:
         self._wait_bucket = wait_bucket
         self._wait_all = wait_all
         self._recorded: Optional[list[int]] = None  # id(module) in pre-hook order
-        # Buckets to wait for at each recorded position: what that module and the
-        # next one need (see [Note: one module ahead]).
-        self._needs: list[list[int]] = []
+        self._needs: list[list[int]] = []  # buckets to wait for at each recorded position
+        # Per recorded position: the next position's module is in this one's subtree
+        # (called from inside it). See [Note: one module ahead].
+        self._next_is_inside: list[bool] = []
+        # In a following forward: the needs of every position up to this one are waited for.
+        self._waited_through = -1
         self._recording: list[int] = []
         self._first_read: dict[int, int] = {}  # id(param) -> recording position
         self._read_recorder: Optional[_ParamReadRecorder] = None
@@ -81,9 +88,12 @@ class ForwardParamWaiter:
         # First among the module's pre-hooks: those registered before wrapping
         # (weight_norm's, pruning's, a user's) may read the parameters too.
         hook = ModuleHook(self._pre_hook)
+        # First among its forward hooks too: a user's may read the next module's.
+        post_hook = ModuleHook(self._post_hook)
         self._handles = HookHandles()
         for m in self._modules:
             self._handles.add(m.register_forward_pre_hook(hook, prepend=True))
+            self._handles.add(m.register_forward_hook(post_hook, prepend=True))
 
     def remove(self) -> None:
         self._handles.remove()
@@ -108,6 +118,7 @@ class ForwardParamWaiter:
         else:
             self._mode = "follow"
             self._cursor = 0
+            self._waited_through = -1
 
     def end_forward(self) -> None:
         if self._read_recorder is not None:
@@ -115,7 +126,8 @@ class ForwardParamWaiter:
             recorder.__exit__(None, None, None)
         if self._mode == "record":
             self._recorded = self._recording
-            self._needs = _one_module_ahead(self._assign(self._recording))
+            self._needs = self._assign(self._recording)
+            self._next_is_inside = self._next_inside(self._recording)
         # Buckets no module waited for (modules skipped this time): land them now.
         self._wait_all()
         self._mode = "off"
@@ -141,8 +153,7 @@ class ForwardParamWaiter:
         elif self._mode == "follow":
             position = self._cursor
             if position < len(self._recorded) and self._recorded[position] == id(module):
-                for b in self._needs[position]:
-                    self._wait_bucket(b)
+                self._wait_through(position + 1 if self._next_is_inside[position] else position)
                 self._cursor += 1
             else:
                 # Another order than recorded: be safe now, learn again next time.
@@ -150,6 +161,20 @@ class ForwardParamWaiter:
                 self._wait_all()
                 self._recorded = None
                 self._mode = "landed"
+
+    def _post_hook(self, module: nn.Module, args, output) -> None:
+        # Between here and the next pre-hook only the caller's code runs: what the
+        # next recorded module needs is waited for now (see [Note: one module ahead]).
+        if self._mode == "follow" and not is_traced_by_dynamo():
+            self._wait_through(self._cursor)
+
+    def _wait_through(self, position: int) -> None:
+        """Wait for the needs of every recorded position up to ``position``, once each."""
+        last = min(position, len(self._needs) - 1)
+        while self._waited_through < last:
+            self._waited_through += 1
+            for b in self._needs[self._waited_through]:
+                self._wait_bucket(b)
 
     def _note_detached(self, tensor: torch.Tensor) -> None:
         """During a recording forward: ``tensor.detach()`` (or ``.data``) was taken."""
@@ -182,6 +207,18 @@ class ForwardParamWaiter:
 
     # -- the assignment ----------------------------------------------------------
 
+    def _next_inside(self, order: list[int]) -> list[bool]:
+        """Per position: the next position's module is in this one's subtree."""
+        names = {}
+        for name, m in self._root.named_modules():
+            names.setdefault(id(m), name)
+        inside = []
+        for mid, next_mid in zip(order, order[1:]):
+            outer, inner = names.get(mid), names.get(next_mid)
+            inside.append(outer is not None and inner is not None
+                          and (outer == "" or inner.startswith(outer + ".")))
+        return inside + [False] * min(1, len(order))
+
     def _assign(self, order: list[int]) -> list[list[int]]:
         by_id = {id(m): m for m in self._modules}
         depth = {id(self._root): 0}
@@ -212,15 +249,6 @@ class ForwardParamWaiter:
                     seen_bucket.add(b)
                     needs[position].append(b)
         return needs
-
-
-def _one_module_ahead(needs: list[list[int]]) -> list[list[int]]:
-    """Each position's buckets waited for at the position before (the first's at the
-    first): see [Note: one module ahead]."""
-    ahead = [list(buckets) if position == 0 else [] for position, buckets in enumerate(needs)]
-    for position in range(1, len(needs)):
-        ahead[position - 1].extend(needs[position])
-    return ahead
 
 
 # Calls that read a tensor's metadata, not its values: a model may look at a

@@ -389,7 +389,7 @@ def trained_apart(rank: int, world_size: int, schedule: str) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
     ours.synchronize()
-    diff = max(float((p - r).abs().max()) for p, r in
+    diff = max(float((p.detach() - r.detach()).abs().max()) for p, r in
                zip(ours_module.parameters(), ref_module.parameters()))
     return {"diff": diff, "steps_differing": [step for step, (a, b) in
                                               enumerate(zip(losses[ours], losses[ref])) if a != b],

@@ -54,12 +54,12 @@ def waits_in_a_followed_forward(read: str, deviations: int = 0) -> list:
 
 
 @pytest.mark.parametrize("read, expected", [
-    # Only the dtype is read early: each layer's bucket is waited for one module
-    # ahead of it (the root's pre-hook waits for inp's).
-    ("metadata", ["wait b2", "wait b1", "run inp", "wait b0", "run mid", "run out",
+    # Only the dtype is read early: each layer's bucket is waited for as the module
+    # before it returns (inp's, called from inside the root, at the root's pre-hook).
+    ("metadata", ["wait b2", "run inp", "wait b1", "run mid", "wait b0", "run out",
                   "wait all"]),
     # The parent reads out's weight before calling anything: the parent waits for it.
-    ("values", ["wait b0", "wait b2", "wait b1", "run inp", "run mid", "run out",
+    ("values", ["wait b0", "wait b2", "run inp", "wait b1", "run mid", "run out",
                 "wait all"]),
 ])
 def test_a_parameter_is_waited_for_before_its_first_read(read, expected):
@@ -68,8 +68,8 @@ def test_a_parameter_is_waited_for_before_its_first_read(read, expected):
 
 def test_a_skipped_module_read_in_its_place_is_waited_for():
     # The forward skips mid and reads its weight; the other order is seen only at
-    # out's pre-hook, after the read, but mid's bucket was waited for one module
-    # ahead, in inp's (before: the read came first, of the old values).
+    # out's pre-hook, after the read, but mid's bucket was waited for as inp
+    # returned (before: the read came first, of the old values).
     log = waits_in_a_followed_forward("skip mid", deviations=1)
-    assert log == ["wait b2", "wait b1", "run inp", "read mid", "wait all", "run out",
+    assert log == ["wait b2", "run inp", "wait b1", "read mid", "wait all", "run out",
                    "wait all"]

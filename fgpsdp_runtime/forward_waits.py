@@ -32,7 +32,8 @@ it and the next pre-hook), or, where the next module is called from inside
 this one (a child), at this one's pre-hook. Waiting one whole module early
 instead cost VGG-16 5-14% per step at 2x1 (every conv's compute lost its
 overlap); this costs the caller's code between two modules (an activation, a
-pooling). A read, in that gap, of a module further ahead is not covered (two
+pooling), and moves the waits the plan is profiled from: VGG-16 a median 3%
+(docs/benchmarks/2026-12-04-forward-waits-ahead.md). A read, in that gap, of a module further ahead is not covered (two
 modules skipped, the second's weight read): such a forward must be
 synchronised by the caller.
 """

@@ -73,9 +73,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
             self.unscale_(optimizer)
         result = None
         if sum(v.item() for v in state["found_inf_per_device"].values()):
-            # The optimizer sees the same flag in its norm and skips the update
-            # itself, on every rank; its step hooks do not run, as under torch.
-            optimizer.run_step()
+            # Skipped on every rank (the flag is all-reduced); its step hooks do
+            # not run, as under torch.
+            optimizer.run_step(inf_found_by_scaler=True)
         else:
             result = optimizer.step(*args, **kwargs)
         state["stage"] = OptState.STEPPED

@@ -388,17 +388,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return loss
 
     @torch.no_grad()
-    def run_step(self) -> None:
+    def run_step(self, inf_found_by_scaler: bool = False) -> None:
         """step()'s work without torch's optimizer hooks: ShardedGradScaler runs it
         for a step that an inf skips (torch's scaler does not call step() then, so
         step hooks such as an EMA update do not run; every rank must still take
-        part, to undo speculative steps and keep the collectives paired)."""
+        part, to undo speculative steps and keep the collectives paired).
+        ``inf_found_by_scaler``: the scaler's unscale_ found an inf, so the step is
+        skipped whatever the gradients hold now. A forward between unscale_ and the
+        step makes the step measure them again (note_forward), and clip_grad_value_
+        may have clamped the inf away by then; torch's scaler, too, decides by
+        what unscale_ found."""
         self._check_pieces_in_buckets()  # before any collective: the loop did it everywhere
         uneven = self._announce(AnnouncedCall.STEP)
         if uneven is not None:
             uneven.share_hyperparameters(self)
         with self.model.timeline.span("compute", "optimizer step"):
-            self._step()
+            self._step(inf_found_by_scaler)
 
     def _check_pieces_in_buckets(self) -> None:
         """The pieces in ``param_groups`` must still view their buckets: a loop written
@@ -419,7 +424,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         "write storage the model never reads. Write them in place under "
                         "torch.no_grad() (p.mul_(...)), or use the optimizer's weight_decay")
 
-    def _step(self) -> None:
+    def _step(self, inf_found_by_scaler: bool = False) -> None:
         model = self.model
         self._forget_stale_measurements()
         measured_earlier = self._reduced  # by clip_grad_norm_, before this call
@@ -431,8 +436,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._apply_clip(self.max_grad_norm)
         # Under loss scaling, an overflow skips the step even once clip_grad_value_
         # has clamped its infs (torch's scaler decides by what unscale_ found).
-        finite = math.isfinite(total) and not (self._loss_unscaled
-                                               and not math.isfinite(self._total_norm))
+        finite = math.isfinite(total) and not inf_found_by_scaler and not (
+            self._loss_unscaled and not math.isfinite(self._total_norm))
         scheduler = model.scheduler
         speculated = scheduler.speculated if scheduler is not None else {}
         if measured_earlier and speculated:
@@ -497,9 +502,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 for b in chunk:
                     model.queue_param_all_gather(b)
         else:
-            # Same decision on every rank: the total is all-reduced.
+            # Same decision on every rank: the total and the scaler's flag are all-reduced.
             self.skipped_steps += 1
-            if not self._loss_unscaled:  # under loss scaling a skip is routine, as in torch
+            # Under loss scaling a skip is routine, as in torch: no warning.
+            if not (self._loss_unscaled or inf_found_by_scaler):
                 warnings.warn(f"fgpsdp: gradient norm is {total}; step skipped "
                               f"({self.skipped_steps} so far)", RuntimeWarning)
             model.begin_param_exchange()

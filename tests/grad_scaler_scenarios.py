@@ -27,7 +27,8 @@ def scaled_side_by_side(rank: int, world_size: int, case: dict) -> dict:
     ``rank0_overflows_at``: a step whose loss is inf on rank 0 only (the
     inf lands in some ranks' slices only); ``enabled``; ``loop_skips``: with
     clip "manual", the loop itself skips ``scaler.step`` when the norm is not
-    finite (torch allows it: ``update()`` reads the flag ``unscale_`` noted).
+    finite (torch allows it: ``update()`` reads the flag ``unscale_`` noted);
+    ``eval_forward``: a no_grad forward (logging) between the clip and the step.
     """
     schedule = case["schedule"]
     clip = case.get("clip")
@@ -70,6 +71,10 @@ def scaled_side_by_side(rank: int, world_size: int, case: dict) -> dict:
             torch.nn.utils.clip_grad_value_(ref.parameters(), 0.5)
         elif clip is not None:
             ref_norms.append(reference_clip_(ref.parameters(), 1.0))
+        if case.get("eval_forward"):  # the step then measures the gradients again
+            with torch.no_grad():
+                for model in (ours, ref):
+                    model(x)
         skip = case.get("loop_skips") and not math.isfinite(ref_norms[-1])
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")

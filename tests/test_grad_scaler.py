@@ -30,6 +30,12 @@ CASES += [{"schedule": s, "precision": p, "clip": "manual", "rank0_overflows_at"
 # clip_grad_value_ after unscale_ clamps the overflow's inf: the scaler still skips.
 CASES += [{"schedule": s, "precision": "autocast_float16", "clip": "value",
            "rank0_overflows_at": 5} for s in ("next_forward", "two_stage")]
+# A forward between unscale_ and the step (logging): the step skips by what unscale_
+# found (before: it measured again, found the inf clamped away and stepped, or
+# warned of an inf norm).
+CASES += [{"schedule": s, "precision": "autocast_float16", "clip": clip,
+           "rank0_overflows_at": 5, "eval_forward": True}
+          for s, clip in (("serial", "value"), ("two_stage", "value"), ("two_stage", "manual"))]
 DISABLED = {"schedule": "two_stage", "enabled": False}
 THREE_RANK_CASES = [{"schedule": s, "precision": "autocast_float16", "clip": "manual",
                      "rank0_overflows_at": 5} for s in ("next_forward", "two_stage")]
@@ -38,6 +44,7 @@ THREE_RANK_CASES = [{"schedule": s, "precision": "autocast_float16", "clip": "ma
 def _name(case):
     name = "-".join(str(case.get(k)) for k in ("schedule", "precision", "clip"))
     return name + ("-loop_skips" if case.get("loop_skips") else "") + \
+        ("-eval_forward" if case.get("eval_forward") else "") + \
         ("-disabled" if case.get("enabled") is False else "")
 
 

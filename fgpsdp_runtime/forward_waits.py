@@ -33,9 +33,9 @@ this one (a child), at this one's pre-hook. Waiting one whole module early
 instead cost VGG-16 5-14% per step at 2x1 (every conv's compute lost its
 overlap); this costs the caller's code between two modules (an activation, a
 pooling), and moves the waits the plan is profiled from: VGG-16 a median 3%
-(docs/benchmarks/2026-12-04-forward-waits-ahead.md). A read, in that gap, of a module further ahead is not covered (two
-modules skipped, the second's weight read): such a forward must be
-synchronised by the caller.
+(docs/benchmarks/2026-12-04-forward-waits-ahead.md). A read, in that gap, of
+a module further ahead is not covered (two modules skipped, the second's
+weight read): such a forward must be synchronised by the caller.
 """
 from __future__ import annotations
 
@@ -218,7 +218,7 @@ class ForwardParamWaiter:
             outer, inner = names.get(mid), names.get(next_mid)
             inside.append(outer is not None and inner is not None
                           and (outer == "" or inner.startswith(outer + ".")))
-        return inside + [False] * min(1, len(order))
+        return inside + [False] if order else []  # the last module: nothing after it
 
     def _assign(self, order: list[int]) -> list[list[int]]:
         by_id = {id(m): m for m in self._modules}

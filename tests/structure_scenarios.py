@@ -343,7 +343,6 @@ def every_structure(rank: int, world_size: int) -> dict:
     return results
 
 
-
 class SkipsEveryOtherForward(nn.Module):
     """Every other forward reads mid's parameters in place of calling mid (a branch):
     the module order changes there only after the read."""

@@ -110,6 +110,8 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda":
+        if device.index is None:  # "cuda": set_device needs an index (torch 2.11)
+            device = torch.device("cuda", 0)
         torch.cuda.set_device(device)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29577")

@@ -1,7 +1,7 @@
 """NVTX ranges and per-bucket timing marks (no-ops where they cost nothing to skip).
 
 NVTX ranges show up in Nsight Systems (``bench/nsys.sh``); they are pushed only
-when CUDA is available, so CPU runs pay a function call and nothing else.
+once the process has started CUDA, so CPU runs pay a function call and nothing else.
 """
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from typing import Iterator
 
 import torch
 
-_NVTX = torch.cuda.is_available()
-
 
 @contextlib.contextmanager
 def nvtx_range(name: str) -> Iterator[None]:
-    if _NVTX:
+    # Asked each time, not once at import: torch.cuda.is_available() starts the CUDA
+    # driver in the asking process, and ranks forked from a process that merely
+    # imported this package then fail their first CUDA call ("initialization error").
+    if torch.cuda.is_initialized():
         torch.cuda.nvtx.range_push(name)
         try:
             yield

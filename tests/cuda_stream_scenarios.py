@@ -229,7 +229,10 @@ def profile_times_forward_waits_on_gpu() -> dict:
             # the host ran ahead of the GPU, else the check proves nothing
             "conclusive": host_forward_s < 0.5 * ag_s,
             "slow_link_waits": all(w >= 0.5 * ag_s for w in later),
-            "slow_forward_waits_nothing": max(slow_forward.values()) < 0.1 * ag_s}
+            "slow_forward_waits_nothing": max(slow_forward.values()) < 0.1 * ag_s,
+            # what the checks read, for a failure's message
+            "seconds": {"all_gather": ag_s, "host_forward": host_forward_s,
+                        "slow_link_waits": slow_link, "slow_forward_waits": slow_forward}}
 
 
 def timeline_enabled_mid_run() -> dict:

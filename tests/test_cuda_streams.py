@@ -53,9 +53,10 @@ def test_profile_plan_reads_gpu_time():
 
 def test_profile_times_forward_waits_on_the_gpu():
     result = _run("profile_times_forward_waits_on_gpu")
-    assert result["conclusive"], "the host waited for the GPU in a profiled forward"
+    seconds = result.pop("seconds")
+    assert result["conclusive"], f"the host waited for the GPU in a profiled forward: {seconds}"
     assert result == {"n_buckets": result["n_buckets"], "conclusive": True,
-                      "slow_link_waits": True, "slow_forward_waits_nothing": True}
+                      "slow_link_waits": True, "slow_forward_waits_nothing": True}, seconds
     assert result["n_buckets"] >= 4
 
 

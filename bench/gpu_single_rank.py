@@ -1,0 +1,221 @@
+"""One GPU, an NCCL group of one rank: fgpsdp against torch DDP on the full-size workloads.
+
+    python bench/gpu_single_rank.py --workloads gpt2,vgg16 --out out/single_rank.json
+
+With one rank nothing crosses a link, so this measures what the runtime itself
+adds on a real GPU, against torch DDP + torch.optim.AdamW doing the same:
+
+- parity: ``--parity-steps`` steps from the same weights and batches with
+  deterministic kernels (``torch.use_deterministic_algorithms``), with clipping
+  by norm (1.0) and without. Per system: the largest parameter difference from
+  torch DDP after the steps, and the largest loss difference over the steps. A
+  second torch DDP run is the control: it shows what determinism leaves.
+- speed and memory: with the default (fast, non-deterministic) kernels and
+  clipping, the mean step time over ``--timed-steps`` steps after
+  ``--warmup-steps`` (the GPU synchronised before and after the timed steps,
+  not between them, so work a schedule leaves for the next forward counts
+  where it runs), and the peak memory allocated from an empty GPU through
+  construction and every step.
+
+Meant for a GPU (its kernels and streams are the point); ``--device cpu`` runs
+the same on a gloo group of one (no memory figures) to check the script itself.
+Prints one row per workload and system and writes everything to ``--out``.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+import sys
+import time
+import warnings
+from datetime import timedelta
+
+# cuBLAS reads this once, when CUDA starts: deterministic GEMM needs it set before.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel as TorchDDP  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+from workloads import CONFIGS, WORKLOADS, build_model, describe, loss_fn, make_batch  # noqa: E402
+
+import fgpsdp_runtime as fgp  # noqa: E402
+
+LR = 1e-4
+MAX_NORM = 1.0
+
+
+class Run:
+    """One system training one model copy: ``step(x, y)`` returns the loss."""
+
+    def __init__(self, system: str, model: torch.nn.Module, clip: bool, lf):
+        self.system, self.clip, self.lf = system, clip, lf
+        if system.startswith("ddp"):
+            self.model = TorchDDP(model, device_ids=[0] if DEVICE.type == "cuda" else None)
+            self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
+        else:
+            schedule = system.split(":", 1)[1]
+            self.model = fgp.DistributedDataParallel(model, schedule=schedule)
+            self.opt = fgp.ShardedOptimizer(self.model, torch.optim.AdamW, lr=LR,
+                                            max_grad_norm=MAX_NORM if clip else None)
+
+    def step(self, x, y) -> torch.Tensor:
+        loss = self.lf(self.model(x), y)
+        loss.backward()
+        if self.clip and self.system.startswith("ddp"):
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_NORM)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    def params(self) -> list[torch.Tensor]:
+        if not self.system.startswith("ddp"):
+            self.model.synchronize()
+        return [p.detach().clone() for p in self.model.module.parameters()]
+
+
+DEVICE = torch.device("cpu")
+
+
+def _sync() -> None:
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _free() -> None:
+    gc.collect()
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def parity(cfg, template, systems, clip: bool, steps: int, batches) -> dict:
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.benchmark = False
+    out, reference = {}, None
+    for system in systems:
+        model = copy.deepcopy(template).to(DEVICE)
+        run = Run(system, model, clip, loss_fn(cfg))
+        losses = [run.step(x, y) for x, y in batches[:steps]]
+        params = run.params()
+        losses = torch.stack(losses).double().cpu()
+        if reference is None:
+            reference = (params, losses)
+            out[system] = {"param_max_abs_diff": 0.0, "loss_max_abs_diff": 0.0, "reference": True}
+        else:
+            diff = max((a.double() - b.double()).abs().max().item()
+                       for a, b in zip(params, reference[0]))
+            out[system] = {"param_max_abs_diff": diff,
+                           "loss_max_abs_diff": (losses - reference[1]).abs().max().item(),
+                           "bitwise": all(torch.equal(a, b) for a, b in zip(params, reference[0]))}
+        del run, model, params
+        _free()
+    return out
+
+
+def speed_and_memory(cfg, template, system: str, warmup: int, timed: int, batches) -> dict:
+    torch.use_deterministic_algorithms(False)
+    torch.backends.cudnn.benchmark = True
+    _free()
+    cuda = DEVICE.type == "cuda"
+    if cuda:
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+    model = copy.deepcopy(template).to(DEVICE)
+    run = Run(system, model, True, loss_fn(cfg))
+    for i in range(warmup):
+        run.step(*batches[i % len(batches)])
+    _sync()
+    t0 = time.perf_counter()
+    for i in range(timed):
+        run.step(*batches[(warmup + i) % len(batches)])
+    _sync()
+    step_s = (time.perf_counter() - t0) / timed
+    peak = torch.cuda.max_memory_allocated() - base if cuda else None
+    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    del run, model
+    _free()
+    return {"step_s": step_s, "peak_bytes": peak, "param_bytes": param_bytes}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS))
+    parser.add_argument("--size", default="full", choices=["cpu", "full"])
+    parser.add_argument("--schedules", default="serial,two_stage",
+                        help="fgpsdp schedules to run against torch DDP")
+    parser.add_argument("--parity-steps", type=int, default=4)
+    parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--timed-steps", type=int, default=8)
+    parser.add_argument("--out", default="out/single_rank.json")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = parser.parse_args()
+    global DEVICE
+    DEVICE = torch.device(args.device, 0) if args.device == "cuda" else torch.device("cpu")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29578")
+    if DEVICE.type == "cuda":
+        if not torch.cuda.is_available():
+            sys.exit("no GPU visible (--device cpu checks the script on CPU)")
+        torch.cuda.set_device(DEVICE)
+        dist.init_process_group("nccl", rank=0, world_size=1, timeout=timedelta(seconds=300),
+                                device_id=DEVICE)
+    else:
+        dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=300))
+    fgp_systems = [f"fgpsdp:{s}" for s in args.schedules.split(",")]
+    stamp = {"device": torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu",
+             "torch": torch.__version__, "cuda": torch.version.cuda,
+             "date": time.strftime("%Y-%m-%d"),
+             "kernels_built": fgp.ops.cuda_kernels_available()}
+    print(f"# {stamp}", flush=True)
+    results = {}
+    for w in args.workloads.split(","):
+        cfg = CONFIGS[(w, args.size)]
+        torch.manual_seed(0)
+        template = build_model(cfg)  # stays on the CPU: each run moves a copy
+        info = describe(cfg, template)
+        # Four batches, cycled: building them is CPU work the timed steps should not hold.
+        batches = [tuple(t.to(DEVICE) for t in make_batch(cfg, s, 0)) for s in range(4)]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            row = {"workload": info,
+                   "parity_clip": parity(cfg, template, ["ddp", "ddp_again"] + fgp_systems,
+                                         True, args.parity_steps, batches),
+                   "parity_no_clip": parity(cfg, template, ["ddp"] + fgp_systems,
+                                            False, args.parity_steps, batches)}
+        row["nondeterministic_ops"] = sorted({str(c.message)[:160] for c in caught
+                                              if "deterministic" in str(c.message)})
+        row["speed_memory"] = {s: speed_and_memory(cfg, template, s, args.warmup_steps,
+                                                   args.timed_steps, batches)
+                               for s in ["ddp"] + fgp_systems}
+        results[w] = row
+        ddp = row["speed_memory"]["ddp"]
+        for s in ["ddp"] + fgp_systems:
+            sm = row["speed_memory"][s]
+            pc, pn = row["parity_clip"].get(s, {}), row["parity_no_clip"].get(s, {})
+            peak = (f"{sm['peak_bytes'] / 2**30:6.2f} GiB ({sm['peak_bytes'] / ddp['peak_bytes']:5.2f}x)"
+                    if sm["peak_bytes"] is not None else "-")
+            print(f"{w:<9} {s:<18} step {sm['step_s'] * 1e3:8.1f} ms ({sm['step_s'] / ddp['step_s']:5.2f}x)"
+                  f"  peak {peak}"
+                  f"  param diff clip {pc.get('param_max_abs_diff', 0):.1e}"
+                  f" no-clip {pn.get('param_max_abs_diff', 0):.1e}"
+                  f"  ddp-vs-ddp {row['parity_clip']['ddp_again']['param_max_abs_diff']:.1e}",
+                  flush=True)
+        del batches, template
+        _free()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"hardware": stamp, "results": results}, f, indent=1)
+    print(f"wrote {args.out}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -20,11 +20,12 @@ stage() {  # stage NAME LIMIT_S LOG -- command...: run it, tee to LOG, note a fa
   local name="$1" limit="$2" log="$3"; shift 4
   local t0=$SECONDS
   echo "== $name"
-  timeout "$limit" "$@" 2>&1 | tee "$log"
+  timeout "$limit" "$@" 2>&1 | tee -a "$log"
   local rc=${PIPESTATUS[0]}
   echo "$name: rc $rc, $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
   [ "$rc" = 0 ] || failed+=("$name")
 }
+rm -f "$OUT"/*.txt "$OUT"/*.log
 : > "$OUT/summary.txt"
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no GPU visible'; print('GPU:', torch.cuda.get_device_name(0), '| torch', torch.__version__, '| CUDA', torch.version.cuda)" \
   | tee -a "$OUT/summary.txt" || exit 1
@@ -50,16 +51,35 @@ echo "CUDA_HOME=${CUDA_HOME:-?} nvcc: $(nvcc --version 2>/dev/null | tail -1)" |
 stage build 240 "$OUT/build.log" -- "$PY" setup.py build_ext --inplace
 "$PY" -c "import fgpsdp_runtime.ops as o; assert o.cuda_kernels_available(), 'CUDA kernels not built'; print('CUDA kernels built')" \
   2>&1 | tee -a "$OUT/summary.txt" || failed+=("kernels-loaded")
-# test_bad_input and test_import: ranks forked from a process with a GPU visible.
-stage tests 180 "$OUT/tests.txt" -- "$PY" -m pytest -q -rs --durations=8 tests/test_ops.py \
-  tests/test_cuda_streams.py tests/test_import.py tests/test_bad_input.py
+# The toolchain the extension was built with and the one torch was, and whether an
+# argument check's C++ exception reaches Python (on 2026-12-04 an H200 machine's
+# build, with its /opt/gcc, crashed there: docs/benchmarks/2026-12-04-gpu-h200.md).
+{
+  echo "python's CXX: $("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("CXX"))')"
+  echo "g++: $(g++ --version | head -1); torch built with: $("$PY" -c 'import torch; print(torch.__config__.show().splitlines()[1:3])')"
+  ldd fgpsdp_runtime/_C*.so | grep -E "stdc|gcc_s|gomp|c10\.so" || true
+  "$PY" -X faulthandler -c "
+import torch, fgpsdp_runtime._C as C
+try:
+    C.multi_tensor_sq_norm([torch.randn(4, 6).t()])
+    print('exception probe: no exception raised')
+except RuntimeError as e:
+    print('exception probe: RuntimeError reached Python:', str(e).splitlines()[0])" > "$OUT/probe.tmp" 2>&1
+  echo "exception probe: exit status $?"; tail -4 "$OUT/probe.tmp"; rm -f "$OUT/probe.tmp"
+} 2>&1 | tee -a "$OUT/summary.txt"
+# One pytest per file: a crash in one must not hide the others. test_import and
+# test_bad_input fork ranks from a process that sees a GPU.
+for tests in tests/test_ops.py tests/test_cuda_streams.py "tests/test_import.py tests/test_bad_input.py"; do
+  # shellcheck disable=SC2086
+  stage "tests ${tests//tests\//}" 150 "$OUT/tests.txt" -- "$PY" -m pytest -q -rs --durations=5 $tests
+done
 stage single_rank 300 "$OUT/single_rank.txt" -- "$PY" bench/gpu_single_rank.py --out "$OUT/single_rank.json"
 stage kernels 90 "$OUT/kernels.txt" -- "$PY" bench/kernels.py --device cuda --json "$OUT/kernels.json"
 stage profile 120 "$OUT/profile.txt" -- "$PY" bench/gpu_profile.py --out "$OUT/profiles.json"
 cat "$OUT/profile.txt" >> "$OUT/summary.txt" && rm -f "$OUT/profile.txt"  # at most 8 files come back
 {
   echo "== summary"
-  tail -1 "$OUT/tests.txt" 2>/dev/null
+  grep -E "^(=+ )?[0-9]+ (passed|failed|skipped)|Fatal Python error" "$OUT/tests.txt" 2>/dev/null
   grep -E "^[a-z0-9]+ +(ddp|fgpsdp)" "$OUT/single_rank.txt" 2>/dev/null
   [ ${#failed[@]} = 0 ] && echo "all stages passed" || echo "FAILED: ${failed[*]}"
 } | tee -a "$OUT/summary.txt"

@@ -6,16 +6,21 @@ With one rank nothing crosses a link, so this measures what the runtime itself
 adds on a real GPU, against torch DDP + torch.optim.AdamW doing the same:
 
 - parity: ``--parity-steps`` steps from the same weights and batches with
-  deterministic kernels (``torch.use_deterministic_algorithms``), with clipping
-  by norm (1.0) and without. Per system: the largest parameter difference from
-  torch DDP after the steps, and the largest loss difference over the steps. A
-  second torch DDP run is the control: it shows what determinism leaves.
-- speed and memory: with the default (fast, non-deterministic) kernels and
-  clipping, the mean step time over ``--timed-steps`` steps after
-  ``--warmup-steps`` (the GPU synchronised before and after the timed steps,
-  not between them, so work a schedule leaves for the next forward counts
-  where it runs), and the peak memory allocated from an empty GPU through
-  construction and every step.
+  deterministic kernels (``torch.use_deterministic_algorithms``, attention on
+  the math backend: the fused ones' backwards are not deterministic), with
+  clipping by norm (1.0) and without. Per system: the largest parameter
+  difference from torch DDP after the steps, and the largest loss difference
+  over the steps. A second torch DDP run is the control: it shows what
+  determinism leaves.
+- speed and memory: with the default (fast) kernels and clipping, the mean step
+  time over ``--timed-steps`` steps after ``--warmup-steps`` (the GPU
+  synchronised before and after the timed steps, not between them, so work a
+  schedule leaves for the next forward counts where it runs), and the peak
+  memory allocated from an empty GPU through construction and every step.
+  ``--rounds`` rounds, the systems in turn and the order reversed each round;
+  the median time and the largest peak are reported. cuDNN's autotuner runs
+  once on a throwaway copy first: its trial workspaces would otherwise count in
+  the first system's peak.
 
 Meant for a GPU (its kernels and streams are the point); ``--device cpu`` runs
 the same on a gloo group of one (no memory figures) to check the script itself.
@@ -28,9 +33,11 @@ import copy
 import gc
 import json
 import os
+import statistics
 import sys
 import time
 import warnings
+from contextlib import nullcontext
 from datetime import timedelta
 
 # cuBLAS reads this once, when CUDA starts: deterministic GEMM needs it set before.
@@ -95,6 +102,15 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
+def _math_attention():
+    """Attention on the math backend: deterministic, unlike the fused backwards."""
+    try:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+    except ImportError:  # older torch: its default picks a fused kernel anyway
+        return nullcontext()
+    return sdpa_kernel([SDPBackend.MATH])
+
+
 def parity(cfg, template, systems, clip: bool, steps: int, batches) -> dict:
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.benchmark = False
@@ -102,8 +118,9 @@ def parity(cfg, template, systems, clip: bool, steps: int, batches) -> dict:
     for system in systems:
         model = copy.deepcopy(template).to(DEVICE)
         run = Run(system, model, clip, loss_fn(cfg))
-        losses = [run.step(x, y) for x, y in batches[:steps]]
-        params = run.params()
+        with _math_attention():
+            losses = [run.step(x, y) for x, y in batches[:steps]]
+            params = run.params()
         losses = torch.stack(losses).double().cpu()
         if reference is None:
             reference = (params, losses)
@@ -119,9 +136,18 @@ def parity(cfg, template, systems, clip: bool, steps: int, batches) -> dict:
     return out
 
 
-def speed_and_memory(cfg, template, system: str, warmup: int, timed: int, batches) -> dict:
+def autotune(cfg, template, batches) -> None:
+    """One forward and backward per batch on a throwaway copy with cuDNN's autotuner on."""
     torch.use_deterministic_algorithms(False)
     torch.backends.cudnn.benchmark = True
+    model = copy.deepcopy(template).to(DEVICE)
+    for x, y in batches:
+        loss_fn(cfg)(model(x), y).backward()
+    del model
+    _free()
+
+
+def speed_and_memory(cfg, template, system: str, warmup: int, timed: int, batches) -> dict:
     _free()
     cuda = DEVICE.type == "cuda"
     if cuda:
@@ -154,6 +180,7 @@ def main() -> None:
     parser.add_argument("--parity-steps", type=int, default=4)
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--timed-steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--out", default="out/single_rank.json")
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = parser.parse_args()
@@ -192,9 +219,20 @@ def main() -> None:
                                             False, args.parity_steps, batches)}
         row["nondeterministic_ops"] = sorted({str(c.message)[:160] for c in caught
                                               if "deterministic" in str(c.message)})
-        row["speed_memory"] = {s: speed_and_memory(cfg, template, s, args.warmup_steps,
-                                                   args.timed_steps, batches)
-                               for s in ["ddp"] + fgp_systems}
+        autotune(cfg, template, batches)
+        systems = ["ddp"] + fgp_systems
+        rounds = {s: [] for s in systems}
+        for r in range(args.rounds):
+            for s in systems if r % 2 == 0 else systems[::-1]:
+                rounds[s].append(speed_and_memory(cfg, template, s, args.warmup_steps,
+                                                  args.timed_steps, batches))
+        row["speed_memory"] = {
+            s: {"step_s": statistics.median(m["step_s"] for m in runs),
+                "step_s_rounds": [m["step_s"] for m in runs],
+                "peak_bytes": None if runs[0]["peak_bytes"] is None
+                else max(m["peak_bytes"] for m in runs),
+                "param_bytes": runs[0]["param_bytes"]}
+            for s, runs in rounds.items()}
         results[w] = row
         ddp = row["speed_memory"]["ddp"]
         for s in ["ddp"] + fgp_systems:

@@ -58,14 +58,20 @@ stage build 240 "$OUT/build.log" -- "$PY" setup.py build_ext --inplace
   echo "python's CXX: $("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("CXX"))')"
   echo "g++: $(g++ --version | head -1); torch built with: $("$PY" -c 'import torch; print(torch.__config__.show().splitlines()[1:3])')"
   ldd fgpsdp_runtime/_C*.so | grep -E "stdc|gcc_s|gomp|c10\.so" || true
-  "$PY" -X faulthandler -c "
+  probe="
 import torch, fgpsdp_runtime._C as C
 try:
     C.multi_tensor_sq_norm([torch.randn(4, 6).t()])
     print('exception probe: no exception raised')
 except RuntimeError as e:
-    print('exception probe: RuntimeError reached Python:', str(e).splitlines()[0])" > "$OUT/probe.tmp" 2>&1
-  echo "exception probe: exit status $?"; tail -4 "$OUT/probe.tmp"; rm -f "$OUT/probe.tmp"
+    print('exception probe: RuntimeError reached Python:', str(e).splitlines()[0])"
+  "$PY" -X faulthandler -c "$probe" > "$OUT/probe.tmp" 2>&1
+  status=$?
+  echo "exception probe: exit status $status"; tail -4 "$OUT/probe.tmp"; rm -f "$OUT/probe.tmp"
+  if [ "$status" != 0 ] && command -v cuda-gdb > /dev/null; then  # the image has no gdb
+    echo "native stack of the crash:"
+    timeout 150 cuda-gdb -q -batch -ex run -ex bt --args "$PY" -c "$probe" 2>&1 | grep -E "^#|signal" | head -30
+  fi
 } 2>&1 | tee -a "$OUT/summary.txt"
 # One pytest per file: a crash in one must not hide the others. test_import and
 # test_bad_input fork ranks from a process that sees a GPU.

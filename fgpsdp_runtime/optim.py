@@ -818,11 +818,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return None
 
     def _refuse_speculative_state(self, what: str) -> None:
+        # Not undone here: undoing re-sends the restored slices, a collective, and
+        # a checkpoint is often taken on one rank. Whether stage 1 holds anything
+        # depends on the plan, so a loop can pass the profile window and raise
+        # from step 4 on: the message says both ways out.
         scheduler = self.model.scheduler
         if scheduler is not None and scheduler.holds_speculative_values():
             raise RuntimeError(
                 f"fgpsdp: opt.{what} between backward and opt.step() would see two_stage's "
-                "speculative updates of the optimizer state; call it after opt.step()")
+                "speculative updates of the optimizer state; call it after opt.step(), or "
+                "call model.synchronize() first on every rank (it undoes them; the step "
+                "then redoes them)")
 
     # -- internals -----------------------------------------------------------
 

@@ -269,6 +269,62 @@ def clamp_between_backward_and_step(rank: int, world_size: int) -> None:
 
 
 
+def _state_tensors(opt) -> list[torch.Tensor]:
+    """By key (an undo puts the restored entries last)."""
+    state = opt.state_dict()["shard"]["state"]
+    return [state[k][n].clone() for k in sorted(state) for n in sorted(state[k])
+            if torch.is_tensor(state[k][n])]
+
+
+def optimizer_state_dict_between_backward_and_step(rank: int, world_size: int) -> dict:
+    """Under two_stage the stage-1 steps have updated the optimizer state when
+    backward returns: opt.state_dict() and opt.load_state_dict() raise there (on
+    every rank, found by an audit: a loop passed the profile window, then failed
+    from step 4 on); after model.synchronize() (every rank) they see the state
+    before the step, and the step then runs as it would have."""
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(PlainNet(), bucket_cap_mb=0.0001,
+                                        schedule="two_stage", overlap_plan="layout")
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    messages = []
+    for step in range(3):
+        x, y = _batch(step, rank)
+        before = _state_tensors(opt)
+        saved = opt.state_dict()
+        F.mse_loss(model(x), y).backward()
+        if step == 1:
+            for call in (opt.state_dict, lambda: opt.load_state_dict(saved)):
+                try:
+                    call()
+                    messages.append(None)
+                except RuntimeError as error:
+                    messages.append(str(error))
+            model.synchronize()  # undoes the stage-1 steps, state included
+            after_sync, before_backward = _state_tensors(opt), before
+            opt.load_state_dict(saved)  # what a rewind does: allowed now
+        opt.step()
+        opt.zero_grad()
+    model.synchronize()
+    return {"messages": messages,
+            "state_before_the_step": len(before_backward) > 0
+            and len(before_backward) == len(after_sync)
+            and all(torch.equal(a, b) for a, b in zip(before_backward, after_sync)),
+            "params": [p.detach().clone() for p in model.module.parameters()]}
+
+
+def optimizer_state_dict_reference(rank: int, world_size: int) -> dict:
+    """The same loop under serial, without the calls between backward and step."""
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(PlainNet(), bucket_cap_mb=0.0001, schedule="serial")
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    for step in range(3):
+        x, y = _batch(step, rank)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+    return {"params": [p.detach().clone() for p in model.module.parameters()]}
+
+
 def copy_of_a_parametrized_module(rank: int, world_size: int) -> dict:
     """torch.nn.utils.parametrize's own __deepcopy__ copies __dict__, our copy guard
     with it: the copy's must belong to the copy (before, it pointed at the original

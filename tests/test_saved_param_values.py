@@ -8,6 +8,7 @@ speculative step) has changed raises torch's in-place error, as torch DDP does,
 instead of computing with the new values.
 """
 import pytest
+import torch
 
 from . import autograd_scenarios
 from .dist_harness import run_calls, run_distributed
@@ -115,6 +116,19 @@ def test_parameters_written_between_backward_and_step_raise_under_two_stage():
     for rank, res in results.items():
         assert not res["ok"] and "between backward and opt.step()" in res["message"] \
             and "speculative step" in res["message"], (rank, res)
+
+
+def test_optimizer_state_dict_between_backward_and_step_raises_under_two_stage_until_synchronized():
+    ours = run_distributed(2, autograd_scenarios.optimizer_state_dict_between_backward_and_step,
+                           timeout_s=90)
+    serial = run_distributed(2, autograd_scenarios.optimizer_state_dict_reference, timeout_s=90)
+    for rank, res in enumerate(ours):
+        assert len(res["messages"]) == 2, (rank, res["messages"])
+        for what, message in zip(("state_dict()", "load_state_dict()"), res["messages"]):
+            assert message is not None and f"opt.{what} between backward and opt.step()" \
+                in message and "model.synchronize()" in message, (rank, message)
+        assert res["state_before_the_step"], rank
+        assert all(torch.equal(a, b) for a, b in zip(res["params"], serial[rank]["params"])), rank
 
 
 def test_copy_of_a_parametrized_module_copies_again():

@@ -187,10 +187,20 @@ class UnevenInputs:
 
     def _shadow_until_all_joined(self) -> None:
         model = self.model
-        # Gradients a no_sync() backward left count for nothing, as under torch
-        # DDP (a joined rank contributes zeros).
-        for _, param in model.named_trainable_parameters():
+        # Gradients a no_sync() backward left (a loop that ends between its
+        # accumulation's micro-batches) count for nothing in the shadowed steps
+        # (a joined rank contributes zeros) but stay in param.grad for the first
+        # step after the join, as under torch DDP, whose joined rank never touches
+        # them: set aside here, put back when every rank has joined (a shadowed
+        # zero_grad() would have cleared them; before, they were dropped).
+        leftover = [(param, param.grad) for _, param in model.named_trainable_parameters()]
+        for param, _ in leftover:
             param.grad = None
+        self._shadow_all(model)
+        for param, grad in leftover:
+            param.grad = grad
+
+    def _shadow_all(self, model) -> None:
         last_to_join = True
         while True:
             packet = self._empty_packet(self._device)

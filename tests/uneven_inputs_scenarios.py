@@ -314,3 +314,37 @@ def step_counters_through_join(rank: int, world_size: int) -> dict[str, Any]:
     return {"k": [g["k"] for g in opt.param_groups],
             "t": [float(g["t"]) for g in opt.param_groups],
             "steps": int(opt.state["steps"]), "meta": opt.state["meta"]["n"]}
+
+
+def no_sync_left_at_the_join(rank: int, world_size: int, system: str,
+                             micro_batches: tuple) -> list:
+    """Accumulation of 2 (a no_sync() micro-batch, then a synchronised one and a
+    step), ``micro_batches[rank]`` micro-batches under join(): an odd count leaves
+    a no_sync() gradient in param.grad when the loop ends, which torch DDP adds to
+    the first step after the join, on the rank that joined first and on the last
+    alike (before, fgpsdp dropped it on every rank). Then two more steps. ``system``:
+    "torch" or an fgpsdp schedule; each trains in its own call."""
+    torch.manual_seed(0)
+    module = MODELS["mlp"]()
+    if system == "torch":
+        model = nn.parallel.DistributedDataParallel(module)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    else:
+        model = fgp.DistributedDataParallel(module, schedule=system)
+        opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+
+    def run(first: int, count: int) -> None:
+        for i in range(first, first + count):
+            x, y = make_batch("mlp", i, 0, rank)
+            with model.no_sync() if i % 2 == 0 else contextlib.nullcontext():
+                (loss_fn("mlp", model(x), y) / 2).backward()
+            if i % 2 == 1:
+                opt.step()
+                opt.zero_grad()
+
+    with model.join():
+        run(0, micro_batches[rank])
+    run(100, 4)  # a leftover goes into the first of these steps
+    if system != "torch":
+        model.synchronize()
+    return [p.detach().clone() for p in model.module.parameters()]

@@ -58,12 +58,16 @@ LR = 1e-4
 MAX_NORM = 1.0
 
 
+DEVICE = torch.device("cpu")  # main() sets it
+
+
 class Run:
     """One system training one model copy: ``step(x, y)`` returns the loss."""
 
     def __init__(self, system: str, model: torch.nn.Module, clip: bool, lf):
-        self.system, self.clip, self.lf = system, clip, lf
-        if system.startswith("ddp"):
+        self.clip, self.lf = clip, lf
+        self.torch_ddp = system.startswith("ddp")  # "ddp", "ddp_again": the control
+        if self.torch_ddp:
             self.model = TorchDDP(model, device_ids=[0] if DEVICE.type == "cuda" else None)
             self.opt = torch.optim.AdamW(self.model.parameters(), lr=LR)
         else:
@@ -75,19 +79,16 @@ class Run:
     def step(self, x, y) -> torch.Tensor:
         loss = self.lf(self.model(x), y)
         loss.backward()
-        if self.clip and self.system.startswith("ddp"):
+        if self.clip and self.torch_ddp:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), MAX_NORM)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         return loss.detach()
 
     def params(self) -> list[torch.Tensor]:
-        if not self.system.startswith("ddp"):
+        if not self.torch_ddp:
             self.model.synchronize()
         return [p.detach().clone() for p in self.model.module.parameters()]
-
-
-DEVICE = torch.device("cpu")
 
 
 def _sync() -> None:
@@ -97,8 +98,8 @@ def _sync() -> None:
 
 def _free() -> None:
     gc.collect()
+    _sync()
     if DEVICE.type == "cuda":
-        torch.cuda.synchronize()
         torch.cuda.empty_cache()
 
 

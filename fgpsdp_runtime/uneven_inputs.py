@@ -196,11 +196,12 @@ class UnevenInputs:
         leftover = [(param, param.grad) for _, param in model.named_trainable_parameters()]
         for param, _ in leftover:
             param.grad = None
-        self._shadow_all(model)
+        self._shadow_all()
         for param, grad in leftover:
             param.grad = grad
 
-    def _shadow_all(self, model) -> None:
+    def _shadow_all(self) -> None:
+        """Every call the active ranks announce, until none is left."""
         last_to_join = True
         while True:
             packet = self._empty_packet(self._device)

@@ -37,6 +37,7 @@ that broadcast); it resumes after the context.
 from __future__ import annotations
 
 import enum
+import struct
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
@@ -64,8 +65,21 @@ class AnnouncedCall(enum.IntEnum):
 
 _N_CALLS = len(AnnouncedCall)
 _N_ARGS = 2
+# An argument travels as its float64 bits in 16-bit pieces, each piece and its
+# square in a slot of their own: summed over the active ranks they stay exact
+# integers (below 2**53 for up to 2**21 ranks), and a piece's sum divided by the
+# ranks' count is the piece. The value itself summed and divided would not be:
+# three ranks' 0.1 came back as 0.10000000000000002 (a joined rank's max_norm
+# one ulp off). The squares tell whether the ranks passed the same:
+# n * sum(p^2) == sum(p)^2 only if every p is equal.
+_PIECE_BITS = 16
+_PIECES = 64 // _PIECE_BITS
+_ARG_SLOTS = 2 * _N_ARGS * _PIECES
 _DIFFERENT_CALLS = ("fgpsdp: under model.join() the active ranks made different calls at the "
                     "same point of their loops; every rank must run the same loop")
+_DIFFERENT_ARGS = ("fgpsdp: under model.join() the active ranks made the same call with "
+                   "different arguments (a max_norm, a clip value, set_to_none); every rank "
+                   "must pass the same")
 EARLY_TERMINATION = ("fgpsdp: detected at least one rank that exhausted its inputs; raising on "
                      "every rank (join(throw_on_early_termination=True))")
 
@@ -146,13 +160,13 @@ class UnevenInputs:
         packet = self._empty_packet(torch.device("cpu"))
         packet[0] = 1.0
         packet[1 + int(call)] = 1.0
-        for i, value in enumerate(args):
-            packet[1 + _N_CALLS + i] = float(value)
-        packet[1 + _N_CALLS + _N_ARGS + self.model.rank] = 1.0
+        _put_args(packet, args)
+        packet[1 + _N_CALLS + _ARG_SLOTS + self.model.rank] = 1.0
         packet = packet.to(self._device)
         self._all_reduce(packet)
         if int(round(float(packet[1 + int(call)]))) != int(round(float(packet[0]))):
             raise RuntimeError(_DIFFERENT_CALLS)
+        _take_args(packet, int(round(float(packet[0]))))  # raises where the ranks' differ
         self._learn(packet)
         if call is AnnouncedCall.FORWARD and not self.divide_by_initial_world_size:
             # torch DDP's option: average over the ranks that contribute.
@@ -214,7 +228,7 @@ class UnevenInputs:
             calls = [c for c in AnnouncedCall if int(round(float(packet[1 + int(c)]))) == active]
             if len(calls) != 1:
                 raise RuntimeError(_DIFFERENT_CALLS)
-            args = [float(packet[1 + _N_CALLS + i]) / active for i in range(_N_ARGS)]
+            args = _take_args(packet, active)
             self._shadow(calls[0], args)
         self._finish(last_to_join)
 
@@ -268,7 +282,7 @@ class UnevenInputs:
 
     def _learn(self, packet: torch.Tensor) -> None:
         world_size = self.model.world_size
-        mask = packet[1 + _N_CALLS + _N_ARGS:].cpu()
+        mask = packet[1 + _N_CALLS + _ARG_SLOTS:].cpu()
         self.active_ranks = tuple(r for r in range(world_size) if mask[r] > 0.5)
         if len(self.active_ranks) < world_size and not self._someone_joined:
             self._someone_joined = True
@@ -278,9 +292,9 @@ class UnevenInputs:
                 self.model.scheduler.suspend_speculation()
 
     def _empty_packet(self, device: torch.device) -> torch.Tensor:
-        """[active count, one slot per call, the call's arguments, one slot per rank]."""
-        return torch.zeros(1 + _N_CALLS + _N_ARGS + self.model.world_size, dtype=torch.float64,
-                           device=device)
+        """[active count, one slot per call, the call's arguments in pieces, one slot per rank]."""
+        return torch.zeros(1 + _N_CALLS + _ARG_SLOTS + self.model.world_size,
+                           dtype=torch.float64, device=device)
 
     def _all_reduce(self, packet: torch.Tensor) -> None:
         if self.model.world_size > 1:
@@ -290,6 +304,36 @@ class UnevenInputs:
     def _device(self) -> torch.device:
         buckets = self.model.buckets
         return buckets[0].device if buckets else torch.device("cpu")
+
+
+def _put_args(packet: torch.Tensor, args: Sequence[float]) -> None:
+    """A call's arguments into ``packet`` (on the CPU): the pieces of each one's bits,
+    then their squares."""
+    first = 1 + _N_CALLS
+    for i, value in enumerate(args):
+        bits = struct.unpack("<Q", struct.pack("<d", float(value)))[0]
+        for j in range(_PIECES):
+            piece = (bits >> (_PIECE_BITS * j)) & ((1 << _PIECE_BITS) - 1)
+            packet[first + i * _PIECES + j] = float(piece)
+            packet[first + (_N_ARGS + i) * _PIECES + j] = float(piece * piece)
+
+
+def _take_args(packet: torch.Tensor, active: int) -> list[float]:
+    """The arguments the ``active`` ranks put in ``packet`` before its sum, exactly as
+    each passed them. Raises if they passed different ones."""
+    first = 1 + _N_CALLS
+    slots = [int(round(v)) for v in packet[first:first + _ARG_SLOTS].tolist()]
+    n = max(active, 1)
+    args = []
+    for i in range(_N_ARGS):
+        bits = 0
+        for j in range(_PIECES):
+            total, squares = slots[i * _PIECES + j], slots[(_N_ARGS + i) * _PIECES + j]
+            if n * squares != total * total:
+                raise RuntimeError(_DIFFERENT_ARGS)
+            bits |= (total // n) << (_PIECE_BITS * j)
+        args.append(struct.unpack("<d", struct.pack("<Q", bits))[0])
+    return args
 
 
 def _share_hyperparameters(model: "DistributedDataParallel", optimizer, src: int) -> None:

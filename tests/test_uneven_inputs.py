@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from . import uneven_inputs_scenarios as scen
-from .dist_harness import run_calls, run_distributed
+from .dist_harness import run_calls
 
 TWO = [name for name in scen.CASES if name.startswith("2r-")]
 THREE = [name for name in scen.CASES if name.startswith("3r-")]
@@ -104,10 +104,34 @@ def test_three_ranks_match_torch_ddp_join(three_ranks, name):
         assert all((a == b).all() for a, b in zip(res["params"], results[0]["params"]))
 
 
-def test_two_nodes_of_two_match_torch_ddp_join():
-    results = run_distributed(4, scen.train_case, "4r-2x2", timeout_s=300)
-    for rank, res in enumerate(results):
+SAME_ARGS = (scen.announced_arguments, (0.1, 0.1, 0.1, 0.1))
+DIFFERENT_ARGS = (scen.announced_arguments, (0.1, 0.1, 0.2, 0.1))
+
+
+@pytest.fixture(scope="module")
+def four_ranks():
+    return run_calls(4, [(scen.train_case, "4r-2x2"), SAME_ARGS, DIFFERENT_ARGS], timeout_s=300)
+
+
+def test_two_nodes_of_two_match_torch_ddp_join(four_ranks):
+    for rank, res in enumerate(four_ranks[(scen.train_case, "4r-2x2")]):
         assert res["param_diff"] <= 2e-5, (rank, res["param_diff"])
+
+
+def test_a_joined_rank_clips_with_the_arguments_the_active_ranks_passed(four_ranks):
+    """Rank 0 joins after one step; the three active ranks' 0.1 reached it as
+    0.10000000000000002 before (their sum divided by three), and 0.7 as
+    0.6999999999999998."""
+    expected = [("value", (0.7).hex()), ("norm", (0.1).hex())] * 3
+    for rank, res in enumerate(four_ranks[SAME_ARGS]):
+        assert res["type"] is None, (rank, res)
+        assert res["received"] == expected, (rank, res["received"])
+
+
+def test_different_arguments_on_the_active_ranks_raise_on_every_rank(four_ranks):
+    for rank, res in enumerate(four_ranks[DIFFERENT_ARGS]):
+        assert res["type"] == "RuntimeError" and "different arguments" in res["message"], \
+            (rank, res)
 
 
 def test_refusals_and_early_termination_raise_on_every_rank(two_ranks):

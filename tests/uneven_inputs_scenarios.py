@@ -348,3 +348,35 @@ def no_sync_left_at_the_join(rank: int, world_size: int, system: str,
     if system != "torch":
         model.synchronize()
     return [p.detach().clone() for p in model.module.parameters()]
+
+
+def announced_arguments(rank: int, world_size: int, max_norms: tuple) -> dict[str, Any]:
+    """Rank 0 runs one step under join(), the others three, each clipping at
+    ``max_norms[rank]`` and by value at 0.7: what every rank's clips received (a
+    joined rank's come from the active ranks' announcements), or the error raised."""
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(MODELS["mlp"]())
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    received: list[tuple[str, float]] = []
+    by_norm, by_value = opt.clip_grad_norm_, opt.clip_grad_value_
+
+    def clip_grad_norm_(max_norm, *args, **kwargs):
+        received.append(("norm", max_norm))
+        return by_norm(max_norm, *args, **kwargs)
+
+    def clip_grad_value_(clip_value):
+        received.append(("value", clip_value))
+        return by_value(clip_value)
+    opt.clip_grad_norm_, opt.clip_grad_value_ = clip_grad_norm_, clip_grad_value_
+
+    def loop() -> None:
+        with model.join():
+            for step in range(1 if rank == 0 else 3):
+                x, y = make_batch("mlp", step, 0, rank)
+                loss_fn("mlp", model(x), y).backward()
+                opt.clip_grad_value_(0.7)
+                opt.clip_grad_norm_(max_norms[rank])
+                opt.step()
+                opt.zero_grad()
+    error = _error_of(loop)
+    return {"received": [(kind, value.hex()) for kind, value in received], **error}

@@ -27,7 +27,8 @@ from .layout import (BucketLayout, ParamInfo, default_bucket_cap_mb, first_bucke
                      owned_numel, param_alignment_for, plan_buckets)
 from .forward_waits import ForwardParamWaiter, is_traced_by_dynamo
 from .param_gathers import ParamGathers
-from .param_guards import ParamPlaces, ParamVersions, land_gathers_before_state_dicts
+from .param_guards import (ParamPlaces, ParamVersions, hand_out_parameters_through_the_wrapper,
+                           land_gathers_before_state_dicts)
 from .plan import OverlapPlan, layout_plan, profiling_plan
 from .plan_profiler import PlanProfiler
 from .scheduler import TwoStageScheduler
@@ -417,6 +418,8 @@ class DistributedDataParallel(nn.Module):
         # synchronised, grad-enabled forward (and before the first one).
         self._sync_buffers_before_forward = True
         self._save_load_guards = land_gathers_before_state_dicts(self, module)
+        self._parameter_read_guards = hand_out_parameters_through_the_wrapper(
+            lifecycle.weak_call(self._read_through_module), module)
 
     # -- set-up --------------------------------------------------------------
 
@@ -864,6 +867,17 @@ class DistributedDataParallel(nn.Module):
             return named
         return self._reading(named, land, warn)
 
+    def _read_through_module(self, named, module: nn.Module):
+        """``model.module.parameters()`` or a submodule's: read as through the
+        wrapper (param_guards.hand_out_parameters_through_the_wrapper). The
+        warning for torch's clip only for the whole module's (a submodule's are
+        read for other reasons: a logged norm, a freeze)."""
+        land, warn = self._before_parameters_read()
+        warn = warn and module is self.module
+        if not (land or warn):
+            return named
+        return self._reading(named, land, warn)
+
     def _reading(self, named, land: bool, warn: bool):
         # Each parameter's bucket lands just before the parameter is handed out: an
         # EMA over all of them lands them all, next(model.parameters()).device only
@@ -961,9 +975,10 @@ class DistributedDataParallel(nn.Module):
         waiter = self.__dict__.get("_forward_waiter")
         if waiter is not None:
             waiter.remove()
-        save_load_guards = self.__dict__.get("_save_load_guards")
-        if save_load_guards is not None:
-            save_load_guards.remove()
+        for guards in ("_save_load_guards", "_parameter_read_guards"):
+            handles = self.__dict__.get(guards)
+            if handles is not None:
+                handles.remove()
         # Stops and joins this model's threads (bounded), so that a later
         # destroy_process_group() finds none of them still ending.
         scheduler = self.__dict__.get("scheduler")

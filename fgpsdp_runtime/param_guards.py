@@ -130,6 +130,8 @@ class LandingGetstate:
             if state is module.__dict__:  # a class returning its own __dict__
                 state = dict(state)
             state.pop("__getstate__", None)
+            if isinstance(state.get("named_parameters"), HandingOutParameters):
+                del state["named_parameters"]
         return state
 
     def __deepcopy__(self, memo):
@@ -142,6 +144,72 @@ class LandingGetstate:
 
 def _nothing_to_land() -> None:
     return None
+
+
+def hand_out_parameters_through_the_wrapper(read: Callable, module: nn.Module) -> HookHandles:
+    """``named_parameters`` (which ``parameters()`` calls) of every submodule of
+    ``module`` hands the parameters out through ``read(named, submodule)``, the
+    wrapper's reads (see [Note: reading parameters through the wrapper] in ddp.py):
+    each one's all-gather lands as it is handed out.
+
+    Right after ``opt.step()`` an EMA teacher or a momentum encoder updated from
+    ``model.module.parameters()`` (DINO's, BYOL's, MoCo's), a
+    ``swa_utils.AveragedModel.update_parameters(model.module)`` or a WGAN clamp
+    over ``D.module.parameters()`` would otherwise read, under ``next_forward``
+    and ``two_stage``, a mix of updated and old slices, another mix on every rank.
+    (The library's own reads call ``nn.Module``'s, see ``plain_named_parameters``.)
+    """
+    handles = HookHandles()
+    for sub in module.modules():
+        handles.add_instance_attribute(sub, "named_parameters", HandingOutParameters(read, sub))
+    return handles  # removed when the wrapper is dropped
+
+
+def plain_named_parameters(module: nn.Module, *args, **kwargs):
+    """``module.named_parameters(...)`` without our guard: what the library reads
+    itself (a check before each forward must not land the all-gathers the forward
+    overlaps)."""
+    return type(module).named_parameters(module, *args, **kwargs)
+
+
+class HandingOutParameters:
+    """A submodule's ``named_parameters`` (an instance attribute, looked up before
+    the class's method): see ``hand_out_parameters_through_the_wrapper``. Left
+    out of a copy's or a pickle's state (``LandingGetstate``); a class's own
+    ``__deepcopy__`` that copies ``__dict__`` gets one that reads nothing."""
+
+    def __init__(self, read: Callable, module: nn.Module):
+        self._read = read
+        self._module = weakref.ref(module)
+
+    def __call__(self, *args, **kwargs):
+        module = self._module()
+        if module is None:
+            raise TypeError("fgpsdp: the parameter guard of a module that is gone")
+        named = plain_named_parameters(module, *args, **kwargs)
+        if is_traced_by_dynamo():
+            return named  # compiled code: the wrapper's compiled forward waited
+        read = self._read(named, module)
+        return named if read is None else read  # None: the wrapper is gone
+
+    # What a bound method has: torch.compile checks ``module.named_parameters.__func__``
+    # against nn.Module's to learn whether a class overrides it.
+    @property
+    def __self__(self) -> Optional[nn.Module]:
+        return self._module()
+
+    @property
+    def __func__(self):
+        module = self._module()
+        return type(module).named_parameters if module is not None else nn.Module.named_parameters
+
+    def __deepcopy__(self, memo):
+        replica = memo.get(id(self._module()))
+        return HandingOutParameters(_as_they_are, replica) if replica is not None else None
+
+
+def _as_they_are(named, _module):
+    return named
 
 
 # True only in code dynamo traces (torch.compiler.is_compiling() is True in
@@ -197,8 +265,8 @@ def _note_registration(module: nn.Module, name: str, value: object) -> None:
         old = state.get("_modules", {}).get(name)
         # Only a swap (an activation cached in forward) is let through: with no module
         # there, one may have been deleted (`del module.head`, which no hook sees).
-        if old is not None and next(old.parameters(), None) is None \
-                and next(value.parameters(), None) is None:
+        if old is not None and next(iter(plain_named_parameters(old)), None) is None \
+                and next(iter(plain_named_parameters(value)), None) is None:
             return None  # parameter-free for parameter-free
     for _, places in live:
         places.tree_changed = True
@@ -338,7 +406,7 @@ class ParamPlaces:
                         "would never be reduced or stepped. Change the module before "
                         "wrapping it, or drop the wrapper and its optimizer and wrap the "
                         "module again")
-        for name, param in self._root.named_parameters():
+        for name, param in plain_named_parameters(self._root):
             if param.requires_grad and id(param) not in self._known \
                     and name not in self._ignored_names:
                 raise RuntimeError(
@@ -364,7 +432,7 @@ class ParamPlaces:
 def _moved_to(name: str, param: torch.Tensor, owner: nn.Module, leaf: str) -> Optional[str]:
     """The message for a parameter its module now holds under another name (the
     same object, still a view of its bucket), or None."""
-    where = next((n for n, p in owner.named_parameters(remove_duplicate=False)
+    where = next((n for n, p in plain_named_parameters(owner, remove_duplicate=False)
                   if p is param), None)
     if where is None:
         return None

@@ -149,10 +149,20 @@ def _param_diff(ours, ref) -> float:
 
 
 def clamp_after_step(rank: int, world_size: int, schedule: str, synchronize_first: bool,
-                     steps: int = 4) -> float:
+                     via: str = "held", steps: int = 4) -> float:
     """WGAN's weight clipping (OpenCLIP clamps logit_scale alike): parameters written in
-    place right after opt.step(). Largest parameter difference to torch DDP."""
+    place right after opt.step(), ``via`` a list of them taken before training
+    (``held``), ``model.module.parameters()`` read then (``module``) or each
+    submodule's (``submodules``). Largest parameter difference to torch DDP."""
     ours, opt, ref, ref_opt = _plain_side_by_side(rank, schedule)
+    held = {id(m): list(m.module.parameters()) for m in (ours, ref)}
+
+    def params(model):
+        if via == "held":
+            return held[id(model)]
+        if via == "module":
+            return model.module.parameters()
+        return [p for sub in model.module.children() for p in sub.parameters()]
     for step in range(steps):
         x, y = _batch(step, rank)
         for model, optimizer in ((ours, opt), (ref, ref_opt)):
@@ -162,7 +172,7 @@ def clamp_after_step(rank: int, world_size: int, schedule: str, synchronize_firs
             if model is ours and synchronize_first:
                 ours.synchronize()
             with torch.no_grad():
-                for p in model.module.parameters():
+                for p in params(model):
                     p.clamp_(-0.1, 0.1)
     ours.synchronize()
     return _param_diff(ours, ref)

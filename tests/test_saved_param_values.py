@@ -23,6 +23,10 @@ DETACHED = [(autograd_scenarios.detached_read_side_by_side, schedule, 4, eval_fi
 # serial lands the all-gathers within the step: no synchronize() needed there.
 CLAMPED = [(autograd_scenarios.clamp_after_step, schedule, schedule != "serial")
            for schedule in ("serial", "next_forward", "two_stage")]
+# Through the parameters read right after the step, which land their all-gathers first.
+CLAMPED_THROUGH_READS = [(autograd_scenarios.clamp_after_step, schedule, False, via)
+                         for schedule in ("next_forward", "two_stage")
+                         for via in ("module", "submodules")]
 COPIES = [(autograd_scenarios.copies_and_direct_calls, schedule) for schedule in ("next_forward", "two_stage")]
 MODULE_ONLY = [(autograd_scenarios.train_through_module_only, schedule)
                for schedule in ("next_forward", "two_stage")]
@@ -33,7 +37,8 @@ RENORMED = [(autograd_scenarios.renorm_in_forward, schedule)
 @pytest.fixture(scope="module")
 def trained():
     """The scenarios that end normally, in one set of processes (2 ranks)."""
-    return run_calls(2, DETACHED + CLAMPED + COPIES + MODULE_ONLY + RENORMED, timeout_s=300)
+    return run_calls(2, DETACHED + CLAMPED + CLAMPED_THROUGH_READS + COPIES + MODULE_ONLY
+                     + RENORMED, timeout_s=300)
 
 
 @pytest.mark.parametrize("case", DETACHED,
@@ -62,9 +67,10 @@ def test_second_backward_after_speculation_raises(slow_step):
 
 @pytest.mark.parametrize("schedule", ["next_forward", "two_stage"])
 def test_parameters_written_while_being_gathered_raise(schedule):
-    """Written in place after opt.step() while the all-gathers are still landing: part
-    of the write was overwritten, depending on timing (before: 9e-4 to 2e-3 off torch
-    DDP, ranks apart). Every rank raises at the next forward's wait."""
+    """Written in place after opt.step(), through parameters held from before the
+    step, while the all-gathers are still landing: part of the write was
+    overwritten, depending on timing (before: 9e-4 to 2e-3 off torch DDP, ranks
+    apart). Every rank raises at the next forward's wait."""
     results = run_distributed(2, autograd_scenarios.clamp_after_step, schedule, False,
                               allow_errors=True, timeout_s=90)
     for rank, res in results.items():
@@ -74,6 +80,16 @@ def test_parameters_written_while_being_gathered_raise(schedule):
 
 @pytest.mark.parametrize("case", CLAMPED, ids=[c[1] for c in CLAMPED])
 def test_parameters_written_after_synchronize_train_like_torch_ddp(trained, case):
+    assert trained[case] == [0.0, 0.0], trained[case]
+
+
+@pytest.mark.parametrize("case", CLAMPED_THROUGH_READS,
+                         ids=[f"{c[1]}-{c[3]}" for c in CLAMPED_THROUGH_READS])
+def test_parameters_read_and_written_right_after_the_step_train_like_torch_ddp(trained, case):
+    """model.module.parameters() (or a submodule's) lands each parameter's all-gather
+    as it hands it out. Before 2026-12-04 only the wrapper's reads did: a clamp
+    through these raised at the next forward (or, through .data, was partly
+    overwritten)."""
     assert trained[case] == [0.0, 0.0], trained[case]
 
 

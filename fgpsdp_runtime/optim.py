@@ -205,6 +205,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 kept.append(p)
             groups.append({**{k: v for k, v in group.items() if k != "param_names"},
                            "params": kept})
+        left_out = [name for name, p in self.model.named_trainable_parameters()
+                    if id(p) not in seen]
+        if left_out:
+            # Under torch DDP a second torch.optim optimizer over these would train
+            # them; here it sees no gradient (found by an audit: silently untrained).
+            shown = ", ".join(repr(n) for n in left_out[:3]) + (", ..." if len(left_out) > 3 else "")
+            warnings.warn(
+                f"fgpsdp: {len(left_out)} trainable parameter(s) of the wrapped module are in "
+                f"no param group of this ShardedOptimizer ({shown}): their gradients are "
+                "reduced and they are never stepped. A torch.optim optimizer over them would "
+                "not train them either: the reduced gradients live in this rank's bucket "
+                "slices, never in param.grad. Put them in a param group here (lr=0 holds them "
+                "still), or freeze them (requires_grad_(False)) before wrapping",
+                RuntimeWarning, stacklevel=3)
         return groups
 
     def _build_pieces(self):

@@ -480,3 +480,32 @@ def test_buffer_broadcast_keeps_version_counters(monkeypatch, takes_tuples):
             b.add_(1.0)
     assert [b._version for b in buffers] == versions
     assert all(torch.equal(b, torch.ones(3)) for b in buffers)
+
+
+def optimizer_over_part_of_the_model(rank: int, world_size: int) -> dict:
+    """A ShardedOptimizer over the first layer only, and one over every layer: the
+    warnings each raises at construction."""
+    said = {}
+    for over in ("first_layer", "all"):
+        torch.manual_seed(0)
+        model = fgp.DistributedDataParallel(
+            nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)))
+        groups = [{"params": model.module[0].parameters()}]
+        if over == "all":
+            groups.append({"params": model.module[2].parameters(), "lr": 0.0})
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            fgp.ShardedOptimizer(model, torch.optim.SGD, param_groups=groups, lr=0.1)
+        said[over] = [str(w.message) for w in caught if "no param group" in str(w.message)]
+        del model
+    return said
+
+
+def test_trainable_parameters_left_out_of_every_param_group_are_named_at_construction():
+    # A torch.optim optimizer beside it over the rest (as one might with torch DDP)
+    # never trained them, silently (audit h102): their gradients never reach param.grad.
+    for said in run_distributed(2, optimizer_over_part_of_the_model):
+        assert len(said["first_layer"]) == 1, said
+        assert "2 trainable parameter(s)" in said["first_layer"][0]
+        assert "'2.weight', '2.bias'" in said["first_layer"][0], said
+        assert said["all"] == [], said

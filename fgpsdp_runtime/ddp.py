@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import warnings
 import weakref
 from typing import Any, Iterator, Optional, Sequence, Union
@@ -967,7 +968,13 @@ class DistributedDataParallel(nn.Module):
         if self.world_size > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
 
-    def __del__(self):
+    def __del__(self, _finalizing=sys.is_finalizing):
+        if _finalizing():
+            # A wrapper freed as the interpreter ends (one torch.compile's caches
+            # held): the exit hook stopped its threads, and the modules this would
+            # call have been emptied ("Exception ignored ... 'NoneType' object is
+            # not callable" before). Nothing is left to release.
+            return
         # The module may outlive its wrapper (wrapped again later): our hooks go.
         reducer = self.__dict__.get("reducer")
         if reducer is not None:

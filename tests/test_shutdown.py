@@ -97,3 +97,40 @@ def test_a_worker_posts_ahead_and_resolves_in_order():
     assert order == [1, 3]
     shutdown.stop_and_join([worker], timeout_s=5.0)
     assert not worker._thread.is_alive() and not worker._finisher.is_alive()
+
+
+def test_a_wrapper_freed_as_the_interpreter_ends_says_nothing():
+    # torch.compile's caches hold the wrapper until the interpreter empties its
+    # modules; its __del__ then called into an emptied module and printed
+    # "Exception ignored in ... __del__ ... 'NoneType' object is not callable".
+    code = textwrap.dedent("""
+        import os, torch, torch.nn as nn, torch.distributed as dist
+        import fgpsdp_runtime as fgp
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+        class ReadsItsParameters(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 2)
+
+            def forward(self, x):
+                return self.b(torch.tanh(self.a(x.to(next(self.parameters()).dtype))))
+
+        for _ in range(1):
+            model = fgp.DistributedDataParallel(ReadsItsParameters(), schedule="two_stage",
+                                                bucket_cap_mb=0.0001)
+            opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+            run = torch.compile(model, backend="eager")
+            for _ in range(4):
+                run(torch.randn(4, 8)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            model.synchronize()
+        dist.destroy_process_group()
+        print("trained")
+    """)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, timeout=300,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    assert proc.returncode == 0 and "trained" in proc.stdout, proc.stdout
+    assert "Exception ignored" not in proc.stdout, proc.stdout

@@ -925,9 +925,14 @@ class DistributedDataParallel(nn.Module):
         gathers = state.get("_gathers")
         if gathers is None or in_backward():
             return False, False  # (during construction, or a backward's hook)
-        # (Reduce-scatters since the last step or zero_grad(): reduced gradients wait.)
-        warn = any(state["reducer"].reduce_scatters_since_reset) and \
-            not state.get("_warned_parameters_without_gradients")
+        # (Reduce-scatters since the last step or zero_grad(): reduced gradients wait.
+        # Not those that add to a stepped gradient, which no step will use before a
+        # zero_grad(): a GAN's discriminator after the generator's backward, whose
+        # loops then read it, requires_grad_(True) itself.)
+        reducer = state["reducer"]
+        warn = any(reducer.reduce_scatters_since_reset) \
+            and not reducer.adds_to_stepped_gradients \
+            and not state.get("_warned_parameters_without_gradients")
         waiter = self._forward_waiter
         if not gathers.in_flight or (waiter is not None and waiter.in_forward):
             return False, warn

@@ -509,3 +509,36 @@ def test_trainable_parameters_left_out_of_every_param_group_are_named_at_constru
         assert "2 trainable parameter(s)" in said["first_layer"][0]
         assert "'2.weight', '2.bias'" in said["first_layer"][0], said
         assert said["all"] == [], said
+
+
+def gan_reads_the_discriminator(rank: int, world_size: int) -> list:
+    """DCGAN's loop (zero_grad before each backward): after the generator's step the
+    discriminator holds gradients from the generator's backward, which no step will
+    use; the loop then reads it (requires_grad_, a logged norm). What fgpsdp says."""
+    torch.manual_seed(0)
+    gen = fgp.DistributedDataParallel(nn.Linear(4, 8))
+    disc = fgp.DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)))
+    opt_g = fgp.ShardedOptimizer(gen, torch.optim.SGD, lr=0.1)
+    opt_d = fgp.ShardedOptimizer(disc, torch.optim.SGD, lr=0.1)
+    said = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        z, real = torch.randn(4, 4, generator=g), torch.randn(4, 8, generator=g)
+        opt_d.zero_grad()
+        (disc(gen(z).detach()).mean() - disc(real).mean()).backward()
+        opt_d.step()
+        opt_g.zero_grad()
+        (-disc(gen(z)).mean()).backward()
+        opt_g.step()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            disc.requires_grad_(True)
+            said.append(float(sum(p.norm() for p in disc.parameters())))
+        said += [str(w.message) for w in caught if "fgpsdp" in str(w.message)]
+    return said
+
+
+def test_a_gans_discriminator_read_after_the_generators_step_says_nothing():
+    # Before, the first such read warned that torch's clip would clip nothing there.
+    for said in run_distributed(2, gan_reads_the_discriminator):
+        assert [type(x) for x in said] == [float] * 3, said

@@ -1,13 +1,16 @@
 """Guards that keep the model's parameters and the bucket buffers one and the same.
 
 Parameters are views of the bucket buffers (see buckets.py): the optimizer and
-the all-gathers write the buffers, and the model reads the views. Three things
+the all-gathers write the buffers, and the model reads the views. Four things
 break that silently, and are guarded here:
 
 - a state dict taken or loaded while a step's all-gathers are in flight
   (under the forward-overlapped schedules they land after ``step()`` has
   returned): every ``state_dict`` / ``load_state_dict`` of the module or a
   submodule first lands them;
+- the parameters read then through ``model.module.parameters()`` or a
+  submodule's (an EMA teacher, a clamp): each one's all-gather lands as it is
+  handed out;
 - a parameter given new storage or replaced after wrapping (``model.double()``,
   ``module.weight = nn.Parameter(...)``), a submodule holding parameters replaced
   (``model.module.head = nn.Linear(...)``) or a trainable parameter added: the next

@@ -164,6 +164,7 @@ class UnevenInputs:
         packet[1 + _N_CALLS + _ARG_SLOTS + self.model.rank] = 1.0
         packet = packet.to(self._device)
         self._all_reduce(packet)
+        packet = packet.cpu()  # read in one copy from the device
         if int(round(float(packet[1 + int(call)]))) != int(round(float(packet[0]))):
             raise RuntimeError(_DIFFERENT_CALLS)
         _take_args(packet, int(round(float(packet[0]))))  # raises where the ranks' differ
@@ -220,6 +221,7 @@ class UnevenInputs:
         while True:
             packet = self._empty_packet(self._device)
             self._all_reduce(packet)
+            packet = packet.cpu()  # read in one copy from the device
             active = int(round(float(packet[0])))
             if active == 0:
                 break
@@ -282,7 +284,7 @@ class UnevenInputs:
 
     def _learn(self, packet: torch.Tensor) -> None:
         world_size = self.model.world_size
-        mask = packet[1 + _N_CALLS + _ARG_SLOTS:].cpu()
+        mask = packet[1 + _N_CALLS + _ARG_SLOTS:]
         self.active_ranks = tuple(r for r in range(world_size) if mask[r] > 0.5)
         if len(self.active_ranks) < world_size and not self._someone_joined:
             self._someone_joined = True

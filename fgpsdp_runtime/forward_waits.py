@@ -46,7 +46,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .lifecycle import HookHandles
-from .param_guards import ModuleHook, is_traced_by_dynamo
+from .param_guards import ModuleHook, is_traced_by_dynamo, plain_named_parameters
 
 
 class ForwardParamWaiter:
@@ -232,12 +232,12 @@ class ForwardParamWaiter:
         owner: dict[int, int] = {}  # id(param) -> position of the module that waits
         # 1) the earliest running module that holds the parameter directly
         for mid, position in sorted(first_position.items(), key=lambda kv: kv[1]):
-            for p in by_id[mid].parameters(recurse=False):
+            for _, p in plain_named_parameters(by_id[mid], recurse=False):
                 owner.setdefault(id(p), position)
         # 2) otherwise the deepest running module that holds it in its subtree
         for mid, position in sorted(first_position.items(),
                                     key=lambda kv: (-depth.get(kv[0], 0), kv[1])):
-            for p in by_id[mid].parameters():
+            for _, p in plain_named_parameters(by_id[mid]):
                 owner.setdefault(id(p), position)
         # 3) earlier if a torch call read it before that module ran
         for pid, position in self._first_read.items():

@@ -31,6 +31,7 @@ import torch
 from . import optim_checkpoint
 from .ddp import DistributedDataParallel
 from .ops import multi_tensor_sq_norm
+from .param_guards import plain_named_parameters
 from .profiling import nvtx_range
 from .slice_state import SliceState
 from .speculation import (SliceBackup, compile_session_active, hyperparameters,
@@ -163,7 +164,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         trainable = [p for _, p in self.model.named_trainable_parameters()]
         self._default_groups = param_groups is None
         if param_groups is None:
-            self._numbered_params = [list(self.model.module.parameters())]
+            self._numbered_params = [[p for _, p in plain_named_parameters(self.model.module)]]
             self._numbered_names = [None]
             return [{"params": trainable}]
         if isinstance(param_groups, dict):

@@ -418,6 +418,7 @@ class DistributedDataParallel(nn.Module):
         # As torch DDP: buffers are broadcast before a forward that follows a
         # synchronised, grad-enabled forward (and before the first one).
         self._sync_buffers_before_forward = True
+        self._forwards_running = 0  # (nested: a forward may call the wrapper again)
         self._save_load_guards = land_gathers_before_state_dicts(self, module)
         self._parameter_read_guards = hand_out_parameters_through_the_wrapper(
             lifecycle.weak_call(self._read_through_module), module)
@@ -521,14 +522,18 @@ class DistributedDataParallel(nn.Module):
             waiter = None  # its pre-hooks would be no-ops in the compiled modules
         inputs, kwargs = self._before_forward(inputs, kwargs, wait_all=waiter is None)
         with nvtx_range("fgpsdp.forward"), self.timeline.span("compute", "forward"):
-            if waiter is not None:
-                waiter.begin_forward()  # each module waits for its buckets in its pre-hook
-                try:
+            self._forwards_running += 1  # its own parameter reads are no loop's clip
+            try:
+                if waiter is not None:
+                    waiter.begin_forward()  # each module waits for its buckets in its pre-hook
+                    try:
+                        output = self.module(*inputs, **kwargs)
+                    finally:
+                        waiter.end_forward()
+                else:
                     output = self.module(*inputs, **kwargs)
-                finally:
-                    waiter.end_forward()
-            else:
-                output = self.module(*inputs, **kwargs)
+            finally:
+                self._forwards_running -= 1
         self._after_forward(output)
         return output
 
@@ -874,7 +879,9 @@ class DistributedDataParallel(nn.Module):
         warning for torch's clip only for the whole module's (a submodule's are
         read for other reasons: a logged norm, a freeze)."""
         land, warn = self._before_parameters_read()
-        warn = warn and module is self.module
+        # (Not a forward's own read, an L2 term over self.parameters(), say: under
+        # accumulation without no_sync() it comes between a backward and the step.)
+        warn = warn and module is self.module and not self._forwards_running
         if not (land or warn):
             return named
         return self._reading(named, land, warn)

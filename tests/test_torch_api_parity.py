@@ -544,3 +544,36 @@ def test_a_gans_discriminator_read_after_the_generators_step_says_nothing():
     # Before, the first such read warned that torch's clip would clip nothing there.
     for said in run_distributed(2, gan_reads_the_discriminator):
         assert [type(x) for x in said] == [float] * 3, said
+
+
+class _WithL2Term(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    def forward(self, x):
+        return self.net(x).square().mean() + 1e-3 * sum(p.square().sum() for p in self.parameters())
+
+
+def l2_term_under_accumulation(rank: int, world_size: int, schedule: str) -> list:
+    """A forward that reads all its parameters (an L2 term), two synchronised
+    backwards per step (accumulation without no_sync()): fgpsdp's warnings."""
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(_WithL2Term(), schedule=schedule)
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            for micro in range(2):
+                g = torch.Generator().manual_seed(100 * step + 10 * micro + rank)
+                model(torch.randn(4, 8, generator=g)).backward()
+            opt.step()
+            opt.zero_grad()
+    return [str(w.message) for w in caught if "clips nothing" in str(w.message)]
+
+
+@pytest.mark.parametrize("schedule", ["serial", "next_forward", "two_stage"])
+def test_a_forwards_own_read_of_all_parameters_is_no_clip(schedule):
+    # Before, the second micro-batch's forward warned that torch's clip over
+    # model.parameters() would clip nothing there.
+    assert run_distributed(2, l2_term_under_accumulation, schedule) == [[], []]

@@ -31,6 +31,11 @@ class ParamGathers:
         self._overlaps_forward = overlaps_forward
         self._in_flight: dict[int, PendingOp] = {}
         self._lock = threading.Lock()
+        # Queued all-gathers start in queue order, one thread at a time: a read of
+        # the parameters on another thread may start them too, and two threads
+        # popping and submitting at once could submit them in another order on
+        # each rank.
+        self._starting = threading.RLock()
         # Not started yet, in the order they will be.
         self._queued: list[int] = []
         self.lookahead: Optional[int] = None  # None: no limit
@@ -65,13 +70,14 @@ class ParamGathers:
     def start_queued(self, until: Optional[int] = None, all_of_them: bool = False) -> None:
         """Start queued all-gathers in queue order: up to the lookahead, and through ``until``."""
         queue = self._queued
-        while queue:
-            if not (all_of_them or self.lookahead is None or until in queue):
-                with self._lock:
-                    ops = list(self._in_flight.values())
-                if sum(not op.done() for op in ops) >= self.lookahead:
-                    return
-            self.start(queue.pop(0))
+        with self._starting:
+            while queue:
+                if not (all_of_them or self.lookahead is None or until in queue):
+                    with self._lock:
+                        ops = list(self._in_flight.values())
+                    if sum(not op.done() for op in ops) >= self.lookahead:
+                        return
+                self.start(queue.pop(0))
 
     def finish(self, bucket: int, timer=None) -> None:
         """Wait for ``bucket``'s all-gather. ``timer``: the plan profiler, when the
@@ -81,7 +87,7 @@ class ParamGathers:
         if pending:
             self.start_queued(until=bucket)
         with self._lock:
-            op = self._in_flight.pop(bucket, None)
+            op = self._in_flight.get(bucket)
         if op is not None:
             pending = True
             if op.done():
@@ -92,6 +98,13 @@ class ParamGathers:
                     op.wait()
                 if need is not None:
                     timer.on_gather_waited(bucket, need)
+            # Taken out of the table only once landed: a read of the parameters on
+            # another thread (a logger's, or one through model.module) may be
+            # landing it at the same time, and the forward must not take a bucket
+            # that is gone from the table for one that has landed.
+            with self._lock:
+                if self._in_flight.get(bucket) is op:
+                    del self._in_flight[bucket]
         if pending:
             # Written by the loop while the gather landed (a clamp right after
             # opt.step()): the gathered slices overwrote part of it, by timing.

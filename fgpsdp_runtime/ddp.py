@@ -704,6 +704,7 @@ class DistributedDataParallel(nn.Module):
         """
         if self._uneven_inputs is not None:
             self._uneven_inputs.notify(AnnouncedCall.ZERO_GRAD, float(set_to_none))
+        self._read_for_a_clip = False  # (of gradients no step used)
         self.reducer.discard_unfinished_backward()
         if self.scheduler is not None:
             # Between backward and step: what the speculative steps used is reset.
@@ -890,8 +891,9 @@ class DistributedDataParallel(nn.Module):
         # Each parameter's bucket lands just before the parameter is handed out: an
         # EMA over all of them lands them all, next(model.parameters()).device only
         # the first (the forward's first bucket), and the rest keep overlapping.
-        # The warning for torch's clip comes once every parameter was read (a clip
-        # reads them all; a device lookup, one).
+        # A read of every parameter is noted for the warning about torch's clip (a
+        # clip reads them all; a device lookup, one), said at the step if no clip of
+        # ours ran (see note_step_for_the_clip_warning).
         buckets_of = self._buckets_of_param
         gathers, waiter = self._gathers, self._forward_waiter
         for name, param in named:
@@ -901,14 +903,24 @@ class DistributedDataParallel(nn.Module):
                 for b in buckets_of.get(id(param), ()):  # a large one spans several
                     self.finish_param_all_gather(b, timed=True)
             yield name, param
-        if warn and not self.__dict__.get("_warned_parameters_without_gradients"):
+        if warn:
+            self._read_for_a_clip = True
+
+    def note_step_for_the_clip_warning(self, clipped: bool) -> None:
+        """At opt.step(): every parameter was read through the wrapper or its module
+        since the reductions of this step began, and, unless ``clipped`` (a clip of
+        ours ran, or ``max_grad_norm``), that was most likely torch's clip, which
+        clipped nothing. Said once. (Said at the read before: HF Trainer's
+        floating_point_ops() counts the parameters there, and clips with ours.)"""
+        read, self._read_for_a_clip = self.__dict__.get("_read_for_a_clip", False), False
+        if read and not clipped and not self.__dict__.get("_warned_parameters_without_gradients"):
             self._warned_parameters_without_gradients = True
             warnings.warn(
                 "fgpsdp: model.parameters() read between backward and opt.step(): each "
                 "param.grad is None there (the reduced gradients are in this rank's bucket "
                 "slices), so torch.nn.utils.clip_grad_norm_ over them returns 0 and clips "
                 "nothing. Use opt.clip_grad_norm_(max_norm) or "
-                "ShardedOptimizer(..., max_grad_norm=...)", RuntimeWarning, stacklevel=2)
+                "ShardedOptimizer(..., max_grad_norm=...)", RuntimeWarning, stacklevel=3)
 
     def _before_parameters_read(self) -> tuple[bool, bool]:
         """[Note: reading parameters through the wrapper]

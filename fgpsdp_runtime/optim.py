@@ -354,6 +354,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 f"fgpsdp: ShardedOptimizer.clip_grad_norm_ supports only the L2 norm "
                 f"(norm_type=2), not norm_type={norm_type!r}")
         self._announce(AnnouncedCall.CLIP, float(max_norm))
+        self._clip_called = True
         self._reduce_and_measure()
         total = self._norm_now()  # a clip earlier in this step scaled the slices
         if error_if_nonfinite and not math.isfinite(total):
@@ -371,6 +372,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         torch.nn.utils.clip_grad_value_ would on DDP's gradients. A collective."""
         clip_value = float(clip_value)
         self._announce(AnnouncedCall.CLIP_VALUE, clip_value)
+        self._clip_called = True
         self._reduce_and_measure()  # every reduce-scatter landed, every stage-1 step taken
         changed = torch.zeros(1, dtype=torch.float64, device=self._device)
         for shard in self._valid_grad_shards():
@@ -399,6 +401,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self.model.note_step_for_the_clip_warning(
+            clipped=self._clip_called or self.max_grad_norm is not None)
         self.run_step()
         return loss
 
@@ -644,6 +648,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._applied_coefficient = 1.0  # clipping applied to the gradient this step
         self._clipped_norm: Optional[float] = None  # the norm measured after the last clip
         self._values_clipped = False  # clip_grad_value_ changed an element on some rank
+        self._clip_called = False  # clip_grad_norm_ or clip_grad_value_ ran this step
         # Some rank's speculative steps ran with other hyperparameters than the step's.
         self._speculated_with_other_hyperparameters = False
 

@@ -625,3 +625,31 @@ def test_parameters_read_on_another_thread_leave_training_as_torch_ddp(schedule,
     # Before, a read landing a bucket took it out of the table before it had landed,
     # and the forward on the training thread then read it half written (1e-3 off).
     assert run_distributed(2, read_on_another_thread, schedule, through) == [0.0, 0.0]
+
+
+def parameters_counted_before_our_clip(rank: int, world_size: int, how: str) -> list:
+    """HF Trainer's loop: floating_point_ops() counts every parameter between the
+    backward and the step; the clip is ours (``opt.clip_grad_norm_`` or
+    ``max_grad_norm``). fgpsdp's warnings."""
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)))
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1,
+                               max_grad_norm=1.0 if how == "max_grad_norm" else None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            g = torch.Generator().manual_seed(10 * step + rank)
+            model(torch.randn(4, 8, generator=g)).square().mean().backward()
+            sum(p.numel() for p in model.parameters())
+            if how == "clip_grad_norm_":
+                opt.clip_grad_norm_(1.0)
+            opt.step()
+            opt.zero_grad()
+    return [str(w.message) for w in caught if "clips nothing" in str(w.message)]
+
+
+@pytest.mark.parametrize("how", ["clip_grad_norm_", "max_grad_norm"])
+def test_parameters_read_before_our_clip_say_nothing(how):
+    # Before, the count warned that torch's clip would clip nothing (said at the
+    # read; now at the step, only if no clip of ours ran).
+    assert run_distributed(2, parameters_counted_before_our_clip, how) == [[], []]

@@ -868,21 +868,17 @@ class DistributedDataParallel(nn.Module):
     def named_parameters(self, *args: Any, **kwargs: Any):
         # model.parameters() goes through here. See [Note: reading parameters
         # through the wrapper].
-        named = super().named_parameters(*args, **kwargs)
-        land, warn = self._before_parameters_read()
-        if not (land or warn):
-            return named
-        return self._reading(named, land, warn)
+        return self._read_through_module(super().named_parameters(*args, **kwargs), self)
 
     def _read_through_module(self, named, module: nn.Module):
-        """``model.module.parameters()`` or a submodule's: read as through the
-        wrapper (param_guards.hand_out_parameters_through_the_wrapper). The
-        warning for torch's clip only for the whole module's (a submodule's are
+        """The parameters ``module`` (the wrapper, ``model.module`` or a submodule
+        of it: param_guards.hand_out_parameters_through_the_wrapper) hands out. The
+        warning for torch's clip only for the whole model's (a submodule's are
         read for other reasons: a logged norm, a freeze)."""
         land, warn = self._before_parameters_read()
         # (Not a forward's own read, an L2 term over self.parameters(), say: under
         # accumulation without no_sync() it comes between a backward and the step.)
-        warn = warn and module is self.module and not self._forwards_running
+        warn = warn and (module is self or module is self.module) and not self._forwards_running
         if not (land or warn):
             return named
         return self._reading(named, land, warn)

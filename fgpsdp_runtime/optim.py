@@ -161,7 +161,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # _numbered_params: every group's parameters as torch.optim would
         # number them in a state dict (frozen ones included), for
         # full_state_dict(); by default those of AdamW(model.parameters()).
-        trainable = [p for _, p in self.model.named_trainable_parameters()]
+        named_trainable = self.model.named_trainable_parameters()
+        trainable = [p for _, p in named_trainable]
         self._default_groups = param_groups is None
         if param_groups is None:
             self._numbered_params = [[p for _, p in plain_named_parameters(self.model.module)]]
@@ -206,8 +207,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 kept.append(p)
             groups.append({**{k: v for k, v in group.items() if k != "param_names"},
                            "params": kept})
-        left_out = [name for name, p in self.model.named_trainable_parameters()
-                    if id(p) not in seen]
+        left_out = [name for name, p in named_trainable if id(p) not in seen]
         if left_out:
             # Under torch DDP a second torch.optim optimizer over these would train
             # them; here it sees no gradient (found by an audit: silently untrained).

@@ -160,14 +160,16 @@ class UnevenInputs:
         packet = self._empty_packet(torch.device("cpu"))
         packet[0] = 1.0
         packet[1 + int(call)] = 1.0
-        _put_args(packet, args)
+        packet[1 + _N_CALLS:1 + _N_CALLS + _ARG_SLOTS] = torch.tensor(_arg_slots(args),
+                                                                     dtype=torch.float64)
         packet[1 + _N_CALLS + _ARG_SLOTS + self.model.rank] = 1.0
         packet = packet.to(self._device)
         self._all_reduce(packet)
         packet = packet.cpu()  # read in one copy from the device
-        if int(round(float(packet[1 + int(call)]))) != int(round(float(packet[0]))):
+        active = int(round(float(packet[0])))
+        if int(round(float(packet[1 + int(call)]))) != active:
             raise RuntimeError(_DIFFERENT_CALLS)
-        _take_args(packet, int(round(float(packet[0]))))  # raises where the ranks' differ
+        _take_args(packet, active)  # raises where the ranks' differ
         self._learn(packet)
         if call is AnnouncedCall.FORWARD and not self.divide_by_initial_world_size:
             # torch DDP's option: average over the ranks that contribute.
@@ -308,16 +310,16 @@ class UnevenInputs:
         return buckets[0].device if buckets else torch.device("cpu")
 
 
-def _put_args(packet: torch.Tensor, args: Sequence[float]) -> None:
-    """A call's arguments into ``packet`` (on the CPU): the pieces of each one's bits,
-    then their squares."""
-    first = 1 + _N_CALLS
-    for i, value in enumerate(args):
+def _arg_slots(args: Sequence[float]) -> list[float]:
+    """A call's argument slots: the pieces of each one's bits, then their squares
+    (a missing argument is 0.0)."""
+    values = list(args) + [0.0] * (_N_ARGS - len(args))
+    pieces = []
+    for value in values:
         bits = struct.unpack("<Q", struct.pack("<d", float(value)))[0]
-        for j in range(_PIECES):
-            piece = (bits >> (_PIECE_BITS * j)) & ((1 << _PIECE_BITS) - 1)
-            packet[first + i * _PIECES + j] = float(piece)
-            packet[first + (_N_ARGS + i) * _PIECES + j] = float(piece * piece)
+        pieces += [(bits >> (_PIECE_BITS * j)) & ((1 << _PIECE_BITS) - 1)
+                   for j in range(_PIECES)]
+    return [float(p) for p in pieces] + [float(p * p) for p in pieces]
 
 
 def _take_args(packet: torch.Tensor, active: int) -> list[float]:

@@ -8,6 +8,7 @@ Build without isolation so the extension links against the torch you run:
 import glob
 import os
 import shutil
+import sys
 
 from setuptools import find_packages, setup
 
@@ -25,6 +26,21 @@ def _want_cuda() -> bool:
     nvcc = shutil.which("nvcc") or (
         os.path.join(os.environ["CUDA_HOME"], "bin", "nvcc") if os.environ.get("CUDA_HOME") else None)
     return bool(nvcc and os.path.exists(nvcc))
+
+
+# A compiler that links its own libstdc++ statically (on 2026-12-04 an H200 image's
+# /opt/gcc did) puts a second C++ runtime in the extension beside the shared one
+# torch loaded. Its code then binds some of its data (the locale facets' ids) to
+# the shared copy's: the first number written into an error message crashed
+# (TORCH_CHECK's message; on Debian's g++ 12 the message was cut short instead).
+# Keeping a static archive's symbols local makes that copy self-contained; it
+# changes nothing where libstdc++ is linked as a shared library.
+# tests/test_build_flags.py checks it with a small library.
+HIDE_STATIC_LIBS = "-Wl,--exclude-libs,ALL"
+
+
+def _link_args() -> list:
+    return ["-fopenmp"] + ([HIDE_STATIC_LIBS] if sys.platform.startswith("linux") else [])
 
 
 def _extension():
@@ -45,9 +61,9 @@ def _extension():
             "fgpsdp_runtime._C", sources + cuda_sources, include_dirs=include,
             define_macros=[("FGPSDP_WITH_CUDA", "1")],
             extra_compile_args={"cxx": cxx_flags, "nvcc": ["-O3", "-lineinfo"]},
-            extra_link_args=["-fopenmp"])
+            extra_link_args=_link_args())
     return CppExtension("fgpsdp_runtime._C", sources, include_dirs=include,
-                        extra_compile_args={"cxx": cxx_flags}, extra_link_args=["-fopenmp"])
+                        extra_compile_args={"cxx": cxx_flags}, extra_link_args=_link_args())
 
 
 def _max_jobs() -> str:

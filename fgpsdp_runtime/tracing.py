@@ -94,10 +94,14 @@ class Timeline:
     def start_cuda_clock(self, device, stream=None) -> None:
         """Pin CUDA event times to the host clock: an event recorded at a known host time.
 
-        One device synchronisation, so call it where the host has just waited for
-        the GPU anyway (the plan profiler does, at the end of a step), and only
+        The host waits for that event, so call it where the host has just waited
+        for the GPU anyway (the plan profiler does, at the end of a step), and only
         from the training thread (see cuda_span_events). Never under ``_lock``:
         a span added meanwhile (the end of backward adds one) would wait for the GPU.
+        The event, not the device: a device synchronisation also waits for the
+        link streams, where the all-gathers of the next forward are queued, and the
+        plan profiler's first profiled forward then found them landed and timed
+        its waits as none (on an H200 its measured waits were half the real ones).
         Without it, the first CUDA span's start event is the origin, tied to the
         host clock when the spans are read.
         """
@@ -105,7 +109,7 @@ class Timeline:
             return
         origin = torch.cuda.Event(enable_timing=True)
         origin.record(stream if stream is not None else torch.cuda.current_stream(device))
-        torch.cuda.synchronize(device)
+        origin.synchronize()
         host_origin = time.perf_counter()
         with self._lock:
             if self._cuda_origin is None:

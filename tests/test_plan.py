@@ -142,13 +142,19 @@ def test_device_marks_read_event_times_in_seconds(monkeypatch):
 
 
 def test_timeline_spans_never_wait_for_the_cuda_clock(monkeypatch):
-    """start_cuda_clock pins event times to the host clock with a device
-    synchronisation; a span added meanwhile (the end of backward adds one) must
-    not wait for the GPU. Stand-ins: a synchronisation that takes 0.3 s."""
+    """start_cuda_clock pins event times to the host clock by waiting for an event
+    on the compute stream; a span added meanwhile (the end of backward adds one)
+    must not wait for the GPU. Nor does it synchronise the device: that would wait
+    for the link streams too, where the next forward's all-gathers are queued (the
+    plan profiler's first forward then timed no waits; seen on an H200, where
+    tests/test_cuda_streams.py::test_profile_times_forward_waits_on_the_gpu
+    failed). Stand-ins: an event whose wait takes 0.3 s."""
     import threading
     import time
     import torch
     from fgpsdp_runtime.tracing import Timeline
+
+    syncing = threading.Event()
 
     class FakeEvent:
         def __init__(self, enable_timing=False):
@@ -157,17 +163,18 @@ def test_timeline_spans_never_wait_for_the_cuda_clock(monkeypatch):
         def record(self, stream=None):
             pass
 
+        def synchronize(self):
+            syncing.set()
+            time.sleep(0.3)
+
     class FakeStream:
         device = "cuda:0"
 
-    syncing = threading.Event()
-
-    def slow_synchronize(device=None):
-        syncing.set()
-        time.sleep(0.3)
+    def device_synchronize(device=None):
+        raise AssertionError("start_cuda_clock synchronised the whole device")
 
     monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
-    monkeypatch.setattr(torch.cuda, "synchronize", slow_synchronize)
+    monkeypatch.setattr(torch.cuda, "synchronize", device_synchronize)
     timeline = Timeline()
     timeline.enable()
     worker = threading.Thread(target=lambda: timeline.start_cuda_clock("cuda:0", FakeStream()))

@@ -20,7 +20,10 @@ adds on a real GPU, against torch DDP + torch.optim.AdamW doing the same:
   ``--rounds`` rounds, the systems in turn and the order reversed each round;
   the median time and the largest peak are reported. cuDNN's autotuner runs
   once on a throwaway copy first: its trial workspaces would otherwise count in
-  the first system's peak.
+  the first system's peak. Recorded with them: the plan an fgpsdp system's
+  timed steps ran, and (CUDA) how often one step made the host wait for the
+  GPU through a torch op (sync debug mode): each wait drains the GPU's queue, and
+  a model of many small kernels (ResNet-50) then waits for the host's launches.
 
 Meant for a GPU (its kernels and streams are the point); ``--device cpu`` runs
 the same on a gloo group of one (no memory figures) to check the script itself.
@@ -166,9 +169,30 @@ def speed_and_memory(cfg, template, system: str, warmup: int, timed: int, batche
     step_s = (time.perf_counter() - t0) / timed
     peak = torch.cuda.max_memory_allocated() - base if cuda else None
     param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    out = {"step_s": step_s, "peak_bytes": peak, "param_bytes": param_bytes}
+    if not run.torch_ddp:  # what the timed steps ran: the profile's plan
+        out["plan"] = str(run.model.plan)
+    if cuda:
+        out["host_syncs_per_step"] = _host_syncs(run, batches[0])
     del run, model
     _free()
-    return {"step_s": step_s, "peak_bytes": peak, "param_bytes": param_bytes}
+    return out
+
+
+def _host_syncs(run, batch) -> int:
+    """How many times one more step makes the host wait for the GPU through a torch
+    op (``.item()``, a copy to the CPU; torch's sync debug mode warns at each; a
+    stream or event synchronisation is not counted). Each such wait drains the GPU's
+    queue and exposes the host's launch time after it."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            run.step(*batch)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    _sync()
+    return sum("synchronizing" in str(w.message) for w in caught)
 
 
 def main() -> None:
@@ -232,7 +256,9 @@ def main() -> None:
                 "step_s_rounds": [m["step_s"] for m in runs],
                 "peak_bytes": None if runs[0]["peak_bytes"] is None
                 else max(m["peak_bytes"] for m in runs),
-                "param_bytes": runs[0]["param_bytes"]}
+                "param_bytes": runs[0]["param_bytes"],
+                **{k: [m[k] for m in runs] for k in ("plan", "host_syncs_per_step")
+                   if k in runs[0]}}
             for s, runs in rounds.items()}
         results[w] = row
         ddp = row["speed_memory"]["ddp"]
@@ -245,7 +271,9 @@ def main() -> None:
                   f"  peak {peak}"
                   f"  param diff clip {pc.get('param_max_abs_diff', 0):.1e}"
                   f" no-clip {pn.get('param_max_abs_diff', 0):.1e}"
-                  f"  ddp-vs-ddp {row['parity_clip']['ddp_again']['param_max_abs_diff']:.1e}",
+                  f"  ddp-vs-ddp {row['parity_clip']['ddp_again']['param_max_abs_diff']:.1e}"
+                  + (f"  syncs {sm['host_syncs_per_step'][0]}" if "host_syncs_per_step" in sm else "")
+                  + (f"  {sm['plan'][0]}" if "plan" in sm else ""),
                   flush=True)
         del batches, template
         _free()

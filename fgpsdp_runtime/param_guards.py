@@ -77,7 +77,7 @@ def land_gathers_before_state_dicts(model: "DistributedDataParallel",
     """
     model_ref = weakref.ref(model)  # the hooks must not keep a freed wrapper alive
 
-    def land_gathers_before_load(_module, _state_dict, _prefix, local_metadata, *_rest) -> None:
+    def land_gathers_before_load(_state_dict, _prefix, local_metadata, *_rest) -> None:
         wrapper = model_ref()
         if wrapper is None:
             return
@@ -97,13 +97,14 @@ def land_gathers_before_state_dicts(model: "DistributedDataParallel",
     handles = HookHandles()
     for sub in module.modules():
         handles.add_instance_attribute(sub, "__getstate__",
-                                       LandingGetstate(land_gathers_before_save, sub))
+                                       LandingGetstate(land_gathers_before_save,
+                                                       _TheModule(sub)))
         handles.add(sub.register_state_dict_pre_hook(save_hook))
-        register = getattr(sub, "register_load_state_dict_pre_hook", None)
-        if register is not None:
-            handles.add(register(load_hook))
-        else:  # torch before 2.5
-            handles.add(sub._register_load_state_dict_pre_hook(load_hook, with_module=True))
+        # Without the module: torch's wrapper of a hook that takes it holds the
+        # module, and a class's own __deepcopy__ that copies __dict__ without first
+        # putting the copy into the memo then made a second copy through it, which
+        # the copy's hook pointed at (dead soon: the copy no longer pickled).
+        handles.add(sub._register_load_state_dict_pre_hook(load_hook))
     return handles  # removed when the wrapper is dropped
 
 
@@ -119,14 +120,14 @@ class LandingGetstate:
     this runs before anything is copied, and leaves itself out of the state.
     """
 
-    def __init__(self, land: Callable[[], None], module: nn.Module):
+    def __init__(self, land: Callable[[], None], module: Callable[[], Optional[nn.Module]]):
         self._land = land
-        self._module = weakref.ref(module)
+        self._module = module  # _TheModule, _TheCopy or _nobody
 
     def __call__(self):
         module = self._module()
         if module is None:
-            raise TypeError("fgpsdp: the copy guard of a module that is gone")
+            raise TypeError(f"fgpsdp: the copy guard of {_GONE}")
         self._land()
         state = type(module).__getstate__(module)
         if isinstance(state, dict):
@@ -139,14 +140,64 @@ class LandingGetstate:
 
     def __deepcopy__(self, memo):
         # A class's own __deepcopy__ that copies __dict__ (torch.nn.utils.parametrize's)
-        # brings this along: the copy, which memo maps the module to, gets a guard
-        # that lands nothing and leaves itself out of the copy's state as well.
-        replica = memo.get(id(self._module()))
-        return LandingGetstate(_nothing_to_land, replica) if replica is not None else None
+        # brings this along: the copy's lands nothing, leaves itself out of the
+        # copy's state as well, and reads the copy (see _TheCopy).
+        return LandingGetstate(_nothing_to_land, _TheCopy.of(self._module(), memo))
+
+
+_GONE = ("a module that is gone (or of a copy made by a __deepcopy__ that copies the "
+         "module's __dict__ item by item: delete the copy's 'named_parameters' and "
+         "'__getstate__' instance attributes, vars(copy).pop(...))")
 
 
 def _nothing_to_land() -> None:
     return None
+
+
+def _nobody() -> None:
+    return None
+
+
+class _TheModule:
+    """The guarded module, weakly: the guards must not keep it alive."""
+
+    def __init__(self, module: nn.Module):
+        self._ref = weakref.ref(module)
+
+    def __call__(self) -> Optional[nn.Module]:
+        return self._ref()
+
+
+class _TheCopy:
+    """The copy a class's own ``__deepcopy__`` made of a guarded module, found
+    through its ``__dict__``, which that ``__deepcopy__`` copied with the memo: the
+    copy's guards are copied inside it, before the copy itself is finished.
+
+    The copy need not be in the memo then (a ``__deepcopy__`` that does not put it
+    there first), and the memo may map the module to another copy, soon gone (one
+    that a torch hook holding the module made meanwhile, sharing the same
+    ``__dict__``). So it is read through the dictionary: the copy if it is alive and
+    holds that dictionary, else a stand-in of its class over it, which the class's
+    methods read as they would the copy."""
+
+    def __init__(self, cls: type, module_dict: dict, replica: Optional[nn.Module]):
+        self._cls, self._dict = cls, module_dict
+        self._replica = weakref.ref(replica) if replica is not None else None
+
+    @staticmethod
+    def of(module: Optional[nn.Module], memo: dict) -> Callable[[], Optional[nn.Module]]:
+        module_dict = memo.get(id(module.__dict__)) if module is not None else None
+        if module_dict is None:  # __dict__ copied item by item: nothing to find
+            return _nobody
+        return _TheCopy(type(module), module_dict, memo.get(id(module)))
+
+    def __call__(self) -> nn.Module:
+        replica = self._replica() if self._replica is not None else None
+        if replica is not None and replica.__dict__ is self._dict:
+            return replica
+        stand_in = object.__new__(self._cls)
+        object.__setattr__(stand_in, "__dict__", self._dict)
+        return stand_in
 
 
 def hand_out_parameters_through_the_wrapper(read: Callable, module: nn.Module) -> HookHandles:
@@ -164,7 +215,7 @@ def hand_out_parameters_through_the_wrapper(read: Callable, module: nn.Module) -
     """
     handles = HookHandles()
     for sub in module.modules():
-        handles.add_instance_attribute(sub, "named_parameters", HandingOutParameters(read, sub))
+        handles.add_instance_attribute(sub, "named_parameters", HandingOutParameters(read, _TheModule(sub)))
     return handles  # removed when the wrapper is dropped
 
 
@@ -179,16 +230,16 @@ class HandingOutParameters:
     """A submodule's ``named_parameters`` (an instance attribute, looked up before
     the class's method): see ``hand_out_parameters_through_the_wrapper``. Left
     out of a copy's or a pickle's state (``LandingGetstate``); a class's own
-    ``__deepcopy__`` that copies ``__dict__`` gets one that reads nothing."""
+    ``__deepcopy__`` that copies ``__dict__`` gets one that reads the copy's."""
 
-    def __init__(self, read: Callable, module: nn.Module):
+    def __init__(self, read: Callable, module: Callable[[], Optional[nn.Module]]):
         self._read = read
-        self._module = weakref.ref(module)
+        self._module = module  # _TheModule, _TheCopy or _nobody
 
     def __call__(self, *args, **kwargs):
         module = self._module()
         if module is None:
-            raise TypeError("fgpsdp: the parameter guard of a module that is gone")
+            raise TypeError(f"fgpsdp: the parameter guard of {_GONE}")
         named = plain_named_parameters(module, *args, **kwargs)
         if is_traced_by_dynamo():
             return named  # compiled code: the wrapper's compiled forward waited
@@ -207,8 +258,7 @@ class HandingOutParameters:
         return type(module).named_parameters if module is not None else nn.Module.named_parameters
 
     def __deepcopy__(self, memo):
-        replica = memo.get(id(self._module()))
-        return HandingOutParameters(_as_they_are, replica) if replica is not None else None
+        return HandingOutParameters(_as_they_are, _TheCopy.of(self._module(), memo))
 
 
 def _as_they_are(named, _module):

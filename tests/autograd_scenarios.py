@@ -362,6 +362,55 @@ def copy_of_a_parametrized_module(rank: int, world_size: int) -> dict:
             "guard_is_the_copys": guard is not None and guard._module() is ema[2]}
 
 
+class OwnDeepcopyNet(nn.Module):
+    """A class whose own ``__deepcopy__`` copies ``__dict__``, putting the copy into
+    the memo first or not (``registers``), as user code may."""
+
+    def __init__(self, registers: bool):
+        super().__init__()
+        self.registers = registers
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+    def __deepcopy__(self, memo):
+        replica = type(self).__new__(type(self))
+        if self.registers:
+            memo[id(self)] = replica
+        replica.__dict__ = copy.deepcopy(self.__dict__, memo)
+        return replica
+
+
+def copy_by_a_class_own_deepcopy(rank: int, world_size: int, registers: bool) -> dict:
+    """A copy made by a class's own ``__deepcopy__`` right after the step: its
+    parameters are the updated ones, and it reads, pickles and copies again once
+    the original and its wrapper are gone. (Without registering the copy in the
+    memo first, the copy's parameters() raised: its guard pointed at another copy,
+    made meanwhile by a torch hook holding the module, and soon gone.)"""
+    import gc
+    import pickle
+    torch.manual_seed(0)
+    net = OwnDeepcopyNet(registers)
+    model = fgp.DistributedDataParallel(net, schedule="next_forward")
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    ema = copy.deepcopy(model.module)  # right after the step: lands the gathers
+    model.synchronize()
+    trained = [p.detach().clone() for p in net.parameters()]
+    del model, opt, net
+    gc.collect()
+
+    def equal(module):
+        params = list(module.parameters())
+        return len(params) == len(trained) and all(torch.equal(a, b)
+                                                   for a, b in zip(params, trained))
+    return {"copy_equal": equal(ema), "submodule_reads": len(list(ema.a.parameters())) == 2,
+            "pickled_equal": equal(pickle.loads(pickle.dumps(ema))),
+            "copy_of_copy_equal": equal(copy.deepcopy(ema))}
+
+
 def user_grad_hooks_side_by_side(rank: int, world_size: int, schedule: str,
                                  registered: str) -> dict:
     """A post-accumulate-grad hook that reads and edits the local gradient (halves

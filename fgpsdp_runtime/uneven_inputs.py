@@ -316,7 +316,9 @@ def _arg_slots(args: Sequence[float]) -> list[float]:
     values = list(args) + [0.0] * (_N_ARGS - len(args))
     pieces = []
     for value in values:
-        bits = struct.unpack("<Q", struct.pack("<d", float(value)))[0]
+        # + 0.0: -0.0 becomes 0.0, so that ranks passing 0.0 and -0.0 (the same
+        # argument to any call) do not differ in the sign bit.
+        bits = struct.unpack("<Q", struct.pack("<d", float(value) + 0.0))[0]
         pieces += [(bits >> (_PIECE_BITS * j)) & ((1 << _PIECE_BITS) - 1)
                    for j in range(_PIECES)]
     return [float(p) for p in pieces] + [float(p * p) for p in pieces]

@@ -191,3 +191,18 @@ def test_a_no_sync_gradient_left_at_the_join_goes_into_the_next_step(two_ranks, 
     ours = two_ranks[(scen.no_sync_left_at_the_join, schedule, counts)]
     for rank in range(2):
         assert all(torch.equal(a, b) for a, b in zip(ours[rank], ref[rank])), rank
+
+
+def test_zero_and_minus_zero_are_the_same_argument():
+    """Three active ranks announcing a call with 0.0, -0.0 and 0.0 (the same
+    argument to any call; before, the sign bit made them "different arguments")."""
+    from fgpsdp_runtime import uneven_inputs as ui
+    summed = [sum(slots) for slots in zip(*(ui._arg_slots(a) for a in
+                                              [(0.0, 1.5), (-0.0, 1.5), (0.0, 1.5)]))]
+    packet = torch.zeros(1 + ui._N_CALLS + ui._ARG_SLOTS, dtype=torch.float64)
+    packet[1 + ui._N_CALLS:] = torch.tensor(summed, dtype=torch.float64)
+    assert ui._take_args(packet, 3) == [0.0, 1.5]
+    different = [sum(slots) for slots in zip(*(ui._arg_slots(a) for a in [(0.5,), (0.25,)]))]
+    packet[1 + ui._N_CALLS:] = torch.tensor(different, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="different arguments"):
+        ui._take_args(packet, 2)

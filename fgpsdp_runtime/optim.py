@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 
 from . import optim_checkpoint
+from .collective_watch import warn_if_the_others_are_late
 from .ddp import DistributedDataParallel
 from .ops import multi_tensor_sq_norm
 from .param_guards import plain_named_parameters
@@ -719,6 +720,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         load (``torch.distributed.checkpoint``); the optimizer itself is unchanged.
         """
         self._refuse_speculative_state("full_state_dict()")
+        with warn_if_the_others_are_late("opt.full_state_dict()", self.model.world_size,
+                                         " (rank0_only=True keeps the result on rank 0 alone)"):
+            return self._full_state_dict(rank0_only, init_state)
+
+    def _full_state_dict(self, rank0_only: bool, init_state: bool) -> dict[str, Any]:
         if self.model._uneven_inputs is not None:
             self.model._uneven_inputs.notify(AnnouncedCall.FULL_STATE, float(rank0_only),
                                              float(init_state))

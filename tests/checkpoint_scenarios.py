@@ -4,6 +4,7 @@ Imported by the spawned ranks (module-level functions only).
 """
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
 import torch
@@ -412,3 +413,28 @@ def shard_save_with_frozen(rank: int, world_size: int, path: str, frozen: str) -
 def shard_load_with_frozen(rank: int, world_size: int, path: str, frozen: str) -> None:
     _, opt = _four_layers(frozen)
     opt.load_state_dict(torch.load(f"{path}.{rank}", weights_only=True))
+
+
+def full_state_dict_on_rank_0_alone(rank: int, world_size: int) -> dict:
+    """``if rank == 0: opt.full_state_dict()``: rank 0 waits in the collective until
+    the process-group timeout; before it fails, a warning says what it waits for.
+    (FGPSDP_COLLECTIVE_WARN_S and the timeout are set short by the test.)"""
+    import warnings
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(nn.Linear(8, 8))
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()
+    model.synchronize()
+    if rank != 0:
+        time.sleep(12)  # past rank 0's timeout, in no collective
+        return {"warnings": [], "error": None}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            opt.full_state_dict()
+            error = None
+        except Exception as e:  # noqa: BLE001 - the timed-out collective's, whatever its type
+            error = type(e).__name__
+    return {"warnings": [str(w.message) for w in caught
+                         if "has waited" in str(w.message)], "error": error}

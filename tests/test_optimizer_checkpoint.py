@@ -112,6 +112,17 @@ def test_rank0_only_leaves_the_other_ranks_empty(tmp_path):
     assert all(res["empty"] for res in results[1:])
 
 
+def test_full_state_dict_on_rank_0_alone_says_what_it_waits_for(monkeypatch):
+    monkeypatch.setenv("FGPSDP_COLLECTIVE_WARN_S", "1")
+    results = run_distributed(2, checkpoint_scenarios.full_state_dict_on_rank_0_alone,
+                              pg_timeout_s=6, timeout_s=60)
+    warned = results[0]["warnings"]
+    assert len(warned) == 1 and "opt.full_state_dict() has waited 1 s" in warned[0], warned
+    assert "every rank must call it" in warned[0] and "rank0_only=True" in warned[0]
+    assert results[0]["error"] is not None  # then the collective timed out
+    assert results[1] == {"warnings": [], "error": None}
+
+
 def test_model_parameter_lookups_in_opt_state_keep_it_saveable():
     for res in run_distributed(2, checkpoint_scenarios.look_up_model_params_in_state,
                                timeout_s=120):

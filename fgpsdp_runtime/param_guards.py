@@ -178,7 +178,8 @@ class _TheCopy:
     that a torch hook holding the module made meanwhile, sharing the same
     ``__dict__``). So it is read through the dictionary: the copy if it is alive and
     holds that dictionary, else a stand-in of its class over it, which the class's
-    methods read as they would the copy."""
+    methods read as they would the copy. (The guard lives in that dictionary: a
+    reference cycle, which the garbage collector frees with the copy.)"""
 
     def __init__(self, cls: type, module_dict: dict, replica: Optional[nn.Module]):
         self._cls, self._dict = cls, module_dict
@@ -215,7 +216,8 @@ def hand_out_parameters_through_the_wrapper(read: Callable, module: nn.Module) -
     """
     handles = HookHandles()
     for sub in module.modules():
-        handles.add_instance_attribute(sub, "named_parameters", HandingOutParameters(read, _TheModule(sub)))
+        handles.add_instance_attribute(sub, "named_parameters",
+                                       HandingOutParameters(read, _TheModule(sub)))
     return handles  # removed when the wrapper is dropped
 
 

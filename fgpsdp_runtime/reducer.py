@@ -493,9 +493,11 @@ class GradientReducer:
             self._warned_accumulating_across_step = True
             warnings.warn(
                 "fgpsdp: opt.step() used gradients added to those of the previous step: no "
-                "opt.zero_grad() or model.zero_grad() between them (torch DDP would add "
-                "too). The reduced gradients are not in param.grad: zeroing through "
-                "model.module or param.grad = None does not reset them.", RuntimeWarning)
+                "opt.zero_grad() or model.zero_grad() between them. With no zeroing at all "
+                "torch DDP would add too; but the reduced gradients are not in param.grad, "
+                "so zeroing through model.module (its zero_grad() or a submodule's) or "
+                "param.grad = None, which torch DDP would have taken, does not reset them: "
+                "call opt.zero_grad() or model.zero_grad().", RuntimeWarning)
         self._report_accumulation = False
 
     def landed(self, b: int) -> bool:

@@ -29,7 +29,7 @@ from .layout import (BucketLayout, ParamInfo, default_bucket_cap_mb, first_bucke
 from .forward_waits import ForwardParamWaiter, is_traced_by_dynamo
 from .param_gathers import ParamGathers
 from .param_guards import (ParamPlaces, ParamVersions, hand_out_parameters_through_the_wrapper,
-                           land_gathers_before_state_dicts)
+                           land_gathers_before_state_dicts, zero_grad_through_the_wrapper)
 from .plan import OverlapPlan, layout_plan, profiling_plan
 from .plan_profiler import PlanProfiler
 from .scheduler import TwoStageScheduler
@@ -422,6 +422,8 @@ class DistributedDataParallel(nn.Module):
         self._save_load_guards = land_gathers_before_state_dicts(self, module)
         self._parameter_read_guards = hand_out_parameters_through_the_wrapper(
             lifecycle.weak_call(self._read_through_module), module)
+        self._zero_grad_guard = zero_grad_through_the_wrapper(
+            lifecycle.weak_call(self.zero_grad), module)
 
     # -- set-up --------------------------------------------------------------
 
@@ -1002,7 +1004,7 @@ class DistributedDataParallel(nn.Module):
         waiter = self.__dict__.get("_forward_waiter")
         if waiter is not None:
             waiter.remove()
-        for guards in ("_save_load_guards", "_parameter_read_guards"):
+        for guards in ("_save_load_guards", "_parameter_read_guards", "_zero_grad_guard"):
             handles = self.__dict__.get(guards)
             if handles is not None:
                 handles.remove()

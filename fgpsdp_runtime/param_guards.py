@@ -136,6 +136,8 @@ class LandingGetstate:
             state.pop("__getstate__", None)
             if isinstance(state.get("named_parameters"), HandingOutParameters):
                 del state["named_parameters"]
+            if isinstance(state.get("zero_grad"), ZeroingThroughTheWrapper):
+                del state["zero_grad"]
         return state
 
     def __deepcopy__(self, memo):
@@ -261,6 +263,59 @@ class HandingOutParameters:
 
     def __deepcopy__(self, memo):
         return HandingOutParameters(_as_they_are, _TheCopy.of(self._module(), memo))
+
+
+def zero_grad_through_the_wrapper(zero: Callable[[bool], Optional[bool]],
+                                  module: nn.Module) -> HookHandles:
+    """``model.module.zero_grad()`` (the wrapped module's own, as a loop written for
+    either may call it) resets what ``model.zero_grad()`` does, through ``zero``
+    (the wrapper's, weakly). nn.Module's sets ``param.grad`` only, and the reduced
+    gradients live in the buckets: the next step added the new ones to them (torch
+    DDP's ``model.module.zero_grad()`` resets its gradients), and it read every
+    parameter, landing the all-gathers the next forward overlaps. A class with a
+    ``zero_grad`` of its own keeps it. A submodule's cannot do the same (the
+    reduced slices hold no gradient per parameter to set to None): it warns at the
+    step, as ``param.grad = None`` does."""
+    handles = HookHandles()
+    if type(module).zero_grad is nn.Module.zero_grad:
+        handles.add_instance_attribute(module, "zero_grad",
+                                       ZeroingThroughTheWrapper(zero, _TheModule(module)))
+    return handles  # removed when the wrapper is dropped
+
+
+class ZeroingThroughTheWrapper:
+    """The wrapped module's ``zero_grad`` (an instance attribute): see
+    ``zero_grad_through_the_wrapper``. Left out of a copy's or a pickle's state; a
+    class's own ``__deepcopy__`` that copies ``__dict__`` gets one that zeroes the
+    copy's gradients as nn.Module's does."""
+
+    def __init__(self, zero: Optional[Callable[[bool], Optional[bool]]],
+                 module: Callable[[], Optional[nn.Module]]):
+        self._zero = zero
+        self._module = module  # _TheModule, _TheCopy or _nobody
+
+    def __call__(self, set_to_none: bool = True) -> None:
+        module = self._module()
+        if module is None:
+            raise TypeError(f"fgpsdp: the zero_grad guard of {_GONE}")
+        if self._zero is not None:
+            self._zero(set_to_none)  # the reduced slices, and what no_sync() left
+        # As nn.Module's, over the parameters as they are (no all-gather to land):
+        # those the wrapper does not reduce (frozen ones a loop gave gradients).
+        for _, param in plain_named_parameters(module):
+            if param.grad is None:
+                continue
+            if set_to_none:
+                param.grad = None
+            else:
+                if param.grad.grad_fn is not None:
+                    param.grad.detach_()
+                else:
+                    param.grad.requires_grad_(False)
+                param.grad.zero_()
+
+    def __deepcopy__(self, memo):
+        return ZeroingThroughTheWrapper(None, _TheCopy.of(self._module(), memo))
 
 
 def _as_they_are(named, _module):

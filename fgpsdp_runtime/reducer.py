@@ -495,9 +495,9 @@ class GradientReducer:
                 "fgpsdp: opt.step() used gradients added to those of the previous step: no "
                 "opt.zero_grad() or model.zero_grad() between them. With no zeroing at all "
                 "torch DDP would add too; but the reduced gradients are not in param.grad, "
-                "so zeroing through model.module (its zero_grad() or a submodule's) or "
-                "param.grad = None, which torch DDP would have taken, does not reset them: "
-                "call opt.zero_grad() or model.zero_grad().", RuntimeWarning)
+                "so zeroing through a submodule's zero_grad() or param.grad = None, which "
+                "torch DDP would have taken, does not reset them: call opt.zero_grad(), "
+                "model.zero_grad() or model.module.zero_grad().", RuntimeWarning)
         self._report_accumulation = False
 
     def landed(self, b: int) -> bool:

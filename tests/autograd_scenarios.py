@@ -406,6 +406,7 @@ def copy_by_a_class_own_deepcopy(rank: int, world_size: int, registers: bool) ->
         params = list(module.parameters())
         return len(params) == len(trained) and all(torch.equal(a, b)
                                                    for a, b in zip(params, trained))
+    ema.zero_grad()  # the copy's zero_grad guard zeroes the copy's, as nn.Module's
     return {"copy_equal": equal(ema), "submodule_reads": len(list(ema.a.parameters())) == 2,
             "pickled_equal": equal(pickle.loads(pickle.dumps(ema))),
             "copy_of_copy_equal": equal(copy.deepcopy(ema))}

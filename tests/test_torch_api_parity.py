@@ -156,6 +156,7 @@ def gathers_pending_before_and_in_the_forward(rank: int, world_size: int,
         model(x).square().mean().backward()
         opt.step()
         opt.zero_grad()
+        model.module.zero_grad()  # the module's own: it used to read every parameter
         model.train()
         model.module.train()
         seen.append(("after step", pending()))
@@ -174,6 +175,42 @@ def test_the_loops_usual_calls_and_a_forwards_own_reads_leave_the_gathers_to_the
         assert seen[0] == ("buckets", 3) and after_steps == [3, 3, 3], seen
         before, after = in_forwards[2::2], in_forwards[3::2]  # the first forward had none
         assert before == after and all(sum(n) > 0 for n in after), seen
+
+
+def zeroing_through_the_module(rank: int, world_size: int, schedule: str, system: str,
+                               set_to_none: bool) -> dict:
+    """A loop that zeroes only through ``model.module.zero_grad()`` (code written for
+    a wrapped or a bare model), on ours (``system="fgpsdp"``) or on torch DDP: the
+    parameters after four steps, and the warnings."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+    if system == "fgpsdp":
+        model = fgp.DistributedDataParallel(net, schedule=schedule, bucket_cap_mb=0.0001)
+        opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    else:
+        model = nn.parallel.DistributedDataParallel(net)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):
+            model.module.zero_grad(set_to_none=set_to_none)
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            model(x).square().mean().backward()
+            opt.step()
+        if system == "fgpsdp":
+            model.synchronize()
+    return {"params": [p.detach().clone() for p in net.parameters()],
+            "warnings": [str(w.message)[:80] for w in caught if "fgpsdp" in str(w.message)]}
+
+
+@pytest.mark.parametrize("set_to_none", [True, False], ids=["to-none", "to-zero"])
+@pytest.mark.parametrize("schedule", ["serial", "next_forward", "two_stage"])
+def test_zeroing_through_the_module_trains_like_torch_ddp(schedule, set_to_none):
+    ours = run_distributed(2, zeroing_through_the_module, schedule, "fgpsdp", set_to_none)
+    ref = run_distributed(2, zeroing_through_the_module, schedule, "torch", set_to_none)
+    for rank in range(2):
+        assert ours[rank]["warnings"] == [], ours[rank]["warnings"]
+        assert all(torch.equal(a, b) for a, b in zip(ours[rank]["params"], ref[rank]["params"]))
 
 
 def torchs_clip_over_wrapper_parameters(rank: int, world_size: int, over: str) -> dict:

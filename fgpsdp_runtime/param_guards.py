@@ -148,8 +148,9 @@ class LandingGetstate:
 
 
 _GONE = ("a module that is gone (or of a copy made by a __deepcopy__ that copies the "
-         "module's __dict__ item by item: delete the copy's 'named_parameters' and "
-         "'__getstate__' instance attributes, vars(copy).pop(...))")
+         "module's __dict__ item by item without first putting the copy into the memo: "
+         "put it there, memo[id(self)] = copy, or delete the copy's 'named_parameters', "
+         "'zero_grad' and '__getstate__' instance attributes, vars(copy).pop(...))")
 
 
 def _nothing_to_land() -> None:
@@ -171,36 +172,57 @@ class _TheModule:
 
 
 class _TheCopy:
-    """The copy a class's own ``__deepcopy__`` made of a guarded module, found
-    through its ``__dict__``, which that ``__deepcopy__`` copied with the memo: the
-    copy's guards are copied inside it, before the copy itself is finished.
+    """The copy a class's own ``__deepcopy__`` made of a guarded module: the copy's
+    guards are copied inside it, before that ``__deepcopy__`` returns it.
 
-    The copy need not be in the memo then (a ``__deepcopy__`` that does not put it
-    there first), and the memo may map the module to another copy, soon gone (one
-    that a torch hook holding the module made meanwhile, sharing the same
-    ``__dict__``). So it is read through the dictionary: the copy if it is alive and
-    holds that dictionary, else a stand-in of its class over it, which the class's
-    methods read as they would the copy. (The guard lives in that dictionary: a
-    reference cycle, which the garbage collector frees with the copy.)"""
+    The copy itself while the memo's copy lives (a ``__deepcopy__`` that puts it
+    there before copying its ``__dict__``, as torch's parametrize does, or item by
+    item). Else it is read through its ``__dict__``, deep-copied with the memo: a
+    stand-in of its class over that dictionary, which the class's methods read as
+    they would the copy. (The memo's copy may also be another one, soon gone, made
+    through a hook of the user's that holds the module and sharing that
+    dictionary; the guard then lives in the dictionary: a reference cycle, which the
+    garbage collector frees with the copy.)"""
 
-    def __init__(self, cls: type, module_dict: dict, replica: Optional[nn.Module]):
-        self._cls, self._dict = cls, module_dict
+    def __init__(self, replica: Optional[nn.Module], cls: type, module_dict: Optional[dict]):
         self._replica = weakref.ref(replica) if replica is not None else None
+        self._cls, self._dict = cls, module_dict
 
     @staticmethod
     def of(module: Optional[nn.Module], memo: dict) -> Callable[[], Optional[nn.Module]]:
-        module_dict = memo.get(id(module.__dict__)) if module is not None else None
-        if module_dict is None:  # __dict__ copied item by item: nothing to find
+        if module is None:
             return _nobody
-        return _TheCopy(type(module), module_dict, memo.get(id(module)))
+        replica, module_dict = memo.get(id(module)), memo.get(id(module.__dict__))
+        if replica is None and module_dict is None:
+            return _nobody  # __dict__ copied item by item, the copy not in the memo
+        return _TheCopy(replica, type(module), module_dict)
 
-    def __call__(self) -> nn.Module:
+    def __call__(self) -> Optional[nn.Module]:
+        # A live copy first: a dictionary merged into the copy's own
+        # (``replica.__dict__.update(deepcopy(self.__dict__))``) is not the copy's.
         replica = self._replica() if self._replica is not None else None
-        if replica is not None and replica.__dict__ is self._dict:
+        if replica is not None or self._dict is None:
             return replica
-        stand_in = object.__new__(self._cls)
+        stand_in = object.__new__(_without_finalizer(self._cls))
         object.__setattr__(stand_in, "__dict__", self._dict)
         return stand_in
+
+
+_WITHOUT_FINALIZER: dict = {}
+
+
+def _without_finalizer(cls: type) -> type:
+    """``cls``, or where it has a ``__del__`` (a handle it closes) a subclass whose
+    ``__del__`` does nothing: a dropped stand-in must not finalize the copy."""
+    if getattr(cls, "__del__", None) is None:
+        return cls
+    if cls not in _WITHOUT_FINALIZER:
+        try:
+            _WITHOUT_FINALIZER[cls] = type(cls.__name__, (cls,), {
+                "__del__": lambda self: None, "__module__": cls.__module__})
+        except TypeError:  # a class that refuses subclasses (__init_subclass__)
+            _WITHOUT_FINALIZER[cls] = cls
+    return _WITHOUT_FINALIZER[cls]
 
 
 def hand_out_parameters_through_the_wrapper(read: Callable, module: nn.Module) -> HookHandles:

@@ -363,35 +363,49 @@ def copy_of_a_parametrized_module(rank: int, world_size: int) -> dict:
 
 
 class OwnDeepcopyNet(nn.Module):
-    """A class whose own ``__deepcopy__`` copies ``__dict__``, putting the copy into
-    the memo first or not (``registers``), as user code may."""
+    """A class whose own ``__deepcopy__`` copies its ``__dict__`` as user code may
+    (``how``): deep-copied whole, the copy put into the memo first (``registers``)
+    or not (``does-not``); merged into the copy's own (``dict-update``); item by
+    item (``item-by-item``). Its ``__del__`` closes a handle, as a class holding a
+    file would."""
 
-    def __init__(self, registers: bool):
+    def __init__(self, how: str):
         super().__init__()
-        self.registers = registers
+        self.how = how
+        self.handle_open = True
         self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
 
     def forward(self, x):
         return self.b(torch.tanh(self.a(x)))
 
+    def __del__(self):
+        self.__dict__["handle_open"] = False
+
     def __deepcopy__(self, memo):
         replica = type(self).__new__(type(self))
-        if self.registers:
+        if self.how != "does-not":
             memo[id(self)] = replica
-        replica.__dict__ = copy.deepcopy(self.__dict__, memo)
+        if self.how == "item-by-item":
+            for k, v in self.__dict__.items():
+                setattr(replica, k, copy.deepcopy(v, memo))
+        elif self.how == "dict-update":
+            replica.__dict__.update(copy.deepcopy(self.__dict__, memo))
+        else:
+            replica.__dict__ = copy.deepcopy(self.__dict__, memo)
         return replica
 
 
-def copy_by_a_class_own_deepcopy(rank: int, world_size: int, registers: bool) -> dict:
+def copy_by_a_class_own_deepcopy(rank: int, world_size: int, how: str) -> dict:
     """A copy made by a class's own ``__deepcopy__`` right after the step: its
-    parameters are the updated ones, and it reads, pickles and copies again once
-    the original and its wrapper are gone. (Without registering the copy in the
-    memo first, the copy's parameters() raised: its guard pointed at another copy,
-    made meanwhile by a torch hook holding the module, and soon gone.)"""
+    parameters are the updated ones, and it reads, zeroes, pickles (with what was
+    set on it) and copies again once the original and its wrapper are gone, and
+    reading it finalizes nothing. (Before, without registering the copy in the memo
+    first, the copy's parameters() raised: its guard pointed at another copy, made
+    meanwhile by our load hook, which held the module, and soon gone.)"""
     import gc
     import pickle
     torch.manual_seed(0)
-    net = OwnDeepcopyNet(registers)
+    net = OwnDeepcopyNet(how)
     model = fgp.DistributedDataParallel(net, schedule="next_forward")
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
     model(torch.randn(3, 4)).sum().backward()
@@ -406,10 +420,13 @@ def copy_by_a_class_own_deepcopy(rank: int, world_size: int, registers: bool) ->
         params = list(module.parameters())
         return len(params) == len(trained) and all(torch.equal(a, b)
                                                    for a, b in zip(params, trained))
+    copy_equal = equal(ema)
     ema.zero_grad()  # the copy's zero_grad guard zeroes the copy's, as nn.Module's
-    return {"copy_equal": equal(ema), "submodule_reads": len(list(ema.a.parameters())) == 2,
-            "pickled_equal": equal(pickle.loads(pickle.dumps(ema))),
-            "copy_of_copy_equal": equal(copy.deepcopy(ema))}
+    ema.eval()
+    pickled = pickle.loads(pickle.dumps(ema))
+    return {"copy_equal": copy_equal, "submodule_reads": len(list(ema.a.parameters())) == 2,
+            "pickled_equal": equal(pickled), "pickled_in_eval": not pickled.training,
+            "copy_of_copy_equal": equal(copy.deepcopy(ema)), "handle_open": ema.handle_open}
 
 
 def user_grad_hooks_side_by_side(rank: int, world_size: int, schedule: str,

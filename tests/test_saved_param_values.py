@@ -147,12 +147,13 @@ def test_optimizer_state_dict_between_backward_and_step_raises_under_two_stage_u
         assert all(torch.equal(a, b) for a, b in zip(res["params"], serial[rank]["params"])), rank
 
 
-@pytest.mark.parametrize("registers", [True, False], ids=["registers-in-memo", "does-not"])
-def test_copy_by_a_class_own_deepcopy_reads_pickles_and_copies(registers):
-    for res in run_distributed(2, autograd_scenarios.copy_by_a_class_own_deepcopy,
-                               registers, timeout_s=90):
+@pytest.mark.parametrize("how", ["registers", "does-not", "dict-update", "item-by-item"])
+def test_copy_by_a_class_own_deepcopy_reads_pickles_and_copies(how):
+    for res in run_distributed(2, autograd_scenarios.copy_by_a_class_own_deepcopy, how,
+                               timeout_s=90):
         assert res == {"copy_equal": True, "submodule_reads": True, "pickled_equal": True,
-                       "copy_of_copy_equal": True}
+                       "pickled_in_eval": True, "copy_of_copy_equal": True,
+                       "handle_open": True}
 
 
 def test_copy_of_a_parametrized_module_copies_again():

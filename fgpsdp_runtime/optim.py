@@ -23,6 +23,7 @@ refused.
 from __future__ import annotations
 
 import math
+import sys
 import warnings
 from typing import Any, Callable, Optional, Sequence
 
@@ -720,7 +721,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         load (``torch.distributed.checkpoint``); the optimizer itself is unchanged.
         """
         self._refuse_speculative_state("full_state_dict()")
+        caller = sys._getframe(1)
         with warn_if_the_others_are_late("opt.full_state_dict()", self.model.world_size,
+                                         (caller.f_code.co_filename, caller.f_lineno),
                                          " (rank0_only=True keeps the result on rank 0 alone)"):
             return self._full_state_dict(rank0_only, init_state)
 

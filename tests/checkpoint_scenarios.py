@@ -4,6 +4,7 @@ Imported by the spawned ranks (module-level functions only).
 """
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Optional
 
@@ -436,5 +437,5 @@ def full_state_dict_on_rank_0_alone(rank: int, world_size: int) -> dict:
             error = None
         except Exception as e:  # noqa: BLE001 - the timed-out collective's, whatever its type
             error = type(e).__name__
-    return {"warnings": [str(w.message) for w in caught
+    return {"warnings": [(str(w.message), os.path.basename(w.filename)) for w in caught
                          if "has waited" in str(w.message)], "error": error}

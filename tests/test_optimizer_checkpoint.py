@@ -117,10 +117,31 @@ def test_full_state_dict_on_rank_0_alone_says_what_it_waits_for(monkeypatch):
     results = run_distributed(2, checkpoint_scenarios.full_state_dict_on_rank_0_alone,
                               pg_timeout_s=6, timeout_s=60)
     warned = results[0]["warnings"]
-    assert len(warned) == 1 and "opt.full_state_dict() has waited 1 s" in warned[0], warned
-    assert "every rank must call it" in warned[0] and "rank0_only=True" in warned[0]
+    assert len(warned) == 1 and "opt.full_state_dict() has waited 1 s" in warned[0][0], warned
+    assert "every rank must call it" in warned[0][0] and "rank0_only=True" in warned[0][0]
+    assert warned[0][1] == "checkpoint_scenarios.py", warned  # the caller's line
     assert results[0]["error"] is not None  # then the collective timed out
     assert results[1] == {"warnings": [], "error": None}
+
+
+@pytest.mark.parametrize("raw, expected, warns", [
+    (None, 60.0, False), ("2.5", 2.5, False), ("inf", None, False), ("1e12", None, False),
+    ("abc", 60.0, True), ("", 60.0, True), ("nan", 60.0, True), ("0", 60.0, True),
+    ("-3", 60.0, True)])
+def test_collective_warn_setting(monkeypatch, raw, expected, warns):
+    """A diagnostic's setting never breaks the call it watches: a bad value is named
+    and the default used; inf (or beyond a timer's range) turns it off."""
+    import warnings
+    from fgpsdp_runtime.collective_watch import warn_after_s
+    if raw is None:
+        monkeypatch.delenv("FGPSDP_COLLECTIVE_WARN_S", raising=False)
+    else:
+        monkeypatch.setenv("FGPSDP_COLLECTIVE_WARN_S", raw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert warn_after_s() == expected
+    assert bool(caught) == warns and all("FGPSDP_COLLECTIVE_WARN_S" in str(w.message)
+                                         for w in caught)
 
 
 def test_model_parameter_lookups_in_opt_state_keep_it_saveable():

@@ -8,6 +8,11 @@ enabled (``model.timeline.enable()``), every span lands on a *lane*:
 writes Chrome trace JSON (chrome://tracing, Perfetto): one process per rank,
 one thread row per lane.
 
+A long run does not grow it without bound: it keeps the latest ``max_spans``
+spans (100,000 by default, about 10,000 steps of a model of three buckets and some
+17 MiB; settable, ``None`` for all), dropping the oldest, and ``dropped`` counts
+them; ``clear()`` empties it.
+
 Times are host clock readings (``time.perf_counter``). On CPU that is when the
 work ran. On CUDA a collective's span would only cover its launch, so the
 worker records CUDA events on its stream instead and the span is resolved
@@ -15,6 +20,7 @@ from them when the trace is read (``resolve`` synchronises the device once).
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import threading
@@ -31,14 +37,18 @@ LANE_ORDER = ("compute", "scheduler", "intra-rs", "inter-rs", "flat-rs",
 class Timeline:
     """Spans (lane, name, start, end) of one rank, recorded from any thread."""
 
-    def __init__(self, rank: int = 0):
+    DEFAULT_MAX_SPANS = 100_000
+
+    def __init__(self, rank: int = 0, max_spans: Optional[int] = DEFAULT_MAX_SPANS):
         self.rank = rank
         self.enabled = False
         self._lock = threading.Lock()
-        self._spans: list[tuple[str, str, float, float]] = []
+        self._max_spans = max_spans
+        self._spans: collections.deque = collections.deque(maxlen=max_spans)
         # CUDA spans: (lane, name, start event, end event), resolved later
         # against _cuda_origin, an event recorded together with _host_origin.
-        self._cuda_spans: list[tuple[str, str, object, object]] = []
+        self._cuda_spans: collections.deque = collections.deque(maxlen=max_spans)
+        self.dropped = 0  # spans dropped to stay within max_spans
         self._host_origin = time.perf_counter()
         self._cuda_origin = None
         self._cuda_origin_device = None
@@ -67,16 +77,34 @@ class Timeline:
             self.enabled = False
             self.clear()
 
+    @property
+    def max_spans(self) -> Optional[int]:
+        return self._max_spans
+
+    @max_spans.setter
+    def max_spans(self, value: Optional[int]) -> None:
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise ValueError(f"max_spans must be a positive int or None, got {value!r}")
+        with self._lock:
+            self._max_spans = value
+            for name in ("_spans", "_cuda_spans"):
+                kept = getattr(self, name)
+                self.dropped += max(0, len(kept) - (value or len(kept)))
+                setattr(self, name, collections.deque(kept, maxlen=value))
+
     def clear(self) -> None:
         with self._lock:
             self._spans.clear()
             self._cuda_spans.clear()
+            self.dropped = 0
 
     # -- recording -----------------------------------------------------------
 
     def add(self, lane: str, name: str, start: float, end: float) -> None:
         """A span in perf_counter seconds."""
         with self._lock:
+            if len(self._spans) == self._spans.maxlen:
+                self.dropped += 1
             self._spans.append((lane, name, start, end))
 
     @contextlib.contextmanager
@@ -138,6 +166,8 @@ class Timeline:
         end = torch.cuda.Event(enable_timing=True)
         end.record(stream)
         with self._lock:
+            if len(self._cuda_spans) == self._cuda_spans.maxlen:
+                self.dropped += 1
             self._cuda_spans.append((lane, name, start, end))
 
     # -- reading -------------------------------------------------------------

@@ -297,3 +297,28 @@ def test_thin_waits_over_many_buckets_count_together():
     # waits, 1.8%), not at bucket 0 (its own 0.9% alone).
     assert plan.predicted["stage1_candidates"] == list(range(n - 1))
     assert plan.stage1 == tuple(range(1, n - 1))
+
+
+def test_timeline_keeps_the_latest_spans_within_its_cap():
+    """An enabled timeline kept every span: about 2 KB a step, without bound over
+    a long run (h108). It keeps the latest max_spans and counts the dropped."""
+    import pytest
+    from fgpsdp_runtime.tracing import Timeline
+    assert Timeline().max_spans == Timeline.DEFAULT_MAX_SPANS == 100_000
+    timeline = Timeline(max_spans=5)
+    timeline.enable()
+    for i in range(8):
+        timeline.add("compute", f"step {i}", float(i), i + 0.5)
+    assert [name for _, name, *_ in timeline.spans()] == [f"step {i}" for i in range(3, 8)]
+    assert timeline.dropped == 3
+    timeline.max_spans = 2
+    assert [name for _, name, *_ in timeline.spans()] == ["step 6", "step 7"]
+    assert timeline.dropped == 6
+    timeline.max_spans = None
+    for i in range(8, 20):
+        timeline.add("compute", f"step {i}", float(i), i + 0.5)
+    assert len(timeline.spans()) == 14 and timeline.dropped == 6
+    timeline.clear()
+    assert timeline.spans() == [] and timeline.dropped == 0
+    with pytest.raises(ValueError, match="max_spans"):
+        timeline.max_spans = 0

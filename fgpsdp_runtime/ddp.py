@@ -28,8 +28,9 @@ from .layout import (BucketLayout, ParamInfo, default_bucket_cap_mb, first_bucke
                      owned_numel, param_alignment_for, plan_buckets)
 from .forward_waits import ForwardParamWaiter, is_traced_by_dynamo
 from .param_gathers import ParamGathers
-from .param_guards import (ParamPlaces, ParamVersions, hand_out_parameters_through_the_wrapper,
-                           land_gathers_before_state_dicts, zero_grad_through_the_wrapper)
+from .module_guards import (hand_out_parameters_through_the_wrapper,
+                            land_gathers_before_state_dicts, zero_grad_through_the_wrapper)
+from .param_guards import ParamPlaces, ParamVersions
 from .plan import OverlapPlan, layout_plan, profiling_plan
 from .plan_profiler import PlanProfiler
 from .scheduler import TwoStageScheduler
@@ -874,7 +875,7 @@ class DistributedDataParallel(nn.Module):
 
     def _read_through_module(self, named, module: nn.Module):
         """The parameters ``module`` (the wrapper, ``model.module`` or a submodule
-        of it: param_guards.hand_out_parameters_through_the_wrapper) hands out. The
+        of it: module_guards.hand_out_parameters_through_the_wrapper) hands out. The
         warning for torch's clip only for the whole model's (a submodule's are
         read for other reasons: a logged norm, a freeze)."""
         land, warn = self._before_parameters_read()

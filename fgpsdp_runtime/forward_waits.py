@@ -46,7 +46,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .lifecycle import HookHandles
-from .param_guards import ModuleHook, is_traced_by_dynamo, plain_named_parameters
+from .module_guards import ModuleHook, is_traced_by_dynamo, plain_named_parameters
 
 
 class ForwardParamWaiter:

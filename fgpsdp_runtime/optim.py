@@ -33,7 +33,7 @@ from . import optim_checkpoint
 from .collective_watch import warn_if_the_others_are_late
 from .ddp import DistributedDataParallel
 from .ops import multi_tensor_sq_norm
-from .param_guards import plain_named_parameters
+from .module_guards import plain_named_parameters
 from .profiling import nvtx_range
 from .slice_state import SliceState
 from .speculation import (SliceBackup, compile_session_active, hyperparameters,

@@ -1,0 +1,347 @@
+"""What the wrapper puts on the user's module: hooks and instance attributes.
+
+Parameters are views of the bucket buffers (see buckets.py), and under the
+forward-overlapped schedules a step's all-gathers land after ``step()`` has
+returned; the reduced gradients live in the buckets, not in ``param.grad``. So
+on every submodule of the wrapped module:
+
+- a ``state_dict`` / ``load_state_dict`` first lands the all-gathers in flight
+  (state-dict hooks), and so does a copy or a pickle (a ``__getstate__``
+  instance attribute);
+- the parameters read through ``model.module.parameters()`` or a submodule's (an
+  EMA teacher, a clamp) land each one's all-gather as it is handed out (a
+  ``named_parameters`` instance attribute);
+- and on the wrapped module itself, ``zero_grad()`` resets the reduced slices (a
+  ``zero_grad`` instance attribute).
+
+A copy of the module is not wrapped: it gets inert hooks, and guards that act on
+the copy (see ``_TheCopy``). The wrapper removes all of them when dropped.
+"""
+from __future__ import annotations
+
+import weakref
+from typing import TYPE_CHECKING, Callable, Optional
+
+import torch
+from torch import nn
+
+from .lifecycle import HookHandles
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .ddp import DistributedDataParallel
+
+
+# True only in code dynamo traces (torch.compiler.is_compiling() is True in
+# every thread while any thread compiles); torch < 2.3 has it under _dynamo.
+is_traced_by_dynamo = getattr(torch.compiler, "is_dynamo_compiling", None) or \
+    torch._dynamo.is_compiling
+
+
+class ModuleHook:
+    """A hook of ours on the user's module; a copy or a pickle of the module gets an
+    inert one. ``copy.deepcopy(model.module)`` (``swa_utils.AveragedModel``, EMA
+    teachers) would otherwise copy what the hook refers to, the wrapper with its
+    threads and locks, and fail; the copy is not wrapped, so nothing to do there."""
+
+    def __init__(self, fn):
+        self._fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self._fn(*args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        return inert_hook
+
+    def __reduce__(self):
+        return (_inert, ())
+
+
+def inert_hook(*_args, **_kwargs) -> None:
+    return None
+
+
+def _inert():
+    return inert_hook
+
+
+def land_gathers_before_state_dicts(model: "DistributedDataParallel",
+                                    module: nn.Module) -> HookHandles:
+    """Hooks on every submodule of ``module``: a ``state_dict`` (through the
+    wrapper, ``module`` or any submodule) first lands the all-gathers in flight,
+    a ``load_state_dict`` first synchronises.
+
+    A checkpoint saved from ``model.module`` right after ``step()`` (the usual
+    torch DDP idiom, often on rank 0 alone) would otherwise hold a mix of
+    updated and old slices, another mix on every rank: saving changes no
+    collective (see ``DistributedDataParallel.land_gathers_for_a_save``). An
+    all-gather landing after a load would write the other ranks' pre-load
+    slices over what was loaded. ``assign=True`` would swap the parameters for
+    tensors the buckets do not hold: refused.
+    """
+    model_ref = weakref.ref(model)  # the hooks must not keep a freed wrapper alive
+
+    def land_gathers_before_load(_state_dict, _prefix, local_metadata, *_rest) -> None:
+        wrapper = model_ref()
+        if wrapper is None:
+            return
+        if wrapper._uneven_inputs is not None:  # first: a joined rank must hear of it
+            wrapper._uneven_inputs.announce_load("load_state_dict() of the model")
+        if local_metadata.get("assign_to_params_buffers"):
+            raise ValueError("fgpsdp: load_state_dict(assign=True) would replace parameters "
+                             "that are views of the bucket buffers; load with assign=False")
+        wrapper.synchronize()
+
+    def land_gathers_before_save(*_args) -> None:
+        wrapper = model_ref()
+        if wrapper is not None:
+            wrapper.land_gathers_for_a_save()
+
+    save_hook, load_hook = ModuleHook(land_gathers_before_save), ModuleHook(land_gathers_before_load)
+    handles = HookHandles()
+    for sub in module.modules():
+        handles.add_instance_attribute(sub, "__getstate__",
+                                       LandingGetstate(land_gathers_before_save,
+                                                       _TheModule(sub)))
+        handles.add(sub.register_state_dict_pre_hook(save_hook))
+        # Without the module: torch's wrapper of a hook that takes it holds the
+        # module, and a class's own __deepcopy__ that copies __dict__ without first
+        # putting the copy into the memo then made a second copy through it, which
+        # the copy's hook pointed at (dead soon: the copy no longer pickled).
+        handles.add(sub._register_load_state_dict_pre_hook(load_hook))
+    return handles  # removed when the wrapper is dropped
+
+
+class LandingGetstate:
+    """A submodule's ``__getstate__`` (an instance attribute, which ``copy`` and
+    ``pickle`` look up before the class's): lands the all-gathers in flight first.
+
+    ``copy.deepcopy(model.module)`` right after ``opt.step()`` (``AveragedModel``,
+    an EMA teacher, timm's ``ModelEmaV2``) or ``torch.save(model.module)`` would
+    otherwise copy the other ranks' slices before the step, another mix on every
+    rank. No hook of torch's runs before a copy reads the parameters (the state
+    dict hooks do not run, and our hook dicts are copied after ``_parameters``);
+    this runs before anything is copied, and leaves itself out of the state.
+    """
+
+    def __init__(self, land: Callable[[], None], module: Callable[[], Optional[nn.Module]]):
+        self._land = land
+        self._module = module  # _TheModule, _TheCopy or _nobody
+
+    def __call__(self):
+        module = self._module()
+        if module is None:
+            raise TypeError(f"fgpsdp: the copy guard of {_GONE}")
+        self._land()
+        state = type(module).__getstate__(module)
+        if isinstance(state, dict):
+            if state is module.__dict__:  # a class returning its own __dict__
+                state = dict(state)
+            state.pop("__getstate__", None)
+            if isinstance(state.get("named_parameters"), HandingOutParameters):
+                del state["named_parameters"]
+            if isinstance(state.get("zero_grad"), ZeroingThroughTheWrapper):
+                del state["zero_grad"]
+        return state
+
+    def __deepcopy__(self, memo):
+        # A class's own __deepcopy__ that copies __dict__ (torch.nn.utils.parametrize's)
+        # brings this along: the copy's lands nothing, leaves itself out of the
+        # copy's state as well, and reads the copy (see _TheCopy).
+        return LandingGetstate(_nothing_to_land, _TheCopy.of(self._module(), memo))
+
+
+_GONE = ("a module that is gone (or of a copy made by a __deepcopy__ that copies the "
+         "module's __dict__ item by item without first putting the copy into the memo: "
+         "put it there, memo[id(self)] = copy, or delete the copy's 'named_parameters', "
+         "'zero_grad' and '__getstate__' instance attributes, vars(copy).pop(...))")
+
+
+def _nothing_to_land() -> None:
+    return None
+
+
+def _nobody() -> None:
+    return None
+
+
+class _TheModule:
+    """The guarded module, weakly: the guards must not keep it alive."""
+
+    def __init__(self, module: nn.Module):
+        self._ref = weakref.ref(module)
+
+    def __call__(self) -> Optional[nn.Module]:
+        return self._ref()
+
+
+class _TheCopy:
+    """The copy a class's own ``__deepcopy__`` made of a guarded module: the copy's
+    guards are copied inside it, before that ``__deepcopy__`` returns it.
+
+    While the copy in the memo lives, that copy (a ``__deepcopy__`` that puts it
+    there before copying ``__dict__``, whole or item by item, as torch's
+    parametrize does). Else a stand-in of the copy's class over the copy's
+    ``__dict__`` (deep-copied with the memo), which the class's methods read as
+    they would the copy: for a ``__deepcopy__`` that does not register the copy, or
+    whose registered one is another copy, soon gone, made through a hook of the
+    user's that holds the module. Holding that dictionary, which holds the guard,
+    makes a reference cycle: the garbage collector frees it with the copy."""
+
+    def __init__(self, replica: Optional[nn.Module], cls: type, module_dict: Optional[dict]):
+        self._replica = weakref.ref(replica) if replica is not None else None
+        self._cls, self._dict = cls, module_dict
+
+    @staticmethod
+    def of(module: Optional[nn.Module], memo: dict) -> Callable[[], Optional[nn.Module]]:
+        if module is None:
+            return _nobody
+        replica, module_dict = memo.get(id(module)), memo.get(id(module.__dict__))
+        if replica is None and module_dict is None:
+            return _nobody  # __dict__ copied item by item, the copy not in the memo
+        return _TheCopy(replica, type(module), module_dict)
+
+    def __call__(self) -> Optional[nn.Module]:
+        # A live copy first: a dictionary merged into the copy's own
+        # (``replica.__dict__.update(deepcopy(self.__dict__))``) is not the copy's.
+        replica = self._replica() if self._replica is not None else None
+        if replica is not None or self._dict is None:
+            return replica
+        stand_in = object.__new__(_without_finalizer(self._cls))
+        object.__setattr__(stand_in, "__dict__", self._dict)
+        return stand_in
+
+
+_WITHOUT_FINALIZER: dict = {}
+
+
+def _without_finalizer(cls: type) -> type:
+    """``cls``, or where it has a ``__del__`` (a handle it closes) a subclass whose
+    ``__del__`` does nothing: a dropped stand-in must not finalize the copy."""
+    if getattr(cls, "__del__", None) is None:
+        return cls
+    if cls not in _WITHOUT_FINALIZER:
+        try:
+            _WITHOUT_FINALIZER[cls] = type(cls.__name__, (cls,), {
+                "__del__": lambda self: None, "__module__": cls.__module__})
+        except TypeError:  # a class that refuses subclasses (__init_subclass__)
+            _WITHOUT_FINALIZER[cls] = cls
+    return _WITHOUT_FINALIZER[cls]
+
+
+def hand_out_parameters_through_the_wrapper(read: Callable, module: nn.Module) -> HookHandles:
+    """``named_parameters`` (which ``parameters()`` calls) of every submodule of
+    ``module`` hands the parameters out through ``read(named, submodule)``, the
+    wrapper's reads (see [Note: reading parameters through the wrapper] in ddp.py):
+    each one's all-gather lands as it is handed out.
+
+    Right after ``opt.step()`` an EMA teacher or a momentum encoder updated from
+    ``model.module.parameters()`` (DINO's, BYOL's, MoCo's), a
+    ``swa_utils.AveragedModel.update_parameters(model.module)`` or a WGAN clamp
+    over ``D.module.parameters()`` would otherwise read, under ``next_forward``
+    and ``two_stage``, a mix of updated and old slices, another mix on every rank.
+    (The library's own reads call ``nn.Module``'s, see ``plain_named_parameters``.)
+    """
+    handles = HookHandles()
+    for sub in module.modules():
+        handles.add_instance_attribute(sub, "named_parameters",
+                                       HandingOutParameters(read, _TheModule(sub)))
+    return handles  # removed when the wrapper is dropped
+
+
+def plain_named_parameters(module: nn.Module, *args, **kwargs):
+    """``module.named_parameters(...)`` without our guard: what the library reads
+    itself (a check before each forward must not land the all-gathers the forward
+    overlaps)."""
+    return type(module).named_parameters(module, *args, **kwargs)
+
+
+class HandingOutParameters:
+    """A submodule's ``named_parameters`` (an instance attribute, looked up before
+    the class's method): see ``hand_out_parameters_through_the_wrapper``. Left
+    out of a copy's or a pickle's state (``LandingGetstate``); a class's own
+    ``__deepcopy__`` that copies ``__dict__`` gets one that reads the copy's."""
+
+    def __init__(self, read: Callable, module: Callable[[], Optional[nn.Module]]):
+        self._read = read
+        self._module = module  # _TheModule, _TheCopy or _nobody
+
+    def __call__(self, *args, **kwargs):
+        module = self._module()
+        if module is None:
+            raise TypeError(f"fgpsdp: the parameter guard of {_GONE}")
+        named = plain_named_parameters(module, *args, **kwargs)
+        if is_traced_by_dynamo():
+            return named  # compiled code: the wrapper's compiled forward waited
+        read = self._read(named, module)
+        return named if read is None else read  # None: the wrapper is gone
+
+    # What a bound method has: torch.compile checks ``module.named_parameters.__func__``
+    # against nn.Module's to learn whether a class overrides it.
+    @property
+    def __self__(self) -> Optional[nn.Module]:
+        return self._module()
+
+    @property
+    def __func__(self):
+        module = self._module()
+        return type(module).named_parameters if module is not None else nn.Module.named_parameters
+
+    def __deepcopy__(self, memo):
+        return HandingOutParameters(_as_they_are, _TheCopy.of(self._module(), memo))
+
+
+def zero_grad_through_the_wrapper(zero: Callable[[bool], Optional[bool]],
+                                  module: nn.Module) -> HookHandles:
+    """``model.module.zero_grad()`` (the wrapped module's own, as a loop written for
+    either may call it) resets what ``model.zero_grad()`` does, through ``zero``
+    (the wrapper's, weakly). nn.Module's sets ``param.grad`` only, and the reduced
+    gradients live in the buckets: the next step added the new ones to them (torch
+    DDP's ``model.module.zero_grad()`` resets its gradients), and it read every
+    parameter, landing the all-gathers the next forward overlaps. A class with a
+    ``zero_grad`` of its own keeps it. A submodule's cannot do the same (the
+    reduced slices hold no gradient per parameter to set to None): it warns at the
+    step, as ``param.grad = None`` does."""
+    handles = HookHandles()
+    if type(module).zero_grad is nn.Module.zero_grad:
+        handles.add_instance_attribute(module, "zero_grad",
+                                       ZeroingThroughTheWrapper(zero, _TheModule(module)))
+    return handles  # removed when the wrapper is dropped
+
+
+class ZeroingThroughTheWrapper:
+    """The wrapped module's ``zero_grad`` (an instance attribute): see
+    ``zero_grad_through_the_wrapper``. Left out of a copy's or a pickle's state; a
+    class's own ``__deepcopy__`` that copies ``__dict__`` gets one that zeroes the
+    copy's gradients as nn.Module's does."""
+
+    def __init__(self, zero: Optional[Callable[[bool], Optional[bool]]],
+                 module: Callable[[], Optional[nn.Module]]):
+        self._zero = zero
+        self._module = module  # _TheModule, _TheCopy or _nobody
+
+    def __call__(self, set_to_none: bool = True) -> None:
+        module = self._module()
+        if module is None:
+            raise TypeError(f"fgpsdp: the zero_grad guard of {_GONE}")
+        if self._zero is not None:
+            self._zero(set_to_none)  # the reduced slices, and what no_sync() left
+        # As nn.Module's, over the parameters as they are (no all-gather to land):
+        # those the wrapper does not reduce (frozen ones a loop gave gradients).
+        for _, param in plain_named_parameters(module):
+            if param.grad is None:
+                continue
+            if set_to_none:
+                param.grad = None
+            else:
+                if param.grad.grad_fn is not None:
+                    param.grad.detach_()
+                else:
+                    param.grad.requires_grad_(False)
+                param.grad.zero_()
+
+    def __deepcopy__(self, memo):
+        return ZeroingThroughTheWrapper(None, _TheCopy.of(self._module(), memo))
+
+
+def _as_they_are(named, _module):
+    return named

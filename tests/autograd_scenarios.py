@@ -5,6 +5,7 @@ Imported by the spawned ranks (module-level functions only).
 from __future__ import annotations
 
 import copy
+import gc
 import time
 
 import torch
@@ -335,25 +336,34 @@ def optimizer_state_dict_reference(rank: int, world_size: int) -> dict:
     return {"params": [p.detach().clone() for p in model.module.parameters()]}
 
 
-def copy_of_a_parametrized_module(rank: int, world_size: int) -> dict:
-    """torch.nn.utils.parametrize's own __deepcopy__ copies __dict__, our copy guard
-    with it: the copy's must belong to the copy (before, it pointed at the original
-    and its wrapper, and copying the copy failed once they were gone)."""
-    import gc
-
-    from torch.nn.utils import parametrizations
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
-    parametrizations.weight_norm(net[2])
+def _copied_right_after_a_step(net: nn.Module) -> tuple:
+    """``net`` wrapped (``next_forward``) and stepped once, and a deep copy of the
+    module taken right after the step (which lands the all-gathers); the wrapper
+    and its optimizer are dropped. Returns the copy and the trained parameters."""
     model = fgp.DistributedDataParallel(net, schedule="next_forward")
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
     model(torch.randn(3, 4)).sum().backward()
     opt.step()
-    ema = copy.deepcopy(model.module)  # right after the step: lands the gathers
+    ema = copy.deepcopy(model.module)
     model.synchronize()
-    same = all(torch.equal(a, b) for a, b in zip(ema.parameters(), net.parameters()))
-    del model, opt, net
+    trained = [p.detach().clone() for p in net.parameters()]
+    del model, opt
     gc.collect()
+    return ema, trained
+
+
+def copy_of_a_parametrized_module(rank: int, world_size: int) -> dict:
+    """torch.nn.utils.parametrize's own __deepcopy__ copies __dict__, our copy guard
+    with it: the copy's must belong to the copy (before, it pointed at the original
+    and its wrapper, and copying the copy failed once they were gone)."""
+    from torch.nn.utils import parametrizations
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2))
+    parametrizations.weight_norm(net[2])
+    ema, trained = _copied_right_after_a_step(net)
+    del net
+    gc.collect()
+    same = all(torch.equal(a, b) for a, b in zip(ema.parameters(), trained))
     again = copy.deepcopy(ema)  # the original and its wrapper are gone
     guard = vars(ema[2]).get("__getstate__")
     return {"copy_equal": same,
@@ -402,18 +412,11 @@ def copy_by_a_class_own_deepcopy(rank: int, world_size: int, how: str) -> dict:
     reading it finalizes nothing. (Before, without registering the copy in the memo
     first, the copy's parameters() raised: its guard pointed at another copy, made
     meanwhile by our load hook, which held the module, and soon gone.)"""
-    import gc
     import pickle
     torch.manual_seed(0)
     net = OwnDeepcopyNet(how)
-    model = fgp.DistributedDataParallel(net, schedule="next_forward")
-    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
-    model(torch.randn(3, 4)).sum().backward()
-    opt.step()
-    ema = copy.deepcopy(model.module)  # right after the step: lands the gathers
-    model.synchronize()
-    trained = [p.detach().clone() for p in net.parameters()]
-    del model, opt, net
+    ema, trained = _copied_right_after_a_step(net)
+    del net
     gc.collect()
 
     def equal(module):

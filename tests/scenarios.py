@@ -655,8 +655,13 @@ def loop_warnings(rank: int, world_size: int, optimizer: str = "sharded",
     model = fgp.DistributedDataParallel(MLP(), bucket_cap_mb=0.0001)
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2) if optimizer == "sharded" \
         else torch.optim.AdamW(model.parameters(), lr=1e-2)
+    def param_grads_to_none():
+        for p in model.module.parameters():
+            p.grad = None
     zero = {"optimizer": opt.zero_grad, "wrapper": model.zero_grad,
             "inner module": model.module.zero_grad,
+            "submodule": model.module.net.zero_grad,
+            "param.grad = None": param_grads_to_none,
             "before backward": opt.zero_grad}[zero_through]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -199,7 +199,9 @@ def test_rank_without_backward_does_not_hang():
 @pytest.mark.parametrize("optimizer, zero_through, accumulating, no_optimizer", [
     ("sharded", "optimizer", 0, 0),
     ("sharded", "wrapper", 0, 0),  # resets the reduced gradients (model_zero_grad matches DDP)
-    ("sharded", "inner module", 1, 0),  # cannot reach them: adding to them is warned of once
+    ("sharded", "inner module", 0, 0),  # the wrapped module's zero_grad resets them too
+    ("sharded", "submodule", 1, 0),  # cannot reach them: adding to them is warned of once
+    ("sharded", "param.grad = None", 1, 0),  # nor can this
     ("sharded", "before backward", 0, 0),  # gradients added after a step, zeroed unstepped
     ("torch", "optimizer", 0, 1),  # param.grad stays None: torch.optim would not train
 ])

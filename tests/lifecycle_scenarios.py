@@ -85,7 +85,9 @@ def dropped_wrapper_is_freed(rank: int, world_size: int, schedule: str) -> dict[
     loss_fn("mlp", module(x), y).backward()
     hooks += sum(p.grad is None for p in module.parameters())
     module.zero_grad(set_to_none=True)
-    hooks += sum("__getstate__" in vars(m) for m in module.modules())  # the copy guards
+    # The copy, read and zero_grad guards (instance attributes).
+    hooks += sum(name in vars(m) for m in module.modules()
+                 for name in ("__getstate__", "named_parameters", "zero_grad"))
     module.load_state_dict(copy.deepcopy(module.state_dict()), assign=True)
     return {"freed": freed, "counts": counts, "python_threads": threading.active_count(),
             "hooks_left": hooks}

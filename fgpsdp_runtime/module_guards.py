@@ -111,7 +111,31 @@ def land_gathers_before_state_dicts(model: "DistributedDataParallel",
     return handles  # removed when the wrapper is dropped
 
 
-class LandingGetstate:
+class _ModuleGuard:
+    """An instance attribute of ours on a submodule of the wrapped module. ``_act``
+    is the wrapper's part in it (weakly; it returns None once the wrapper is gone),
+    ``_module`` finds the module (_TheModule, _TheCopy or _nobody). A class's own
+    ``__deepcopy__`` that copies ``__dict__`` (torch.nn.utils.parametrize's) brings
+    it along: the copy's has no wrapper's part and acts on the copy alone (see
+    _TheCopy); a copy's or a pickle's state leaves it out (LandingGetstate)."""
+
+    NAME = "guard"
+
+    def __init__(self, act: Callable, module: Callable[[], Optional[nn.Module]]):
+        self._act = act
+        self._module = module
+
+    def _target(self) -> nn.Module:
+        module = self._module()
+        if module is None:
+            raise TypeError(f"fgpsdp: the {self.NAME} of {_GONE}")
+        return module
+
+    def __deepcopy__(self, memo):
+        return type(self)(inert_hook, _TheCopy.of(self._module(), memo))
+
+
+class LandingGetstate(_ModuleGuard):
     """A submodule's ``__getstate__`` (an instance attribute, which ``copy`` and
     ``pickle`` look up before the class's): lands the all-gathers in flight first.
 
@@ -120,44 +144,27 @@ class LandingGetstate:
     otherwise copy the other ranks' slices before the step, another mix on every
     rank. No hook of torch's runs before a copy reads the parameters (the state
     dict hooks do not run, and our hook dicts are copied after ``_parameters``);
-    this runs before anything is copied, and leaves itself out of the state.
+    this runs before anything is copied, and leaves our guards out of the state.
     """
 
-    def __init__(self, land: Callable[[], None], module: Callable[[], Optional[nn.Module]]):
-        self._land = land
-        self._module = module  # _TheModule, _TheCopy or _nobody
+    NAME = "copy guard"
 
     def __call__(self):
-        module = self._module()
-        if module is None:
-            raise TypeError(f"fgpsdp: the copy guard of {_GONE}")
-        self._land()
+        module = self._target()
+        self._act()  # lands the all-gathers in flight
         state = type(module).__getstate__(module)
         if isinstance(state, dict):
             if state is module.__dict__:  # a class returning its own __dict__
                 state = dict(state)
-            state.pop("__getstate__", None)
-            if isinstance(state.get("named_parameters"), HandingOutParameters):
-                del state["named_parameters"]
-            if isinstance(state.get("zero_grad"), ZeroingThroughTheWrapper):
-                del state["zero_grad"]
+            for name in [k for k, v in state.items() if isinstance(v, _ModuleGuard)]:
+                del state[name]
         return state
-
-    def __deepcopy__(self, memo):
-        # A class's own __deepcopy__ that copies __dict__ (torch.nn.utils.parametrize's)
-        # brings this along: the copy's lands nothing, leaves itself out of the
-        # copy's state as well, and reads the copy (see _TheCopy).
-        return LandingGetstate(_nothing_to_land, _TheCopy.of(self._module(), memo))
 
 
 _GONE = ("a module that is gone (or of a copy made by a __deepcopy__ that copies the "
          "module's __dict__ item by item without first putting the copy into the memo: "
          "put it there, memo[id(self)] = copy, or delete the copy's 'named_parameters', "
          "'zero_grad' and '__getstate__' instance attributes, vars(copy).pop(...))")
-
-
-def _nothing_to_land() -> None:
-    return None
 
 
 def _nobody() -> None:
@@ -255,25 +262,19 @@ def plain_named_parameters(module: nn.Module, *args, **kwargs):
     return type(module).named_parameters(module, *args, **kwargs)
 
 
-class HandingOutParameters:
+class HandingOutParameters(_ModuleGuard):
     """A submodule's ``named_parameters`` (an instance attribute, looked up before
-    the class's method): see ``hand_out_parameters_through_the_wrapper``. Left
-    out of a copy's or a pickle's state (``LandingGetstate``); a class's own
-    ``__deepcopy__`` that copies ``__dict__`` gets one that reads the copy's."""
+    the class's method): see ``hand_out_parameters_through_the_wrapper``."""
 
-    def __init__(self, read: Callable, module: Callable[[], Optional[nn.Module]]):
-        self._read = read
-        self._module = module  # _TheModule, _TheCopy or _nobody
+    NAME = "parameter guard"
 
     def __call__(self, *args, **kwargs):
-        module = self._module()
-        if module is None:
-            raise TypeError(f"fgpsdp: the parameter guard of {_GONE}")
+        module = self._target()
         named = plain_named_parameters(module, *args, **kwargs)
         if is_traced_by_dynamo():
             return named  # compiled code: the wrapper's compiled forward waited
-        read = self._read(named, module)
-        return named if read is None else read  # None: the wrapper is gone
+        read = self._act(named, module)
+        return named if read is None else read  # None: no wrapper (gone, or a copy)
 
     # What a bound method has: torch.compile checks ``module.named_parameters.__func__``
     # against nn.Module's to learn whether a class overrides it.
@@ -285,9 +286,6 @@ class HandingOutParameters:
     def __func__(self):
         module = self._module()
         return type(module).named_parameters if module is not None else nn.Module.named_parameters
-
-    def __deepcopy__(self, memo):
-        return HandingOutParameters(_as_they_are, _TheCopy.of(self._module(), memo))
 
 
 def zero_grad_through_the_wrapper(zero: Callable[[bool], Optional[bool]],
@@ -308,23 +306,16 @@ def zero_grad_through_the_wrapper(zero: Callable[[bool], Optional[bool]],
     return handles  # removed when the wrapper is dropped
 
 
-class ZeroingThroughTheWrapper:
+class ZeroingThroughTheWrapper(_ModuleGuard):
     """The wrapped module's ``zero_grad`` (an instance attribute): see
-    ``zero_grad_through_the_wrapper``. Left out of a copy's or a pickle's state; a
-    class's own ``__deepcopy__`` that copies ``__dict__`` gets one that zeroes the
-    copy's gradients as nn.Module's does."""
+    ``zero_grad_through_the_wrapper``. A copy's zeroes the copy's gradients as
+    nn.Module's does."""
 
-    def __init__(self, zero: Optional[Callable[[bool], Optional[bool]]],
-                 module: Callable[[], Optional[nn.Module]]):
-        self._zero = zero
-        self._module = module  # _TheModule, _TheCopy or _nobody
+    NAME = "zero_grad guard"
 
     def __call__(self, set_to_none: bool = True) -> None:
-        module = self._module()
-        if module is None:
-            raise TypeError(f"fgpsdp: the zero_grad guard of {_GONE}")
-        if self._zero is not None:
-            self._zero(set_to_none)  # the reduced slices, and what no_sync() left
+        module = self._target()
+        self._act(set_to_none)  # the reduced slices, and what no_sync() left
         # As nn.Module's, over the parameters as they are (no all-gather to land):
         # those the wrapper does not reduce (frozen ones a loop gave gradients).
         for _, param in plain_named_parameters(module):
@@ -338,10 +329,3 @@ class ZeroingThroughTheWrapper:
                 else:
                     param.grad.requires_grad_(False)
                 param.grad.zero_()
-
-    def __deepcopy__(self, memo):
-        return ZeroingThroughTheWrapper(None, _TheCopy.of(self._module(), memo))
-
-
-def _as_they_are(named, _module):
-    return named

@@ -23,7 +23,11 @@ adds on a real GPU, against torch DDP + torch.optim.AdamW doing the same:
   the first system's peak. Recorded with them: the plan an fgpsdp system's
   timed steps ran, and (CUDA) how often one step made the host wait for the
   GPU through a torch op (sync debug mode): each wait drains the GPU's queue, and
-  a model of many small kernels (ResNet-50) then waits for the host's launches.
+  a model of many small kernels (ResNet-50) then waits for the host's launches;
+  and (CUDA) the GPU's kernel time against the wall time over two more steps
+  (torch's profiler). ``--schedules`` includes ``next_forward`` by default:
+  ``two_stage`` without its stage 1, so a cost of ``two_stage``'s shows whether it
+  comes from the speculative stage or from the forward's waits.
 
 Meant for a GPU (its kernels and streams are the point); ``--device cpu`` runs
 the same on a gloo group of one (no memory figures) to check the script itself.
@@ -174,6 +178,7 @@ def speed_and_memory(cfg, template, system: str, warmup: int, timed: int, batche
         out["plan"] = str(run.model.plan)
     if cuda:
         out["host_syncs_per_step"] = _host_syncs(run, batches[0])
+        out["gpu_busy"] = _gpu_busy(run, batches[:2])
     del run, model
     _free()
     return out
@@ -195,12 +200,50 @@ def _host_syncs(run, batch) -> int:
     return sum("synchronizing" in str(w.message) for w in caught)
 
 
+def _busy_text(busy: dict) -> str:
+    if "error" in busy:
+        return f"profiler: {busy['error'][:60]}"
+    return f"GPU busy {busy['busy_s'] * 1e3:.1f} of {busy['wall_s'] * 1e3:.1f} ms (profiled)"
+
+
+def _gpu_busy(run, batches) -> dict:
+    """Wall time and the GPU's busy time (kernels and copies, on any stream) over
+    ``len(batches)`` more steps, from torch's profiler (whose own cost is in the
+    wall time): busy time well under the wall time means the GPU waited, for the
+    host's launches or for a wait the host put in its queue. Never raises: a
+    profiler that cannot run leaves its error here instead."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+        _sync()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            for x, y in batches:
+                run.step(x, y)
+            _sync()
+            wall = time.perf_counter() - t0
+        # The union of the device's activity intervals (kernels, copies, on any
+        # stream): overlapping streams count once.
+        device = torch.autograd.DeviceType.CUDA
+        spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                       if e.device_type == device)
+        busy_us, end = 0.0, float("-inf")
+        for start, stop in spans:
+            if stop > end:
+                busy_us += stop - max(start, end)
+                end = stop
+        return {"wall_s": wall / len(batches), "busy_s": busy_us * 1e-6 / len(batches)}
+    except Exception as error:  # noqa: BLE001 - a diagnostic, not the measurement
+        return {"error": repr(error)[:300]}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--size", default="full", choices=["cpu", "full"])
-    parser.add_argument("--schedules", default="serial,two_stage",
+    # next_forward is two_stage without stage 1 (no speculation): it tells which of
+    # the two a cost of two_stage's comes from.
+    parser.add_argument("--schedules", default="serial,next_forward,two_stage",
                         help="fgpsdp schedules to run against torch DDP")
     parser.add_argument("--parity-steps", type=int, default=4)
     parser.add_argument("--warmup-steps", type=int, default=3)
@@ -257,7 +300,7 @@ def main() -> None:
                 "peak_bytes": None if runs[0]["peak_bytes"] is None
                 else max(m["peak_bytes"] for m in runs),
                 "param_bytes": runs[0]["param_bytes"],
-                **{k: [m[k] for m in runs] for k in ("plan", "host_syncs_per_step")
+                **{k: [m[k] for m in runs] for k in ("plan", "host_syncs_per_step", "gpu_busy")
                    if k in runs[0]}}
             for s, runs in rounds.items()}
         results[w] = row
@@ -273,6 +316,7 @@ def main() -> None:
                   f" no-clip {pn.get('param_max_abs_diff', 0):.1e}"
                   f"  ddp-vs-ddp {row['parity_clip']['ddp_again']['param_max_abs_diff']:.1e}"
                   + (f"  syncs {sm['host_syncs_per_step'][0]}" if "host_syncs_per_step" in sm else "")
+                  + (f"  {_busy_text(sm['gpu_busy'][0])}" if "gpu_busy" in sm else "")
                   + (f"  {sm['plan'][0]}" if "plan" in sm else ""),
                   flush=True)
         del batches, template

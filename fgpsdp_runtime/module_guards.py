@@ -14,8 +14,10 @@ on every submodule of the wrapped module:
 - and on the wrapped module itself, ``zero_grad()`` resets the reduced slices (a
   ``zero_grad`` instance attribute).
 
-A copy of the module is not wrapped: it gets inert hooks, and guards that act on
-the copy (see ``_TheCopy``). The wrapper removes all of them when dropped.
+A copy or a pickle of the module is not wrapped: it gets none of our hooks or
+guards (see ``LandingGetstate``); a class's own ``__deepcopy__`` that copies
+``__dict__`` gets inert hooks and guards that act on the copy (see ``_TheCopy``).
+The wrapper removes all of them when dropped.
 """
 from __future__ import annotations
 
@@ -49,7 +51,19 @@ class ModuleHook:
     def __call__(self, *args, **kwargs):
         return self._fn(*args, **kwargs)
 
+    @property
+    def __name__(self):
+        # What torch.jit.script reads first of each forward hook: say what works
+        # instead of a bare "no attribute" (an AttributeError still, so that
+        # getattr(hook, "__name__", default) goes on working).
+        raise AttributeError(
+            "fgpsdp: the wrapper's forward hooks on model.module cannot be compiled by "
+            "torch.jit.script; script a copy, which has none: "
+            "torch.jit.script(copy.deepcopy(model.module))")
+
     def __deepcopy__(self, memo):
+        # Reached only by a class's own __deepcopy__ that copies __dict__ (a copy by
+        # copy.deepcopy or pickle leaves our hooks out: see LandingGetstate).
         return inert_hook
 
     def __reduce__(self):
@@ -158,7 +172,38 @@ class LandingGetstate(_ModuleGuard):
                 state = dict(state)
             for name in [k for k, v in state.items() if isinstance(v, _ModuleGuard)]:
                 del state[name]
+            _leave_our_hooks_out(state)
         return state
+
+
+def _is_ours(hook) -> bool:
+    # torch keeps a load_state_dict pre-hook inside its own _WrappedHook.
+    return isinstance(hook, ModuleHook) or isinstance(getattr(hook, "hook", None), ModuleHook)
+
+
+def _leave_our_hooks_out(state: dict) -> None:
+    """In a copy's or a pickle's ``state`` (the module's ``__dict__``, shallow):
+    each hook dictionary holding hooks of ours replaced by one without them (the
+    module's own is left as it is), and their ids dropped from the dictionaries
+    of flags keyed by hook id (``_forward_hooks_with_kwargs`` & co.). The copy is
+    not wrapped: inert hooks there would only cost a call per forward, and
+    ``torch.jit.script`` cannot compile them. The user's own hooks stay."""
+    dropped: set = set()
+    for name, value in list(state.items()):
+        if isinstance(value, dict) and any(_is_ours(v) for v in value.values()):
+            kept = type(value)()
+            for key, hook in value.items():
+                if _is_ours(hook):
+                    dropped.add(key)
+                else:
+                    kept[key] = hook
+            state[name] = kept
+    if not dropped:
+        return
+    for name, value in list(state.items()):
+        if isinstance(value, dict) and name.endswith(("_with_kwargs", "_always_called")) \
+                and any(key in dropped for key in value):
+            state[name] = type(value)((k, v) for k, v in value.items() if k not in dropped)
 
 
 _GONE = ("a module that is gone (or of a copy made by a __deepcopy__ that copies the "

@@ -209,10 +209,11 @@ def renorm_in_forward(rank: int, world_size: int, schedule: str) -> float:
 def copies_and_direct_calls(rank: int, world_size: int, schedule: str) -> dict:
     """After a step: copy.deepcopy(model.module) and AveragedModel (SWA) work, a pickle of
     the module loads, and model.module(x) called directly (an eval, generate())
-    sees the updated parameters, as under torch DDP."""
+    sees the updated parameters, as under torch DDP. A copy holds none of the
+    wrapper's hooks and scripts; scripting model.module itself names that recipe."""
     import io
     ours, opt, ref, ref_opt = _plain_side_by_side(rank, schedule)
-    outputs, sub_outputs, copies, leftovers = [], [], [], 0
+    outputs, sub_outputs, copies, leftovers, hooks_left = [], [], [], 0, 0
     for step in range(3):
         x, y = _batch(step, rank)
         for model, optimizer in ((ours, opt), (ref, ref_opt)):
@@ -226,7 +227,11 @@ def copies_and_direct_calls(rank: int, world_size: int, schedule: str) -> dict:
         torch.save(ours.module, buffer)
         buffer.seek(0)
         made.append(torch.load(buffer, weights_only=False))
-        leftovers += sum("__getstate__" in vars(m) for c in made for m in c.modules())
+        # What export pipelines do: script a copy (the copy has no hooks to compile).
+        made.append(torch.jit.script(copy.deepcopy(ours.module)))
+        leftovers += sum("__getstate__" in vars(m) for c in made[:3] for m in c.modules())
+        # No hook of ours went with the copies (PlainNet has none of its own).
+        hooks_left += sum(_hook_count(m) for c in made[:3] for m in c.modules())
         with torch.no_grad():
             expected = ref.module(x)
             copies += [float((m(x) - expected).abs().max()) for m in made]
@@ -236,8 +241,68 @@ def copies_and_direct_calls(rank: int, world_size: int, schedule: str) -> dict:
             h = torch.tanh(torch.randn(x.shape[0], 32))
             sub_outputs.append(float((ours.module.net[4](h) - ref.module.net[4](h)).abs().max()))
             outputs.append(float((ours.module(x) - ref.module(x)).abs().max()))
+    try:
+        torch.jit.script(ours.module)
+        script_error = None
+    except Exception as error:  # noqa: BLE001 - what the user sees
+        script_error = f"{type(error).__name__}: {error}"
     return {"direct_call_diffs": outputs, "submodule_call_diffs": sub_outputs,
-            "copy_diffs": copies, "copies_holding_our_getstate": leftovers}
+            "copy_diffs": copies, "copies_holding_our_getstate": leftovers,
+            "copies_holding_hooks": hooks_left, "script_error": script_error}
+
+
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_state_dict_pre_hooks",
+               "_state_dict_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+
+
+def _hook_count(module: nn.Module) -> int:
+    return sum(len(getattr(module, name)) for name in _HOOK_DICTS)
+
+
+class _UsersPreHook:
+    """A forward pre-hook of the user's, registered before wrapping: scales the input."""
+
+    def __call__(self, module, args):
+        return (args[0] * 2.0,)
+
+
+def _users_kwargs_hook(module, args, kwargs, output):
+    return output + 1.0
+
+
+def copy_keeps_the_users_hooks(rank: int, world_size: int, schedule: str) -> dict:
+    """A copy or a pickle of model.module leaves the wrapper's hooks out and keeps
+    the user's (one registered before wrapping, one after, one with kwargs and
+    always_called)."""
+    import io
+    torch.manual_seed(1234)
+    base = PlainNet()
+    base.net[0].register_forward_pre_hook(_UsersPreHook())
+    ours = fgp.DistributedDataParallel(base, bucket_cap_mb=0.0001, schedule=schedule)
+    opt = fgp.ShardedOptimizer(ours, torch.optim.SGD, lr=0.5)
+    ours.module.net[4].register_forward_hook(_users_kwargs_hook, with_kwargs=True,
+                                             always_call=True)
+    x, y = _batch(0, rank)
+    F.mse_loss(ours(x), y).backward()
+    opt.step()
+    copied = copy.deepcopy(ours.module)
+    buffer = io.BytesIO()
+    torch.save(ours.module, buffer)
+    buffer.seek(0)
+    pickled = torch.load(buffer, weights_only=False)
+    with torch.no_grad():
+        expected = ours.module(x)  # the user's hooks run on the wrapped module too
+        out = {"copy_equal": torch.equal(copied(x), expected),
+               "pickled_equal": torch.equal(pickled(x), expected)}
+    for name, c in (("copy", copied), ("pickle", pickled)):
+        first, last = c.net[0], c.net[4]
+        out[f"{name}_hooks"] = (
+            [type(h).__name__ for h in first._forward_pre_hooks.values()],
+            [getattr(h, "__name__", None) for h in last._forward_hooks.values()],
+            list(last._forward_hooks_with_kwargs.values()),
+            list(last._forward_hooks_always_called.values()),
+            sum(_hook_count(m) for m in c.modules()))
+    return out
 
 
 def train_through_module_only(rank: int, world_size: int, schedule: str,

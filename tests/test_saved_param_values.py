@@ -102,8 +102,26 @@ def test_module_copies_and_direct_calls_after_a_step(trained, case):
     for rank, res in enumerate(trained[case]):
         assert res["direct_call_diffs"] == [0.0, 0.0, 0.0], (rank, res)
         assert res["submodule_call_diffs"] == [0.0, 0.0, 0.0], (rank, res)
-        assert res["copy_diffs"] == [0.0] * 9, (rank, res)
+        assert res["copy_diffs"] == [0.0] * 12, (rank, res)
         assert res["copies_holding_our_getstate"] == 0
+        assert res["copies_holding_hooks"] == 0
+        # torch.jit.script(model.module): the wrapper's hooks cannot be compiled.
+        assert res["script_error"] is not None and res["script_error"].startswith(
+            "AttributeError: fgpsdp:") and "torch.jit.script(copy.deepcopy(model.module))" \
+            in res["script_error"], (rank, res)
+
+
+@pytest.mark.parametrize("schedule", ["serial", "two_stage"])
+def test_copies_keep_the_users_hooks(schedule):
+    """A copy or a pickle of model.module holds none of the wrapper's hooks (before:
+    inert ones, which torch.jit.script of the copy could not compile) and keeps the
+    user's with their flags."""
+    for rank, res in enumerate(run_distributed(2, autograd_scenarios.copy_keeps_the_users_hooks,
+                                               schedule, timeout_s=90)):
+        assert res["copy_equal"] and res["pickled_equal"], (rank, res)
+        for name in ("copy", "pickle"):
+            assert res[f"{name}_hooks"] == (["_UsersPreHook"], ["_users_kwargs_hook"],
+                                            [True], [True], 2), (rank, name, res)
 
 
 @pytest.mark.parametrize("case", MODULE_ONLY, ids=[c[1] for c in MODULE_ONLY])

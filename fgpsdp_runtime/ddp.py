@@ -40,6 +40,7 @@ from .tracing import Timeline
 from .topology import (NodeLayout, TopologyArg, check_contiguous_nodes, create_link_groups,
                        hashed_group_names, new_group_like, resolve)
 from .uneven_inputs import AnnouncedCall, UnevenInputs
+from .user_warnings import warn_at_user_code
 from .validation import (SUPPORTED_DTYPES, agree_or_raise, describe, describe_buffers,
                          local_problems, shared_memory_problem)
 
@@ -914,12 +915,12 @@ class DistributedDataParallel(nn.Module):
         read, self._read_for_a_clip = self.__dict__.get("_read_for_a_clip", False), False
         if read and not clipped and not self.__dict__.get("_warned_parameters_without_gradients"):
             self._warned_parameters_without_gradients = True
-            warnings.warn(
+            warn_at_user_code(
                 "fgpsdp: model.parameters() read between backward and opt.step(): each "
                 "param.grad is None there (the reduced gradients are in this rank's bucket "
                 "slices), so torch.nn.utils.clip_grad_norm_ over them returns 0 and clips "
                 "nothing. Use opt.clip_grad_norm_(max_norm) or "
-                "ShardedOptimizer(..., max_grad_norm=...)", RuntimeWarning, stacklevel=3)
+                "ShardedOptimizer(..., max_grad_norm=...)")
 
     def _before_parameters_read(self) -> tuple[bool, bool]:
         """[Note: reading parameters through the wrapper]
@@ -962,11 +963,10 @@ class DistributedDataParallel(nn.Module):
             # them on this rank alone could wait on peers that wait on it.
             if not state.get("_warned_parameters_while_gathers_queued"):
                 self._warned_parameters_while_gathers_queued = True
-                warnings.warn(
+                warn_at_user_code(
                     "fgpsdp: model.parameters() read while all-gathers wait to start (a "
                     "plan with a small lookahead): their values may be those before the "
-                    "step; call model.synchronize() on every rank first",
-                    RuntimeWarning, stacklevel=3)
+                    "step; call model.synchronize() on every rank first")
             return False, warn
         return True, warn  # the reads land each parameter's bucket (_reading)
 

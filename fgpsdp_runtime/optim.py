@@ -22,9 +22,9 @@ refused.
 """
 from __future__ import annotations
 
+import inspect
 import math
 import sys
-import warnings
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -40,6 +40,7 @@ from .speculation import (SliceBackup, compile_session_active, hyperparameters,
                           same_hyperparameters, wait_out_compile_session)
 from .step_wide_state import StepWideState
 from .uneven_inputs import AnnouncedCall, UnevenInputs
+from .user_warnings import warn_at_user_code
 from .validation import settings_agree_or_raise
 
 # Optimizers whose update is not element-wise: slicing would change the result.
@@ -58,6 +59,18 @@ _NOT_ELEMENTWISE = {
 # block of a tensor's elements, and 32-bit state below a tensor size, so slices would
 # change both) and GaLore's low-rank projections of each matrix.
 _NOT_ELEMENTWISE_PARTS = ("8bit", "4bit", "galore")
+# Second-order ones differentiate the gradients (Hessian-vector products through
+# backward(create_graph=True)): the reduced slices carry no graph. timm's loops ask
+# an optimizer's ``is_second_order``; Adahessian implementations without it by name.
+_SECOND_ORDER = {"adahessian"}
+
+
+def _is_second_order(optimizer_class: type) -> bool:
+    if optimizer_class.__name__.lower() in _SECOND_ORDER:
+        return True
+    flag = inspect.getattr_static(optimizer_class, "is_second_order", False)
+    # A property (timm's Adahessian: always True) cannot be read without an instance.
+    return flag is True or isinstance(flag, property)
 
 
 def _float_text(value: Any) -> str:
@@ -100,6 +113,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                 "a whole tensor's shape or norm, or all parameters, or blocks of "
                                 "quantized state, or it needs a closure or sparse gradients); it "
                                 "cannot run on flat slices")
+            if _is_second_order(optimizer_class):
+                raise TypeError(f"{optimizer_class.__name__} is a second-order optimizer: it "
+                                "differentiates the gradients (backward(create_graph=True), "
+                                "Hessian-vector products), and the reduced gradients in "
+                                "this rank's slices carry no graph; it cannot run here")
             if max_grad_norm is not None and not (max_grad_norm > 0):
                 raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
             groups = self._normalise_groups(param_groups)
@@ -209,19 +227,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 kept.append(p)
             groups.append({**{k: v for k, v in group.items() if k != "param_names"},
                            "params": kept})
-        left_out = [name for name, p in named_trainable if id(p) not in seen]
+        # (Not those frozen since wrapping: they get no gradient, nothing to step.)
+        left_out = [name for name, p in named_trainable if id(p) not in seen and p.requires_grad]
         if left_out:
             # Under torch DDP a second torch.optim optimizer over these would train
             # them; here it sees no gradient (found by an audit: silently untrained).
             shown = ", ".join(repr(n) for n in left_out[:3]) + (", ..." if len(left_out) > 3 else "")
-            warnings.warn(
+            warn_at_user_code(
                 f"fgpsdp: {len(left_out)} trainable parameter(s) of the wrapped module are in "
                 f"no param group of this ShardedOptimizer ({shown}): their gradients are "
                 "reduced and they are never stepped. A torch.optim optimizer over them would "
                 "not train them either: the reduced gradients live in this rank's bucket "
                 "slices, never in param.grad. Put them in a param group here (lr=0 holds them "
-                "still), or freeze them (requires_grad_(False)) before wrapping",
-                RuntimeWarning, stacklevel=3)
+                "still), or freeze them (requires_grad_(False))")
         return groups
 
     def _build_pieces(self):
@@ -527,8 +545,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.skipped_steps += 1
             # Under loss scaling a skip is routine, as in torch: no warning.
             if not (self._loss_unscaled or inf_found_by_scaler):
-                warnings.warn(f"fgpsdp: gradient norm is {total}; step skipped "
-                              f"({self.skipped_steps} so far)", RuntimeWarning)
+                warn_at_user_code(f"fgpsdp: gradient norm is {total}; step skipped "
+                                  f"({self.skipped_steps} so far)")
             model.begin_param_exchange()
             for b in rolled_back:  # peers hold the speculative values: send the restored ones
                 model.queue_param_all_gather(b)

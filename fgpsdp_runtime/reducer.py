@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import warnings
 import weakref
 from collections.abc import Mapping
 from typing import Any, Callable, Iterator, Sequence
@@ -34,6 +33,7 @@ from .lifecycle import HookHandles
 from .link_worker import PendingOp
 from .ops import multi_tensor_pack
 from .tracing import Timeline
+from .user_warnings import warn_at_user_code
 
 
 def _tensors_in(value: Any, depth: int = 0) -> Iterator[torch.Tensor]:
@@ -491,13 +491,13 @@ class GradientReducer:
         """At the very end of a step (a warning raised as an error leaves it whole)."""
         if self._report_accumulation and not self._warned_accumulating_across_step:
             self._warned_accumulating_across_step = True
-            warnings.warn(
+            warn_at_user_code(
                 "fgpsdp: opt.step() used gradients added to those of the previous step: no "
                 "opt.zero_grad() or model.zero_grad() between them. With no zeroing at all "
                 "torch DDP would add too; but the reduced gradients are not in param.grad, "
                 "so zeroing through a submodule's zero_grad() or param.grad = None, which "
                 "torch DDP would have taken, does not reset them: call opt.zero_grad(), "
-                "model.zero_grad() or model.module.zero_grad().", RuntimeWarning)
+                "model.zero_grad() or model.module.zero_grad().")
         self._report_accumulation = False
 
     def landed(self, b: int) -> bool:

@@ -89,6 +89,28 @@ def block_quantized_optimizer(rank, world_size):
     fgp.ShardedOptimizer(model, AdamW8bit, lr=1e-3)
 
 
+class HessianFree(torch.optim.SGD):
+    """Says it is second-order as timm's Adahessian does (timm's loops read it)."""
+
+    @property
+    def is_second_order(self):
+        return True
+
+
+class Adahessian(torch.optim.SGD):
+    """Named as the Adahessian implementations that do not say so."""
+
+
+def second_order_optimizer(rank, world_size):
+    model = fgp.DistributedDataParallel(MLP())
+    fgp.ShardedOptimizer(model, HessianFree, lr=1e-3)
+
+
+def second_order_optimizer_by_name(rank, world_size):
+    model = fgp.DistributedDataParallel(MLP())
+    fgp.ShardedOptimizer(model, Adahessian, lr=1e-3)
+
+
 def foreign_param_in_groups(rank, world_size):
     model = fgp.DistributedDataParallel(MLP())
     fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+import os
 import time
 from typing import Any
 
@@ -680,8 +681,11 @@ def loop_warnings(rank: int, world_size: int, optimizer: str = "sharded",
             zero()
     model.synchronize()
     messages = [str(w.message) for w in caught]
-    return {"accumulating": sum("used gradients added to those of the previous step" in m
-                                for m in messages),
+    accumulating = [w for w in caught
+                    if "used gradients added to those of the previous step" in str(w.message)]
+    return {"accumulating": len(accumulating),
+            # Said at the loop's opt.step() line.
+            "accumulating_at": sorted({os.path.basename(w.filename) for w in accumulating}),
             "no_optimizer": sum("no fgpsdp_runtime.ShardedOptimizer wraps" in m
                                 for m in messages)}
 

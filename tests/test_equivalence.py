@@ -207,7 +207,8 @@ def test_rank_without_backward_does_not_hang():
 ])
 def test_loops_that_would_not_train_as_written_are_warned_once(optimizer, zero_through,
                                                                accumulating, no_optimizer):
-    expected = {"accumulating": accumulating, "no_optimizer": no_optimizer}
+    expected = {"accumulating": accumulating, "no_optimizer": no_optimizer,
+                "accumulating_at": ["scenarios.py"] if accumulating else []}
     assert run_distributed(2, loop_warnings, optimizer, zero_through,
                            timeout_s=120) == [expected] * 2
 

@@ -4,6 +4,7 @@ torch's keywords."""
 import copy
 import dataclasses
 import io
+import os
 import warnings
 
 import pytest
@@ -237,7 +238,9 @@ def torchs_clip_over_wrapper_parameters(rank: int, world_size: int, over: str) -
                 opt.step()
                 opt.zero_grad()
         said[when] = ([str(w.message) for w in caught if "clips nothing" in str(w.message)],
-                      float(norm))
+                      float(norm),
+                      [os.path.basename(w.filename) for w in caught
+                       if "clips nothing" in str(w.message)])
     return said
 
 
@@ -250,6 +253,9 @@ def test_torchs_clip_over_the_wrappers_parameters_between_backward_and_step_warn
         assert said["after_step"][0] == []
         assert len(said["before_step"][0]) == warnings_before_step
         assert said["before_step"][1] == 0.0
+        # At the loop's line (opt.step()), not in torch's wrappers around it (before:
+        # torch/utils/_contextlib.py).
+        assert said["before_step"][2] == [os.path.basename(__file__)] * warnings_before_step
         assert said["before_step_again"][0] == []  # once per wrapper
 
 
@@ -525,17 +531,20 @@ def optimizer_over_part_of_the_model(rank: int, world_size: int) -> dict:
     """A ShardedOptimizer over the first layer only, and one over every layer: the
     warnings each raises at construction."""
     said = {}
-    for over in ("first_layer", "all"):
+    for over in ("first_layer", "all", "frozen_since_wrapping"):
         torch.manual_seed(0)
         model = fgp.DistributedDataParallel(
             nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)))
         groups = [{"params": model.module[0].parameters()}]
         if over == "all":
             groups.append({"params": model.module[2].parameters(), "lr": 0.0})
+        if over == "frozen_since_wrapping":  # frozen, the optimizer built again without them
+            model.module[2].requires_grad_(False)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             fgp.ShardedOptimizer(model, torch.optim.SGD, param_groups=groups, lr=0.1)
-        said[over] = [str(w.message) for w in caught if "no param group" in str(w.message)]
+        said[over] = [(str(w.message), os.path.basename(w.filename)) for w in caught
+                      if "no param group" in str(w.message)]
         del model
     return said
 
@@ -545,9 +554,14 @@ def test_trainable_parameters_left_out_of_every_param_group_are_named_at_constru
     # never trained them, silently (audit h102): their gradients never reach param.grad.
     for said in run_distributed(2, optimizer_over_part_of_the_model):
         assert len(said["first_layer"]) == 1, said
-        assert "2 trainable parameter(s)" in said["first_layer"][0]
-        assert "'2.weight', '2.bias'" in said["first_layer"][0], said
+        message, where = said["first_layer"][0]
+        assert "2 trainable parameter(s)" in message
+        assert "'2.weight', '2.bias'" in message, said
+        assert where == os.path.basename(__file__)
         assert said["all"] == [], said
+        # Frozen after wrapping (which works): they get no gradient, nothing to say
+        # (before: told to freeze what was frozen).
+        assert said["frozen_since_wrapping"] == [], said
 
 
 def gan_reads_the_discriminator(rank: int, world_size: int) -> list:

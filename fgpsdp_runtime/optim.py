@@ -73,6 +73,27 @@ def _is_second_order(optimizer_class: type) -> bool:
     return flag is True or isinstance(flag, property)
 
 
+_TORCH_DCP_HELPERS = "torch.distributed.checkpoint.state_dict"
+
+
+def _refuse_torchs_checkpoint_helpers() -> None:
+    """Called by ``state_dict()`` and ``load_state_dict()``: refuse torch's
+    ``get_state_dict`` / ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``
+    with what works instead. They map ``opt.param_groups``' tensors to the model's
+    parameter names, and ours are this rank's slices: they failed with a bare
+    ``KeyError: 'state'``. Every rank calls them, so every rank raises here."""
+    caller = sys._getframe(2)  # the caller of state_dict() / load_state_dict()
+    if caller.f_globals.get("__name__") == _TORCH_DCP_HELPERS:
+        raise TypeError(
+            "fgpsdp: torch.distributed.checkpoint.state_dict's helpers (get_state_dict, "
+            "get_optimizer_state_dict, set_optimizer_state_dict, set_state_dict) do not know "
+            "ShardedOptimizer: its param_groups hold this rank's slices, not the model's "
+            "parameters. Save opt.full_state_dict() (torch.optim's format, every rank "
+            "calls it) with dcp.save; to resume, dcp.load into "
+            "opt.full_state_dict(init_state=True) and pass that to opt.load_state_dict(). "
+            "For the model, give get_model_state_dict / set_model_state_dict model.module")
+
+
 def _float_text(value: Any) -> str:
     try:
         return repr(None if value is None else float(value))
@@ -715,6 +736,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Local and quick; it loads only on this rank of a world of this size
         with these buckets. ``full_state_dict()`` is torch.optim's format.
         """
+        _refuse_torchs_checkpoint_helpers()
         self._refuse_speculative_state("state_dict()")
         self._run_state_dict_pre_hooks()
         # The hooks registered on this optimizer see a torch.optim state dict: here
@@ -770,6 +792,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Load a ``state_dict()`` shard (this rank's), or a whole-model dict in
         torch.optim's format (``full_state_dict()``, or a torch optimizer's, as
         a torch DDP run saves it) on every rank."""
+        _refuse_torchs_checkpoint_helpers()
         self._refuse_speculative_state("load_state_dict()")
         if self.model._uneven_inputs is not None:
             self.model._uneven_inputs.announce_load("opt.load_state_dict()")

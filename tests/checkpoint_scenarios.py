@@ -365,6 +365,35 @@ def distributed_checkpoint_into_fresh_optimizer(rank: int, world_size: int, dire
             "after_load": compare_state_dicts(opt.full_state_dict(), kept, strides=False)}
 
 
+def torchs_checkpoint_helpers(rank: int, world_size: int) -> dict[str, Any]:
+    """torch.distributed.checkpoint.state_dict's optimizer helpers, before the first
+    step and after two: what each raises. Then the model trains on as torch DDP does."""
+    from torch.distributed.checkpoint import state_dict as helpers
+    cfg = {"model": "mlp", "optimizer": "adamw", "max_grad_norm": 1.0}
+    ours, opt, ref, ref_opt = _build(rank, cfg)
+    calls = {
+        "get_state_dict": lambda: helpers.get_state_dict(ours, opt),
+        "get_optimizer_state_dict": lambda: helpers.get_optimizer_state_dict(ours.module, opt),
+        "set_optimizer_state_dict": lambda: helpers.set_optimizer_state_dict(
+            ours.module, opt, optim_state_dict=opt.full_state_dict()),
+    }
+    said = {}
+    for when in ("before_any_step", "after_two_steps"):
+        if when == "after_two_steps":
+            _train(rank, cfg, ours, opt, ref, ref_opt, 0, 2)
+        for name, call in calls.items():
+            try:
+                call()
+                said[f"{when}:{name}"] = None
+            except Exception as error:  # noqa: BLE001 - what the user sees
+                said[f"{when}:{name}"] = f"{type(error).__name__}: {error}"
+    _train(rank, cfg, ours, opt, ref, ref_opt, 2, 2)
+    ours.synchronize()
+    return {"said": said,
+            "params_equal": all(torch.equal(a, b) for a, b in
+                                zip(ours.module.parameters(), ref.module.parameters()))}
+
+
 def template_leaves_training_unchanged(rank: int, world_size: int,
                                        optimizer: str) -> dict[str, Any]:
     """``full_state_dict(init_state=True)`` before the first step changes nothing the

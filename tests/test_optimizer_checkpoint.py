@@ -170,6 +170,21 @@ def test_shard_of_another_slice_is_refused():
         assert "full_state_dict() loads under any topology" in errors[rank]
 
 
+def test_torchs_checkpoint_helpers_are_refused_saying_what_works():
+    """get_state_dict & co. map opt.param_groups to the model's parameter names, and
+    ours are slices: before, a bare KeyError: 'state'. (Before the first step torch's
+    helper calls opt.step() with lr 0 to create state, as for any optimizer: with no
+    reduced gradient that steps nothing, and training goes on as torch DDP's.)"""
+    for rank, res in enumerate(run_distributed(2, checkpoint_scenarios.torchs_checkpoint_helpers,
+                                               timeout_s=120)):
+        assert len(res["said"]) == 6, res
+        for call, message in res["said"].items():
+            assert message is not None and message.startswith("TypeError: fgpsdp: torch.") \
+                and "opt.full_state_dict()" in message and "model.module" in message, \
+                (rank, call, message)
+        assert res["params_equal"], rank
+
+
 def test_distributed_checkpoint_saves_and_loads_the_full_state_dict(tmp_path):
     for res in run_distributed(2, checkpoint_scenarios.distributed_checkpoint_round_trip,
                                str(tmp_path / "dcp"), timeout_s=120):

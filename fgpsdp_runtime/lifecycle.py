@@ -43,9 +43,14 @@ def wrapped_elsewhere(trainable: Sequence[tuple[str, nn.Parameter]]) -> list[str
     taken = [n for n, p in trainable if _live_wrapper_of(p) is not None]
     if not taken:
         return []
+    # Two cases: the module wrapped again, or two models sharing a module (an
+    # embedding, a backbone), each wrapped (torch DDP reduces the shared one twice).
     return [f"parameter '{taken[0]}' is held by another fgpsdp DistributedDataParallel that is "
-            "still alive; drop every reference to it (and to its ShardedOptimizer and lr "
-            "scheduler) before wrapping the module again"]
+            "still alive, and a parameter lives in one wrapper's buckets only. Wrapping a "
+            "module again: drop every reference to the old wrapper (and to its "
+            "ShardedOptimizer and lr scheduler) first. Two models sharing parameters (a "
+            "backbone, an embedding): wrap one module holding both, whose forward runs "
+            "either (model(x, which)); parameters a step does not use need no flag here"]
 
 
 def claim(trainable: Sequence[tuple[str, nn.Parameter]],

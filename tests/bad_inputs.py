@@ -320,6 +320,13 @@ def wrapped_twice(rank, world_size):
     return first
 
 
+def shared_by_two_wrappers(rank, world_size):
+    shared = nn.Linear(13, 8)
+    first = fgp.DistributedDataParallel(nn.Sequential(shared, nn.Linear(8, 2)))
+    fgp.DistributedDataParallel(nn.Sequential(shared, nn.Linear(8, 3)))
+    return first
+
+
 def unfrozen_after_wrapping(rank, world_size):
     module = MLP()
     module.net[0].requires_grad_(False)

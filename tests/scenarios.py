@@ -690,6 +690,42 @@ def loop_warnings(rank: int, world_size: int, optimizer: str = "sharded",
                                 for m in messages)}
 
 
+class TwoModelsSharingABlock(nn.Module):
+    """Two models sharing their first layer (an embedding, a backbone), held by one
+    module whose forward runs either: what a parameter shared by two wrappers needs."""
+
+    def __init__(self):
+        super().__init__()
+        shared = nn.Linear(13, 16)
+        self.a = nn.Sequential(shared, nn.Tanh(), nn.Linear(16, 5))
+        self.b = nn.Sequential(shared, nn.Tanh(), nn.Linear(16, 3))
+
+    def forward(self, x, which: str):
+        return (self.a if which == "a" else self.b)(x)
+
+
+def two_models_sharing_a_block(rank: int, world_size: int, system: str) -> list[torch.Tensor]:
+    """Each model stepped in turn (its own loss, one optimizer over both); ``system``
+    "torch" (torch DDP, find_unused_parameters=True) or an fgpsdp schedule."""
+    torch.manual_seed(0)
+    module = TwoModelsSharingABlock()
+    if system == "torch":
+        model = nn.parallel.DistributedDataParallel(module, find_unused_parameters=True)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    else:
+        model = fgp.DistributedDataParallel(module, schedule=system)
+        opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=0.05)
+    g = torch.Generator().manual_seed(rank)
+    for _ in range(4):
+        for which in ("a", "b"):
+            model(torch.randn(6, 13, generator=g), which).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+    if system != "torch":
+        model.synchronize()
+    return [p.detach().clone() for p in module.parameters()]
+
+
 def skip_backward_on_rank1(rank: int, world_size: int) -> list[float]:
     """Rank 1 skips backward entirely on some steps; nobody may hang."""
     torch.manual_seed(0)

@@ -82,7 +82,11 @@ CASES = [
     (bad_inputs.trainable_parameter_ignored, "ValueError",
      [r"trainable parameter\(s\) 'net\.4\.bias' are in _ddp_params_and_buffers_to_ignore"]),
     (bad_inputs.wrapped_twice, "ValueError",
-     [r"parameter 'net\.0\.weight' is held by another fgpsdp DistributedDataParallel"]),
+     [r"parameter 'net\.0\.weight' is held by another fgpsdp DistributedDataParallel",
+      r"Wrapping a module again: drop every reference to the old wrapper"]),
+    (bad_inputs.shared_by_two_wrappers, "ValueError",
+     [r"parameter '0\.weight' is held by another", r"Two models sharing parameters",
+      r"wrap one module holding both"]),
     (bad_inputs.unfrozen_after_wrapping, "RuntimeError",
      [r"parameter 'net\.0\.weight' was frozen \(requires_grad=False\) when the module was "
       r"wrapped"]),

@@ -7,10 +7,11 @@ import functools
 import math
 
 import pytest
+import torch
 
 from .dist_harness import run_distributed
 from .scenarios import (OTHER_TORCH_OPTIMIZERS, default_bucket_sizes, loop_warnings, skip_backward_on_rank1,
-                        train_many)
+                        train_many, two_models_sharing_a_block)
 
 TOL = 2e-5  # max |param difference| after the steps
 
@@ -188,6 +189,16 @@ def test_lr_scheduler_drives_param_groups(scenario):
     res = results(2)[0][scenario]
     assert res["lrs"] == res["inner_lrs"] == res["ref_lrs"]
     assert res["lrs"][0] < 1e-2  # StepLR halved it
+
+
+@pytest.mark.parametrize("schedule", ["serial", "two_stage"])
+def test_two_models_sharing_a_block_held_by_one_wrapper_train_like_torch_ddp(schedule):
+    """What the refusal of a parameter held by two wrappers recommends (a module holding
+    both, its forward running either): bitwise torch DDP with find_unused_parameters."""
+    ours = run_distributed(2, two_models_sharing_a_block, schedule)
+    ref = run_distributed(2, two_models_sharing_a_block, "torch")
+    for rank in range(2):
+        assert all(torch.equal(a, b) for a, b in zip(ours[rank], ref[rank])), rank
 
 
 def test_rank_without_backward_does_not_hang():

@@ -82,7 +82,10 @@ def _refuse_torchs_checkpoint_helpers() -> None:
     with what works instead. They map ``opt.param_groups``' tensors to the model's
     parameter names, and ours are this rank's slices: they failed with a bare
     ``KeyError: 'state'``. Every rank calls them, so every rank raises here."""
-    caller = sys._getframe(2)  # the caller of state_dict() / load_state_dict()
+    try:
+        caller = sys._getframe(2)  # the caller of state_dict() / load_state_dict()
+    except ValueError:  # called with no Python frame above (from C, at the top)
+        return
     if caller.f_globals.get("__name__") == _TORCH_DCP_HELPERS:
         raise TypeError(
             "fgpsdp: torch.distributed.checkpoint.state_dict's helpers (get_state_dict, "

@@ -72,12 +72,29 @@ class ParamGathers:
         queue = self._queued
         with self._starting:
             while queue:
-                if not (all_of_them or self.lookahead is None or until in queue):
-                    with self._lock:
-                        ops = list(self._in_flight.values())
-                    if sum(not op.done() for op in ops) >= self.lookahead:
-                        return
+                if not (all_of_them or until in queue) and self._lookahead_reached():
+                    return
                 self.start(queue.pop(0))
+
+    def _lookahead_reached(self) -> bool:
+        """``lookahead`` all-gathers or more are still running. Asked once per queued
+        bucket: counted only up to the lookahead, and not at all under a lookahead of
+        every bucket (the plans' default), which limits nothing (at most one per
+        bucket is in flight, and start() waits for a bucket's own). A full count
+        made a step's starts quadratic in the buckets: 20,000 done() calls a step
+        at 200 buckets, +29 ms (audit h110)."""
+        limit = self.lookahead
+        if limit is None or limit >= len(self._buckets):
+            return False
+        with self._lock:
+            ops = list(self._in_flight.values())
+        running = 0
+        for op in ops:
+            if not op.done():
+                running += 1
+                if running >= limit:
+                    return True
+        return False
 
     def finish(self, bucket: int, timer=None) -> None:
         """Wait for ``bucket``'s all-gather. ``timer``: the plan profiler, when the

@@ -16,7 +16,7 @@ from torch import nn
 
 import fgpsdp_runtime as fgp
 
-from .scenarios import MLP, loss_fn, make_batch
+from .scenarios import MLP, loss_fn, make_batch, wrapped_for
 
 
 def _train(model, opt, rank: int, steps: range) -> None:
@@ -133,12 +133,8 @@ def backward_raises(rank: int, world_size: int, schedule: str, zero_grad: bool) 
     for system in ("fgpsdp", "ddp_skipping"):
         torch.manual_seed(0)
         net = _NetRaisingInBackward()
-        if system == "fgpsdp":
-            model = fgp.DistributedDataParallel(net, schedule=schedule, bucket_cap_mb=0.002)
-            opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
-        else:
-            model = nn.parallel.DistributedDataParallel(net)
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        model, opt = wrapped_for(net, system != "fgpsdp", torch.optim.AdamW, 1e-2,
+                                 schedule=schedule, bucket_cap_mb=0.002)
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
             for step in range(5):

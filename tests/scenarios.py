@@ -9,7 +9,7 @@ import copy
 import math
 import os
 import time
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -389,6 +389,18 @@ class GroupsWithGradientsCountingSGD(StepCountingSGD):
                         p.add_(p.grad, alpha=-group["lr"] / group["k"])
 
 
+def wrapped_for(module: nn.Module, torch_ddp: bool, optimizer_class, lr: float,
+                torch_kwargs: Optional[dict] = None, **ours_kwargs):
+    """(model, optimizer): ``module`` under torch DDP (``torch_kwargs``) with
+    ``optimizer_class`` over it, or under fgpsdp (``ours_kwargs``) with a
+    ShardedOptimizer of that class: the two sides a test trains apart."""
+    if torch_ddp:
+        model = nn.parallel.DistributedDataParallel(module, **(torch_kwargs or {}))
+        return model, optimizer_class(model.parameters(), lr=lr)
+    model = fgp.DistributedDataParallel(module, **ours_kwargs)
+    return model, fgp.ShardedOptimizer(model, optimizer_class, lr=lr)
+
+
 def optimizer_class_and_defaults(optimizer: str):
     if optimizer == "step_counters":
         return StepCountingSGD, {"lr": 0.05}
@@ -709,12 +721,8 @@ def two_models_sharing_a_block(rank: int, world_size: int, system: str) -> list[
     "torch" (torch DDP, find_unused_parameters=True) or an fgpsdp schedule."""
     torch.manual_seed(0)
     module = TwoModelsSharingABlock()
-    if system == "torch":
-        model = nn.parallel.DistributedDataParallel(module, find_unused_parameters=True)
-        opt = torch.optim.AdamW(model.parameters(), lr=0.05)
-    else:
-        model = fgp.DistributedDataParallel(module, schedule=system)
-        opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=0.05)
+    model, opt = wrapped_for(module, system == "torch", torch.optim.AdamW, 0.05,
+                             torch_kwargs={"find_unused_parameters": True}, schedule=system)
     g = torch.Generator().manual_seed(rank)
     for _ in range(4):
         for which in ("a", "b"):

@@ -14,6 +14,7 @@ import torch.nn as nn
 import fgpsdp_runtime as fgp
 
 from .dist_harness import run_distributed
+from .scenarios import wrapped_for
 
 
 def _wrapped(rank):
@@ -185,12 +186,8 @@ def zeroing_through_the_module(rank: int, world_size: int, schedule: str, system
     parameters after four steps, and the warnings."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
-    if system == "fgpsdp":
-        model = fgp.DistributedDataParallel(net, schedule=schedule, bucket_cap_mb=0.0001)
-        opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
-    else:
-        model = nn.parallel.DistributedDataParallel(net)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = wrapped_for(net, system != "fgpsdp", torch.optim.AdamW, 1e-2,
+                             schedule=schedule, bucket_cap_mb=0.0001)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(4):

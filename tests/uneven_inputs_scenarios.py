@@ -14,7 +14,7 @@ from torch import nn
 
 import fgpsdp_runtime as fgp
 from .scenarios import (MODELS, loss_fn, make_batch, make_groups, optimizer_class_and_defaults,
-                       reference_clip_)
+                       reference_clip_, wrapped_for)
 
 
 def _loop(model, opt, sched, cfg: dict, rank: int, clip) -> list[float]:
@@ -326,12 +326,7 @@ def no_sync_left_at_the_join(rank: int, world_size: int, system: str,
     "torch" or an fgpsdp schedule; each trains in its own call."""
     torch.manual_seed(0)
     module = MODELS["mlp"]()
-    if system == "torch":
-        model = nn.parallel.DistributedDataParallel(module)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    else:
-        model = fgp.DistributedDataParallel(module, schedule=system)
-        opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    model, opt = wrapped_for(module, system == "torch", torch.optim.SGD, 0.1, schedule=system)
 
     def run(first: int, count: int) -> None:
         for i in range(first, first + count):

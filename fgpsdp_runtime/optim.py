@@ -40,7 +40,7 @@ from .speculation import (SliceBackup, compile_session_active, hyperparameters,
                           same_hyperparameters, wait_out_compile_session)
 from .step_wide_state import StepWideState
 from .uneven_inputs import AnnouncedCall, UnevenInputs
-from .user_warnings import warn_at_user_code
+from .user_warnings import user_code_line, warn_at_user_code
 from .validation import settings_agree_or_raise
 
 # Optimizers whose update is not element-wise: slicing would change the result.
@@ -764,9 +764,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         load (``torch.distributed.checkpoint``); the optimizer itself is unchanged.
         """
         self._refuse_speculative_state("full_state_dict()")
-        caller = sys._getframe(1)
         with warn_if_the_others_are_late("opt.full_state_dict()", self.model.world_size,
-                                         (caller.f_code.co_filename, caller.f_lineno),
+                                         user_code_line(),
                                          " (rank0_only=True keeps the result on rank 0 alone)"):
             return self._full_state_dict(rank0_only, init_state)
 

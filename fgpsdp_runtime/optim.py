@@ -37,7 +37,8 @@ from .module_guards import plain_named_parameters
 from .profiling import nvtx_range
 from .slice_state import SliceState
 from .speculation import (SliceBackup, compile_session_active, hyperparameters,
-                          same_hyperparameters, wait_out_compile_session)
+                          no_compile_session_begins, same_hyperparameters,
+                          wait_out_compile_session)
 from .step_wide_state import StepWideState
 from .uneven_inputs import AnnouncedCall, UnevenInputs
 from .user_warnings import user_code_line, warn_at_user_code
@@ -608,11 +609,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._assign_slice_grads(None, [b], grads={b: backup.grad})
         while True:  # see [Note: speculative steps during a torch.compile session]
             wait_out_compile_session()
-            ran_with = hyperparameters(self.optim.param_groups)
-            with nvtx_range(f"fgpsdp.speculative_step[{b}]"):
-                self._inner_step()
-            if not compile_session_active():
-                break
+            with no_compile_session_begins():
+                if compile_session_active():  # began before the lock was taken
+                    continue
+                ran_with = hyperparameters(self.optim.param_groups)
+                with nvtx_range(f"fgpsdp.speculative_step[{b}]"):
+                    self._inner_step()
+                if not compile_session_active():
+                    break
             backup.restore(storage.param_shard, self._bucket_pieces[b], self.optim.state)
             backup.reset_gradient(storage.grad_shard)
         self.model.mark_params_changed([b])

@@ -14,6 +14,7 @@ what the step ran with, so that the step can tell and redo it.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Optional, Sequence
 
@@ -29,16 +30,38 @@ Hyperparameters = list[dict[str, Any]]  # per param group, every entry but "para
 # counts steps and corrects bias by another path, which rounds otherwise
 # (AdamW parameters 2.5e-7 off torch DDP's after 4 steps). The main thread may
 # compile while the scheduler thread steps (a backward compiled lazily, after a
-# graph break whose later graph has already handed over gradients), so a
-# speculative step waits for the session to end and is redone if one began
-# while it ran. Skipping the step instead is no way out: every rank must
-# speculate the same buckets, in the same order, for the all-gathers to pair.
+# graph break whose later graph has already handed over gradients; a forward
+# recompiled while the last speculative steps still run). So a speculative
+# step waits for any session to end, then steps holding dynamo's compile lock,
+# which every dynamo compile holds for its whole session: none can begin
+# inside the step. (Checking the flag before and after the step alone missed
+# a session that began and ended in between: a test's flake in CI.) The flag
+# is still checked after the step, and the step redone, for what sets it
+# without that lock (torch.export's non-strict tracing). Skipping the step
+# instead is no way out: every rank must speculate the same buckets, in the
+# same order, for the all-gathers to pair.
 compile_session_active = getattr(torch.compiler, "is_compiling", None) or torch._utils.is_compiling
 
 
 def wait_out_compile_session(poll_s: float = 0.001) -> None:
     while compile_session_active():
         time.sleep(poll_s)
+
+
+def _dynamos_compile_lock():
+    try:
+        from torch._dynamo.convert_frame import compile_lock
+    except ImportError:  # a torch without dynamo: nothing compiles
+        return contextlib.nullcontext()
+    return compile_lock
+
+
+@contextlib.contextmanager
+def no_compile_session_begins():
+    """Holds dynamo's compile lock: no torch.compile session begins in any thread
+    until the block ends (one under way is not waited for: see the note)."""
+    with _dynamos_compile_lock():
+        yield
 
 
 def hyperparameters(param_groups: Sequence[dict]) -> Hyperparameters:

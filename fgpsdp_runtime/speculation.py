@@ -86,6 +86,42 @@ def same_hyperparameters(a: Optional[Hyperparameters], b: Optional[Hyperparamete
     return True
 
 
+class PackedCopies:
+    """Bit-for-bit copies of tensors, packed: per device and dtype, the 1-D ones in
+    one ``torch.cat`` and the 0-dim ones (step counts) in one ``torch.stack``; any
+    other is cloned apiece. A speculative step copies every optimizer-state tensor
+    of its bucket's pieces (three per piece for Adam) and nearly always keeps the
+    copies unread: one clone each cost an allocation and a copy (a kernel launch on
+    a GPU) apiece. ``unpacked()``, for an undo, gives views in the tensors' order."""
+
+    @torch.no_grad()
+    def __init__(self, tensors: Sequence[torch.Tensor]):
+        self._count = len(tensors)
+        groups: dict[tuple, list[int]] = {}
+        self._loose: dict[int, torch.Tensor] = {}
+        for i, t in enumerate(tensors):
+            if t.dim() <= 1 and t.layout == torch.strided:
+                groups.setdefault((t.device, t.dtype, t.dim()), []).append(i)
+            else:
+                self._loose[i] = t.clone()
+        self._packed = []  # (indices, packed tensor, sizes: None for 0-dim ones)
+        for (_, _, dim), indices in groups.items():
+            members = [tensors[i] for i in indices]
+            if dim == 1:
+                self._packed.append((indices, torch.cat(members), [t.numel() for t in members]))
+            else:
+                self._packed.append((indices, torch.stack(members), None))
+
+    def unpacked(self) -> list[torch.Tensor]:
+        copies: list[Optional[torch.Tensor]] = [None] * self._count
+        for i, t in self._loose.items():
+            copies[i] = t
+        for indices, packed, sizes in self._packed:
+            for i, view in zip(indices, packed.unbind() if sizes is None else packed.split(sizes)):
+                copies[i] = view
+        return copies
+
+
 class SliceBackup:
     def __init__(self, param_shard: torch.Tensor, grad_shard: torch.Tensor,
                  pieces: Sequence[torch.Tensor], state: dict[Any, dict]):
@@ -99,9 +135,11 @@ class SliceBackup:
         self.grad = grad_shard.clone()
         self._grad_version = self.grad._version
         self.had_state = {id(p): p in state for p in pieces}
-        self.state = {id(p): {k: (v.clone() if isinstance(v, torch.Tensor) else v)
-                              for k, v in state[p].items()}
-                      for p in pieces if p in state}
+        # Per piece with state, its entries: a tensor's stands for the copy at the
+        # same position in self._tensors.
+        self._entries = {id(p): dict(state[p]) for p in pieces if p in state}
+        self._tensors = PackedCopies([v for entries in self._entries.values()
+                                      for v in entries.values() if isinstance(v, torch.Tensor)])
 
     def reset_gradient(self, grad_shard: torch.Tensor) -> None:
         """Before a step is run again (after restore): its gradient as reduced."""
@@ -117,16 +155,24 @@ class SliceBackup:
     def restore(self, param_shard: torch.Tensor, pieces: Sequence[torch.Tensor],
                 state: dict[Any, dict]) -> None:
         param_shard.copy_(self.param_shard)
+        copies = iter(self._tensors.unpacked())
+        targets, sources = [], []  # copied back in one call
         for p in pieces:
             if not self.had_state[id(p)]:
                 state.pop(p, None)  # the speculative step created it
                 continue
-            saved = self.state[id(p)]
+            saved = self._entries[id(p)]
             current = state[p]
             for k, v in saved.items():
-                if isinstance(v, torch.Tensor) and isinstance(current.get(k), torch.Tensor):
-                    current[k].copy_(v)
-                else:
-                    current[k] = v
+                if isinstance(v, torch.Tensor):
+                    v = next(copies)
+                    if isinstance(current.get(k), torch.Tensor):
+                        targets.append(current[k])
+                        sources.append(v)
+                        continue
+                    v = v.clone()  # not a view that keeps every copy alive
+                current[k] = v
             for k in [k for k in current if k not in saved]:
                 del current[k]
+        if targets:
+            torch._foreach_copy_(targets, sources)

@@ -1,7 +1,8 @@
 """Undo records of speculative steps and the hyperparameters they ran with (no processes)."""
 import torch
 
-from fgpsdp_runtime.speculation import SliceBackup, hyperparameters, same_hyperparameters
+from fgpsdp_runtime.speculation import (PackedCopies, SliceBackup, hyperparameters,
+                                        same_hyperparameters)
 
 
 def _adamw(lr=1e-2):
@@ -26,6 +27,59 @@ def test_restore_puts_back_parameters_and_state_bit_for_bit():
     for p in params:
         for k, v in saved_state[id(p)].items():
             assert torch.equal(opt.state[p][k], v), k
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.dtype == torch.float32 else t
+
+
+def test_packed_copies_are_bit_for_bit_and_independent():
+    """1-D and 0-dim tensors are packed per dtype, others cloned; -0.0, NaN payloads
+    and subnormals survive (also with subnormals flushed, as the benchmarks run)."""
+    odd = torch.tensor([-0.0, float("nan"), 1e-40, -1e-45, 3.0])
+    odd.view(torch.int32)[1] = 0x7FA00001  # a signalling NaN's payload
+    tensors = [odd, torch.tensor(7.0), torch.arange(4, dtype=torch.int64),
+               torch.randn(2, 3), torch.tensor(2, dtype=torch.int64), torch.zeros(0),
+               torch.randn(6)[::2], torch.tensor(-0.0)]
+    torch.set_flush_denormal(True)  # (a CPU without it still checks the rest)
+    try:
+        packed = PackedCopies(tensors)
+    finally:
+        torch.set_flush_denormal(False)
+    originals = [_bits(t).clone() for t in tensors]
+    for t in tensors:
+        t.fill_(1)
+    copies = packed.unpacked()
+    assert len(copies) == len(tensors)
+    for copy, original, t in zip(copies, originals, tensors):
+        assert copy.shape == t.shape and copy.dtype == t.dtype
+        assert torch.equal(_bits(copy), original)
+
+
+def test_restore_puts_back_state_of_every_kind():
+    """Tensor entries of several shapes and dtypes, a plain number and an entry the
+    step replaced by a number, or added: each as it was."""
+    pieces = [torch.nn.Parameter(torch.randn(4)), torch.nn.Parameter(torch.randn(2))]
+    state = {pieces[0]: {"step": torch.tensor(3.0), "m": torch.randn(4),
+                         "table": torch.randn(2, 2), "count": 5},
+             pieces[1]: {"step": torch.tensor(1, dtype=torch.int64), "m": torch.randn(2)}}
+    saved = {p: {k: (v.clone() if isinstance(v, torch.Tensor) else v)
+                 for k, v in entries.items()} for p, entries in state.items()}
+    shard = torch.randn(6)
+    backup = SliceBackup(shard, torch.zeros(6), pieces, state)
+    for entries in state.values():
+        for v in entries.values():
+            if isinstance(v, torch.Tensor):
+                v.add_(1)
+    state[pieces[0]]["count"] = 6
+    state[pieces[0]]["m"] = 0.5  # a tensor entry replaced by a number
+    state[pieces[1]]["new"] = torch.ones(2)
+    backup.restore(shard, pieces, state)
+    for p, entries in saved.items():
+        assert list(state[p]) == list(entries)
+        for k, v in entries.items():
+            got = state[p][k]
+            assert torch.equal(got, v) if isinstance(v, torch.Tensor) else got == v, k
 
 
 def test_restore_drops_state_the_speculative_step_created():

@@ -56,11 +56,15 @@ def _dynamos_compile_lock():
     return compile_lock
 
 
+# Taken at import (the package imports dynamo anyway), not on the scheduler thread.
+_COMPILE_LOCK = _dynamos_compile_lock()
+
+
 @contextlib.contextmanager
 def no_compile_session_begins():
     """Holds dynamo's compile lock: no torch.compile session begins in any thread
     until the block ends (one under way is not waited for: see the note)."""
-    with _dynamos_compile_lock():
+    with _COMPILE_LOCK:
         yield
 
 

@@ -37,6 +37,26 @@ def test_sq_norm_matches_float64(dtype, device, sizes):
     assert float(out[1]) == 0.0
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_sq_norm_on_cpu_does_not_depend_on_the_thread_count(dtype):
+    """A speculative step measures its bucket's norm on the scheduler thread, whose
+    intra-op thread count is the process default, not what the main thread set with
+    torch.set_num_threads: the sum must be the same bit for bit (it was split by
+    thread count: last-bit differences, and a clip coefficient of two_stage's
+    differing from serial's)."""
+    tensors = random_tensors(dtype, "cpu", [100_003, 1 << 16, 5, 1_000_003])
+    before = torch.get_num_threads()
+    try:
+        sums = []
+        for threads in (1, 2, 3, 5):
+            torch.set_num_threads(threads)
+            sums.append([float(ops.multi_tensor_sq_norm([t])[0]) for t in tensors]
+                        + [float(ops.multi_tensor_sq_norm(tensors)[0])])
+    finally:
+        torch.set_num_threads(before)
+    assert all(s == sums[0] for s in sums), sums
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_sq_norm_closer_than_torch_fp32_norm(device):
     tensors = random_tensors(torch.float32, device, [1 << 20])

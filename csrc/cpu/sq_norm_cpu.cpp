@@ -5,13 +5,21 @@
 // coefficient on every rank and match a float64 reference.
 //
 // Summation order. Every code path below adds in exactly this order, so the
-// result depends only on the input and on how at::parallel_reduce splits each
-// tensor (i.e. on the thread count), never on timing or on the CPU's ISA:
-//   * lane l (0 <= l < kLanes) accumulates x[b + kLanes*k + l]^2 for k = 0, 1, ...
-//     over the full blocks of kLanes elements of a chunk [b, e);
-//   * the last (e - b) % kLanes elements are added in order into `tail`;
-//   * the lanes are folded pairwise (lane l += lane l + w, w = kLanes/2, ..., 1)
-//     and `tail` is added last.
+// result depends only on the input, never on the thread count, timing or the
+// CPU's ISA:
+//   * each tensor is cut into chunks of kGrain elements (the last may be
+//     shorter), whatever the thread count; threads share out whole chunks;
+//   * within a chunk [b, e), lane l (0 <= l < kLanes) accumulates
+//     x[b + kLanes*k + l]^2 for k = 0, 1, ... over its full blocks of kLanes
+//     elements, and the last (e - b) % kLanes elements are added in order into
+//     `tail`; the lanes are folded pairwise (lane l += lane l + w, w = kLanes/2,
+//     ..., 1) and `tail` is added last;
+//   * the chunks' sums are added in chunk order, then the tensors' in list order.
+// The thread count must not matter: a speculative step measures its bucket's
+// norm on the scheduler thread, whose intra-op thread count is the process
+// default, while the main thread's may have been set by torch.set_num_threads;
+// splitting by thread count made the two differ in the last bits, and with
+// them the clip coefficient of two_stage from serial's.
 // For float, half and bfloat16 input the square of the value widened to double
 // is exact (at most 48 significant bits), so an FMA (AVX2 path) and a separate
 // multiply and add (generic path) round identically. float64 input always takes
@@ -20,8 +28,10 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "fgpsdp/kernels.h"
 
@@ -90,16 +100,18 @@ FGPSDP_AVX2 inline void accumulate_block(const T* p, __m256d* acc) {
 }
 
 template <typename T>
-FGPSDP_AVX2 double sum_squares_avx2(const T* x, int64_t n) {
+FGPSDP_AVX2 double sum_squares_avx2(const T* x, int64_t n, int64_t readable) {
   // Software prefetch this far ahead (the hardware prefetcher alone leaves
-  // ~10% of single-thread bandwidth unused), only inside [x, x + n).
+  // ~10% of single-thread bandwidth unused), only inside [x, x + readable):
+  // the rest of the tensor, past this chunk's n elements, so that each chunk's
+  // end is prefetched too.
   constexpr int64_t kAheadBytes = 16 << 10;
   constexpr int64_t kAhead = kAheadBytes / static_cast<int64_t>(sizeof(T));
   constexpr int kBlockBytes = kLanes * static_cast<int>(sizeof(T));
   __m256d acc[kLanes / 4];
   for (auto& a : acc) a = _mm256_setzero_pd();
   int64_t i = 0;
-  for (; i + kLanes + kAhead <= n; i += kLanes) {
+  for (; i + kLanes <= n && i + kLanes + kAhead <= readable; i += kLanes) {
     const char* ahead = reinterpret_cast<const char*>(x + i + kAhead);
     for (int b = 0; b < kBlockBytes; b += 64) _mm_prefetch(ahead + b, _MM_HINT_T0);
     accumulate_block(x + i, acc);
@@ -125,10 +137,11 @@ bool have_avx2() {
 }
 #endif  // FGPSDP_SQ_NORM_AVX2
 
+// The sum of squares of x[0, n); x[n, readable) may be read ahead (prefetch).
 template <typename T>
-double sum_squares(const T* x, int64_t n) {
+double sum_squares(const T* x, int64_t n, int64_t readable) {
 #ifdef FGPSDP_SQ_NORM_AVX2
-  if (have_avx2()) return sum_squares_avx2<T>(x, n);
+  if (have_avx2()) return sum_squares_avx2<T>(x, n, readable);
 #endif
   return sum_squares_generic<T>(x, n);
 }
@@ -136,21 +149,26 @@ double sum_squares(const T* x, int64_t n) {
 // float64 input must not pass through float; it has no SIMD path (an FMA would
 // round differently from the generic multiply-add).
 template <>
-double sum_squares<double>(const double* x, int64_t n) {
+double sum_squares<double>(const double* x, int64_t n, int64_t) {
   return sum_squares_generic<double>(x, n);
 }
 
 template <typename T>
 double tensor_sum_squares(const at::Tensor& t) {
   const T* data = t.const_data_ptr<T>();
-  // Chunks depend only on numel, kGrain and the thread count; partials are
-  // combined in thread order.
-  return at::parallel_reduce(
-      0, t.numel(), kGrain, 0.0,
-      [data](int64_t begin, int64_t end, double identity) {
-        return identity + sum_squares<T>(data + begin, end - begin);
-      },
-      [](double a, double b) { return a + b; });
+  const int64_t n = t.numel();
+  const int64_t chunks = (n + kGrain - 1) / kGrain;
+  if (chunks == 1) return 0.0 + sum_squares<T>(data, n, n);  // as below, no task
+  std::vector<double> partial(chunks, 0.0);
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t lo = c * kGrain;
+      partial[c] = sum_squares<T>(data + lo, std::min(kGrain, n - lo), n - lo);
+    }
+  });
+  double total = 0.0;
+  for (const double p : partial) total += p;
+  return total;
 }
 
 }  // namespace

@@ -521,7 +521,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         other_hyperparameters = self._speculated_with_other_hyperparameters
         if other_hyperparameters and scheduler is not None:
             scheduler.stop_speculating(
-                "the optimizer's hyperparameters changed between backward and step()")
+                "the optimizer's hyperparameters changed between backward and step() (or "
+                "torch's default dtype did)")
         # Roll back what the true gradient contradicts; the decision is the
         # same on every rank (it uses only all-reduced figures).
         rolled_back = [b for b in sorted(speculated)

@@ -58,6 +58,7 @@ import torch
 
 from . import shutdown
 from .plan import OverlapPlan
+from .thread_settings import ThreadSettings
 
 if TYPE_CHECKING:  # pragma: no cover
     from .optim import ShardedOptimizer
@@ -112,6 +113,10 @@ class TwoStageScheduler:
         self.device = device
         # CUDA: speculative steps run beside the backward kernels.
         self.speculation_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
+        # The loop thread's per-thread settings, recorded at each forward, and what
+        # the scheduler thread adopted last (see thread_settings.py).
+        self._loop_settings = ThreadSettings.of_this_thread(device.type == "cpu")
+        self._adopted: Optional[ThreadSettings] = None
 
     @property
     def model(self):
@@ -268,6 +273,10 @@ class TwoStageScheduler:
         with timeline.span("scheduler", f"wait RS b{b}"):
             if op is not None:
                 op.wait()
+        settings = self._loop_settings
+        if settings != self._adopted:
+            settings.adopt()
+            self._adopted = settings
         with timeline.span("scheduler", f"spec step b{b}"):
             backup = self.optimizer.speculative_step(b)
         self.speculated[b] = (backup, count)
@@ -300,6 +309,7 @@ class TwoStageScheduler:
         a reduction since the step (or zero_grad()) means a read between backward
         and step, which must see the old parameters, or a reset of what
         speculation used."""
+        self._loop_settings = ThreadSettings.of_this_thread(self.device.type == "cpu")
         if any(self.model.reducer.reduce_scatters_since_reset) and not self._round_excluded:
             # Most likely gradient accumulation without no_sync(), which a loop
             # does on every step: see end_step. (An excluded round, a GAN's D in

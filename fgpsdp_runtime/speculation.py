@@ -69,13 +69,16 @@ def no_compile_session_begins():
 
 
 def hyperparameters(param_groups: Sequence[dict]) -> Hyperparameters:
-    """A copy of what an optimizer step reads besides the tensors it updates."""
+    """A copy of what an optimizer step reads besides the tensors it updates: each
+    group's entries but "params", then torch's default dtype, in which torch's
+    optimizers create state (NAdam's, RMSprop's, Adagrad's step counts): a loop
+    that changes it between backward and step has the speculative steps redone."""
     # dict(group) first: one copy under the GIL, even while another thread
     # writes an entry (the speculative steps run on the scheduler thread).
     # copy_value: a tensor inside a tuple (Adam's betas) filled in place by a
     # momentum schedule must not change the record too.
     return [{k: copy_value(v) for k, v in dict(group).items() if k != "params"}
-            for group in param_groups]
+            for group in param_groups] + [{"torch default dtype": torch.get_default_dtype()}]
 
 
 def same_hyperparameters(a: Optional[Hyperparameters], b: Optional[Hyperparameters]) -> bool:

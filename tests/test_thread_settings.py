@@ -11,27 +11,37 @@ from . import thread_settings_scenarios
 from .dist_harness import run_distributed
 
 
+def _in_a_new_thread(fn):
+    out = []
+    thread = threading.Thread(target=lambda: out.append(fn()))
+    thread.start()
+    thread.join()
+    return out[0]
+
+
 def test_a_thread_adopts_the_loop_threads_settings():
-    adopted = []
-
-    def in_a_new_thread(settings):
-        settings.adopt()
-        adopted.append(ThreadSettings.of_this_thread(True))
-
+    default_count = _in_a_new_thread(torch.get_num_threads)
+    threads = torch.get_num_threads()
     try:
         torch.set_flush_denormal(True)
         torch.set_default_device("meta")
+        torch.set_num_threads(default_count + 2)
         loop = ThreadSettings.of_this_thread(True)
     finally:
         torch.set_default_device("cpu")
+        torch.set_num_threads(threads)
         flushing = torch.set_flush_denormal(False)
     if not flushing:
         pytest.skip("this CPU cannot flush subnormals")
-    assert loop == ThreadSettings(True, torch.device("meta"))
-    thread = threading.Thread(target=in_a_new_thread, args=(loop,))
-    thread.start()
-    thread.join()
-    assert adopted == [loop]
+    assert loop == ThreadSettings(True, torch.device("meta"), default_count + 2)
+    assert _in_a_new_thread(lambda: ThreadSettings.of_this_thread(True)) == \
+        ThreadSettings(False, torch.device("cpu"), default_count)
+
+    def adopt_and_read():
+        loop.adopt()
+        return ThreadSettings.of_this_thread(True)
+
+    assert _in_a_new_thread(adopt_and_read) == loop
 
 
 def test_flushing_turned_on_after_the_first_step_trains_like_torch_ddp():

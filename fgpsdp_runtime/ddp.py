@@ -503,8 +503,10 @@ class DistributedDataParallel(nn.Module):
 
     @torch.no_grad()
     def _broadcast_buffers(self) -> None:
+        if self.world_size == 1:
+            return  # nothing to send: no walk over named_buffers() each forward
         buffers = self._synced_buffers()
-        if buffers and self.world_size > 1:
+        if buffers:
             with _versions_kept(buffers):
                 _broadcast_coalesced(buffers, self._authoritative_rank(), self.process_group)
 

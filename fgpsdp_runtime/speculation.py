@@ -107,7 +107,8 @@ class PackedCopies:
         groups: dict[tuple, list[int]] = {}
         self._loose: dict[int, torch.Tensor] = {}
         for i, t in enumerate(tensors):
-            if t.dim() <= 1 and t.layout == torch.strided:
+            # Plain tensors only: torch.cat would make plain ones a subclass's type.
+            if t.dim() <= 1 and t.layout == torch.strided and type(t) is torch.Tensor:
                 groups.setdefault((t.device, t.dtype, t.dim()), []).append(i)
             else:
                 self._loose[i] = t.clone()
@@ -163,7 +164,9 @@ class SliceBackup:
                 state: dict[Any, dict]) -> None:
         param_shard.copy_(self.param_shard)
         copies = iter(self._tensors.unpacked())
-        targets, sources = [], []  # copied back in one call
+        # Copied back in one call per device and dtype: _foreach_copy_ copies a mixed
+        # list tensor by tensor (Adam's CPU step counts beside CUDA moments).
+        pairs: dict[tuple, tuple[list, list]] = {}
         for p in pieces:
             if not self.had_state[id(p)]:
                 state.pop(p, None)  # the speculative step created it
@@ -173,13 +176,16 @@ class SliceBackup:
             for k, v in saved.items():
                 if isinstance(v, torch.Tensor):
                     v = next(copies)
-                    if isinstance(current.get(k), torch.Tensor):
-                        targets.append(current[k])
+                    target = current.get(k)
+                    if isinstance(target, torch.Tensor):
+                        targets, sources = pairs.setdefault(
+                            (target.device, target.dtype, v.device, v.dtype), ([], []))
+                        targets.append(target)
                         sources.append(v)
                         continue
                     v = v.clone()  # not a view that keeps every copy alive
                 current[k] = v
             for k in [k for k in current if k not in saved]:
                 del current[k]
-        if targets:
+        for targets, sources in pairs.values():
             torch._foreach_copy_(targets, sources)

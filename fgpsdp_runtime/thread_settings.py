@@ -2,25 +2,29 @@
 
 A speculative step runs the user's optimizer on the scheduler thread, where torch DDP
 runs it on the loop's own thread at ``opt.step()``. These settings are per thread and
-change what the optimizer computes or creates there, or how:
+change what the optimizer computes there, or how:
 
 - the CPU's flush-to-zero mode (``torch.set_flush_denormal``), a thread's own
   floating-point state: a thread copies its creator's when it starts and never again,
   so flushing turned on after the first step left subnormal values in the speculated
   slices' optimizer state that torch DDP's step flushed;
-- torch's default device (``torch.set_default_device``, a per-thread mode): the step
-  counts that NAdam, RMSprop, Adagrad and others create without a device would land
-  elsewhere than torch DDP's;
-- the intra-op thread count (``torch.set_num_threads`` sets the calling thread's; a
-  new thread starts with the process default, all cores): a loop that keeps each rank
-  to a few threads would have its speculative steps run on all of them, beside the
-  other ranks'. (The results do not depend on it: torch's optimizers work element by
-  element, and our norm kernel sums in an order fixed by the input alone.)
+- the intra-op thread count (``torch.set_num_threads`` sets the calling thread's, and
+  the count threads started later begin with): a count the loop changes after the
+  scheduler thread started does not reach it. (The results do not depend on it:
+  torch's optimizers work element by element, and our norm kernel sums in an order
+  fixed by the input alone.)
 
 The loop's thread records them at each forward (``ThreadSettings.of_this_thread``);
-the scheduler thread adopts them before each speculative step (``adopt``). Torch's
-default dtype is process-wide instead, but read when state is created: the
+the scheduler thread adopts a change before its next speculative step (``adopt``).
+Torch's default dtype is process-wide instead, but read when state is created: the
 speculative step's record keeps it (speculation.hyperparameters).
+
+Not adopted: torch's default device (``torch.set_default_device``, per thread). Setting
+it on the scheduler thread also sets a process-wide value that torch.compile's guards
+read (every compiled frame would compile again), and leaves a torch function mode on
+every op of the speculative steps. Under a default device the optimizers that create
+their step counts without a device (NAdam, RMSprop, Adagrad, ...) create a speculated
+slice's on the CPU, where torch DDP's are on the default device (README).
 """
 from __future__ import annotations
 
@@ -28,7 +32,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-
 
 # Names, not literals: the compiler would fold a product of two literals.
 _NORMAL, _SCALE = 1e-300, 1e-10
@@ -44,21 +47,15 @@ def _flushes_denormals() -> bool:
     return _NORMAL * _SCALE == 0.0
 
 
-def _default_device() -> Optional[torch.device]:
-    get = getattr(torch, "get_default_device", None)  # torch >= 2.3
-    return get() if get is not None else None
-
-
 @dataclass(frozen=True)
 class ThreadSettings:
     # None: not probed (no parameter on the CPU: a GPU's arithmetic ignores it).
     flush_denormal: Optional[bool]
-    default_device: Optional[torch.device]
     num_threads: int
 
     @classmethod
     def of_this_thread(cls, probe_flush_denormal: bool) -> "ThreadSettings":
-        return cls(_flushes_denormals() if probe_flush_denormal else None, _default_device(),
+        return cls(_flushes_denormals() if probe_flush_denormal else None,
                    torch.get_num_threads())
 
     def adopt(self) -> None:
@@ -66,7 +63,5 @@ class ThreadSettings:
         that knows what it adopted last calls this only for a change)."""
         if self.flush_denormal is not None and _flushes_denormals() != self.flush_denormal:
             torch.set_flush_denormal(self.flush_denormal)
-        if self.default_device is not None and _default_device() != self.default_device:
-            torch.set_default_device(self.default_device)
         if torch.get_num_threads() != self.num_threads:
             torch.set_num_threads(self.num_threads)

@@ -9,6 +9,7 @@ import threading
 import time
 
 import torch
+import torch._dynamo
 from torch import nn
 
 import fgpsdp_runtime as fgp
@@ -158,8 +159,10 @@ def a_compile_session_inside_a_speculative_step(rank: int, world_size: int,
                                        overlap_plan="layout")
     opt = fgp.ShardedOptimizer(ours, _AdamWThatLetsACompileIn, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    compiles = []
 
     def backend_that_waits_for_the_step(gm, example_inputs):
+        compiles.append(1)
         _gate.session_began.set()
         _gate.step_ran.wait(10.0)
         return gm.forward
@@ -167,6 +170,7 @@ def a_compile_session_inside_a_speculative_step(rank: int, world_size: int,
     try:
         for step in range(steps):
             _gate = _CompileGate()
+            torch._dynamo.reset()  # else only step 0 compiles (the graph is cached)
             x, y = make_batch("mlp", step, 0, rank)
             nn.functional.mse_loss(ours(x), y).backward()
             assert _gate.step_began.wait(10.0), "no speculative step began"
@@ -180,6 +184,7 @@ def a_compile_session_inside_a_speculative_step(rank: int, world_size: int,
     finally:
         _gate = None
     ours.synchronize()
+    assert len(compiles) == steps, compiles  # a compile session in every step
     return max(float((a.detach() - b.detach()).abs().max())
                for a, b in zip(ours.module.parameters(), ref.module.parameters()))
 

@@ -39,8 +39,8 @@ def test_sq_norm_matches_float64(dtype, device, sizes):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_sq_norm_on_cpu_does_not_depend_on_the_thread_count(dtype):
-    """A speculative step measures its bucket's norm on the scheduler thread, whose
-    intra-op thread count is the process default, not what the main thread set with
+    """A speculative step measures its bucket's norm on the scheduler thread, which
+    keeps the intra-op thread count it started with, not what the loop set since with
     torch.set_num_threads: the sum must be the same bit for bit (it was split by
     thread count: last-bit differences, and a clip coefficient of two_stage's
     differing from serial's)."""

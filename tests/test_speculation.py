@@ -56,6 +56,20 @@ def test_packed_copies_are_bit_for_bit_and_independent():
         assert torch.equal(_bits(copy), original)
 
 
+class _Marked(torch.Tensor):
+    """A tensor subclass (as a DTensor or a quantisation library's would be)."""
+
+
+def test_packed_copies_keep_each_tensors_type():
+    """torch.cat of a subclass and a plain tensor returns the subclass for both: only
+    plain tensors are packed."""
+    tensors = [torch.randn(3).as_subclass(_Marked), torch.randn(4), torch.tensor(1.0)]
+    copies = PackedCopies(tensors).unpacked()
+    assert [type(c) for c in copies] == [type(t) for t in tensors]
+    assert all(torch.equal(c.as_subclass(torch.Tensor), t.as_subclass(torch.Tensor))
+               for c, t in zip(copies, tensors))
+
+
 def test_restore_puts_back_state_of_every_kind():
     """Tensor entries of several shapes and dtypes, a plain number and an entry the
     step replaced by a number, or added: each as it was."""

@@ -37,7 +37,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def _side_by_side(rank: int, model_class, optimizer_class, steps: int, before_step):
     """fgpsdp two_stage (stage 1 from the first step) beside torch DDP; ``before_step(step,
     phase)`` runs at phase "start" of each step and "between" backward and step.
-    Returns (elements of parameters and optimizer state that differ bitwise, commits)."""
+    Returns (elements of parameters and optimizer state that differ bitwise, commits,
+    rollbacks)."""
     torch.manual_seed(0)
     base = model_class()
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
@@ -73,7 +74,7 @@ def _side_by_side(rank: int, model_class, optimizer_class, steps: int, before_st
                 differing += int((_bits(value) != _bits(mine)).sum())
             elif not torch.equal(value, mine):
                 differing += value.numel()
-    return differing, ours.scheduler.commits
+    return differing, ours.scheduler.commits, ours.scheduler.rollbacks
 
 
 def flushing_turned_on_after_the_first_step(rank: int, world_size: int) -> tuple:

@@ -16,10 +16,10 @@
 //     ..., 1) and `tail` is added last;
 //   * the chunks' sums are added in chunk order, then the tensors' in list order.
 // The thread count must not matter: a speculative step measures its bucket's
-// norm on the scheduler thread, whose intra-op thread count is the process
-// default, while the main thread's may have been set by torch.set_num_threads;
-// splitting by thread count made the two differ in the last bits, and with
-// them the clip coefficient of two_stage from serial's.
+// norm on the scheduler thread, which keeps the intra-op thread count it started
+// with, while the loop's thread may have changed its own since
+// (torch.set_num_threads); splitting by thread count made the two differ in the
+// last bits, and with them the clip coefficient of two_stage from serial's.
 // For float, half and bfloat16 input the square of the value widened to double
 // is exact (at most 48 significant bits), so an FMA (AVX2 path) and a separate
 // multiply and add (generic path) round identically. float64 input always takes

@@ -610,7 +610,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._assign_slice_grads(None, [b], grads={b: backup.grad})
         while True:  # see [Note: speculative steps during a torch.compile session]
             wait_out_compile_session()
-            with no_compile_session_begins():
+            with no_compile_session_begins:
                 if compile_session_active():  # began before the lock was taken
                     continue
                 ran_with = hyperparameters(self.optim.param_groups)

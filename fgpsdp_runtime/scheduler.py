@@ -115,8 +115,12 @@ class TwoStageScheduler:
         self.speculation_stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         # The loop thread's per-thread settings, recorded at each forward, and what
         # the scheduler thread adopted last (see thread_settings.py).
-        self._loop_settings = ThreadSettings.of_this_thread(device.type == "cpu")
+        self._loop_settings = self._settings_of_this_thread()
         self._adopted: Optional[ThreadSettings] = None
+
+    def _settings_of_this_thread(self) -> ThreadSettings:
+        # The flush-to-zero mode matters only to CPU arithmetic (see thread_settings.py).
+        return ThreadSettings.of_this_thread(probe_flush_denormal=self.device.type == "cpu")
 
     @property
     def model(self):
@@ -309,7 +313,7 @@ class TwoStageScheduler:
         a reduction since the step (or zero_grad()) means a read between backward
         and step, which must see the old parameters, or a reset of what
         speculation used."""
-        self._loop_settings = ThreadSettings.of_this_thread(self.device.type == "cpu")
+        self._loop_settings = self._settings_of_this_thread()
         if any(self.model.reducer.reduce_scatters_since_reset) and not self._round_excluded:
             # Most likely gradient accumulation without no_sync(), which a loop
             # does on every step: see end_step. (An excluded round, a GAN's D in

@@ -56,16 +56,10 @@ def _dynamos_compile_lock():
     return compile_lock
 
 
-# Taken at import (the package imports dynamo anyway), not on the scheduler thread.
-_COMPILE_LOCK = _dynamos_compile_lock()
-
-
-@contextlib.contextmanager
-def no_compile_session_begins():
-    """Holds dynamo's compile lock: no torch.compile session begins in any thread
-    until the block ends (one under way is not waited for: see the note)."""
-    with _COMPILE_LOCK:
-        yield
+# ``with no_compile_session_begins:`` holds dynamo's compile lock: no torch.compile
+# session begins in any thread until the block ends (one under way is not waited
+# for: see the note). Looked up at import (the package imports dynamo anyway).
+no_compile_session_begins = _dynamos_compile_lock()
 
 
 def hyperparameters(param_groups: Sequence[dict]) -> Hyperparameters:
@@ -130,6 +124,9 @@ class PackedCopies:
         return copies
 
 
+_PACKED = object()  # a SliceBackup entry whose tensor is copied in its PackedCopies
+
+
 class SliceBackup:
     def __init__(self, param_shard: torch.Tensor, grad_shard: torch.Tensor,
                  pieces: Sequence[torch.Tensor], state: dict[Any, dict]):
@@ -143,11 +140,13 @@ class SliceBackup:
         self.grad = grad_shard.clone()
         self._grad_version = self.grad._version
         self.had_state = {id(p): p in state for p in pieces}
-        # Per piece with state, its entries: a tensor's stands for the copy at the
-        # same position in self._tensors.
-        self._entries = {id(p): dict(state[p]) for p in pieces if p in state}
-        self._tensors = PackedCopies([v for entries in self._entries.values()
-                                      for v in entries.values() if isinstance(v, torch.Tensor)])
+        # Per piece with state, its entries in their order, a tensor's as _PACKED:
+        # its copy is the next one in self._tensors.
+        self._entries = {id(p): {k: (_PACKED if isinstance(v, torch.Tensor) else v)
+                                 for k, v in state[p].items()}
+                         for p in pieces if p in state}
+        self._tensors = PackedCopies([v for p in pieces if p in state
+                                      for v in state[p].values() if isinstance(v, torch.Tensor)])
 
     def reset_gradient(self, grad_shard: torch.Tensor) -> None:
         """Before a step is run again (after restore): its gradient as reduced."""
@@ -174,7 +173,7 @@ class SliceBackup:
             saved = self._entries[id(p)]
             current = state[p]
             for k, v in saved.items():
-                if isinstance(v, torch.Tensor):
+                if v is _PACKED:
                     v = next(copies)
                     target = current.get(k)
                     if isinstance(target, torch.Tensor):

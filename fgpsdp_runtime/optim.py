@@ -522,7 +522,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if other_hyperparameters and scheduler is not None:
             scheduler.stop_speculating(
                 "the optimizer's hyperparameters changed between backward and step() (or "
-                "torch's default dtype did)")
+                "torch's default dtype, or the CPU's flush-to-zero mode, did)")
         # Roll back what the true gradient contradicts; the decision is the
         # same on every rank (it uses only all-reduced figures).
         rolled_back = [b for b in sorted(speculated)
@@ -613,7 +613,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with no_compile_session_begins:
                 if compile_session_active():  # began before the lock was taken
                     continue
-                ran_with = hyperparameters(self.optim.param_groups)
+                ran_with = self._hyperparameters_now()
                 with nvtx_range(f"fgpsdp.speculative_step[{b}]"):
                     self._inner_step()
                 if not compile_session_active():
@@ -625,7 +625,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._bucket_sq[b] = sq
         # The training loop may write them while this runs (on the scheduler
         # thread): a change in between leaves them unknown, which rolls back.
-        if same_hyperparameters(ran_with, hyperparameters(self.optim.param_groups)):
+        if same_hyperparameters(ran_with, self._hyperparameters_now()):
             backup.hyperparameters = ran_with
         return backup
 
@@ -977,9 +977,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """This rank's view: did a speculative step run with other hyperparameters than now?"""
         if not speculated:
             return False
-        now = hyperparameters(self.optim.param_groups)
+        now = self._hyperparameters_now()
         return any(not same_hyperparameters(backup.hyperparameters, now)
                    for backup, _ in speculated.values())
+
+    def _hyperparameters_now(self) -> list[dict]:
+        """What a step on this thread would run with (speculation.hyperparameters)."""
+        return hyperparameters(self.optim.param_groups, cpu_arithmetic=self._device.type == "cpu")
 
     def _any_rank(self, flag: bool) -> bool:
         packet = torch.tensor([float(flag)], dtype=torch.float64, device=self._device)

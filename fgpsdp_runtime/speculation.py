@@ -21,6 +21,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .step_wide_state import copy_value, same_value
+from .thread_settings import flushes_denormals
 
 Hyperparameters = list[dict[str, Any]]  # per param group, every entry but "params"
 
@@ -62,17 +63,26 @@ def _dynamos_compile_lock():
 no_compile_session_begins = _dynamos_compile_lock()
 
 
-def hyperparameters(param_groups: Sequence[dict]) -> Hyperparameters:
+def hyperparameters(param_groups: Sequence[dict], *, cpu_arithmetic: bool) -> Hyperparameters:
     """A copy of what an optimizer step reads besides the tensors it updates: each
     group's entries but "params", then torch's default dtype, in which torch's
-    optimizers create state (NAdam's, RMSprop's, Adagrad's step counts): a loop
-    that changes it between backward and step has the speculative steps redone."""
+    optimizers create state (NAdam's, RMSprop's, Adagrad's step counts), and, for
+    CPU arithmetic, the calling thread's flush-to-zero mode: a loop that changes
+    either between backward and step has the speculative steps redone.
+
+    (The scheduler thread adopts the flush mode the loop's thread had at the
+    forward, thread_settings.py; one set after the forward reaches it only at the
+    next one. A GPU's arithmetic ignores the mode, and the scheduler thread does
+    not adopt it there.)"""
     # dict(group) first: one copy under the GIL, even while another thread
     # writes an entry (the speculative steps run on the scheduler thread).
     # copy_value: a tensor inside a tuple (Adam's betas) filled in place by a
     # momentum schedule must not change the record too.
+    process_wide = {"torch default dtype": torch.get_default_dtype()}
+    if cpu_arithmetic:
+        process_wide["flushes subnormals"] = flushes_denormals()
     return [{k: copy_value(v) for k, v in dict(group).items() if k != "params"}
-            for group in param_groups] + [{"torch default dtype": torch.get_default_dtype()}]
+            for group in param_groups] + [process_wide]
 
 
 def same_hyperparameters(a: Optional[Hyperparameters], b: Optional[Hyperparameters]) -> bool:

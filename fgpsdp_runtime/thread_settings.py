@@ -16,8 +16,10 @@ change what the optimizer computes there, or how:
 
 The loop's thread records them at each forward (``ThreadSettings.of_this_thread``);
 the scheduler thread adopts a change before its next speculative step (``adopt``).
-Torch's default dtype is process-wide instead, but read when state is created: the
-speculative step's record keeps it (speculation.hyperparameters).
+A flush mode set between that forward and the step reaches the scheduler thread
+only at the next forward: the speculative step's record keeps the mode it ran with,
+and the step redoes it (speculation.hyperparameters). Torch's default dtype is
+process-wide instead, but read when state is created: the record keeps it too.
 
 Not adopted: torch's default device (``torch.set_default_device``, per thread). Setting
 it on the scheduler thread also sets a process-wide value that torch.compile's guards
@@ -37,7 +39,7 @@ import torch
 _NORMAL, _SCALE = 1e-300, 1e-10
 
 
-def _flushes_denormals() -> bool:
+def flushes_denormals() -> bool:
     """Whether this thread's CPU arithmetic flushes subnormal results to zero.
 
     Python's float arithmetic runs on the same floating-point unit and mode as
@@ -55,13 +57,13 @@ class ThreadSettings:
 
     @classmethod
     def of_this_thread(cls, probe_flush_denormal: bool) -> "ThreadSettings":
-        return cls(_flushes_denormals() if probe_flush_denormal else None,
+        return cls(flushes_denormals() if probe_flush_denormal else None,
                    torch.get_num_threads())
 
     def adopt(self) -> None:
         """Make this thread's settings these (each only where it differs; a caller
         that knows what it adopted last calls this only for a change)."""
-        if self.flush_denormal is not None and _flushes_denormals() != self.flush_denormal:
+        if self.flush_denormal is not None and flushes_denormals() != self.flush_denormal:
             torch.set_flush_denormal(self.flush_denormal)
         if torch.get_num_threads() != self.num_threads:
             torch.set_num_threads(self.num_threads)

@@ -126,33 +126,33 @@ def test_the_step_writes_a_copy_of_the_gradient_kept_only_on_commit():
 
 def test_hyperparameters_are_a_copy_and_changes_are_seen():
     _, opt = _adamw()
-    before = hyperparameters(opt.param_groups)
+    before = hyperparameters(opt.param_groups, cpu_arithmetic=True)
     assert all("params" not in g for g in before)
-    assert same_hyperparameters(before, hyperparameters(opt.param_groups))
+    assert same_hyperparameters(before, hyperparameters(opt.param_groups, cpu_arithmetic=True))
     opt.param_groups[1]["lr"] = 1e-3
     assert before[1]["lr"] == 3e-3  # a copy, not the live groups
-    assert not same_hyperparameters(before, hyperparameters(opt.param_groups))
+    assert not same_hyperparameters(before, hyperparameters(opt.param_groups, cpu_arithmetic=True))
     opt.param_groups[1]["lr"] = 3e-3
     opt.param_groups[0]["betas"] = (0.9, 0.95)
-    assert not same_hyperparameters(before, hyperparameters(opt.param_groups))
+    assert not same_hyperparameters(before, hyperparameters(opt.param_groups, cpu_arithmetic=True))
 
 
 def test_a_new_entry_a_new_group_or_an_unknown_record_differ():
     _, opt = _adamw()
-    before = hyperparameters(opt.param_groups)
+    before = hyperparameters(opt.param_groups, cpu_arithmetic=True)
     opt.param_groups[0]["initial_lr"] = 1e-2  # as an lr scheduler built later adds
-    assert not same_hyperparameters(before, hyperparameters(opt.param_groups))
+    assert not same_hyperparameters(before, hyperparameters(opt.param_groups, cpu_arithmetic=True))
     _, opt = _adamw()
     opt.add_param_group({"params": [torch.nn.Parameter(torch.randn(2))]})
-    assert not same_hyperparameters(before, hyperparameters(opt.param_groups))
+    assert not same_hyperparameters(before, hyperparameters(opt.param_groups, cpu_arithmetic=True))
     assert not same_hyperparameters(None, before)
 
 
 def test_tensor_learning_rates_compare_by_value():
     _, opt = _adamw(lr=torch.tensor(1e-2))
-    before = hyperparameters(opt.param_groups)
-    assert same_hyperparameters(before, hyperparameters(opt.param_groups))
+    before = hyperparameters(opt.param_groups, cpu_arithmetic=True)
+    assert same_hyperparameters(before, hyperparameters(opt.param_groups, cpu_arithmetic=True))
     opt.param_groups[0]["lr"].fill_(5e-3)  # changed in place: the copy must not follow
-    assert not same_hyperparameters(before, hyperparameters(opt.param_groups))
+    assert not same_hyperparameters(before, hyperparameters(opt.param_groups, cpu_arithmetic=True))
     opt.param_groups[0]["lr"] = 1e-2  # the same value as a float is another type
-    assert not same_hyperparameters(before, hyperparameters(opt.param_groups))
+    assert not same_hyperparameters(before, hyperparameters(opt.param_groups, cpu_arithmetic=True))

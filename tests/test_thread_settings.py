@@ -5,10 +5,17 @@ import threading
 import pytest
 import torch
 
+from fgpsdp_runtime.speculation import hyperparameters, same_hyperparameters
 from fgpsdp_runtime.thread_settings import ThreadSettings
 
 from . import thread_settings_scenarios
 from .dist_harness import run_distributed
+
+
+def _can_flush() -> bool:
+    can = torch.set_flush_denormal(True)
+    torch.set_flush_denormal(False)
+    return can
 
 
 def _in_a_new_thread(fn):
@@ -49,6 +56,32 @@ def test_flushing_turned_on_after_the_first_step_trains_like_torch_ddp():
             2, thread_settings_scenarios.flushing_turned_on_after_the_first_step)):
         assert commits > 0, rank  # the speculative steps were kept
         assert differing == 0, (rank, differing)
+
+
+def test_flushing_turned_on_between_backward_and_step_trains_like_torch_ddp():
+    """The scheduler thread adopts the mode the loop had at the forward: speculative
+    steps that ran before the loop turned flushing on are redone by the step."""
+    if not _can_flush():
+        pytest.skip("this CPU cannot flush subnormals")
+    for rank, (differing, _, rollbacks) in enumerate(run_distributed(
+            2, thread_settings_scenarios.flushing_turned_on_between_backward_and_step)):
+        assert differing == 0, (rank, differing)
+        assert rollbacks > 0, rank  # stage 1 had stepped when the mode changed
+
+
+def test_the_speculative_record_holds_the_flush_mode_for_cpu_arithmetic_only():
+    if not _can_flush():
+        pytest.skip("this CPU cannot flush subnormals")
+    groups = [{"params": [], "lr": 0.1}]
+    try:
+        for cpu in (True, False):
+            before = hyperparameters(groups, cpu_arithmetic=cpu)
+            torch.set_flush_denormal(True)
+            assert same_hyperparameters(before, hyperparameters(groups, cpu_arithmetic=cpu)) \
+                is not cpu
+            torch.set_flush_denormal(False)
+    finally:
+        torch.set_flush_denormal(False)
 
 
 def test_a_default_dtype_changed_between_backward_and_step_trains_like_torch_ddp():

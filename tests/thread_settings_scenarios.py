@@ -84,6 +84,14 @@ def flushing_turned_on_after_the_first_step(rank: int, world_size: int) -> tuple
     return _side_by_side(rank, TinyHead, torch.optim.AdamW, 4, before_step)
 
 
+def flushing_turned_on_between_backward_and_step(rank: int, world_size: int) -> tuple:
+    def before_step(step, phase):
+        if step == 1 and phase == "between":
+            time.sleep(0.3)  # stage 1 has stepped (without flushing) by now
+            torch.set_flush_denormal(True)
+    return _side_by_side(rank, TinyHead, torch.optim.AdamW, 3, before_step)
+
+
 def default_dtype_changed_between_backward_and_step(rank: int, world_size: int) -> tuple:
     def before_step(step, phase):
         if phase == "start":

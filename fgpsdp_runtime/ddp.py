@@ -95,11 +95,14 @@ def _warn_if_one_hardware_queue(nccl_groups: int) -> None:
 
 @functools.lru_cache(maxsize=None)
 def _version_keeper_takes_tuples() -> bool:
-    try:
-        torch.autograd._unsafe_preserve_version_counter((torch.empty(0),))
-        return True
-    except (AttributeError, TypeError):  # torch 2.4: one tensor only
-        return False
+    # Out of inference mode: the first call may come from a validation forward under
+    # torch.inference_mode(), whose tensors have no version counter to read.
+    with torch.inference_mode(False):
+        try:
+            torch.autograd._unsafe_preserve_version_counter((torch.empty(0),))
+            return True
+        except (AttributeError, TypeError):  # torch 2.4: one tensor only
+            return False
 
 
 def _versions_kept(tensors: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager:

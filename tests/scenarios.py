@@ -327,6 +327,41 @@ def train_eval_modes(rank: int, world_size: int, schedule: str, steps: int = 4) 
             "eval_diffs": eval_diffs}
 
 
+def validation_under_inference_mode_first(rank: int, world_size: int, schedule: str,
+                                          steps: int = 3) -> dict:
+    """A validation forward under torch.inference_mode() before the first training step
+    (PyTorch Lightning's sanity check), on a model with buffers, then training, beside
+    torch DDP. Before, the first buffer broadcast probed torch's API with a tensor made
+    under inference mode and raised "Inference tensors do not track version counter"
+    on every rank (the probe's answer is cached per process: run in a fresh one)."""
+    torch.manual_seed(1234)
+    base = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    ours = fgp.DistributedDataParallel(base, bucket_cap_mb=0.0001, schedule=schedule,
+                                       overlap_plan="layout" if schedule == "two_stage" else "auto")
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(4, 8, generator=g)
+    validation = []
+    for model in (ours, ref):
+        model.eval()
+        with torch.inference_mode():
+            validation.append(model(x))
+        model.train()
+    for step in range(steps):
+        x, y = torch.randn(4, 8, generator=g), torch.randn(4, 2, generator=g)
+        for model, optimizer in ((ours, opt), (ref, ref_opt)):
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    ours.synchronize()
+    return {"validation_diff": float((validation[0] - validation[1]).abs().max()),
+            "param_diff": param_diff(ours, ref),
+            "buffer_diff": max(float((a - b).abs().max()) for a, b in
+                               zip(ours.module.buffers(), ref.module.buffers()))}
+
+
 def train_both(pairs, rank: int, steps: int, model_name: str = "mlp") -> None:
     """``steps`` plain steps of each (model, optimizer) pair on the same batches."""
     for step in range(steps):

@@ -8,7 +8,8 @@ import torch
 
 from .dist_harness import call_many, run_distributed
 from .scenarios import (global_optimizer_hook_calls, groups_holding_objects, skip_on_inf_norm,
-                        train_eval_modes, train_many, train_with_inf_gradient)
+                        train_eval_modes, train_many, train_with_inf_gradient,
+                        validation_under_inference_mode_first)
 from .test_equivalence import SCENARIOS, TOL
 
 SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
@@ -176,6 +177,15 @@ def test_schedule_free_train_and_eval_move_every_replica():
         for call in calls:
             res = per_call[call]
             assert res["param_diff"] == 0.0 and res["eval_diffs"] == [0.0, 0.0], (rank, call, res)
+
+
+@pytest.mark.parametrize("schedule", ["serial", "two_stage"])
+def test_a_validation_under_inference_mode_before_training_matches_torch_ddp(schedule):
+    # One schedule a run: the first forward of each process must be the validation.
+    for rank, res in enumerate(run_distributed(2, validation_under_inference_mode_first,
+                                               schedule)):
+        assert res == {"validation_diff": 0.0, "param_diff": 0.0, "buffer_diff": 0.0}, \
+            (rank, res)
 
 
 def test_param_groups_keep_the_objects_they_carry():

@@ -724,8 +724,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._reset_step_measurements()
 
     def _end_step(self, would_commit: bool) -> None:
+        # A step that no rank's backward fed (one before the first backward, to build
+        # the optimizer's state before a load_state_dict; every gradient None to the
+        # inner optimizer, which steps nothing, as torch's): its round of zeros is no
+        # gradient stepped, or the next backward would count as adding to it (a
+        # warning, and no speculation in that step). The slices hold those zeros only.
+        fed = self._globally_used is None or any(self._globally_used)
         self._reset_step_measurements()
-        self.model.reducer.end_step()
+        self.model.reducer.end_step(stepped_gradients=fed)
+        if not fed:
+            for storage in self.model.buckets:
+                storage.invalidate_grad_shard()
         if self.model.scheduler is not None:
             self.model.scheduler.end_step(would_commit)
         if self.model.plan_profiler is not None:

@@ -168,6 +168,8 @@ class ParamPlaces:
         (``share_memory()``) keeps every view in place: allowed, as the check
         is relative to the buffer. Runs before every forward: addresses only."""
         for _flat, name, param, _span, owner, leaf, replaced in self._displaced():
+            if replaced and _substituted_for_a_call(owner, leaf):
+                continue
             if not replaced:
                 problem = f"was given new storage (now {param.dtype} on {param.device})"
             elif (moved := _moved_to(name, param, owner, leaf)) is not None:
@@ -235,6 +237,17 @@ class ParamPlaces:
                     yield flat, name, param, span, owner, leaf, True
                 elif param.data_ptr() - start != offset:
                     yield flat, name, param, span, owner, leaf, False
+
+
+def _substituted_for_a_call(owner: nn.Module, leaf: str) -> bool:
+    """The module holds a plain tensor (not a Parameter) where the parameter was:
+    ``torch.func.functional_call(model, {...}, args)`` puts it there for one call,
+    writing ``_parameters`` directly (``setattr`` cannot put a plain tensor in
+    ``_parameters``), and puts the parameter back after it. The forward reads the
+    substitute; a gradient that flows through it to the parameter (a substitute
+    computed from it) is reduced as any other, as under torch DDP."""
+    value = owner._parameters.get(leaf)
+    return isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
 
 
 def _moved_to(name: str, param: torch.Tensor, owner: nn.Module, leaf: str) -> Optional[str]:

@@ -481,10 +481,11 @@ class GradientReducer:
         for listener in self.backward_end_listeners:
             listener()
 
-    def end_step(self) -> None:
+    def end_step(self, stepped_gradients: bool = True) -> None:
+        """``stepped_gradients``: some rank's backward fed the step (the same on every rank)."""
         self.reduce_scatters_since_reset = [0] * len(self.buckets)
         self._report_accumulation = self._added_after_step
-        self._stepped_since_zeroed = True
+        self._stepped_since_zeroed |= stepped_gradients
         self._added_after_step = False
 
     def report_accumulation(self) -> None:

@@ -362,6 +362,41 @@ def validation_under_inference_mode_first(rank: int, world_size: int, schedule: 
                                zip(ours.module.buffers(), ref.module.buffers()))}
 
 
+def functional_calls_through_the_wrapper(rank: int, world_size: int, schedule: str,
+                                         steps: int = 3) -> dict:
+    """torch.func.functional_call through the wrapper, beside torch DDP: training with a
+    weight replaced by a function of itself (read through named_parameters(), which
+    lands its all-gather), and after each step an evaluation with other weights (an
+    EMA's, as plain tensors). Before, every rank raised "parameter ... was replaced by
+    another tensor" (functional_call writes its substitutes into _parameters)."""
+    from torch.func import functional_call
+    torch.manual_seed(1234)
+    base = nn.Sequential(nn.Linear(13, 37), nn.Tanh(), nn.Linear(37, 5))
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    ours = fgp.DistributedDataParallel(base, bucket_cap_mb=0.0001, schedule=schedule,
+                                       overlap_plan="layout" if schedule == "two_stage" else "auto")
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(rank)
+    eval_diffs = []
+    for step in range(steps):
+        x, y = torch.randn(8, 13, generator=g), torch.randn(8, 5, generator=g)
+        outputs = []
+        for model, optimizer in ((ours, opt), (ref, ref_opt)):
+            weight = dict(model.named_parameters())["module.2.weight"]
+            out = functional_call(model, {"module.2.weight": weight * 1.5}, (x,))
+            nn.functional.mse_loss(out, y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            with torch.no_grad():
+                halved = {n: p.detach() * 0.5 for n, p in model.named_parameters()}
+                outputs.append(functional_call(model, halved, (x,)))
+        eval_diffs.append(float((outputs[0] - outputs[1]).abs().max()))
+    ours.synchronize()
+    return {"param_diff": param_diff(ours, ref), "eval_diffs": eval_diffs,
+            "commits": ours.scheduler.commits if ours.scheduler is not None else None}
+
+
 def train_both(pairs, rank: int, steps: int, model_name: str = "mlp") -> None:
     """``steps`` plain steps of each (model, optimizer) pair on the same batches."""
     for step in range(steps):

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from .dist_harness import call_many, run_distributed
-from .scenarios import (global_optimizer_hook_calls, groups_holding_objects, skip_on_inf_norm,
-                        train_eval_modes, train_many, train_with_inf_gradient,
-                        validation_under_inference_mode_first)
+from .scenarios import (functional_calls_through_the_wrapper, global_optimizer_hook_calls,
+                        groups_holding_objects, skip_on_inf_norm, train_eval_modes, train_many,
+                        train_with_inf_gradient, validation_under_inference_mode_first)
 from .test_equivalence import SCENARIOS, TOL
 
 SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
@@ -186,6 +186,16 @@ def test_a_validation_under_inference_mode_before_training_matches_torch_ddp(sch
                                                schedule)):
         assert res == {"validation_diff": 0.0, "param_diff": 0.0, "buffer_diff": 0.0}, \
             (rank, res)
+
+
+def test_functional_calls_through_the_wrapper_match_torch_ddp():
+    calls = [(functional_calls_through_the_wrapper, schedule)
+             for schedule in ("serial", "next_forward", "two_stage")]
+    for rank, per_call in enumerate(run_distributed(2, call_many, calls, timeout_s=300)):
+        for call in calls:
+            res = per_call[call]
+            assert res["param_diff"] == 0.0 and res["eval_diffs"] == [0.0] * 3, (rank, call, res)
+        assert per_call[calls[-1]]["commits"] > 0  # two_stage speculated, and kept it
 
 
 def test_param_groups_keep_the_objects_they_carry():

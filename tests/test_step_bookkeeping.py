@@ -92,3 +92,56 @@ def _versions(rank, world_size):
 def test_step_bumps_every_parameter_version():
     for bumps in run_distributed(2, _versions):
         assert all(b >= 1 for b in bumps)
+
+
+def _step_before_any_backward(rank, world_size, schedule):
+    """opt.step() before the first backward (to build the optimizer's state before a
+    load_state_dict, or to quiet torch's lr_scheduler order warning), then a plain
+    loop, beside torch DDP doing the same. Returns (largest parameter difference, our
+    warnings, speculative steps kept in the first real step)."""
+    import copy
+    import warnings
+
+    import fgpsdp_runtime as fgp
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(13, 37), nn.Tanh(), nn.Linear(37, 5))
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    model = fgp.DistributedDataParallel(base, schedule=schedule, bucket_cap_mb=0.0001,
+                                        overlap_plan="layout")
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    ref_opt.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    first_real_step_commits = None
+    g = torch.Generator().manual_seed(rank)
+    for step in range(3):
+        x, y = torch.randn(8, 13, generator=g), torch.randn(8, 5, generator=g)
+        for m, o in ((ref, ref_opt), (model, opt)):
+            with warnings.catch_warnings(record=True) as during:
+                warnings.simplefilter("always")
+                nn.functional.mse_loss(m(x), y).backward()
+                o.step()
+                o.zero_grad()
+            if m is model:
+                caught.extend(during)
+        if step == 0 and model.scheduler is not None:
+            first_real_step_commits = model.scheduler.commits
+    model.synchronize()
+    diff = max(float((a - b).abs().max()) for a, b in
+               zip(model.module.parameters(), ref.module.parameters()))
+    return diff, [str(w.message)[:80] for w in caught], first_real_step_commits
+
+
+def test_a_step_before_any_backward_is_not_taken_for_stepped_gradients():
+    """Before, its round of zeros counted as gradients stepped: the first real step
+    warned of gradients added across steps, and two_stage kept no speculative step
+    in it (the round was taken for a GAN's D in G's backward)."""
+    for schedule in ("serial", "two_stage"):
+        for rank, (diff, caught, commits) in enumerate(
+                run_distributed(2, _step_before_any_backward, schedule)):
+            assert diff == 0.0, (schedule, rank, diff)
+            assert caught == [], (schedule, rank, caught)
+            if schedule == "two_stage":
+                assert commits, (rank, commits)

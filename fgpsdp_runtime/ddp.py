@@ -30,7 +30,7 @@ from .forward_waits import ForwardParamWaiter, is_traced_by_dynamo
 from .param_gathers import ParamGathers
 from .module_guards import (hand_out_parameters_through_the_wrapper,
                             land_gathers_before_state_dicts, zero_grad_through_the_wrapper)
-from .param_guards import ParamPlaces, ParamVersions
+from .param_guards import ParamPlaces, ParamVersions, aliases
 from .plan import OverlapPlan, layout_plan, profiling_plan
 from .plan_profiler import PlanProfiler
 from .scheduler import TwoStageScheduler
@@ -424,6 +424,8 @@ class DistributedDataParallel(nn.Module):
         # synchronised, grad-enabled forward (and before the first one).
         self._sync_buffers_before_forward = True
         self._forwards_running = 0  # (nested: a forward may call the wrapper again)
+        # This forward runs under torch.func.functional_call with substitutes (_note_substitutes).
+        self._forward_reads_substitutes = False
         self._save_load_guards = land_gathers_before_state_dicts(self, module)
         self._parameter_read_guards = hand_out_parameters_through_the_wrapper(
             lifecycle.weak_call(self._read_through_module), module)
@@ -534,7 +536,9 @@ class DistributedDataParallel(nn.Module):
             self._forwards_running += 1  # its own parameter reads are no loop's clip
             try:
                 if waiter is not None:
-                    waiter.begin_forward()  # each module waits for its buckets in its pre-hook
+                    # Each module waits for its buckets in its pre-hook; a forward
+                    # that reads substitutes has waited for all (_before_forward).
+                    waiter.begin_forward(landed=self._forward_reads_substitutes)
                     try:
                         output = self.module(*inputs, **kwargs)
                     finally:
@@ -552,7 +556,11 @@ class DistributedDataParallel(nn.Module):
             synchronised = torch.is_grad_enabled() and self.reducer.sync_enabled
             self._uneven_inputs.notify(AnnouncedCall.FORWARD, float(buffers_first),
                                        float(synchronised))
-        self._param_places.check()
+        substitutes = self._param_places.check()
+        self._forward_reads_substitutes = bool(substitutes)
+        if substitutes:
+            self._note_substitutes(substitutes)
+            wait_all = True
         self._check_frozen()
         if self.reducer.discard_unfinished_backward():
             warnings.warn("fgpsdp: the last backward did not finish (an exception raised in "
@@ -573,6 +581,22 @@ class DistributedDataParallel(nn.Module):
                 else torch.device("cuda", self.device_ids[0])
             inputs, kwargs = _move_to(inputs, device), _move_to(kwargs, device)
         return inputs, kwargs
+
+    def _note_substitutes(self, substitutes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """A forward under ``torch.func.functional_call(model, {name: tensor}, ...)``.
+
+        It lands every all-gather first and neither records nor follows the
+        per-module waits: the modules hold the substitutes, so a recording would
+        find no bucket for those parameters, and the next forward would read them
+        before their all-gathers landed. A substitute that views a bucket's
+        memory (``p.data``, ``p.detach()``), taken with gradients on, may be saved
+        for backward apart from the parameter's gradient: from then on the
+        speculative steps wait for the end of backward, as for such a read in a
+        recorded forward (scheduler.py)."""
+        waiter = self._forward_waiter
+        if waiter is not None and torch.is_grad_enabled() and \
+                any(aliases(value, flat) for flat, value in substitutes):
+            waiter.reads_detached_params = True
 
     def _after_forward(self, output: Any) -> None:
         self._param_places.adopt_new_storage()

@@ -106,8 +106,14 @@ class ForwardParamWaiter:
 
     # -- per forward -----------------------------------------------------------
 
-    def begin_forward(self) -> None:
-        if self._recorded is None:
+    def begin_forward(self, landed: bool = False) -> None:
+        """``landed``: the caller has landed every all-gather, and the modules hold
+        other tensors than the parameters (a functional_call's): this forward
+        neither records nor follows (a recording would find no bucket for them)."""
+        if landed:
+            self._wait_all()
+            self._mode = "landed"
+        elif self._recorded is None:
             self._wait_all()  # nothing may be pending while we learn who reads what
             self._bucket_storages = self._bucket_storages_now() or frozenset()
             self._mode = "record"

@@ -463,6 +463,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         may have clamped the inf away by then; torch's scaler, too, decides by
         what unscale_ found."""
         self._check_pieces_in_buckets()  # before any collective: the loop did it everywhere
+        self.model._param_places.refuse_substitutes()  # (likewise)
         uneven = self._announce(AnnouncedCall.STEP)
         if uneven is not None:
             uneven.share_hyperparameters(self)

@@ -160,15 +160,20 @@ class ParamPlaces:
                 view.copy_(param.detach())
                 param.data = view
 
-    def check(self) -> None:
+    def check(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Raise if a parameter was given new storage (``model.double()``,
         ``.to(...)``, ``.to(memory_format=...)``, ``param.data = ...``) or replaced by another
         (``module.weight = nn.Parameter(...)``) after wrapping: it would
         silently never change again. Storage moved as a whole
         (``share_memory()``) keeps every view in place: allowed, as the check
-        is relative to the buffer. Runs before every forward: addresses only."""
-        for _flat, name, param, _span, owner, leaf, replaced in self._displaced():
-            if replaced and _substituted_for_a_call(owner, leaf):
+        is relative to the buffer. Runs before every forward: addresses only.
+
+        Returns (bucket buffer, substitute) for each parameter a plain tensor
+        stands in for during this call (``_substitute_for_a_call``)."""
+        substitutes = []
+        for flat, name, param, _span, owner, leaf, replaced in self._displaced():
+            if replaced and (value := _substitute_for_a_call(owner, leaf)) is not None:
+                substitutes.append((flat, value))
                 continue
             if not replaced:
                 problem = f"was given new storage (now {param.dtype} on {param.device})"
@@ -196,6 +201,19 @@ class ParamPlaces:
             # Submodules set through a hook are watched already; one that came in
             # without one (ModuleList.insert) is watched from here on, as before.
             _watch_subtree(self._root, weakref.ref(self))
+        return substitutes
+
+    def refuse_substitutes(self) -> None:
+        """At ``opt.step()``, where no ``functional_call`` is under way: a plain tensor
+        still standing in for a parameter was written into ``_parameters`` for good,
+        and the parameter would never train again."""
+        for _flat, name, _param, _span, owner, leaf, replaced in self._displaced():
+            if replaced and _substitute_for_a_call(owner, leaf) is not None:
+                raise RuntimeError(
+                    f"fgpsdp: parameter '{name}' was replaced by a plain tensor in its "
+                    "module's _parameters (written there directly; torch.func.functional_call "
+                    "puts the parameter back after its call): it no longer lives in its "
+                    "bucket and would not train. Change the module before wrapping it")
 
     def _check_tree(self) -> None:
         """After a submodule or a parameter was set somewhere in the tree: each
@@ -239,15 +257,26 @@ class ParamPlaces:
                     yield flat, name, param, span, owner, leaf, False
 
 
-def _substituted_for_a_call(owner: nn.Module, leaf: str) -> bool:
-    """The module holds a plain tensor (not a Parameter) where the parameter was:
-    ``torch.func.functional_call(model, {...}, args)`` puts it there for one call,
-    writing ``_parameters`` directly (``setattr`` cannot put a plain tensor in
+def _substitute_for_a_call(owner: nn.Module, leaf: str) -> Optional[torch.Tensor]:
+    """The plain tensor (not a Parameter) the module holds where the parameter was,
+    or None: ``torch.func.functional_call(model, {...}, args)`` puts it there for one
+    call, writing ``_parameters`` directly (``setattr`` cannot put a plain tensor in
     ``_parameters``), and puts the parameter back after it. The forward reads the
     substitute; a gradient that flows through it to the parameter (a substitute
-    computed from it) is reduced as any other, as under torch DDP."""
+    computed from it) is reduced as any other, as under torch DDP. One left there
+    for good is refused at the step (``refuse_substitutes``)."""
     value = owner._parameters.get(leaf)
-    return isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter)
+    if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+        return value
+    return None
+
+
+def aliases(tensor: torch.Tensor, flat: torch.Tensor) -> bool:
+    """``tensor`` views ``flat``'s memory (``p.data``, ``p.detach()``)."""
+    try:
+        return tensor.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):  # no storage (a subclass, sparse)
+        return False
 
 
 def _moved_to(name: str, param: torch.Tensor, owner: nn.Module, leaf: str) -> Optional[str]:

@@ -263,6 +263,16 @@ def parameter_replaced_after_wrapping(rank, world_size):
     model(torch.randn(4, 13))
 
 
+def plain_tensor_written_into_parameters(rank, world_size):
+    # As functional_call does for one call, but left there: the forward reads the
+    # tensor (allowed, a functional_call looks the same), the step refuses it.
+    model = fgp.DistributedDataParallel(MLP())
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    model.module.net[2]._parameters["weight"] = torch.randn(29, 37)
+    model(torch.randn(4, 13)).sum().backward()
+    opt.step()
+
+
 def spectral_norm_after_wrapping(rank, world_size):
     # The hook-based spectral_norm moves 'weight' to 'weight_orig' and makes
     # 'weight' a tensor it computes in forward: the message says where it went.

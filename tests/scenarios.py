@@ -362,13 +362,88 @@ def validation_under_inference_mode_first(rank: int, world_size: int, schedule: 
                                zip(ours.module.buffers(), ref.module.buffers()))}
 
 
+def _slow_all_gathers(model, seconds: float) -> None:
+    """Each parameter all-gather of ``model`` starts ``seconds`` late on its link worker."""
+    exchange = model._gathers._exchange
+    collective = type(exchange)._collective
+
+    def slowed(phase, *args):
+        run = collective(phase, *args)
+        if phase != "all_gather":
+            return run
+
+        def late():
+            time.sleep(seconds)
+            return run()
+        return late
+    exchange._collective = slowed
+
+
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        time.sleep(0.05)
+        return grad
+
+
 def functional_calls_through_the_wrapper(rank: int, world_size: int, schedule: str,
                                          steps: int = 3) -> dict:
-    """torch.func.functional_call through the wrapper, beside torch DDP: training with a
-    weight replaced by a function of itself (read through named_parameters(), which
-    lands its all-gather), and after each step an evaluation with other weights (an
-    EMA's, as plain tensors). Before, every rank raised "parameter ... was replaced by
-    another tensor" (functional_call writes its substitutes into _parameters)."""
+    """torch.func.functional_call through the wrapper, beside torch DDP: an evaluation
+    with other weights (an EMA's, plain tensors) as the very first forward and at the
+    end, and training with a plain forward plus one with a weight replaced by a
+    function of itself (read through named_parameters(), which lands its all-gather),
+    the all-gathers slowed. Before, every rank raised "parameter ... was replaced by
+    another tensor" (functional_call writes its substitutes into _parameters); then
+    (review) a first forward that was a functional_call recorded no wait for the
+    substituted parameters, and the plain forwards read them before they landed."""
+    from torch.func import functional_call
+    torch.manual_seed(1234)
+    base = nn.Sequential(nn.Linear(13, 37), nn.Tanh(), nn.Linear(37, 5))
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    ours = fgp.DistributedDataParallel(base, bucket_cap_mb=0.0001, schedule=schedule,
+                                       overlap_plan="layout" if schedule == "two_stage" else "auto")
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    _slow_all_gathers(ours, 0.05)  # a forward that reads before they land reads old values
+    g = torch.Generator().manual_seed(rank)
+    eval_diffs = []
+
+    def evaluate(x):
+        outputs = []
+        for model in (ours, ref):
+            with torch.no_grad():
+                halved = {n: p.detach() * 0.5 for n, p in model.named_parameters()}
+                outputs.append(functional_call(model, halved, (x,)))
+        eval_diffs.append(float((outputs[0] - outputs[1]).abs().max()))
+
+    evaluate(torch.randn(8, 13, generator=g))  # the first forward
+    for step in range(steps):
+        x, y = torch.randn(8, 13, generator=g), torch.randn(8, 5, generator=g)
+        for model, optimizer in ((ours, opt), (ref, ref_opt)):
+            out = model(x)  # first in the step: its waits are the recorded ones
+            weight = dict(model.named_parameters())["module.2.weight"]
+            scaled = functional_call(model, {"module.2.weight": weight * 1.5}, (x,))
+            (nn.functional.mse_loss(out, y) + nn.functional.mse_loss(scaled, y)).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    evaluate(x)  # (named_parameters() lands every all-gather: not between the steps)
+    ours.synchronize()
+    return {"param_diff": param_diff(ours, ref), "eval_diffs": eval_diffs,
+            "commits": ours.scheduler.commits if ours.scheduler is not None else None}
+
+
+def functional_call_substitutes_viewing_parameters(rank: int, world_size: int,
+                                                   schedule: str, steps: int = 3) -> dict:
+    """An auxiliary loss through functional_call with substitutes that view the
+    parameters' memory (``p.data``: a stop-gradient on the last layer), built before
+    the main forward, so its slow backward reads them after the main branch's has
+    made the last layer's bucket ready. Before (review), two_stage's speculative step
+    of that bucket overwrote them first (0.038 off torch DDP): the speculative steps
+    must wait for the end of backward, as for a detached read in a recorded forward."""
     from torch.func import functional_call
     torch.manual_seed(1234)
     base = nn.Sequential(nn.Linear(13, 37), nn.Tanh(), nn.Linear(37, 5))
@@ -378,22 +453,22 @@ def functional_calls_through_the_wrapper(rank: int, world_size: int, schedule: s
     opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     g = torch.Generator().manual_seed(rank)
-    eval_diffs = []
+    x0 = torch.randn(8, 13, generator=g)
+    for model in (ours, ref):
+        with torch.no_grad():
+            model(x0)  # the recording forward: a plain one
     for step in range(steps):
         x, y = torch.randn(8, 13, generator=g), torch.randn(8, 5, generator=g)
-        outputs = []
         for model, optimizer in ((ours, opt), (ref, ref_opt)):
-            weight = dict(model.named_parameters())["module.2.weight"]
-            out = functional_call(model, {"module.2.weight": weight * 1.5}, (x,))
-            nn.functional.mse_loss(out, y).backward()
+            params = dict(model.named_parameters())
+            substitutes = {n: params[n].data for n in ("module.2.weight", "module.2.bias")}
+            aux = _SlowBackward.apply(functional_call(model, substitutes, (x,)))
+            out = model(x)
+            (nn.functional.mse_loss(aux, -y) + nn.functional.mse_loss(out, y)).backward()
             optimizer.step()
             optimizer.zero_grad()
-            with torch.no_grad():
-                halved = {n: p.detach() * 0.5 for n, p in model.named_parameters()}
-                outputs.append(functional_call(model, halved, (x,)))
-        eval_diffs.append(float((outputs[0] - outputs[1]).abs().max()))
     ours.synchronize()
-    return {"param_diff": param_diff(ours, ref), "eval_diffs": eval_diffs,
+    return {"param_diff": param_diff(ours, ref),
             "commits": ours.scheduler.commits if ours.scheduler is not None else None}
 
 

@@ -98,6 +98,9 @@ CASES = [
       r"views of this rank's bucket slices"]),
     (bad_inputs.parameter_replaced_after_wrapping, "RuntimeError",
      [r"parameter 'net\.2\.bias' was replaced by another tensor"]),
+    (bad_inputs.plain_tensor_written_into_parameters, "RuntimeError",
+     [r"parameter 'net\.2\.weight' was replaced by a plain tensor in its module's _parameters",
+      r"functional_call puts the parameter back"]),
     (bad_inputs.spectral_norm_after_wrapping, "RuntimeError",
      [r"parameter 'net\.2\.weight' was moved to 'net\.2\.weight_orig' \(as "
       r"torch\.nn\.utils\.spectral_norm does\) after DistributedDataParallel",

@@ -30,7 +30,7 @@ from .forward_waits import ForwardParamWaiter, is_traced_by_dynamo
 from .param_gathers import ParamGathers
 from .module_guards import (hand_out_parameters_through_the_wrapper,
                             land_gathers_before_state_dicts, zero_grad_through_the_wrapper)
-from .param_guards import ParamPlaces, ParamVersions, aliases
+from .param_guards import ParamPlaces, ParamVersions, storage_address
 from .plan import OverlapPlan, layout_plan, profiling_plan
 from .plan_profiler import PlanProfiler
 from .scheduler import TwoStageScheduler
@@ -582,21 +582,22 @@ class DistributedDataParallel(nn.Module):
             inputs, kwargs = _move_to(inputs, device), _move_to(kwargs, device)
         return inputs, kwargs
 
-    def _note_substitutes(self, substitutes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    def _note_substitutes(self, substitutes: list[torch.Tensor]) -> None:
         """A forward under ``torch.func.functional_call(model, {name: tensor}, ...)``.
 
         It lands every all-gather first and neither records nor follows the
         per-module waits: the modules hold the substitutes, so a recording would
         find no bucket for those parameters, and the next forward would read them
         before their all-gathers landed. A substitute that views a bucket's
-        memory (``p.data``, ``p.detach()``), taken with gradients on, may be saved
-        for backward apart from the parameter's gradient: from then on the
-        speculative steps wait for the end of backward, as for such a read in a
-        recorded forward (scheduler.py)."""
+        memory (``p.data``, ``p.detach()``, any parameter's), taken with gradients
+        on, may be saved for backward apart from the parameter's gradient: from
+        then on the speculative steps wait for the end of backward, as for such a
+        read in a recorded forward (scheduler.py)."""
         waiter = self._forward_waiter
-        if waiter is not None and torch.is_grad_enabled() and \
-                any(aliases(value, flat) for flat, value in substitutes):
-            waiter.reads_detached_params = True
+        if waiter is not None and torch.is_grad_enabled():
+            storages = self._bucket_storages()
+            if any(storage_address(value) in storages for value in substitutes):
+                waiter.reads_detached_params = True
 
     def _after_forward(self, output: Any) -> None:
         self._param_places.adopt_new_storage()

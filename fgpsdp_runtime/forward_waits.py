@@ -47,6 +47,7 @@ from torch.overrides import TorchFunctionMode
 
 from .lifecycle import HookHandles
 from .module_guards import ModuleHook, is_traced_by_dynamo, plain_named_parameters
+from .param_guards import storage_address
 
 
 class ForwardParamWaiter:
@@ -207,10 +208,7 @@ class ForwardParamWaiter:
             self._first_read[key] = len(self._recording) - 1
 
     def _aliases_a_bucket(self, tensor: torch.Tensor) -> bool:
-        try:
-            return tensor.untyped_storage().data_ptr() in self._bucket_storages
-        except (RuntimeError, NotImplementedError):  # no storage (a subclass, sparse)
-            return False
+        return storage_address(tensor) in self._bucket_storages
 
     # -- the assignment ----------------------------------------------------------
 

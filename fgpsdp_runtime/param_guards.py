@@ -160,7 +160,7 @@ class ParamPlaces:
                 view.copy_(param.detach())
                 param.data = view
 
-    def check(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def check(self) -> list[torch.Tensor]:
         """Raise if a parameter was given new storage (``model.double()``,
         ``.to(...)``, ``.to(memory_format=...)``, ``param.data = ...``) or replaced by another
         (``module.weight = nn.Parameter(...)``) after wrapping: it would
@@ -168,12 +168,12 @@ class ParamPlaces:
         (``share_memory()``) keeps every view in place: allowed, as the check
         is relative to the buffer. Runs before every forward: addresses only.
 
-        Returns (bucket buffer, substitute) for each parameter a plain tensor
-        stands in for during this call (``_substitute_for_a_call``)."""
+        Returns the plain tensors that stand in for parameters during this call
+        (``_substitute_for_a_call``)."""
         substitutes = []
-        for flat, name, param, _span, owner, leaf, replaced in self._displaced():
+        for _flat, name, param, _span, owner, leaf, replaced in self._displaced():
             if replaced and (value := _substitute_for_a_call(owner, leaf)) is not None:
-                substitutes.append((flat, value))
+                substitutes.append(value)
                 continue
             if not replaced:
                 problem = f"was given new storage (now {param.dtype} on {param.device})"
@@ -271,12 +271,13 @@ def _substitute_for_a_call(owner: nn.Module, leaf: str) -> Optional[torch.Tensor
     return None
 
 
-def aliases(tensor: torch.Tensor, flat: torch.Tensor) -> bool:
-    """``tensor`` views ``flat``'s memory (``p.data``, ``p.detach()``)."""
+def storage_address(tensor: torch.Tensor) -> Optional[int]:
+    """Where ``tensor``'s storage starts (a view of a bucket, ``p.data``, gives the
+    bucket's), or None for a tensor without one (a subclass, sparse)."""
     try:
-        return tensor.untyped_storage().data_ptr() == flat.untyped_storage().data_ptr()
-    except (RuntimeError, NotImplementedError):  # no storage (a subclass, sparse)
-        return False
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 def _moved_to(name: str, param: torch.Tensor, owner: nn.Module, leaf: str) -> Optional[str]:

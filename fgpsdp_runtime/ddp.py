@@ -792,11 +792,15 @@ class DistributedDataParallel(nn.Module):
         forward-overlapped schedules start it now if the lookahead allows."""
         self._gathers.queue(bucket)
 
-    def finish_param_all_gather(self, bucket: int, *, timed: bool = False) -> None:
+    def finish_param_all_gather(self, bucket: int, *, timed: bool = False,
+                                by_the_loop: bool = True) -> None:
         """Wait for ``bucket``'s all-gather. ``timed``: the training loop waits here
         for updated parameters (a forward, ``synchronize()``), which the plan profiler
-        times (see [Note: stage 1 only where the forward waits] in plan.py)."""
-        self._gathers.finish(bucket, self.plan_profiler if timed else None)
+        times (see [Note: stage 1 only where the forward waits] in plan.py).
+        ``by_the_loop``: False for a wait that may run on one rank alone (see [Note:
+        the lookahead counts what the loop has not waited for] in param_gathers.py)."""
+        self._gathers.finish(bucket, self.plan_profiler if timed else None,
+                             by_the_loop=by_the_loop)
 
     def _finish_param_all_gather_for_the_loop(self, bucket: int) -> None:
         self.finish_param_all_gather(bucket, timed=True)
@@ -804,8 +808,8 @@ class DistributedDataParallel(nn.Module):
     def _finish_param_all_gathers_for_the_loop(self) -> None:
         self.finish_param_all_gathers(timed=True)
 
-    def finish_param_all_gathers(self, *, timed: bool = False) -> None:
-        self._gathers.finish_all(self.plan_profiler if timed else None)
+    def finish_param_all_gathers(self, *, timed: bool = False, by_the_loop: bool = True) -> None:
+        self._gathers.finish_all(self.plan_profiler if timed else None, by_the_loop=by_the_loop)
 
     def set_overlap_plan(self, plan: OverlapPlan) -> None:
         """Replace the two-stage plan; between steps, with the same plan on every rank.
@@ -839,9 +843,10 @@ class DistributedDataParallel(nn.Module):
                 "(not after a step cut short by an exception or Ctrl-C: the ranks may have "
                 "stopped at different points, and synchronize() would wait for the process "
                 "group's timeout; keep the checkpoint of the last completed step)")
-        # With the default lookahead every all-gather has started at the step;
-        # with a smaller one, save on every rank (the rest start here).
-        self.finish_param_all_gathers()
+        # With the default lookahead every all-gather has started at the step, and
+        # the save may run on one rank; with a smaller one, save on every rank (the
+        # rest start here).
+        self.finish_param_all_gathers(by_the_loop=self._gathers.queued)
 
     def _land_gathers_for_a_direct_call(self) -> None:
         """``model.module(x)``, bypassing the wrapper (an eval, ``generate()``, often on
@@ -860,7 +865,7 @@ class DistributedDataParallel(nn.Module):
                 "fgpsdp: model.module(...) while all-gathers wait to start (a plan with a "
                 "small lookahead): call model.synchronize() on every rank first")
         if self._gathers.in_flight:
-            self.finish_param_all_gathers(timed=True)
+            self.finish_param_all_gathers(timed=True, by_the_loop=False)
 
     @torch.compiler.disable  # collectives: see the note at ShardedOptimizer.zero_grad
     def synchronize(self) -> None:
@@ -931,7 +936,7 @@ class DistributedDataParallel(nn.Module):
             if land and gathers.in_flight and not gathers.queued \
                     and (waiter is None or not waiter.in_forward):
                 for b in buckets_of.get(id(param), ()):  # a large one spans several
-                    self.finish_param_all_gather(b, timed=True)
+                    self.finish_param_all_gather(b, timed=True, by_the_loop=False)
             yield name, param
         if warn:
             self._read_for_a_clip = True

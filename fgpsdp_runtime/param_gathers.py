@@ -30,6 +30,9 @@ class ParamGathers:
         # lookahead allows; otherwise at the end of the step.
         self._overlaps_forward = overlaps_forward
         self._in_flight: dict[int, PendingOp] = {}
+        # Started and not yet waited for by the training loop (see [Note: the
+        # lookahead counts what the loop has not waited for]).
+        self._ahead: set[int] = set()
         self._lock = threading.Lock()
         # Queued all-gathers start in queue order, one thread at a time: a read of
         # the parameters on another thread may start them too, and two threads
@@ -59,6 +62,7 @@ class ParamGathers:
                                              label=f"b{bucket}")
         with self._lock:
             self._in_flight[bucket] = op
+            self._ahead.add(bucket)
 
     def queue(self, bucket: int) -> None:
         """Queue ``bucket`` behind the step's earlier ones; under the
@@ -76,32 +80,37 @@ class ParamGathers:
                     return
                 self.start(queue.pop(0))
 
+    # [Note: the lookahead counts what the loop has not waited for]
+    # A queued all-gather starts while fewer than ``lookahead`` started ones have
+    # not been waited for by the training loop (a forward's pre-hook, the step,
+    # synchronize()). Not "have not landed": that depends on each rank's timing,
+    # so one rank could start a bucket that another still held back, and a read
+    # of the parameters on the first alone (a logged weight norm on rank 0, which
+    # waits for what this rank started) then waited for an all-gather its peer
+    # would start only at its next forward, while the peer waited in a collective
+    # of the loop's after the read (a barrier): a deadlock (audit h116). Counted
+    # so, every rank starts the same buckets at the same points of its loop, and
+    # a read waits only for what every rank has started. Waits that may run on
+    # one rank alone (reads, model.module(x)) do not count as the loop's.
+
     def _lookahead_reached(self) -> bool:
-        """``lookahead`` all-gathers or more are still running. Asked once per queued
-        bucket: counted only up to the lookahead, and not at all under a lookahead of
-        every bucket (the plans' default), which limits nothing (at most one per
-        bucket is in flight, and start() waits for a bucket's own). A full count
-        made a step's starts quadratic in the buckets: about 20,000 done() calls a
-        step at 200 buckets (audit h110; tests/test_param_gathers.py counts them)."""
+        """``lookahead`` started all-gathers or more wait for the loop. No count at all
+        under a lookahead of every bucket (the plans' default), which limits nothing
+        (at most one per bucket is in flight, and start() waits for a bucket's own)."""
         limit = self.lookahead
         if limit is None or limit >= len(self._buckets):
             return False
         with self._lock:
-            ops = list(self._in_flight.values())
-        running = 0
-        for op in ops:
-            if not op.done():
-                running += 1
-                if running >= limit:
-                    return True
-        return False
+            return len(self._ahead) >= limit
 
-    def finish(self, bucket: int, timer=None) -> None:
+    def finish(self, bucket: int, timer=None, *, by_the_loop: bool = True) -> None:
         """Wait for ``bucket``'s all-gather. ``timer``: the plan profiler, when the
         training loop waits here (see [Note: stage 1 only where the forward waits]
-        in plan.py); told of a wait for one that has not landed."""
+        in plan.py); told of a wait for one that has not landed. ``by_the_loop``:
+        False for a wait that may run on one rank alone, which starts nothing and
+        frees no place in the lookahead (see the note above)."""
         pending = bucket in self._queued
-        if pending:
+        if pending and by_the_loop:
             self.start_queued(until=bucket)
         with self._lock:
             op = self._in_flight.get(bucket)
@@ -122,6 +131,9 @@ class ParamGathers:
             with self._lock:
                 if self._in_flight.get(bucket) is op:
                     del self._in_flight[bucket]
+        if by_the_loop:
+            with self._lock:
+                self._ahead.discard(bucket)
         if pending:
             # Written by the loop while the gather landed (a clamp right after
             # opt.step()): the gathered slices overwrote part of it, by timing.
@@ -132,14 +144,16 @@ class ParamGathers:
                     f"its updated values were still being all-gathered ({self._schedule} "
                     "finishes them during the next forward): call model.synchronize() "
                     "first, on every rank")
-        if self._queued:
+        if self._queued and by_the_loop:
             self.start_queued()
 
-    def finish_all(self, timer=None) -> None:
-        self.start_queued(all_of_them=True)
+    def finish_all(self, timer=None, *, by_the_loop: bool = True) -> None:
+        if by_the_loop:
+            self.start_queued(all_of_them=True)
         with self._lock:
-            buckets = sorted(self._in_flight)
+            # (Those a one-rank wait landed are still ahead of the loop.)
+            buckets = sorted(set(self._in_flight) | (self._ahead if by_the_loop else set()))
         # Ascending: the last in forward order first, which was queued last and
         # lands last; a timed wait for all of them is counted there.
         for bucket in buckets:
-            self.finish(bucket, timer)
+            self.finish(bucket, timer, by_the_loop=by_the_loop)

@@ -1,8 +1,9 @@
 """ParamGathers on its own: the order and the lookahead of the parameter all-gathers,
-with an exchange that only records (no process group)."""
+with an exchange that only records (no process group); and the lookahead on 2 ranks."""
 import types
 
 import pytest
+import torch
 
 from fgpsdp_runtime.param_gathers import ParamGathers
 from fgpsdp_runtime.tracing import Timeline
@@ -54,15 +55,99 @@ def test_a_lookahead_of_every_bucket_starts_all_without_counting(lookahead):
     assert _Op.asked == 0
 
 
-def test_a_smaller_lookahead_holds_the_rest_and_counts_only_up_to_it():
+def test_a_smaller_lookahead_holds_the_rest_and_counts_without_asking_the_ops():
     gathers, exchange = _gathers(200, 4)
     _Op.asked = 0
     for b in range(200):
         gathers.queue(b)
     assert exchange.started == ["b0", "b1", "b2", "b3"]
     assert gathers.queued
-    assert _Op.asked <= 4 * 200  # up to four asked per bucket, not all those in flight
+    assert _Op.asked == 0  # counted from the loop's waits, not from done()
     gathers.finish(10)  # the forward needs bucket 10: every one before it starts too
     assert exchange.started == [f"b{b}" for b in range(11)]
     gathers.start_queued(all_of_them=True)
     assert exchange.started == [f"b{b}" for b in range(200)]
+
+
+def test_the_lookahead_counts_what_the_loop_has_not_waited_for():
+    """Not what has not landed: that depends on each rank's timing, so ranks started
+    different buckets, and a read of the parameters on rank 0 alone waited for one its
+    peer had not started while the peer waited in a barrier (audit h116: a deadlock)."""
+    gathers, exchange = _gathers(6, 2)
+    for b in range(6):
+        gathers.queue(b)
+    assert exchange.started == ["b0", "b1"]
+    for op in list(gathers._in_flight.values()):
+        op.landed = True  # landed on this rank: still ahead of the loop
+    gathers.start_queued()
+    assert exchange.started == ["b0", "b1"]
+    # A wait that may run on one rank alone (a read) lands b0, starts nothing, and
+    # frees no place: the loop's next start is where every rank's is.
+    gathers.finish(0, by_the_loop=False)
+    assert exchange.started == ["b0", "b1"] and list(gathers._in_flight) == [1]
+    gathers.finish_all(by_the_loop=False)
+    assert exchange.started == ["b0", "b1"] and not gathers.in_flight
+    gathers.finish(0)  # the loop's wait (a forward's pre-hook): one more starts
+    assert exchange.started == ["b0", "b1", "b2"]
+    gathers.finish_all()  # the loop's wait for all (synchronize())
+    assert exchange.started == [f"b{b}" for b in range(6)] and not gathers.in_flight
+    assert not gathers._ahead
+
+
+def _read_on_rank_0_then_barrier(rank, world_size):
+    import time
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import fgpsdp_runtime as fgp
+    from fgpsdp_runtime.plan import OverlapPlan
+
+    class PacedAdamW(torch.optim.AdamW):
+        """One step per bucket in two_stage, each 60 ms but rank 1's last bucket's:
+        rank 1 queued its last bucket while the one before was still in flight,
+        rank 0 (20 ms behind) after it had landed, so the old count (what has not
+        landed) had rank 0 start it and rank 1 hold it back."""
+        calls = 0
+
+        def step(self, closure=None):
+            last = PacedAdamW.calls % buckets == buckets - 1
+            PacedAdamW.calls += 1
+            if not (rank == 1 and last):
+                time.sleep(0.06)
+            return super().step(closure)
+
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(13, 37), nn.Tanh(), nn.Linear(37, 29), nn.Tanh(),
+                           nn.Linear(29, 5))
+    model = fgp.DistributedDataParallel(module, schedule="two_stage", overlap_plan="layout",
+                                        bucket_cap_mb=0.0001)
+    model.set_overlap_plan(OverlapPlan(stage1=(), stage2=model.forward_bucket_order,
+                                       lookahead=1, source="test"))
+    buckets = len(model.buckets)
+    opt = fgp.ShardedOptimizer(model, PacedAdamW, lr=1e-2)
+    g = torch.Generator().manual_seed(rank)
+    norms = []
+    for _ in range(3):
+        nn.functional.mse_loss(model(torch.randn(8, 13, generator=g)),
+                               torch.randn(8, 5, generator=g)).backward()
+        if rank == 0:
+            time.sleep(0.02)
+        opt.step()
+        opt.zero_grad()
+        if rank == 0:  # a weight norm logged on rank 0 alone
+            norms.append(float(sum(p.detach().double().square().sum()
+                                   for p in model.parameters())))
+        dist.barrier()  # then a collective of every rank (a loss all-reduce, a barrier)
+    model.synchronize()
+    return norms, [p.detach().clone() for p in model.module.parameters()]
+
+
+def test_a_read_on_one_rank_after_the_step_waits_only_for_what_every_rank_started():
+    """A plan with a lookahead of 1 (audit h116): before, a deadlock."""
+    from .dist_harness import run_distributed
+    (norms, params0), (_, params1) = run_distributed(2, _read_on_rank_0_then_barrier,
+                                                    timeout_s=120, pg_timeout_s=60)
+    assert len(norms) == 3
+    assert all(torch.equal(a, b) for a, b in zip(params0, params1))

@@ -30,8 +30,8 @@ class ParamGathers:
         # lookahead allows; otherwise at the end of the step.
         self._overlaps_forward = overlaps_forward
         self._in_flight: dict[int, PendingOp] = {}
-        # Started and not yet waited for by the training loop (see [Note: the
-        # lookahead counts what the loop has not waited for]).
+        # Started from the queue and not yet waited for by the training loop (see
+        # [Note: the lookahead counts what the loop has not waited for]).
         self._ahead: set[int] = set()
         self._lock = threading.Lock()
         # Queued all-gathers start in queue order, one thread at a time: a read of
@@ -51,8 +51,10 @@ class ParamGathers:
     def in_flight(self) -> bool:
         return bool(self._in_flight)
 
-    def start(self, bucket: int) -> None:
-        """Send this rank's updated slice of ``bucket``; receive everyone else's."""
+    def start(self, bucket: int, *, from_the_queue: bool = False) -> None:
+        """Send this rank's updated slice of ``bucket``; receive everyone else's.
+        ``from_the_queue``: a stage-2 all-gather, counted by the lookahead (stage 1's
+        and the re-sends of undone slices are not: they are no queue's)."""
         storage = self._buckets[bucket]
         with self._lock:
             previous = self._in_flight.pop(bucket, None)
@@ -62,7 +64,8 @@ class ParamGathers:
                                              label=f"b{bucket}")
         with self._lock:
             self._in_flight[bucket] = op
-            self._ahead.add(bucket)
+            if from_the_queue:
+                self._ahead.add(bucket)
 
     def queue(self, bucket: int) -> None:
         """Queue ``bucket`` behind the step's earlier ones; under the
@@ -78,11 +81,13 @@ class ParamGathers:
             while queue:
                 if not (all_of_them or until in queue) and self._lookahead_reached():
                     return
-                self.start(queue.pop(0))
+                self.start(queue.pop(0), from_the_queue=True)
 
     # [Note: the lookahead counts what the loop has not waited for]
-    # A queued all-gather starts while fewer than ``lookahead`` started ones have
-    # not been waited for by the training loop (a forward's pre-hook, the step,
+    # A queued all-gather starts while fewer than ``lookahead`` ones started from
+    # the queue (stage 2's; not stage 1's, which run in backward, a review found
+    # they held every stage-2 start back to its forward's wait) have not been
+    # waited for by the training loop (a forward's pre-hook, the step,
     # synchronize()). Not "have not landed": that depends on each rank's timing,
     # so one rank could start a bucket that another still held back, and a read
     # of the parameters on the first alone (a logged weight norm on rank 0, which

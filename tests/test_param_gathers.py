@@ -151,3 +151,14 @@ def test_a_read_on_one_rank_after_the_step_waits_only_for_what_every_rank_starte
                                                     timeout_s=120, pg_timeout_s=60)
     assert len(norms) == 3
     assert all(torch.equal(a, b) for a, b in zip(params0, params1))
+
+
+def test_stage_1_all_gathers_take_no_place_in_the_lookahead():
+    """Started in backward, kept by the step and waited for by the next forward only:
+    counted, they held every stage-2 all-gather back to its forward's wait (review)."""
+    gathers, exchange = _gathers(5, 2)
+    for b in (2, 1, 0):  # stage 1, from the scheduler thread
+        gathers.start(b)
+    for b in (4, 3):  # the step queues stage 2 behind them
+        gathers.queue(b)
+    assert exchange.started == ["b2", "b1", "b0", "b4", "b3"] and not gathers.queued

@@ -93,10 +93,10 @@ class ParamGathers:
     # of the parameters on the first alone (a logged weight norm on rank 0, which
     # waits for what this rank started) then waited for an all-gather its peer
     # would start only at its next forward, while the peer waited in a collective
-    # of the loop's after the read (a barrier): a deadlock (audit h116). Counted
-    # so, every rank starts the same buckets at the same points of its loop, and
-    # a read waits only for what every rank has started. Waits that may run on
-    # one rank alone (reads, model.module(x)) do not count as the loop's.
+    # of the loop's after the read (a barrier): a deadlock, found by fuzzing the
+    # timing. Counted so, every rank starts the same buckets at the same points of
+    # its loop, and a read waits only for what every rank has started. Waits that
+    # may run on one rank alone (reads, model.module(x)) do not count as the loop's.
 
     def _lookahead_reached(self) -> bool:
         """``lookahead`` started all-gathers or more wait for the loop. No count at all

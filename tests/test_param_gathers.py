@@ -72,7 +72,7 @@ def test_a_smaller_lookahead_holds_the_rest_and_counts_without_asking_the_ops():
 def test_the_lookahead_counts_what_the_loop_has_not_waited_for():
     """Not what has not landed: that depends on each rank's timing, so ranks started
     different buckets, and a read of the parameters on rank 0 alone waited for one its
-    peer had not started while the peer waited in a barrier (audit h116: a deadlock)."""
+    peer had not started while the peer waited in a barrier (a deadlock a timing fuzzer found)."""
     gathers, exchange = _gathers(6, 2)
     for b in range(6):
         gathers.queue(b)
@@ -145,7 +145,7 @@ def _read_on_rank_0_then_barrier(rank, world_size):
 
 
 def test_a_read_on_one_rank_after_the_step_waits_only_for_what_every_rank_started():
-    """A plan with a lookahead of 1 (audit h116): before, a deadlock."""
+    """A plan with a lookahead of 1: before, a deadlock (a timing fuzzer found it)."""
     from .dist_harness import run_distributed
     (norms, params0), (_, params1) = run_distributed(2, _read_on_rank_0_then_barrier,
                                                     timeout_s=120, pg_timeout_s=60)

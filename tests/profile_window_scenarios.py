@@ -11,7 +11,7 @@ import fgpsdp_runtime as fgp
 from fgpsdp_runtime import comm
 
 
-class _SlowBackward(torch.autograd.Function):
+class SlowBackward(torch.autograd.Function):
     """Identity whose backward first calls ``pause`` (a host sleep; on CUDA a GPU
     sleep, which the host does not wait for): buckets are ready at distinct times."""
 
@@ -44,7 +44,7 @@ class SlowNet(nn.Module):
         for layer in self.layers:
             if self.forward_pause is not None:
                 self.forward_pause()
-            x = _SlowBackward.apply(torch.tanh(layer(x)), self.pause)
+            x = SlowBackward.apply(torch.tanh(layer(x)), self.pause)
         return x.square().mean()
 
 
@@ -58,7 +58,7 @@ def _long_pause() -> None:
 
 
 @contextlib.contextmanager
-def _slow_all_gathers(seconds: float):
+def slow_all_gathers(seconds: float):
     """Every all-gather first sleeps on its link worker: a link the forward outpaces."""
     original = comm._Exchange._collective
 
@@ -81,7 +81,7 @@ def _slow_all_gathers(seconds: float):
 def _train(rank: int, case: str, schedule: str, overlap_plan: str, steps: int,
            max_grad_norm=None) -> dict:
     slow = case in ("slow_all_gathers", "slow_forward_on_rank_0")
-    with _slow_all_gathers(0.02) if slow else contextlib.nullcontext():
+    with slow_all_gathers(0.02) if slow else contextlib.nullcontext():
         return _train_as_is(rank, case, schedule, overlap_plan, steps, max_grad_norm)
 
 
@@ -200,7 +200,7 @@ def joined_before_the_window(rank: int, world_size: int) -> dict:
     but the first in forward order. Rank 0's shadowed forwards compute nothing and
     wait for every all-gather in full: those waits must not shape the plan."""
     torch.manual_seed(0)
-    with _slow_all_gathers(0.02):
+    with slow_all_gathers(0.02):
         net = SlowNet(pause=_long_pause, forward_pause=_long_pause)
         model = fgp.DistributedDataParallel(net, bucket_cap_mb=0.015)
         opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)

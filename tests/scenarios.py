@@ -19,6 +19,8 @@ from torch import nn
 import fgpsdp_runtime as fgp
 from fgpsdp_runtime.plan import OverlapPlan
 
+from .profile_window_scenarios import SlowBackward, slow_all_gathers
+
 
 class MLP(nn.Module):
     # Odd sizes so that parameters straddle slices at odd offsets.
@@ -327,6 +329,16 @@ def train_eval_modes(rank: int, world_size: int, schedule: str, steps: int = 4) 
             "eval_diffs": eval_diffs}
 
 
+def _adamw_beside_torch_ddp(base: nn.Module, schedule: str):
+    """(ours, its ShardedOptimizer, torch DDP on a copy, its AdamW): small buckets, and
+    under two_stage the layout plan, so that stage 1 speculates from the first step."""
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    ours = fgp.DistributedDataParallel(base, bucket_cap_mb=0.0001, schedule=schedule,
+                                       overlap_plan="layout" if schedule == "two_stage" else "auto")
+    return (ours, fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2),
+            ref, torch.optim.AdamW(ref.parameters(), lr=1e-2))
+
+
 def validation_under_inference_mode_first(rank: int, world_size: int, schedule: str,
                                           steps: int = 3) -> dict:
     """A validation forward under torch.inference_mode() before the first training step
@@ -336,11 +348,7 @@ def validation_under_inference_mode_first(rank: int, world_size: int, schedule: 
     on every rank (the probe's answer is cached per process: run in a fresh one)."""
     torch.manual_seed(1234)
     base = nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.ReLU(), nn.Linear(16, 2))
-    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-    ours = fgp.DistributedDataParallel(base, bucket_cap_mb=0.0001, schedule=schedule,
-                                       overlap_plan="layout" if schedule == "two_stage" else "auto")
-    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ours, opt, ref, ref_opt = _adamw_beside_torch_ddp(base, schedule)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(4, 8, generator=g)
     validation = []
@@ -362,53 +370,21 @@ def validation_under_inference_mode_first(rank: int, world_size: int, schedule: 
                                zip(ours.module.buffers(), ref.module.buffers()))}
 
 
-def _slow_all_gathers(model, seconds: float) -> None:
-    """Each parameter all-gather of ``model`` starts ``seconds`` late on its link worker."""
-    exchange = model._gathers._exchange
-    collective = type(exchange)._collective
-
-    def slowed(phase, *args):
-        run = collective(phase, *args)
-        if phase != "all_gather":
-            return run
-
-        def late():
-            time.sleep(seconds)
-            return run()
-        return late
-    exchange._collective = slowed
-
-
-class _SlowBackward(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(0.05)
-        return grad
-
-
 def functional_calls_through_the_wrapper(rank: int, world_size: int, schedule: str,
                                          steps: int = 3) -> dict:
     """torch.func.functional_call through the wrapper, beside torch DDP: an evaluation
     with other weights (an EMA's, plain tensors) as the very first forward and at the
     end, and training with a plain forward plus one with a weight replaced by a
     function of itself (read through named_parameters(), which lands its all-gather),
-    the all-gathers slowed. Before, every rank raised "parameter ... was replaced by
-    another tensor" (functional_call writes its substitutes into _parameters); then
-    (review) a first forward that was a functional_call recorded no wait for the
-    substituted parameters, and the plain forwards read them before they landed."""
+    the all-gathers slowed (a forward that reads before they land reads old values).
+    Before, every rank raised "parameter ... was replaced by another tensor"
+    (functional_call writes its substitutes into _parameters); then (review) a first
+    forward that was a functional_call recorded no wait for the substituted
+    parameters, and the plain forwards read them before they landed."""
     from torch.func import functional_call
     torch.manual_seed(1234)
     base = nn.Sequential(nn.Linear(13, 37), nn.Tanh(), nn.Linear(37, 5))
-    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-    ours = fgp.DistributedDataParallel(base, bucket_cap_mb=0.0001, schedule=schedule,
-                                       overlap_plan="layout" if schedule == "two_stage" else "auto")
-    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    _slow_all_gathers(ours, 0.05)  # a forward that reads before they land reads old values
+    ours, opt, ref, ref_opt = _adamw_beside_torch_ddp(base, schedule)
     g = torch.Generator().manual_seed(rank)
     eval_diffs = []
 
@@ -420,18 +396,19 @@ def functional_calls_through_the_wrapper(rank: int, world_size: int, schedule: s
                 outputs.append(functional_call(model, halved, (x,)))
         eval_diffs.append(float((outputs[0] - outputs[1]).abs().max()))
 
-    evaluate(torch.randn(8, 13, generator=g))  # the first forward
-    for step in range(steps):
-        x, y = torch.randn(8, 13, generator=g), torch.randn(8, 5, generator=g)
-        for model, optimizer in ((ours, opt), (ref, ref_opt)):
-            out = model(x)  # first in the step: its waits are the recorded ones
-            weight = dict(model.named_parameters())["module.2.weight"]
-            scaled = functional_call(model, {"module.2.weight": weight * 1.5}, (x,))
-            (nn.functional.mse_loss(out, y) + nn.functional.mse_loss(scaled, y)).backward()
-            optimizer.step()
-            optimizer.zero_grad()
-    evaluate(x)  # (named_parameters() lands every all-gather: not between the steps)
-    ours.synchronize()
+    with slow_all_gathers(0.05):
+        evaluate(torch.randn(8, 13, generator=g))  # the first forward
+        for step in range(steps):
+            x, y = torch.randn(8, 13, generator=g), torch.randn(8, 5, generator=g)
+            for model, optimizer in ((ours, opt), (ref, ref_opt)):
+                out = model(x)  # first in the step: its waits are the recorded ones
+                weight = dict(model.named_parameters())["module.2.weight"]
+                scaled = functional_call(model, {"module.2.weight": weight * 1.5}, (x,))
+                (nn.functional.mse_loss(out, y) + nn.functional.mse_loss(scaled, y)).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        evaluate(x)  # (named_parameters() lands every all-gather: not between the steps)
+        ours.synchronize()
     return {"param_diff": param_diff(ours, ref), "eval_diffs": eval_diffs,
             "commits": ours.scheduler.commits if ours.scheduler is not None else None}
 
@@ -447,11 +424,7 @@ def functional_call_substitutes_viewing_parameters(rank: int, world_size: int,
     from torch.func import functional_call
     torch.manual_seed(1234)
     base = nn.Sequential(nn.Linear(13, 37), nn.Tanh(), nn.Linear(37, 5))
-    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-    ours = fgp.DistributedDataParallel(base, bucket_cap_mb=0.0001, schedule=schedule,
-                                       overlap_plan="layout" if schedule == "two_stage" else "auto")
-    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ours, opt, ref, ref_opt = _adamw_beside_torch_ddp(base, schedule)
     g = torch.Generator().manual_seed(rank)
     x0 = torch.randn(8, 13, generator=g)
     for model in (ours, ref):
@@ -462,7 +435,8 @@ def functional_call_substitutes_viewing_parameters(rank: int, world_size: int,
         for model, optimizer in ((ours, opt), (ref, ref_opt)):
             params = dict(model.named_parameters())
             substitutes = {n: params[n].data for n in ("module.2.weight", "module.2.bias")}
-            aux = _SlowBackward.apply(functional_call(model, substitutes, (x,)))
+            aux = SlowBackward.apply(functional_call(model, substitutes, (x,)),
+                                      lambda: time.sleep(0.05))
             out = model(x)
             (nn.functional.mse_loss(aux, -y) + nn.functional.mse_loss(out, y)).backward()
             optimizer.step()

@@ -14,6 +14,7 @@ from .dist_harness import run_calls
 TWO = [name for name in scen.CASES if name.startswith("2r-")]
 THREE = [name for name in scen.CASES if name.startswith("3r-")]
 ERROR_CALLS = [(scen.train_case_throwing,), (scen.join_with_grad_scaler,)]
+MISALIGNED_NO_SYNC = (scen.no_sync_beside_a_synchronised_forward,)
 LOADS = [(scen.load_while_joined, what, load_at) for what in ("model", "full", "shard")
          for load_at in (0, 2)]  # at 0 every rank is active: the load is fine
 TWO_WRAPPERS = [(scen.join_of_two_wrappers, how) for how in ("generic", "nested")]
@@ -36,7 +37,7 @@ def _by_case(per_rank, names, fn=scen.train_case):
 def two_ranks():
     calls = [(scen.train_case, name) for name in TWO] + [(scen.join_then_save, "two_stage"),
                                                         (scen.join_then_save, "next_forward")]
-    calls += ERROR_CALLS + BACKWARD_SKIPPED + LEFT_AT_JOIN_CALLS
+    calls += ERROR_CALLS + BACKWARD_SKIPPED + LEFT_AT_JOIN_CALLS + [MISALIGNED_NO_SYNC]
     return run_calls(2, calls, timeout_s=300)
 
 
@@ -142,6 +143,12 @@ def test_refusals_and_early_termination_raise_on_every_rank(two_ranks):
         assert scaler["type"] == "NotImplementedError", (rank, scaler)
         if rank == 1:  # the rank whose loop raised; rank 0 was told
             assert "ShardedGradScaler" in scaler["message"]
+
+
+def test_a_no_sync_micro_batch_beside_a_synchronised_forward_raises_on_every_rank(two_ranks):
+    for rank, res in enumerate(two_ranks[MISALIGNED_NO_SYNC]):
+        assert res["type"] == "RuntimeError" and "different arguments" in res["message"], \
+            (rank, res)
 
 
 def test_a_backward_that_reaches_no_parameter_on_one_rank(two_ranks):

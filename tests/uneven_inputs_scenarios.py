@@ -375,3 +375,21 @@ def announced_arguments(rank: int, world_size: int, max_norms: tuple) -> dict[st
                 opt.zero_grad()
     error = _error_of(loop)
     return {"received": [(kind, value.hex()) for kind, value in received], **error}
+
+
+def no_sync_beside_a_synchronised_forward(rank: int, world_size: int) -> dict[str, Any]:
+    """Under join(), rank 0 runs a no_sync() micro-batch at the call where rank 1 runs a
+    synchronised forward (micro-batches that do not line up across ranks): torch DDP's
+    join only sums the flag; here it is an argument the active ranks must agree on, and
+    every rank raises (found by fuzzing; no hang)."""
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(MODELS["mlp"]())
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+
+    def loop() -> None:
+        with model.join():
+            x, y = make_batch("mlp", 0, 0, rank)
+            with model.no_sync() if rank == 0 else contextlib.nullcontext():
+                loss_fn("mlp", model(x), y).backward()
+            opt.step()
+    return _error_of(loop)

@@ -123,6 +123,9 @@ class ParamPlaces:
         # parameter-free swap: see _note_registration): the next check() looks at
         # the tree once.
         self.tree_changed = False
+        # A forward since the last step found a plain tensor standing in for a
+        # parameter (check()): only then does the step look again (refuse_substitutes).
+        self._substitutes_seen = False
         _watch(module, self)
         # Per bucket: its flat buffer, and per parameter (name, owner module,
         # attribute, parameter, byte offset from the buffer's start, span).
@@ -174,6 +177,7 @@ class ParamPlaces:
         for _flat, name, param, _span, owner, leaf, replaced in self._displaced():
             if replaced and (value := _substitute_for_a_call(owner, leaf)) is not None:
                 substitutes.append(value)
+                self._substitutes_seen = True
                 continue
             if not replaced:
                 problem = f"was given new storage (now {param.dtype} on {param.device})"
@@ -206,7 +210,10 @@ class ParamPlaces:
     def refuse_substitutes(self) -> None:
         """At ``opt.step()``, where no ``functional_call`` is under way: a plain tensor
         still standing in for a parameter was written into ``_parameters`` for good,
-        and the parameter would never train again."""
+        and the parameter would never train again. Only after a forward that saw
+        one: a step walks the parameters no more than that."""
+        if not self._substitutes_seen:
+            return
         for _flat, name, _param, _span, owner, leaf, replaced in self._displaced():
             if replaced and _substitute_for_a_call(owner, leaf) is not None:
                 raise RuntimeError(
@@ -214,6 +221,7 @@ class ParamPlaces:
                     "module's _parameters (written there directly; torch.func.functional_call "
                     "puts the parameter back after its call): it no longer lives in its "
                     "bucket and would not train. Change the module before wrapping it")
+        self._substitutes_seen = False
 
     def _check_tree(self) -> None:
         """After a submodule or a parameter was set somewhere in the tree: each

@@ -352,12 +352,15 @@ def _state_tensors(opt) -> list[torch.Tensor]:
             if torch.is_tensor(state[k][n])]
 
 
-def optimizer_state_dict_between_backward_and_step(rank: int, world_size: int) -> dict:
+def optimizer_state_dict_between_backward_and_step(rank: int, world_size: int,
+                                                   undo: str = "synchronize") -> dict:
     """Under two_stage the stage-1 steps have updated the optimizer state when
-    backward returns: opt.state_dict() and opt.load_state_dict() raise there (on
-    every rank, found by an audit: a loop passed the profile window, then failed
-    from step 4 on); after model.synchronize() (every rank) they see the state
-    before the step, and the step then runs as it would have."""
+    backward returns: opt.state_dict(), opt.full_state_dict() and
+    opt.load_state_dict() raise there (on every rank, found by an audit: a loop
+    passed the profile window, then failed from step 4 on); after
+    model.synchronize() or model.state_dict() (``undo``, on every rank) they see
+    the state before the step, the model's state dict holds the parameters before
+    the step, and the step then runs as it would have."""
     torch.manual_seed(0)
     model = fgp.DistributedDataParallel(PlainNet(), bucket_cap_mb=0.0001,
                                         schedule="two_stage", overlap_plan="layout")
@@ -367,16 +370,24 @@ def optimizer_state_dict_between_backward_and_step(rank: int, world_size: int) -
         x, y = _batch(step, rank)
         before = _state_tensors(opt)
         saved = opt.state_dict()
+        params_before = [p.detach().clone() for p in model.parameters()]
         F.mse_loss(model(x), y).backward()
         if step == 1:
-            for call in (opt.state_dict, lambda: opt.load_state_dict(saved)):
+            for call in (opt.state_dict, opt.full_state_dict,
+                         lambda: opt.load_state_dict(saved)):
                 try:
                     call()
                     messages.append(None)
                 except RuntimeError as error:
                     messages.append(str(error))
-            model.synchronize()  # undoes the stage-1 steps, state included
+            if undo == "synchronize":
+                model.synchronize()  # undoes the stage-1 steps, state included
+                saved_params = [p.detach().clone() for p in model.parameters()]
+            else:
+                saved_params = list(model.state_dict().values())  # undoes them too
             after_sync, before_backward = _state_tensors(opt), before
+            params_kept = len(saved_params) == len(params_before) and all(
+                torch.equal(a, b) for a, b in zip(saved_params, params_before))
             opt.load_state_dict(saved)  # what a rewind does: allowed now
         opt.step()
         opt.zero_grad()
@@ -385,6 +396,7 @@ def optimizer_state_dict_between_backward_and_step(rank: int, world_size: int) -
             "state_before_the_step": len(before_backward) > 0
             and len(before_backward) == len(after_sync)
             and all(torch.equal(a, b) for a, b in zip(before_backward, after_sync)),
+            "params_before_the_step": params_kept,
             "params": [p.detach().clone() for p in model.module.parameters()]}
 
 
@@ -441,8 +453,8 @@ class OwnDeepcopyNet(nn.Module):
     """A class whose own ``__deepcopy__`` copies its ``__dict__`` as user code may
     (``how``): deep-copied whole, the copy put into the memo first (``registers``)
     or not (``does-not``); merged into the copy's own (``dict-update``); item by
-    item (``item-by-item``). Its ``__del__`` closes a handle, as a class holding a
-    file would."""
+    item (``item-by-item``), or item by item without the memo (``neither``). Its
+    ``__del__`` closes a handle, as a class holding a file would."""
 
     def __init__(self, how: str):
         super().__init__()
@@ -458,9 +470,9 @@ class OwnDeepcopyNet(nn.Module):
 
     def __deepcopy__(self, memo):
         replica = type(self).__new__(type(self))
-        if self.how != "does-not":
+        if self.how not in ("does-not", "neither"):
             memo[id(self)] = replica
-        if self.how == "item-by-item":
+        if self.how in ("item-by-item", "neither"):
             for k, v in self.__dict__.items():
                 setattr(replica, k, copy.deepcopy(v, memo))
         elif self.how == "dict-update":
@@ -495,6 +507,23 @@ def copy_by_a_class_own_deepcopy(rank: int, world_size: int, how: str) -> dict:
     return {"copy_equal": copy_equal, "submodule_reads": len(list(ema.a.parameters())) == 2,
             "pickled_equal": equal(pickled), "pickled_in_eval": not pickled.training,
             "copy_of_copy_equal": equal(copy.deepcopy(ema)), "handle_open": ema.handle_open}
+
+
+def copy_by_a_deepcopy_of_neither_kind(rank: int, world_size: int) -> str:
+    """A class's own ``__deepcopy__`` that copies ``__dict__`` item by item without
+    putting the copy into the memo first: the copy's guards point at nothing once
+    the original is gone, and its ``parameters()`` raises, saying what to do.
+    Returns the message."""
+    torch.manual_seed(0)
+    net = OwnDeepcopyNet("neither")
+    ema, _ = _copied_right_after_a_step(net)
+    del net
+    gc.collect()
+    try:
+        list(ema.parameters())
+    except TypeError as error:
+        return str(error)
+    return "no error"
 
 
 def user_grad_hooks_side_by_side(rank: int, world_size: int, schedule: str,

@@ -152,16 +152,20 @@ def test_parameters_written_between_backward_and_step_raise_under_two_stage():
             and "speculative step" in res["message"], (rank, res)
 
 
-def test_optimizer_state_dict_between_backward_and_step_raises_under_two_stage_until_synchronized():
+@pytest.mark.parametrize("undo", ["synchronize", "model_state_dict"])
+def test_optimizer_state_dict_between_backward_and_step_raises_under_two_stage_until_synchronized(
+        undo):
     ours = run_distributed(2, autograd_scenarios.optimizer_state_dict_between_backward_and_step,
-                           timeout_s=90)
+                           undo, timeout_s=90)
     serial = run_distributed(2, autograd_scenarios.optimizer_state_dict_reference, timeout_s=90)
     for rank, res in enumerate(ours):
-        assert len(res["messages"]) == 2, (rank, res["messages"])
-        for what, message in zip(("state_dict()", "load_state_dict()"), res["messages"]):
+        assert len(res["messages"]) == 3, (rank, res["messages"])
+        for what, message in zip(("state_dict()", "full_state_dict()", "load_state_dict()"),
+                                 res["messages"]):
             assert message is not None and f"opt.{what} between backward and opt.step()" \
                 in message and "model.synchronize()" in message, (rank, message)
         assert res["state_before_the_step"], rank
+        assert res["params_before_the_step"], rank
         assert all(torch.equal(a, b) for a, b in zip(res["params"], serial[rank]["params"])), rank
 
 
@@ -172,6 +176,15 @@ def test_copy_by_a_class_own_deepcopy_reads_pickles_and_copies(how):
         assert res == {"copy_equal": True, "submodule_reads": True, "pickled_equal": True,
                        "pickled_in_eval": True, "copy_of_copy_equal": True,
                        "handle_open": True}
+
+
+def test_copy_by_a_deepcopy_that_neither_registers_nor_copies_whole_says_what_to_remove():
+    for message in run_distributed(2, autograd_scenarios.copy_by_a_deepcopy_of_neither_kind,
+                                   timeout_s=90):
+        assert message.startswith("fgpsdp: the ") and "module that is gone" in message \
+            and "memo[id(self)] = copy" in message, message
+        for attribute in ("'named_parameters'", "'zero_grad'", "'__getstate__'"):
+            assert attribute in message, message
 
 
 def test_copy_of_a_parametrized_module_copies_again():

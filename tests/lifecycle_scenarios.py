@@ -29,12 +29,17 @@ def _train(model, opt, rank: int, steps: range) -> None:
 
 def wrap_again(rank: int, world_size: int, schedule: str) -> dict[str, Any]:
     """Wrap, train, drop the wrapper (no gc.collect()), wrap the same module
-    again and train on; torch DDP does the same on a copy."""
+    again and train on; torch DDP does the same on a copy. The first parameter is
+    frozen in the first wrapping and unfrozen for the second: how a parameter
+    frozen at wrapping starts training (the README's way to unfreeze)."""
     torch.manual_seed(0)
     module = MLP()
     ref_module = copy.deepcopy(module)
-    moved = []
+    frozen, ref_frozen = next(module.parameters()), next(ref_module.parameters())
+    moved, frozen_moved = [], []
     for phase in range(2):
+        for p in (frozen, ref_frozen):
+            p.requires_grad_(phase == 1)
         before = [p.detach().clone() for p in module.parameters()]
         model = fgp.DistributedDataParallel(module, schedule=schedule, bucket_cap_mb=0.002)
         opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
@@ -43,11 +48,13 @@ def wrap_again(rank: int, world_size: int, schedule: str) -> dict[str, Any]:
         _train(model, opt, rank, range(3 * phase, 3 * phase + 3))
         _train(ref, ref_opt, rank, range(3 * phase, 3 * phase + 3))
         model.synchronize()
-        moved.append(max(float((a - b).abs().max()) for a, b in zip(before, module.parameters())))
+        changes = [float((a - b).abs().max()) for a, b in zip(before, module.parameters())]
+        moved.append(max(changes))
+        frozen_moved.append(changes[0])
         del model, opt, ref, ref_opt
     diff = max(float((a - b).abs().max())
                for a, b in zip(module.parameters(), ref_module.parameters()))
-    return {"moved": moved, "diff_to_ddp": diff}
+    return {"moved": moved, "frozen_moved": frozen_moved, "diff_to_ddp": diff}
 
 
 def _resources() -> tuple[int, int]:

@@ -22,6 +22,8 @@ def test_a_module_wrapped_again_trains_as_torch_ddp(two_ranks, schedule):
     # second one's gradients: the second phase did not move at all.
     for res in two_ranks[(scen.wrap_again, schedule)]:
         assert all(m > 0 for m in res["moved"]), res
+        # frozen in the first wrapping, trained in the second
+        assert res["frozen_moved"][0] == 0.0 and res["frozen_moved"][1] > 0, res
         assert res["diff_to_ddp"] == 0.0, res
 
 

@@ -122,8 +122,9 @@ def test_two_nodes_of_two_match_torch_ddp_join(four_ranks):
 def test_a_joined_rank_clips_with_the_arguments_the_active_ranks_passed(four_ranks):
     """Rank 0 joins after one step; the three active ranks' 0.1 reached it as
     0.10000000000000002 before (their sum divided by three), and 0.7 as
-    0.6999999999999998."""
-    expected = [("value", (0.7).hex()), ("norm", (0.1).hex())] * 3
+    0.6999999999999998; zero_grad's set_to_none reaches it as passed."""
+    expected = [call for step in range(3) for call in (
+        ("value", (0.7).hex()), ("norm", (0.1).hex()), ("zero", step % 2 == 1))]
     for rank, res in enumerate(four_ranks[SAME_ARGS]):
         assert res["type"] is None, (rank, res)
         assert res["received"] == expected, (rank, res["received"])

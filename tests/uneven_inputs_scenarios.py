@@ -347,8 +347,9 @@ def no_sync_left_at_the_join(rank: int, world_size: int, system: str,
 
 def announced_arguments(rank: int, world_size: int, max_norms: tuple) -> dict[str, Any]:
     """Rank 0 runs one step under join(), the others three, each clipping at
-    ``max_norms[rank]`` and by value at 0.7: what every rank's clips received (a
-    joined rank's come from the active ranks' announcements), or the error raised."""
+    ``max_norms[rank]`` and by value at 0.7 and zeroing with ``set_to_none`` True
+    on odd steps only: what every rank's clips and zero_grad received (a joined
+    rank's come from the active ranks' announcements), or the error raised."""
     torch.manual_seed(0)
     model = fgp.DistributedDataParallel(MODELS["mlp"]())
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
@@ -362,7 +363,13 @@ def announced_arguments(rank: int, world_size: int, max_norms: tuple) -> dict[st
     def clip_grad_value_(clip_value):
         received.append(("value", clip_value))
         return by_value(clip_value)
+
+    def zero_grad(set_to_none=True):
+        received.append(("zero", set_to_none))
+        return zero(set_to_none)
+    zero = opt.zero_grad
     opt.clip_grad_norm_, opt.clip_grad_value_ = clip_grad_norm_, clip_grad_value_
+    opt.zero_grad = zero_grad
 
     def loop() -> None:
         with model.join():
@@ -372,9 +379,10 @@ def announced_arguments(rank: int, world_size: int, max_norms: tuple) -> dict[st
                 opt.clip_grad_value_(0.7)
                 opt.clip_grad_norm_(max_norms[rank])
                 opt.step()
-                opt.zero_grad()
+                opt.zero_grad(set_to_none=step % 2 == 1)
     error = _error_of(loop)
-    return {"received": [(kind, value.hex()) for kind, value in received], **error}
+    return {"received": [(kind, value if isinstance(value, bool) else value.hex())
+                         for kind, value in received], **error}
 
 
 def no_sync_beside_a_synchronised_forward(rank: int, world_size: int) -> dict[str, Any]:

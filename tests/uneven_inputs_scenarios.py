@@ -115,6 +115,11 @@ def train_uneven(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, A
 CASES = {
     **{f"2r-{s}": {"schedule": s, "batches": [3, 5], "max_grad_norm": 1.0, "lr_scheduler": True}
        for s in ("serial", "overlap_backward", "next_forward", "two_stage")},
+    # The same with no_sync() accumulation and BatchNorm (running statistics updated).
+    **{f"2r-{s}-accumulate-bn": {"schedule": s, "batches": [3, 5], "accumulate": 2,
+                                 "model": "bn_frozen", "max_grad_norm": 1.0,
+                                 "lr_scheduler": True}
+       for s in ("serial", "overlap_backward", "next_forward", "two_stage")},
     # The layout plan speculates from the first step, before any rank has joined.
     "2r-layout-plan-rank1-first": {"schedule": "two_stage", "overlap_plan": "layout",
                                    "bucket_cap_mb": 0.002, "batches": [5, 2],

@@ -91,3 +91,19 @@ def test_a_default_dtype_changed_between_backward_and_step_trains_like_torch_ddp
             2, thread_settings_scenarios.default_dtype_changed_between_backward_and_step)):
         assert differing == 0, (rank, differing)
         assert rollbacks > 0, rank  # stage 1 had stepped when the dtype changed
+
+
+def test_two_stage_clips_as_serial_after_the_loop_changes_its_thread_count():
+    """The end-to-end view of tests/test_ops.py's thread-count test of the norm kernel."""
+    two_stage = run_distributed(2, thread_settings_scenarios.clip_after_the_thread_count_changes,
+                                "two_stage")
+    serial = run_distributed(2, thread_settings_scenarios.clip_after_the_thread_count_changes,
+                             "serial")
+    for rank, (ours, ref) in enumerate(zip(two_stage, serial)):
+        # every clipped step (2, 5, 8, 11) speculated and rolled back; the step after
+        # one does not speculate, the next commits
+        assert ours["commits"] == 5 and ours["rollbacks"] == 4, (rank, ours["commits"],
+                                                                 ours["rollbacks"])
+        assert ours["totals"] == ref["totals"], rank
+        for a, b in zip(ours["params"], ref["params"]):
+            assert torch.equal(a, b), rank

@@ -100,3 +100,41 @@ def default_dtype_changed_between_backward_and_step(rank: int, world_size: int) 
             time.sleep(0.3)  # stage 1 has stepped (created its state) by now
             torch.set_default_dtype(torch.float64)
     return _side_by_side(rank, MLP, torch.optim.NAdam, 3, before_step)
+
+
+def clip_after_the_thread_count_changes(rank: int, world_size: int, schedule: str) -> dict:
+    """A float64 model whose slices span many of the norm kernel's 32K-element chunks;
+    every third step is clipped by clip_grad_norm_ after the loop lowered its intra-op
+    thread count from 3 to 2 between backward and step (the scheduler thread takes a
+    count over only at the next forward, so under two_stage the speculated bucket's
+    norm was taken with 3 threads), the other steps commit (a clipped step keeps the
+    next from speculating). Returns the parameters, the clipped steps' totals and the
+    scheduler's commits and rollbacks: two_stage must clip as serial does, bit for
+    bit (before the norm kernel summed in a fixed order, a sum split by the thread
+    count differed in its last bits between the two threads)."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(1000, 1000), nn.Tanh(), nn.Linear(1000, 1000), nn.Tanh(),
+                        nn.Linear(1000, 4)).double()
+    model = fgp.DistributedDataParallel(net, schedule=schedule, overlap_plan="layout",
+                                        bucket_cap_mb=4.0)
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=1.0)
+    g = torch.Generator().manual_seed(rank)
+    threads = torch.get_num_threads()
+    totals = []
+    try:
+        for step in range(12):
+            torch.set_num_threads(3)
+            x = torch.randn(16, 1000, generator=g, dtype=torch.float64)
+            model(x).square().mean().backward()
+            if step % 3 == 2:
+                torch.set_num_threads(2)
+                totals.append(float(opt.clip_grad_norm_(1e-3)).hex())
+            opt.step()
+            opt.zero_grad()
+    finally:
+        torch.set_num_threads(threads)
+    model.synchronize()
+    return {"params": [p.detach().clone() for p in model.module.parameters()],
+            "totals": totals,
+            "rollbacks": model.scheduler.rollbacks if model.scheduler else 0,
+            "commits": model.scheduler.commits if model.scheduler else 0}

@@ -119,6 +119,29 @@ def second_backward_through_retained_graph(rank: int, world_size: int,
     out.square().mean().backward()
 
 
+def second_backward_reduces_too(rank: int, world_size: int, schedule: str,
+                                how: str) -> list:
+    """Two backwards through one synchronised forward (``how="twice"``, the graph
+    retained) against one backward of the loss doubled (``"doubled"``): each
+    backward reduces, and the two reductions add up to exactly what the doubled
+    loss reduces (a factor of 2 is exact). Plain SGD; returns the parameters."""
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(PlainNet(), bucket_cap_mb=0.0001, schedule=schedule)
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    for step in range(3):
+        x, y = _batch(step, rank)
+        loss = F.mse_loss(model(x), y)
+        if how == "twice":
+            loss.backward(retain_graph=True)
+            loss.backward()
+        else:
+            (2 * loss).backward()
+        opt.step()
+        opt.zero_grad()
+    model.synchronize()
+    return [p.detach().clone() for p in model.module.parameters()]
+
+
 def _plain_side_by_side(rank: int, schedule: str, build=PlainNet,
                         optimizer=(torch.optim.SGD, 0.5)):
     """``build()`` (PlainNet) under fgpsdp (one bucket per parameter) and torch DDP,

@@ -192,3 +192,15 @@ def test_copy_of_a_parametrized_module_copies_again():
                                timeout_s=90):
         assert res == {"copy_equal": True, "copy_of_copy_equal": True,
                        "guard_is_the_copys": True}
+
+
+@pytest.mark.parametrize("schedule", ["serial", "overlap_backward", "next_forward"])
+def test_a_second_backward_through_a_retained_graph_reduces_too(schedule):
+    """README: unlike torch DDP (which refuses it), the second backward reduces again;
+    under two_stage it raises where stage 1 stepped (test above)."""
+    twice = run_distributed(2, autograd_scenarios.second_backward_reduces_too, schedule, "twice",
+                            timeout_s=90)
+    doubled = run_distributed(2, autograd_scenarios.second_backward_reduces_too, schedule,
+                              "doubled", timeout_s=90)
+    for rank, (a, b) in enumerate(zip(twice, doubled)):
+        assert all(torch.equal(p, q) for p, q in zip(a, b)), rank

@@ -153,7 +153,7 @@ def test_survivors_fail_fast_when_local_rank_0_dies_in_a_shared_memory_barrier(
     for rank in (1, 2):
         outcome = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert outcome["raised"], (rank, outcome)
-        # rank 0 dies about 1.2 s into the step (the survivors raised 1.03-1.09 s into
-        # their wait on a 2-core VM); without the failure flag ranks 1 and 2 waited for
+        # rank 0 dies about 1.2 s into the step (the survivors' step raised 1.03-1.09 s
+        # after it began, on a 2-core VM); without the failure flag ranks 1 and 2 waited for
         # each other until the 60 s timeout
         assert outcome["seconds"] < 10.0, (rank, outcome)

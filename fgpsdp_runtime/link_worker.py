@@ -56,6 +56,12 @@ class PendingOp:
         # reduce-scatter: on_done must run once, and before either returns.
         self._lock = threading.Lock()
 
+    @property
+    def waits_per_stream(self) -> bool:
+        """CUDA: a wait orders only the waiting thread's current stream after the
+        work; another stream must wait too. (On the CPU a wait is the host's.)"""
+        return self._done_event is not None
+
     def done(self) -> bool:
         """True once the work has landed (waiting would not block)."""
         if self._finished or self.future is None:

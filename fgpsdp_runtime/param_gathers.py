@@ -112,8 +112,9 @@ class ParamGathers:
         """Wait for ``bucket``'s all-gather. ``timer``: the plan profiler, when the
         training loop waits here (see [Note: stage 1 only where the forward waits]
         in plan.py); told of a wait for one that has not landed. ``by_the_loop``:
-        False for a wait that may run on one rank alone, which starts nothing and
-        frees no place in the lookahead (see the note above)."""
+        False for a wait that may run on one rank alone, which starts nothing,
+        frees no place in the lookahead (see the note above) and, on CUDA, leaves
+        the op for the loop to wait for again (on its own stream)."""
         pending = bucket in self._queued
         if pending and by_the_loop:
             self.start_queued(until=bucket)
@@ -132,10 +133,15 @@ class ParamGathers:
             # Taken out of the table only once landed: a read of the parameters on
             # another thread (a logger's, or one through model.module) may be
             # landing it at the same time, and the forward must not take a bucket
-            # that is gone from the table for one that has landed.
-            with self._lock:
-                if self._in_flight.get(bucket) is op:
-                    del self._in_flight[bucket]
+            # that is gone from the table for one that has landed. On CUDA only by
+            # the loop: a wait orders the waiting thread's current stream, and a
+            # read under another stream (an EMA on a side stream, a checkpoint
+            # thread's) would otherwise leave the forward's stream unordered after
+            # the all-gather. (A second wait of a landed op is one stream wait.)
+            if by_the_loop or not op.waits_per_stream:
+                with self._lock:
+                    if self._in_flight.get(bucket) is op:
+                        del self._in_flight[bucket]
         if by_the_loop:
             with self._lock:
                 self._ahead.discard(bucket)

@@ -10,8 +10,10 @@ from fgpsdp_runtime.tracing import Timeline
 
 
 class _Op:
-    """A submitted all-gather that never lands by itself; counts done() calls."""
+    """A submitted all-gather that never lands by itself; counts done() calls and waits.
+    ``waits_per_stream``: as on CUDA (set by a test)."""
     asked = 0
+    waits_per_stream = False
 
     def __init__(self):
         self.landed = False
@@ -22,6 +24,7 @@ class _Op:
 
     def wait(self) -> None:
         self.landed = True
+        self.waits = getattr(self, "waits", 0) + 1
 
 
 class _Exchange:
@@ -92,6 +95,25 @@ def test_the_lookahead_counts_what_the_loop_has_not_waited_for():
     gathers.finish_all()  # the loop's wait for all (synchronize())
     assert exchange.started == [f"b{b}" for b in range(6)] and not gathers.in_flight
     assert not gathers._ahead
+
+
+def test_a_wait_off_the_loop_leaves_a_cuda_op_for_the_loop_to_wait_for_again(monkeypatch):
+    """On CUDA a wait orders only the waiting thread's current stream: a read of the
+    parameters under a side stream (an EMA's) or on a checkpoint thread took the op
+    out of the table, and the forward's pre-hook then skipped its own wait (found by
+    a review of the CUDA path; on CPU a wait is the host's, as the test above has it)."""
+    monkeypatch.setattr(_Op, "waits_per_stream", True)
+    gathers, _ = _gathers(3, None)
+    for b in range(3):
+        gathers.queue(b)
+    ops = dict(gathers._in_flight)
+    gathers.finish_all(by_the_loop=False)  # a read of every parameter, say on a side stream
+    assert all(op.waits == 1 for op in ops.values())
+    assert sorted(gathers._in_flight) == [0, 1, 2]
+    gathers.finish(1)  # the forward's pre-hook waits again, on its own stream
+    assert ops[1].waits == 2 and sorted(gathers._in_flight) == [0, 2]
+    gathers.finish_all()  # synchronize()
+    assert all(op.waits == 2 for op in ops.values()) and not gathers.in_flight
 
 
 def _read_on_rank_0_then_barrier(rank, world_size):

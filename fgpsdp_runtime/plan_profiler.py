@@ -146,7 +146,6 @@ class PlanProfiler:
     def _finish(self) -> None:
         model = self.model
         self._profiling = False
-        spans = [s for s in model.timeline.spans() if s[2] >= self._window_start]
         marks = self._ready_marks, self._backward_marks, self._wait_marks
         self._ready_marks, self._backward_marks, self._forward_end = [], [], None
         self._wait_marks = []
@@ -156,7 +155,8 @@ class PlanProfiler:
         decision = None
         # Rank 0's, or under join() an active rank's (a joined one times no compute).
         if model.rank == model.authoritative_rank:
-            try:
+            try:  # (the timeline read too: the others wait in the broadcast)
+                spans = [s for s in model.timeline.spans() if s[2] >= self._window_start]
                 if marks[1]:
                     decision = self.plan_from(spans, *self._resolve_marks(*marks[:2]),
                                               waits).to_json()

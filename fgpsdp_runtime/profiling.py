@@ -36,12 +36,13 @@ class Marks:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.device = device
         self._marks: list[tuple[str, object]] = []
 
     def mark(self, name: str) -> None:
         if self.cuda:
             event = torch.cuda.Event(enable_timing=True)
-            event.record()
+            event.record(torch.cuda.current_stream(self.device))
             self._marks.append((name, event))
         else:
             self._marks.append((name, time.perf_counter()))
@@ -51,7 +52,7 @@ class Marks:
         if not self._marks:
             return []
         if self.cuda:
-            torch.cuda.synchronize()
+            torch.cuda.synchronize(self.device)  # not the current device's: ours
             first = self._marks[0][1]
             return [(n, first.elapsed_time(e) / 1e3) for n, e in self._marks]
         t0 = self._marks[0][1]

@@ -178,7 +178,9 @@ class Timeline:
             spans = list(self._spans)
             cuda_spans = list(self._cuda_spans)
         if cuda_spans:
-            torch.cuda.synchronize()
+            # The spans' device, which need not be the current one (a loop that
+            # switched devices, several wrappers in one process).
+            torch.cuda.synchronize(self._cuda_origin_device)
             origin = self._cuda_origin
             if self._host_origin is None:  # the origin is a span's start event
                 self._host_origin = self._host_time_of(origin)

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 
 from . import shutdown
+from .backends import backend_of
 from .group_collectives import run_to_end, start_all_gather, start_reduce_scatter
 from .link_worker import LinkWorker, PendingOp
 from .profiling import nvtx_range
@@ -85,7 +86,7 @@ def bytes_sent(total_bytes: int, group_size: int) -> int:
 
 def shared_memory_eligible(group: dist.ProcessGroup, device: torch.device) -> bool:
     """Whether a group of one node's ranks may move CPU tensors through shared memory."""
-    return device.type == "cpu" and dist.get_backend(group) == "gloo" \
+    return device.type == "cpu" and backend_of(group, device) == "gloo" \
         and dist.get_world_size(group) > 1
 
 
@@ -131,7 +132,7 @@ class _Exchange:
         transports = [t for t in (self._rs_shm, self._ag_shm) if t is not None]
         if transports and all(t.enabled for t in transports):
             return "shared_memory"
-        return dist.get_backend(self._node_group)
+        return backend_of(self._node_group, self.device)
 
     # Set by the subclasses: the node's group, and its shared-memory collectives if any.
     _node_group: dist.ProcessGroup

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import lifecycle, shutdown
+from .backends import backend_of
 from .buckets import BucketStorage, layout_strides
 from .comm import CommStats, FlatExchange, HierarchicalExchange
 from .ddp_options import (bucket_caps_bytes, buffer_sync, device_ids_problem, ignored_names,
@@ -71,7 +72,7 @@ def _connect_nccl_groups(groups: Sequence[Optional[dist.ProcessGroup]],
     flag = torch.zeros(1, device=device)
     nccl_groups = [group for group in groups
                    if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER
-                   and "nccl" in str(dist.get_backend(group))]  # "cpu:gloo,cuda:nccl" too
+                   and backend_of(group, device) == "nccl"]
     for group in nccl_groups:
         dist.all_reduce(flag, group=group)
     _warn_if_one_hardware_queue(len(nccl_groups))

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from . import gloo_collectives
+from .backends import backend_of
 from .profiling import nvtx_range
 
 # torch 2.13 renamed the flat-tensor collectives; older releases have only the old names.
@@ -79,7 +80,7 @@ def start_reduce_scatter(group: dist.ProcessGroup, output: torch.Tensor, input: 
         if n == 1:
             output.copy_(input)
             return None
-        if dist.get_backend(group) == "nccl":
+        if backend_of(group, input.device) == "nccl":
             reduce_scatter_single(output, input, group=group)
             return None
         if input.device.type == "cpu":
@@ -117,7 +118,7 @@ def start_all_gather(group: dist.ProcessGroup, output: torch.Tensor, input: torc
             if input.data_ptr() != output.data_ptr():
                 output.copy_(input)
             return None
-        if dist.get_backend(group) == "nccl":  # documents in-place
+        if backend_of(group, output.device) == "nccl":  # documents in-place
             all_gather_single(output, input, group=group)
             return None
         point_to_point = input.device.type == "cpu"  # gloo's takes CPU tensors only

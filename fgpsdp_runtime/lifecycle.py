@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .backends import backend_of
+
 if TYPE_CHECKING:  # pragma: no cover
     from .ddp import DistributedDataParallel
 
@@ -70,7 +72,9 @@ def destroy_gloo_group(group) -> None:
     finalizer on one rank cannot run."""
     try:
         if (group is None or group == dist.GroupMember.NON_GROUP_MEMBER
-                or not dist.is_initialized() or dist.get_backend(group) != "gloo"):
+                or not dist.is_initialized()
+                or backend_of(group, torch.device("cpu")) != "gloo"
+                or backend_of(group, torch.device("cuda")) not in (None, "gloo")):
             return
         dist.destroy_process_group(group)
     except (ValueError, RuntimeError):

@@ -20,6 +20,8 @@ from typing import Optional, Union
 import torch
 import torch.distributed as dist
 
+from .backends import backend_of
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -197,7 +199,8 @@ def group_timeout(group: Optional[dist.ProcessGroup]) -> Optional[timedelta]:
     peer that stalls: ours must give up when the job's own collectives do."""
     try:
         pg = group if group is not None else dist.distributed_c10d._get_default_group()
-        device = torch.device("cuda" if dist.get_backend(pg) == "nccl" else "cpu")
+        nccl = backend_of(pg, torch.device("cuda")) == "nccl"
+        device = torch.device("cuda" if nccl else "cpu")
         return pg._get_backend(device).options._timeout
     except (AttributeError, RuntimeError, ValueError):  # private API: other torch versions
         return None

@@ -169,3 +169,44 @@ def test_dropped_groups_addresses_removed_where_the_store_cannot_list_keys():
     (kept,) = run_distributed(1, _forget_by_name_without_list_keys)
     assert [kept[k] for k in sorted(kept) if k.startswith("stale")] == [False, False]
     assert all(v for k, v in kept.items() if not k.startswith("stale")), kept
+
+
+def _default_group_without_a_backend(rank: int, world_size: int, store_path: str) -> dict:
+    """The job's group made by init_process_group() with no backend (torch picks gloo
+    for CPU tensors, NCCL for CUDA ones where built; dist.get_backend() then says
+    "undefined"), as many launch scripts do: ours must take it for what it is for the
+    buckets' device, here gloo, beside torch DDP."""
+    dist.destroy_process_group()  # the harness's gloo group
+    dist.init_process_group(store=dist.FileStore(store_path, world_size), rank=rank,
+                            world_size=world_size)
+    assert dist.get_backend() == "undefined"
+    torch.manual_seed(1234 + rank)
+    base = MLP()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    ours = fgp.DistributedDataParallel(base, bucket_cap_mb=0.002)
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    train_both([(ours, opt), (ref, ref_opt)], rank, 3)
+    ours.synchronize()
+    own_groups = list(ours._own_groups)
+    transport = ours.node_transport
+    diff = param_diff(ours, ref)
+    del ours, opt
+    import gc
+    gc.collect()
+    # A dropped wrapper destroys its own gloo groups (their sockets and threads).
+    destroyed = [g not in dist.distributed_c10d._world.pg_map for g in own_groups]
+    return {"diff": diff, "transport": transport, "destroyed": destroyed}
+
+
+def test_a_default_group_made_without_a_backend_is_taken_for_gloo_on_cpu(tmp_path):
+    """Before, the backend was read from dist.get_backend()'s string, "undefined" here:
+    the ranks of one node left shared memory for gloo's TCP loopback, and a dropped
+    wrapper kept its groups (found by a review of the backend checks, where on a GPU
+    such a group's NCCL collectives took the host backends' path)."""
+    results = run_distributed(2, _default_group_without_a_backend, str(tmp_path / "store"),
+                              timeout_s=120)
+    for rank, res in enumerate(results):
+        assert res["diff"] == 0.0, (rank, res["diff"])
+        assert res["transport"] == "shared_memory", (rank, res["transport"])
+        assert res["destroyed"] and all(res["destroyed"]), (rank, res["destroyed"])

@@ -30,6 +30,10 @@ class ParamGathers:
         # lookahead allows; otherwise at the end of the step.
         self._overlaps_forward = overlaps_forward
         self._in_flight: dict[int, PendingOp] = {}
+        # CUDA: landed by a wait off the loop, whose stream need not be the
+        # forward's; the loop's next wait for the bucket orders its own stream too
+        # (see finish).
+        self._owed: dict[int, PendingOp] = {}
         # Started from the queue and not yet waited for by the training loop (see
         # [Note: the lookahead counts what the loop has not waited for]).
         self._ahead: set[int] = set()
@@ -58,8 +62,10 @@ class ParamGathers:
         storage = self._buckets[bucket]
         with self._lock:
             previous = self._in_flight.pop(bucket, None)
-        if previous is not None:
-            previous.wait()
+            owed = self._owed.pop(bucket, None)
+        for earlier in (previous, owed):
+            if earlier is not None:
+                earlier.wait()
         op = self._exchange.start_all_gather(storage.flat_param, storage.param_shard,
                                              label=f"b{bucket}")
         with self._lock:
@@ -112,14 +118,16 @@ class ParamGathers:
         """Wait for ``bucket``'s all-gather. ``timer``: the plan profiler, when the
         training loop waits here (see [Note: stage 1 only where the forward waits]
         in plan.py); told of a wait for one that has not landed. ``by_the_loop``:
-        False for a wait that may run on one rank alone, which starts nothing,
-        frees no place in the lookahead (see the note above) and, on CUDA, leaves
-        the op for the loop to wait for again (on its own stream)."""
+        False for a wait that may run on one rank alone, which starts nothing and
+        frees no place in the lookahead (see the note above)."""
         pending = bucket in self._queued
         if pending and by_the_loop:
             self.start_queued(until=bucket)
         with self._lock:
             op = self._in_flight.get(bucket)
+            owed = self._owed.pop(bucket, None) if by_the_loop else None
+        if owed is not None:
+            owed.wait()  # a stream wait: it has landed
         if op is not None:
             pending = True
             if op.done():
@@ -133,15 +141,16 @@ class ParamGathers:
             # Taken out of the table only once landed: a read of the parameters on
             # another thread (a logger's, or one through model.module) may be
             # landing it at the same time, and the forward must not take a bucket
-            # that is gone from the table for one that has landed. On CUDA only by
-            # the loop: a wait orders the waiting thread's current stream, and a
-            # read under another stream (an EMA on a side stream, a checkpoint
-            # thread's) would otherwise leave the forward's stream unordered after
-            # the all-gather. (A second wait of a landed op is one stream wait.)
-            if by_the_loop or not op.waits_per_stream:
-                with self._lock:
-                    if self._in_flight.get(bucket) is op:
-                        del self._in_flight[bucket]
+            # that is gone from the table for one that has landed. On CUDA a wait
+            # orders only the waiting thread's current stream: one off the loop (a
+            # read under an EMA's side stream, a checkpoint thread's) leaves the op
+            # owed to the loop, whose next wait orders its own stream after it (a
+            # stream wait; the bucket counts as landed for everything else).
+            with self._lock:
+                if self._in_flight.get(bucket) is op:
+                    del self._in_flight[bucket]
+                    if not by_the_loop and op.waits_per_stream:
+                        self._owed[bucket] = op
         if by_the_loop:
             with self._lock:
                 self._ahead.discard(bucket)
@@ -162,8 +171,9 @@ class ParamGathers:
         if by_the_loop:
             self.start_queued(all_of_them=True)
         with self._lock:
-            # (Those a one-rank wait landed are still ahead of the loop.)
-            buckets = sorted(set(self._in_flight) | (self._ahead if by_the_loop else set()))
+            # (Those a one-rank wait landed are still ahead of the loop, or owed to it.)
+            buckets = sorted(set(self._in_flight) | (self._ahead | set(self._owed)
+                                                     if by_the_loop else set()))
         # Ascending: the last in forward order first, which was queued last and
         # lands last; a timed wait for all of them is counted there.
         for bucket in buckets:

@@ -135,13 +135,15 @@ class Timeline:
         """
         if self._cuda_origin is not None:
             return
+        stream = stream if stream is not None else torch.cuda.current_stream(device)
         origin = torch.cuda.Event(enable_timing=True)
-        origin.record(stream if stream is not None else torch.cuda.current_stream(device))
+        origin.record(stream)
         origin.synchronize()
         host_origin = time.perf_counter()
         with self._lock:
             if self._cuda_origin is None:
                 self._cuda_origin, self._host_origin = origin, host_origin
+                self._cuda_origin_device = stream.device
 
     def cuda_span_events(self, stream) -> Optional[tuple]:
         """Start event recorded on ``stream``; pass it to ``end_cuda_span``."""

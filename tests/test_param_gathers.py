@@ -97,11 +97,13 @@ def test_the_lookahead_counts_what_the_loop_has_not_waited_for():
     assert not gathers._ahead
 
 
-def test_a_wait_off_the_loop_leaves_a_cuda_op_for_the_loop_to_wait_for_again(monkeypatch):
+def test_a_wait_off_the_loop_leaves_a_cuda_op_owed_to_the_loop(monkeypatch):
     """On CUDA a wait orders only the waiting thread's current stream: a read of the
     parameters under a side stream (an EMA's) or on a checkpoint thread took the op
     out of the table, and the forward's pre-hook then skipped its own wait (found by
-    a review of the CUDA path; on CPU a wait is the host's, as the test above has it)."""
+    a review of the CUDA path; on CPU a wait is the host's, as the test above has it).
+    The op is owed to the loop: its next wait orders the loop's stream too, while the
+    bucket counts as landed for everything else (later reads are free)."""
     monkeypatch.setattr(_Op, "waits_per_stream", True)
     gathers, _ = _gathers(3, None)
     for b in range(3):
@@ -109,11 +111,33 @@ def test_a_wait_off_the_loop_leaves_a_cuda_op_for_the_loop_to_wait_for_again(mon
     ops = dict(gathers._in_flight)
     gathers.finish_all(by_the_loop=False)  # a read of every parameter, say on a side stream
     assert all(op.waits == 1 for op in ops.values())
-    assert sorted(gathers._in_flight) == [0, 1, 2]
+    assert not gathers.in_flight and sorted(gathers._owed) == [0, 1, 2]
     gathers.finish(1)  # the forward's pre-hook waits again, on its own stream
-    assert ops[1].waits == 2 and sorted(gathers._in_flight) == [0, 2]
+    assert ops[1].waits == 2 and sorted(gathers._owed) == [0, 2]
     gathers.finish_all()  # synchronize()
-    assert all(op.waits == 2 for op in ops.values()) and not gathers.in_flight
+    assert all(op.waits == 2 for op in ops.values()) and not gathers._owed
+
+
+@pytest.mark.parametrize("waits_per_stream", [False, True])
+def test_a_clamp_through_a_read_after_the_step_is_no_write_over_a_landing_gather(
+        monkeypatch, waits_per_stream):
+    """WGAN's clamp right after opt.step(), parameter by parameter as a read hands
+    them out: the read landed the bucket, so neither the read of the next parameter
+    nor the forward may take the write for one racing the all-gather (a review found
+    the first version of the fix above raising there on CUDA)."""
+    from fgpsdp_runtime.param_guards import ParamVersions
+    monkeypatch.setattr(_Op, "waits_per_stream", waits_per_stream)
+    params = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(2))]
+    versions = ParamVersions([params], {id(params[0]): "w0", id(params[1]): "w1"})
+    storage = types.SimpleNamespace(flat_param=None, param_shard=None)
+    gathers = ParamGathers(_Exchange(), [storage], Timeline(), versions, "two_stage",
+                           overlaps_forward=True)
+    gathers.queue(0)
+    gathers.finish(0, by_the_loop=False)  # handing out w0
+    with torch.no_grad():
+        params[0].clamp_(-0.5, 0.5)
+    gathers.finish(0, by_the_loop=False)  # handing out w1
+    gathers.finish(0)  # the forward's pre-hook
 
 
 def _read_on_rank_0_then_barrier(rank, world_size):

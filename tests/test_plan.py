@@ -141,6 +141,43 @@ def test_device_marks_read_event_times_in_seconds(monkeypatch):
     assert log == [("record", f"compute@{cuda1}"), ("record", f"compute@{cuda1}"), ("sync", cuda1)]
 
 
+def test_timeline_reads_synchronise_the_spans_device_not_the_current_one(monkeypatch):
+    """A loop that switched devices after the profile's clock started on cuda:1 (or a
+    second wrapper on another GPU): reading the spans synchronised the current device,
+    and elapsed_time on cuda:1's unfinished events raised (found by review). Stand-ins:
+    events on a fake GPU clock."""
+    import torch
+    from fgpsdp_runtime.tracing import Timeline
+    synced = []
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            self.at_ms = 0.0
+
+        def record(self, stream=None):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return other.at_ms - self.at_ms
+
+    class FakeStream:
+        device = torch.device("cuda", 1)
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    timeline = Timeline()
+    timeline.enable()
+    timeline.start_cuda_clock(torch.device("cuda", 1))  # as the plan profiler does
+    start = timeline.cuda_span_events(FakeStream())
+    timeline.end_cuda_span("inter-ag", "AG b0", start, FakeStream())
+    assert len(timeline.spans()) == 1
+    assert synced == [torch.device("cuda", 1)]
+
+
 def test_timeline_spans_never_wait_for_the_cuda_clock(monkeypatch):
     """start_cuda_clock pins event times to the host clock by waiting for an event
     on the compute stream; a span added meanwhile (the end of backward adds one)

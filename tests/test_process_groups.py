@@ -199,6 +199,8 @@ def _default_group_without_a_backend(rank: int, world_size: int, store_path: str
     return {"diff": diff, "transport": transport, "destroyed": destroyed}
 
 
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="with a GPU, init_process_group() without a backend makes NCCL only")
 def test_a_default_group_made_without_a_backend_is_taken_for_gloo_on_cpu(tmp_path):
     """Before, the backend was read from dist.get_backend()'s string, "undefined" here:
     the ranks of one node left shared memory for gloo's TCP loopback, and a dropped

@@ -1,4 +1,5 @@
-"""Which backend a process group runs for tensors of one device type.
+"""Which backend a process group runs for tensors of one device type, and the device
+object collectives run from.
 
 ``dist.get_backend(group)`` names one backend only where the group was made with
 one: a job's group made by ``init_process_group()`` with no backend (torch then
@@ -9,6 +10,7 @@ backend of the device its buckets live on.
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -26,3 +28,14 @@ def backend_of(group: Optional[dist.ProcessGroup], device: torch.device) -> Opti
         return pg._get_backend(torch.device(device.type)).name()
     except (AttributeError, RuntimeError, ValueError):  # no backend for it; private API
         return None
+
+
+def objects_on(device: torch.device):
+    """Context for an object collective (``all_gather_object``, ``broadcast_object_list``)
+    of a wrapper on ``device``: on NCCL torch sends the pickled objects from the
+    calling thread's current GPU, which is cuda:0 on a thread that never set one (a
+    checkpoint thread) or another GPU after the loop switched: every rank would meet
+    on one GPU. A no-op off CUDA (gloo sends them from the CPU)."""
+    if device.type == "cuda":
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .backends import objects_on
 from .buckets import span_as_param, to_bucket_order
 from .group_collectives import all_gather_single
 from .step_wide_state import copy_value, optimizer_wide_entries
@@ -104,7 +105,8 @@ def full_state_dict(opt: ShardedOptimizer, rank0_only: bool) -> dict[str, Any]:
     local = {"slice_index": model.slice_index, "params": _local_metadata(opt)}
     gathered: list = [None] * world
     if world > 1:
-        dist.all_gather_object(gathered, local, group=group)
+        with objects_on(model.device):  # (a checkpoint thread's current GPU is cuda:0)
+            dist.all_gather_object(gathered, local, group=group)
     else:
         gathered = [local]
     merged = _merge_metadata(gathered)

@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .backends import objects_on
 from .plan import BucketProfile, LinkModel, OverlapPlan, profile_plan
 
 # The link whose time bounds the exchange: the rail between nodes, or the one group.
@@ -172,8 +173,9 @@ class PlanProfiler:
                 decision = model.plan.to_json()
         box = [decision]
         if model.world_size > 1:
-            dist.broadcast_object_list(box, src=model._authoritative_rank(),
-                                       group=model.process_group)
+            with objects_on(model.device):
+                dist.broadcast_object_list(box, src=model._authoritative_rank(),
+                                           group=model.process_group)
         if box[0] == _EXTEND:  # every rank alike: the decision was broadcast
             self._extensions += 1
             self.steps = self.warmup_steps

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 import torch.distributed as dist
 
+from .backends import objects_on
 from .step_wide_state import copy_value
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -345,18 +346,41 @@ def _take_args(packet: torch.Tensor, active: int) -> list[float]:
 def _share_hyperparameters(model: "DistributedDataParallel", optimizer, src: int) -> None:
     """Every param group's hyperparameters from group rank ``src`` to every rank (a collective)."""
     groups = optimizer.param_groups
-    box: list[Any] = [[{k: v for k, v in g.items() if k != "params"} for g in groups]
-                      if model.rank == src else None]
+    box: list[Any] = [[{k: _on_the_host(v) for k, v in g.items() if k != "params"}
+                       for g in groups] if model.rank == src else None]
     global_src = dist.get_global_rank(model.process_group, src)
-    dist.broadcast_object_list(box, src=global_src, group=model.process_group)
+    with objects_on(model.device):
+        dist.broadcast_object_list(box, src=global_src, group=model.process_group)
     if model.rank != src:
         for group, values in zip(groups, box[0]):
             _update_in_place(group, values)
 
 
+def _on_the_host(value: Any) -> Any:
+    """Tensors (also inside tuples and lists) as CPU tensors: a pickled CUDA tensor is
+    unpickled on the sender's GPU (a CUDA context there on every receiver, or an error
+    where it sees fewer GPUs)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().cpu()
+    if type(value) in (tuple, list):
+        return type(value)(_on_the_host(v) for v in value)
+    return value
+
+
+def _placed_like(value: Any, current: Any) -> Any:
+    """``value`` with its tensors on the devices of ``current``'s, entry by entry."""
+    if isinstance(value, torch.Tensor) and isinstance(current, torch.Tensor):
+        return value.to(current.device)
+    if type(value) in (tuple, list) and type(current) is type(value) \
+            and len(value) == len(current):
+        return type(value)(_placed_like(v, c) for v, c in zip(value, current))
+    return value
+
+
 def _update_in_place(group: dict, values: dict) -> None:
     """``group.update(values)``, but a tensor entry (``lr=torch.tensor(...)``, which
-    the loop may hold and fill) keeps its object: its values are copied into it."""
+    the loop may hold and fill) keeps its object: its values are copied into it; other
+    tensors go where the group's own were (they arrive on the CPU: _on_the_host)."""
     for key, value in values.items():
         current = group.get(key)
         if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor) \
@@ -364,7 +388,7 @@ def _update_in_place(group: dict, values: dict) -> None:
             with torch.no_grad():
                 current.copy_(value)
         else:
-            group[key] = value
+            group[key] = _placed_like(value, current)
 
 
 # The join contexts open in this process (see UnevenInputs.__enter__).

@@ -214,3 +214,19 @@ def test_zero_and_minus_zero_are_the_same_argument():
     packet[1 + ui._N_CALLS:] = torch.tensor(different, dtype=torch.float64)
     with pytest.raises(RuntimeError, match="different arguments"):
         ui._take_args(packet, 2)
+
+
+def test_shared_hyperparameters_travel_on_the_host_and_land_where_the_groups_were():
+    """Join's broadcast of param-group hyperparameters: a pickled CUDA tensor would be
+    unpickled on the sender's GPU, and a replaced one (betas of tensors) stayed there
+    (found by review; "meta" stands in for a GPU here)."""
+    from fgpsdp_runtime.uneven_inputs import _on_the_host, _update_in_place
+    sent = _on_the_host({"lr": torch.tensor(0.1), "betas": (torch.tensor(0.9), 0.999),
+                         "eps": 1e-8})
+    assert sent["lr"].device.type == "cpu" and sent["betas"][0].device.type == "cpu"
+    lr = torch.tensor(1.0)
+    group = {"lr": lr, "betas": (torch.empty((), device="meta"), 0.999), "eps": 1e-6}
+    _update_in_place(group, sent)
+    assert group["lr"] is lr and float(lr) == pytest.approx(0.1)  # filled in place
+    assert group["betas"][0].device.type == "meta" and group["betas"][1] == 0.999
+    assert group["eps"] == 1e-8

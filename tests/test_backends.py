@@ -1,0 +1,44 @@
+"""backends.py: the backend a group runs for a device, and the device object
+collectives run from (single process; the distributed case is in
+tests/test_process_groups.py)."""
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fgpsdp_runtime.backends import backend_of, objects_on
+
+from .dist_harness import run_distributed
+
+
+def _backends(rank: int, world_size: int, store_path: str) -> dict:
+    out = {"gloo": (backend_of(None, torch.device("cpu")),
+                    backend_of(None, torch.device("cuda")))}
+    dist.destroy_process_group()
+    dist.init_process_group(store=dist.FileStore(store_path, world_size), rank=rank,
+                            world_size=world_size)  # no backend: "undefined"
+    sub = dist.new_group([0, 1])  # inherits it
+    out["undefined"] = (backend_of(None, torch.device("cpu")),
+                        backend_of(None, torch.device("cuda")))
+    out["subgroup"] = (backend_of(sub, torch.device("cpu")),
+                       backend_of(sub, torch.device("cuda")))
+    return out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(),
+                    reason="with a GPU, init_process_group() without a backend makes NCCL only")
+def test_backend_of_a_group_per_device(tmp_path):
+    for res in run_distributed(2, _backends, str(tmp_path / "store"), timeout_s=60):
+        assert res["gloo"] == ("gloo", "gloo")  # one backend for every device type
+        assert res["undefined"] == ("gloo", None)  # no CUDA backend on this machine
+        assert res["subgroup"] == ("gloo", None)
+
+
+def test_object_collectives_run_from_the_wrappers_gpu():
+    """A checkpoint thread's current GPU is cuda:0: NCCL's object collectives there
+    would make every rank meet on one GPU (found by review; no GPU here, so the
+    context is checked, not run)."""
+    context = objects_on(torch.device("cuda", 3))
+    assert isinstance(context, torch.cuda.device) and context.idx == 3
+    assert isinstance(objects_on(torch.device("cpu")), contextlib.nullcontext)

@@ -24,7 +24,8 @@ from .backends import backend_of
 from .buckets import BucketStorage, layout_strides
 from .comm import CommStats, FlatExchange, HierarchicalExchange
 from .ddp_options import (bucket_caps_bytes, buffer_sync, device_ids_problem, ignored_names,
-                          ignored_trainable_problem, process_group_of, refuse_unsupported)
+                          ignored_trainable_problem, named_device, process_group_of,
+                          refuse_unsupported)
 from .layout import (BucketLayout, ParamInfo, default_bucket_cap_mb, first_bucket_cap_bytes,
                      owned_numel, param_alignment_for, plan_buckets)
 from .forward_waits import ForwardParamWaiter, is_traced_by_dynamo
@@ -578,8 +579,7 @@ class DistributedDataParallel(nn.Module):
         if self._sync_buffers_before_forward and self.broadcast_buffers:
             self._broadcast_buffers()
         if self.device_ids is not None:
-            device = torch.device(self.device_ids[0]) if not isinstance(self.device_ids[0], int) \
-                else torch.device("cuda", self.device_ids[0])
+            device = named_device(self.device_ids[0])  # (a 0-dim tensor too)
             inputs, kwargs = _move_to(inputs, device), _move_to(kwargs, device)
         return inputs, kwargs
 

@@ -37,16 +37,21 @@ def buffer_sync(broadcast_buffers: Optional[bool],
     return BufferSync(at_init=sync, at_forward=sync)
 
 
+def named_device(device_id: Any) -> torch.device:
+    """The device ``device_ids[0]`` names: an index (an int, a numpy int, a 0-dim
+    integer tensor) is a GPU's; otherwise a device or its name."""
+    try:
+        index = operator.index(device_id)
+    except TypeError:
+        return torch.device(device_id)
+    return torch.device("cuda", index)
+
+
 def device_ids_problem(device_ids: Sequence[Any], module: nn.Module) -> Optional[str]:
     """torch DDP's rule: ``device_ids`` only for a GPU module, naming its device
     (else the forward would move the inputs to a device the module is not on)."""
-    first = device_ids[0]
     try:
-        index = operator.index(first)  # an int, a numpy int, a 0-dim integer tensor
-    except TypeError:
-        index = None
-    try:
-        wanted = torch.device("cuda", index) if index is not None else torch.device(first)
+        wanted = named_device(device_ids[0])
     except (RuntimeError, TypeError) as error:
         return f"device_ids={list(device_ids)!r}: not a device ({error})"
     on = {p.device for p in module.parameters()}

@@ -78,3 +78,16 @@ def test_signature_takes_torch_ddps_parameters_in_its_order():
     ours = [n for n, p in inspect.signature(fgp.DistributedDataParallel).parameters.items()
             if p.kind is not inspect.Parameter.KEYWORD_ONLY]
     assert ours[:len(theirs)] == theirs
+
+
+def test_device_ids_name_a_gpu_by_index_of_any_integer_type():
+    """torch DDP's device_ids take an int or a device; an integer-like value (a numpy
+    int, a 0-dim integer tensor) was accepted by the check and then crashed every
+    forward's move of the inputs (torch.device(tensor); found by review)."""
+    import numpy as np
+    import torch
+
+    from fgpsdp_runtime.ddp_options import named_device
+    cuda1 = torch.device("cuda", 1)
+    for device_id in (1, np.int64(1), torch.tensor(1), "cuda:1", cuda1):
+        assert named_device(device_id) == cuda1, device_id

@@ -286,9 +286,50 @@ def timeline_enabled_mid_run() -> dict:
                                      for start, end in reduce_scatters)}
 
 
+def side_stream_read_orders_the_forward() -> dict:
+    """A read of the parameters right after the step under a side stream (an EMA's)
+    lands the all-gathers on that stream; the next forward, on the default stream,
+    must still wait for them (before 2026-12-05 the read took them out of the
+    forward's waits). The all-gathers sit behind a GPU sleep on the link stream:
+    once the default stream has run the forward, they must have landed."""
+    cycles = int(1e9)
+    torch.manual_seed(0)
+    device = torch.device("cuda", torch.cuda.current_device())
+    module = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)]).to(device)
+    model = fgp.DistributedDataParallel(module, bucket_cap_mb=1, schedule="next_forward",
+                                        overlap_plan="layout")
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    x = torch.randn(64, 512, device=device)
+    model(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    model.synchronize()
+    torch.cuda.synchronize()
+    model(x).square().mean().backward()
+    _slow_all_gathers(cycles)
+    try:
+        opt.step()  # starts every all-gather, each behind the sleep on the link stream
+        ops = list(model._gathers._in_flight.values())
+        side = torch.cuda.Stream(device)
+        with torch.cuda.stream(side):
+            read = [p.detach() for p in model.parameters()]  # lands them on `side`
+        for op in ops:
+            op.future.result()  # (host side: every collective was issued)
+        model(x)
+        conclusive = len(ops) >= 2 and not all(op.done_event.query() for op in ops)
+        torch.cuda.current_stream(device).synchronize()
+        ordered = all(op.done_event.query() for op in ops)
+    finally:
+        _slow_all_gathers(0)
+    model.synchronize()
+    torch.cuda.synchronize()
+    return {"conclusive": conclusive, "ordered": ordered, "read": len(read) == 8}
+
+
 CASES = {f.__name__: f for f in (hierarchical_partial_sum, slow_link_same_result,
                                  shard_round_trip, profile_reads_gpu_time,
-                                 profile_times_forward_waits_on_gpu, timeline_enabled_mid_run)}
+                                 profile_times_forward_waits_on_gpu, timeline_enabled_mid_run,
+                                 side_stream_read_orders_the_forward)}
 
 if __name__ == "__main__":
     torch.cuda.set_device(0)

@@ -64,3 +64,9 @@ def test_timeline_enabled_mid_run_never_syncs_on_a_link_worker():
     assert _run("timeline_enabled_mid_run") == {
         "worker_syncs": [], "reduce_scatters": True, "each_lasts_the_sleep": True,
         "on_the_host_clock": True}
+
+
+def test_a_read_under_a_side_stream_leaves_the_forward_waiting():
+    result = _run("side_stream_read_orders_the_forward")
+    assert result["conclusive"], "the all-gathers landed before the forward ran"
+    assert result == {"conclusive": True, "ordered": True, "read": True}

@@ -235,6 +235,18 @@ def profile_times_forward_waits_on_gpu() -> dict:
                         "slow_link_waits": slow_link, "slow_forward_waits": slow_forward}}
 
 
+def _four_layers_next_forward():
+    """Four 512-wide layers under next_forward (a bucket each, all-gathers from the
+    step), AdamW, and a batch: (model, opt, x)."""
+    torch.manual_seed(0)
+    device = torch.device("cuda", torch.cuda.current_device())
+    module = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)]).to(device)
+    model = fgp.DistributedDataParallel(module, bucket_cap_mb=1, schedule="next_forward",
+                                        overlap_plan="layout")
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    return model, opt, torch.randn(64, 512, device=device)
+
+
 def timeline_enabled_mid_run() -> dict:
     """model.timeline.enable() after the first step, with no plan profiler to pin
     the CUDA clock: no link worker synchronises the device (across ranks that can
@@ -243,13 +255,7 @@ def timeline_enabled_mid_run() -> dict:
     the host's readings before the steps and after reading the spans."""
     cycles = int(2e8)
     sleep_s = _gpu_seconds(cycles)
-    torch.manual_seed(0)
-    device = torch.device("cuda", torch.cuda.current_device())
-    module = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)]).to(device)
-    model = fgp.DistributedDataParallel(module, bucket_cap_mb=1, schedule="next_forward",
-                                        overlap_plan="layout")
-    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
-    x = torch.randn(64, 512, device=device)
+    model, opt, x = _four_layers_next_forward()
 
     def step():
         model(x).square().mean().backward()
@@ -293,13 +299,7 @@ def side_stream_read_orders_the_forward() -> dict:
     forward's waits). The all-gathers sit behind a GPU sleep on the link stream:
     once the default stream has run the forward, they must have landed."""
     cycles = int(1e9)
-    torch.manual_seed(0)
-    device = torch.device("cuda", torch.cuda.current_device())
-    module = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)]).to(device)
-    model = fgp.DistributedDataParallel(module, bucket_cap_mb=1, schedule="next_forward",
-                                        overlap_plan="layout")
-    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
-    x = torch.randn(64, 512, device=device)
+    model, opt, x = _four_layers_next_forward()
     model(x).square().mean().backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -310,14 +310,14 @@ def side_stream_read_orders_the_forward() -> dict:
     try:
         opt.step()  # starts every all-gather, each behind the sleep on the link stream
         ops = list(model._gathers._in_flight.values())
-        side = torch.cuda.Stream(device)
+        side = torch.cuda.Stream(x.device)
         with torch.cuda.stream(side):
             read = [p.detach() for p in model.parameters()]  # lands them on `side`
         for op in ops:
             op.future.result()  # (host side: every collective was issued)
         model(x)
         conclusive = len(ops) >= 2 and not all(op.done_event.query() for op in ops)
-        torch.cuda.current_stream(device).synchronize()
+        torch.cuda.current_stream(x.device).synchronize()
         ordered = all(op.done_event.query() for op in ops)
     finally:
         _slow_all_gathers(0)

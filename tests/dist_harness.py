@@ -169,3 +169,21 @@ def run_calls(world_size: int, calls: list[tuple], timeout_s: float = DEFAULT_TI
     """``call_many`` on ``world_size`` ranks: {call: [rank 0's result, rank 1's, ...]}."""
     per_rank = run_distributed(world_size, call_many, calls, timeout_s=timeout_s)
     return {call: [r[call] for r in per_rank] for call in calls}
+
+
+def regroup_without_a_backend(rank: int, world_size: int, store_path: str) -> None:
+    """In a rank: replace the harness's gloo group with one made as many launch
+    scripts make theirs, ``init_process_group()`` with no backend (torch then takes
+    gloo for CPU tensors; ``dist.get_backend()`` says "undefined"). With a GPU torch
+    makes NCCL only: tests of this skip there (``skip_with_a_gpu``)."""
+    import torch.distributed as dist
+    dist.destroy_process_group()
+    dist.init_process_group(store=dist.FileStore(store_path, world_size), rank=rank,
+                            world_size=world_size)
+
+
+def skip_with_a_gpu(test):
+    import pytest
+    import torch
+    return pytest.mark.skipif(torch.cuda.is_available(), reason="with a GPU, init_process_group() "
+                              "without a backend makes NCCL only")(test)

@@ -3,21 +3,18 @@ collectives run from (single process; the distributed case is in
 tests/test_process_groups.py)."""
 import contextlib
 
-import pytest
 import torch
 import torch.distributed as dist
 
 from fgpsdp_runtime.backends import backend_of, objects_on
 
-from .dist_harness import run_distributed
+from .dist_harness import regroup_without_a_backend, run_distributed, skip_with_a_gpu
 
 
 def _backends(rank: int, world_size: int, store_path: str) -> dict:
     out = {"gloo": (backend_of(None, torch.device("cpu")),
                     backend_of(None, torch.device("cuda")))}
-    dist.destroy_process_group()
-    dist.init_process_group(store=dist.FileStore(store_path, world_size), rank=rank,
-                            world_size=world_size)  # no backend: "undefined"
+    regroup_without_a_backend(rank, world_size, store_path)
     sub = dist.new_group([0, 1])  # inherits it
     out["undefined"] = (backend_of(None, torch.device("cpu")),
                         backend_of(None, torch.device("cuda")))
@@ -26,8 +23,7 @@ def _backends(rank: int, world_size: int, store_path: str) -> dict:
     return out
 
 
-@pytest.mark.skipif(torch.cuda.is_available(),
-                    reason="with a GPU, init_process_group() without a backend makes NCCL only")
+@skip_with_a_gpu
 def test_backend_of_a_group_per_device(tmp_path):
     for res in run_distributed(2, _backends, str(tmp_path / "store"), timeout_s=60):
         assert res["gloo"] == ("gloo", "gloo")  # one backend for every device type

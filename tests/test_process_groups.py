@@ -12,7 +12,7 @@ from torch import nn
 
 import fgpsdp_runtime as fgp
 
-from .dist_harness import run_distributed
+from .dist_harness import regroup_without_a_backend, run_distributed, skip_with_a_gpu
 from .scenarios import MLP, param_diff, train_both
 
 
@@ -176,9 +176,7 @@ def _default_group_without_a_backend(rank: int, world_size: int, store_path: str
     for CPU tensors, NCCL for CUDA ones where built; dist.get_backend() then says
     "undefined"), as many launch scripts do: ours must take it for what it is for the
     buckets' device, here gloo, beside torch DDP."""
-    dist.destroy_process_group()  # the harness's gloo group
-    dist.init_process_group(store=dist.FileStore(store_path, world_size), rank=rank,
-                            world_size=world_size)
+    regroup_without_a_backend(rank, world_size, store_path)
     assert dist.get_backend() == "undefined"
     torch.manual_seed(1234 + rank)
     base = MLP()
@@ -199,8 +197,7 @@ def _default_group_without_a_backend(rank: int, world_size: int, store_path: str
     return {"diff": diff, "transport": transport, "destroyed": destroyed}
 
 
-@pytest.mark.skipif(torch.cuda.is_available(),
-                    reason="with a GPU, init_process_group() without a backend makes NCCL only")
+@skip_with_a_gpu
 def test_a_default_group_made_without_a_backend_is_taken_for_gloo_on_cpu(tmp_path):
     """Before, the backend was read from dist.get_backend()'s string, "undefined" here:
     the ranks of one node left shared memory for gloo's TCP loopback, and a dropped

@@ -276,7 +276,19 @@ class GradientReducer:
                 "use_reentrant=False, which hands over one gradient")
 
     def _pack_bucket(self, b: int) -> None:
-        """All held gradients of bucket b into its send buffer: one fused, scaled copy."""
+        """All held gradients of bucket b into its send buffer: one fused, scaled copy.
+
+        On CUDA the copy runs on the current stream with no wait for the streams
+        that produced the held gradients, which is safe because there is one: a
+        node's hooks run on the node's stream, and autograd runs a gradient
+        accumulator on the stream it was made on (after making that stream wait for
+        the gradient's producer, a side stream of the forward's included).
+        register_hooks makes every accumulator at once, so every hook, and the
+        launch of each reduce-scatter, runs on that one stream; the end-of-backward
+        flush runs on the caller's stream, which autograd makes wait for the
+        accumulators' streams before the callback. (An accumulator node alive from
+        before wrapping, kept by a graph made under another stream, would be reused
+        on its own stream: not handled.)"""
         storage = self.buckets[b]
         pending = self._in_flight.pop(b, None)
         if pending is not None:  # a previous backward's reduce-scatter still uses it

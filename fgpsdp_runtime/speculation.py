@@ -20,10 +20,8 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .step_wide_state import copy_value, same_value
+from .step_wide_state import IMMUTABLE, copy_value, same_value, tensor_versions
 from .thread_settings import flushes_denormals
-
-Hyperparameters = list[dict[str, Any]]  # per param group, every entry but "params"
 
 # [Note: speculative steps during a torch.compile session]
 # torch.compiler.is_compiling() is one flag for the whole process, True for as
@@ -63,7 +61,7 @@ def _dynamos_compile_lock():
 no_compile_session_begins = _dynamos_compile_lock()
 
 
-def hyperparameters(param_groups: Sequence[dict], *, cpu_arithmetic: bool) -> Hyperparameters:
+class Hyperparameters:
     """A copy of what an optimizer step reads besides the tensors it updates: each
     group's entries but "params", then torch's default dtype, in which torch's
     optimizers create state (NAdam's, RMSprop's, Adagrad's step counts), and, for
@@ -73,28 +71,58 @@ def hyperparameters(param_groups: Sequence[dict], *, cpu_arithmetic: bool) -> Hy
     (The scheduler thread adopts the flush mode the loop's thread had at the
     forward, thread_settings.py; one set after the forward reaches it only at the
     next one. A GPU's arithmetic ignores the mode, and the scheduler thread does
-    not adopt it there.)"""
-    # dict(group) first: one copy under the GIL, even while another thread
-    # writes an entry (the speculative steps run on the scheduler thread).
-    # copy_value: a tensor inside a tuple (Adam's betas) filled in place by a
-    # momentum schedule must not change the record too.
-    process_wide = {"torch default dtype": torch.get_default_dtype()}
-    if cpu_arithmetic:
-        process_wide["flushes subnormals"] = flushes_denormals()
-    return [{k: copy_value(v) for k, v in dict(group).items() if k != "params"}
-            for group in param_groups] + [process_wide]
+    not adopt it there.)
+
+    Beside each copied tensor entry it keeps the loop's object and its version
+    counters (step_wide_state.tensor_versions): two records of the same untouched
+    tensor are equal without reading a GPU tensor's value."""
+
+    def __init__(self, param_groups: Sequence[dict], *, cpu_arithmetic: bool):
+        process_wide = {"torch default dtype": torch.get_default_dtype()}
+        if cpu_arithmetic:
+            process_wide["flushes subnormals"] = flushes_denormals()
+        self.groups: list[dict[str, Any]] = []
+        self.sources: list[dict[str, tuple]] = []  # per group: key -> (object, versions)
+        for group in param_groups:
+            # dict(group) first: one copy under the GIL, even while another thread
+            # writes an entry (the speculative steps run on the scheduler thread).
+            entries = {k: v for k, v in dict(group).items() if k != "params"}
+            # Counters read before the copies: unmoved later, the copy holds the value.
+            self.sources.append({k: (v, tensor_versions(v)) for k, v in entries.items()
+                                 if not isinstance(v, IMMUTABLE)})
+            # copy_value: a tensor inside a tuple (Adam's betas) filled in place by a
+            # momentum schedule must not change the record too.
+            self.groups.append({k: copy_value(v) for k, v in entries.items()})
+        self.groups.append(process_wide)
+        self.sources.append({})
+
+    def same_as(self, other: "Hyperparameters") -> bool:
+        """False when any group or entry differs."""
+        if len(self.groups) != len(other.groups):
+            return False
+        for x, y, x_sources, y_sources in zip(self.groups, other.groups,
+                                              self.sources, other.sources):
+            if x.keys() != y.keys():
+                return False
+            for key, u in x.items():
+                if key in x_sources and key in y_sources:
+                    (x_source, x_versions), (y_source, y_versions) = x_sources[key], y_sources[key]
+                    if x_source is y_source and x_versions is not None \
+                            and x_versions == y_versions:
+                        continue  # the same object, unwritten between the two records
+                if not same_value(u, y[key]):
+                    return False
+        return True
+
+
+def hyperparameters(param_groups: Sequence[dict], *, cpu_arithmetic: bool) -> Hyperparameters:
+    """What a step on this thread would run with now (Hyperparameters)."""
+    return Hyperparameters(param_groups, cpu_arithmetic=cpu_arithmetic)
 
 
 def same_hyperparameters(a: Optional[Hyperparameters], b: Optional[Hyperparameters]) -> bool:
     """False when either is unknown (None) or any group or entry differs."""
-    if a is None or b is None or len(a) != len(b):
-        return False
-    for x, y in zip(a, b):
-        if x.keys() != y.keys():
-            return False
-        if not all(same_value(u, y[key]) for key, u in x.items()):
-            return False
-    return True
+    return a is not None and b is not None and a.same_as(b)
 
 
 class PackedCopies:

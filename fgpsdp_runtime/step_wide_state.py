@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -42,7 +42,34 @@ def same_value(u: Any, v: Any) -> bool:
         return False
 
 
-_IMMUTABLE = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
+# Values a copy may share with the original: nothing changes them in place.
+IMMUTABLE = (int, float, bool, str, bytes, type(None), torch.dtype, torch.device)
+
+
+def tensor_versions(value: Any) -> Optional[tuple[int, ...]]:
+    """The version counters of a tensor, or of the tensors in a tuple of tensors and
+    plain values (Adam's ``betas``); None for any other value. With them, a
+    hyperparameter that is still the same object, its counters unmoved, is unchanged
+    without reading its values: torch.equal on a GPU tensor (``lr=torch.tensor(...,
+    device="cuda")``, capturable and fused optimizers) waits for the device, once per
+    inner step and per speculative bucket. Every in-place write through the tensor
+    moves its counter; one through its ``.data`` does not (``.data`` has a counter of
+    its own), so such a write is not seen."""
+    try:
+        if isinstance(value, torch.Tensor):
+            return (value._version,)
+        if type(value) is tuple and all(isinstance(v, (torch.Tensor,) + IMMUTABLE)
+                                        for v in value):
+            return tuple(v._version for v in value if isinstance(v, torch.Tensor))
+    except RuntimeError:  # an inference-mode tensor keeps no version counter
+        pass
+    return None
+
+
+def untouched(source: Any, versions: Optional[tuple[int, ...]], value: Any) -> bool:
+    """``value`` is ``source`` itself, no tensor in it written since ``versions``
+    (tensor_versions(source)) were read."""
+    return versions is not None and value is source and tensor_versions(value) == versions
 
 
 def copy_value(value: Any) -> Any:
@@ -54,8 +81,8 @@ def copy_value(value: Any) -> Any:
     changes inside it are the optimizer's own business."""
     if isinstance(value, torch.Tensor):
         return value.clone()
-    if isinstance(value, _IMMUTABLE) or (
-            type(value) is tuple and all(isinstance(v, _IMMUTABLE) for v in value)):
+    if isinstance(value, IMMUTABLE) or (
+            type(value) is tuple and all(isinstance(v, IMMUTABLE) for v in value)):
         return value
     if type(value) is tuple:
         return tuple(copy_value(v) for v in value)
@@ -98,18 +125,25 @@ class StepWideState:
         # One copy each, under the GIL; tensor entries cloned, so that one written in
         # place (apex FusedAdam(capturable=True)'s group["step"] += 1) stays in the copy.
         # (Per run, on the step's path: plain loops, no per-entry calls.)
-        copies, groups_before = [], []
+        # What the run gets and the state it writes in place are remembered with
+        # their version counters: untouched ones need no comparison of values after.
+        copies, groups_before, handed_out = [], [], []
         for group in originals:
             group_copy = dict(group)
             before = dict(group_copy)
             del before["params"]
+            handed = {}
             for k, v in before.items():
-                if not isinstance(v, _IMMUTABLE):  # a tensor, a container: copies of it
+                if not isinstance(v, IMMUTABLE):  # a tensor, a container: copies of it
                     group_copy[k] = copy_value(v)
                     before[k] = copy_value(v)
+                    handed[k] = (group_copy[k], tensor_versions(group_copy[k]))
             copies.append(group_copy)
             groups_before.append(before)
-        state_before = {k: copy_value(v) for k, v in optimizer_wide_entries(optim).items()}
+            handed_out.append(handed)
+        live_state = optimizer_wide_entries(optim)
+        live_versions = {k: (v, tensor_versions(v)) for k, v in live_state.items()}
+        state_before = {k: copy_value(v) for k, v in live_state.items()}
         optim.param_groups = copies
         ran = False
         try:
@@ -127,9 +161,11 @@ class StepWideState:
                 # (The identity test first: most entries are the objects they were.)
                 writes = [{k: copy_value(v) for k, v in after.items()
                            if k != "params" and not (before.get(k) is v
-                                                     and isinstance(v, _IMMUTABLE))
+                                                     and isinstance(v, IMMUTABLE))
+                           and not (k in handed and untouched(*handed[k], v))
                            and not same_value(before.get(k, _MISSING), v)}
-                          for before, after in zip(groups_before, copies)]
+                          for before, after, handed in zip(groups_before, copies,
+                                                           handed_out)]
                 if len(self._group_writes) != len(writes):
                     self._group_writes = [{} for _ in writes]
                 for kept, new in zip(self._group_writes, writes):
@@ -138,8 +174,10 @@ class StepWideState:
                 self._state_writes.update({
                     key: copy_value(state_after.get(key, _MISSING))
                     for key in state_after.keys() | state_before.keys()
-                    if not same_value(state_before.get(key, _MISSING),
-                                      state_after.get(key, _MISSING))})
+                    if not (key in live_versions and key in state_after
+                            and untouched(*live_versions[key], state_after[key]))
+                    and not same_value(state_before.get(key, _MISSING),
+                                       state_after.get(key, _MISSING))})
 
     @contextmanager
     def run_and_forget(self) -> Iterator[None]:

@@ -127,10 +127,10 @@ def test_the_step_writes_a_copy_of_the_gradient_kept_only_on_commit():
 def test_hyperparameters_are_a_copy_and_changes_are_seen():
     _, opt = _adamw()
     before = hyperparameters(opt.param_groups, cpu_arithmetic=True)
-    assert all("params" not in g for g in before)
+    assert all("params" not in g for g in before.groups)
     assert same_hyperparameters(before, hyperparameters(opt.param_groups, cpu_arithmetic=True))
     opt.param_groups[1]["lr"] = 1e-3
-    assert before[1]["lr"] == 3e-3  # a copy, not the live groups
+    assert before.groups[1]["lr"] == 3e-3  # a copy, not the live groups
     assert not same_hyperparameters(before, hyperparameters(opt.param_groups, cpu_arithmetic=True))
     opt.param_groups[1]["lr"] = 3e-3
     opt.param_groups[0]["betas"] = (0.9, 0.95)
@@ -156,3 +156,34 @@ def test_tensor_learning_rates_compare_by_value():
     assert not same_hyperparameters(before, hyperparameters(opt.param_groups, cpu_arithmetic=True))
     opt.param_groups[0]["lr"] = 1e-2  # the same value as a float is another type
     assert not same_hyperparameters(before, hyperparameters(opt.param_groups, cpu_arithmetic=True))
+
+
+class _CountingEqual:
+    """torch.equal, counting its calls: on a GPU each one waits for the device."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        original = torch.equal
+
+        def counting(a, b):
+            self.calls += 1
+            return original(a, b)
+        monkeypatch.setattr(torch, "equal", counting)
+
+
+def test_an_untouched_tensor_hyperparameter_is_not_read(monkeypatch):
+    """Two records of the same tensor, unwritten in between, are equal by its version
+    counter; one written in place, or another tensor, is compared by value."""
+    _, opt = _adamw(lr=torch.tensor(1e-2))
+    opt.param_groups[0]["betas"] = (torch.tensor(0.9), 0.999)  # a tensor in a tuple too
+    equal = _CountingEqual(monkeypatch)
+    before = hyperparameters(opt.param_groups, cpu_arithmetic=True)
+    assert same_hyperparameters(before, hyperparameters(opt.param_groups, cpu_arithmetic=True))
+    assert equal.calls == 0
+    opt.param_groups[0]["betas"][0].fill_(0.9)  # written, the same value
+    assert same_hyperparameters(before, hyperparameters(opt.param_groups, cpu_arithmetic=True))
+    assert equal.calls == 1
+    opt.param_groups[0]["lr"].fill_(5e-3)
+    assert not same_hyperparameters(before, hyperparameters(opt.param_groups, cpu_arithmetic=True))
+    opt.param_groups[0]["lr"] = torch.tensor(1e-2)  # another tensor, the recorded value
+    assert same_hyperparameters(before, hyperparameters(opt.param_groups, cpu_arithmetic=True))

@@ -494,6 +494,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._forget_stale_measurements()
         measured_earlier = self._reduced  # by clip_grad_norm_, before this call
         self._reduce_and_measure()
+        if self._speculation_failures:
+            self._abandon_failed_speculation()  # raises on every rank
         # After clip_grad_value_, what the gradient holds now (its infs clamped: the
         # step goes on, as torch's would).
         total = self._norm_now()
@@ -586,6 +588,38 @@ class ShardedOptimizer(torch.optim.Optimizer):
                        and not other_hyperparameters
                        and not self._speculated_on_scaled_gradients)
 
+    def _abandon_failed_speculation(self) -> None:
+        """Some rank's speculative step raised (all-reduced: every rank gets here):
+        undo this rank's speculative steps, send every stage-1 bucket sent this
+        round again (the same buckets on every rank, in the same order), skip the
+        step and raise. The gradients stay as reduced: a loop that catches the
+        error may step again. See [Note: scheduler thread lifetime and errors]."""
+        model, scheduler = self.model, self.model.scheduler
+        speculated = scheduler.speculated
+        for b in sorted(speculated):
+            model.finish_param_all_gather(b)
+            speculated[b][0].restore(model.buckets[b].param_shard, self._bucket_pieces[b],
+                                     self.optim.state)
+        model.mark_params_changed(sorted(speculated))
+        scheduler.rollbacks += len(speculated)
+        resend = sorted(set(speculated) | set(scheduler.sent_unstepped))
+        for b in resend:
+            model.finish_param_all_gather(b)
+        model.begin_param_exchange()
+        for b in resend:
+            model.queue_param_all_gather(b)
+        self._step_wide_state.end_step(stepped=False)
+        failures = self._speculation_failures
+        error = scheduler.take_error()
+        self.last_step_skipped = True
+        self._end_step(would_commit=False, stepped=False)
+        if error is None:
+            error = RuntimeError(
+                f"fgpsdp: a two_stage speculative step raised on {failures} other rank(s) "
+                "(their exception says what); this step was skipped on every rank, and "
+                "stage 1 is off for the rest of the run")
+        raise error
+
     def _inner_step(self) -> None:
         """The inner optimizer's step without torch's step hooks: a global one
         (``torch.optim.optimizer.register_optimizer_step_post_hook``) fires once per
@@ -609,18 +643,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
         backup = SliceBackup(storage.param_shard, storage.grad_shard, self._bucket_pieces[b],
                              self.optim.state)
         self._assign_slice_grads(None, [b], grads={b: backup.grad})
-        while True:  # see [Note: speculative steps during a torch.compile session]
-            wait_out_compile_session()
-            with no_compile_session_begins:
-                if compile_session_active():  # began before the lock was taken
-                    continue
-                ran_with = self._hyperparameters_now()
-                with nvtx_range(f"fgpsdp.speculative_step[{b}]"):
-                    self._inner_step()
-                if not compile_session_active():
-                    break
+        try:
+            while True:  # see [Note: speculative steps during a torch.compile session]
+                wait_out_compile_session()
+                with no_compile_session_begins:
+                    if compile_session_active():  # began before the lock was taken
+                        continue
+                    ran_with = self._hyperparameters_now()
+                    with nvtx_range(f"fgpsdp.speculative_step[{b}]"):
+                        self._inner_step()
+                    if not compile_session_active():
+                        break
+                backup.restore(storage.param_shard, self._bucket_pieces[b], self.optim.state)
+                backup.reset_gradient(storage.grad_shard)
+        except BaseException:
+            # Raised part-way (an out-of-memory error in a foreach kernel): the slice
+            # and its state as they were, for the all-gather that follows all the same.
             backup.restore(storage.param_shard, self._bucket_pieces[b], self.optim.state)
-            backup.reset_gradient(storage.grad_shard)
+            self.model.mark_params_changed([b])
+            raise
         self.model.mark_params_changed([b])
         # Kept only for a step that ran: one that raised is measured afresh.
         self._bucket_sq[b] = sq
@@ -701,6 +742,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._clip_called = False  # clip_grad_norm_ or clip_grad_value_ ran this step
         # Some rank's speculative steps ran with other hyperparameters than the step's.
         self._speculated_with_other_hyperparameters = False
+        self._speculation_failures = 0  # ranks whose speculative step raised this round
 
     def note_forward(self) -> None:
         """The wrapper's forward (every rank runs it): one after this step's
@@ -724,7 +766,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 and self.model.reducer.reduce_scatters_launched != self._finished_at):
             self._reset_step_measurements()
 
-    def _end_step(self, would_commit: bool) -> None:
+    def _end_step(self, would_commit: bool, stepped: bool = True) -> None:
         # A step that no rank's backward fed (one before the first backward, to build
         # the optimizer's state before a load_state_dict; every gradient None to the
         # inner optimizer, which steps nothing, as torch's): its round of zeros is no
@@ -732,7 +774,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # warning, and no speculation in that step). The slices hold those zeros only.
         fed = self._globally_used is None or any(self._globally_used)
         self._reset_step_measurements()
-        self.model.reducer.end_step(stepped_gradients=fed)
+        self.model.reducer.end_step(stepped_gradients=fed and stepped)
         if not fed:
             for storage in self.model.buckets:
                 storage.invalidate_grad_shard()
@@ -926,7 +968,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         speculative step, under two_stage) and added in bucket order, so every
         schedule computes the same float64 total. One all-reduce carries
         [sum of squares, non-finite flag, hyperparameters-changed flag,
-        per-parameter used count].
+        speculative-step-failed flag, per-parameter used count].
         """
         self._forget_stale_measurements()
         if self._reduced:
@@ -946,9 +988,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # The host-side figures in one CPU tensor and one copy: on CUDA a copy from
         # pageable memory (torch.tensor(..., device=cuda), .to(cuda)) waits for the
         # whole stream; from pinned memory it is queued behind the norms.
-        flags = torch.empty(1 + len(model.reducer.locally_used), dtype=torch.float64)
+        flags = torch.empty(2 + len(model.reducer.locally_used), dtype=torch.float64)
         flags[0] = float(self._speculation_hyperparameters_differ(speculated))
-        flags[1:] = model.reducer.locally_used
+        flags[1] = float(model.scheduler is not None and model.scheduler.failed)
+        flags[2:] = model.reducer.locally_used
         if local.is_cuda:
             flags = flags.pin_memory()
         packet = torch.cat([local, flags.to(local.device, non_blocking=True)])
@@ -957,7 +1000,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         packet = packet.cpu()
         sq_sum, nonfinite = float(packet[0]), float(packet[1])
         self._speculated_with_other_hyperparameters = float(packet[2]) > 0
-        self._globally_used = (packet[3:] > 0).tolist()
+        self._speculation_failures = int(round(float(packet[3])))
+        self._globally_used = (packet[4:] > 0).tolist()
         self._total_norm = math.inf if nonfinite else math.sqrt(sq_sum)
         if math.isnan(sq_sum):
             self._total_norm = math.nan

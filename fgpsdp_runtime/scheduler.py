@@ -39,9 +39,19 @@ computing with the new ones; such a backward first waits for stage 1 to end
 
 [Note: scheduler thread lifetime and errors]
 The thread is a daemon: it never keeps the process alive. It is started at
-the first step that speculates. An exception raised in it stops speculation
-for the rest of the run and is raised again on the main thread at the next
-join (the step, or a forward that cancels speculation), never swallowed.
+the first step that speculates. An exception raised in a speculative step
+(an out-of-memory error in its undo record, a hyperparameter the loop set
+to a value the optimizer refuses while the thread was stepping) is most
+often raised on one rank only, and depends on timing. So the thread undoes
+that step and goes on through the rest of stage 1 without stepping,
+starting each bucket's all-gather all the same: the all-gathers stay paired
+with the other ranks'. The error waits for the step, whose all-reduce tells
+every rank that some rank's speculative step raised: every rank then undoes
+its speculative steps, sends the restored slices, skips the step, stops
+speculating for the rest of the run and raises (the rank's own exception
+where it has one, so that a loop catching its type catches it as from
+torch's step; a RuntimeError on the others). Never swallowed; raised at the
+step even where a forward cancelled the speculation in between.
 On CUDA it runs on a stream of its own (``speculation_stream``), so the
 speculative optimizer steps overlap backward kernels; joins order the main
 stream after it.
@@ -107,7 +117,11 @@ class TwoStageScheduler:
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
         self._joined = threading.Event()
         self._join_ready = None  # CUDA: the main stream at the last join (finish_stage1)
+        # This round's first error in a speculative step, until the step takes it
+        # (see [Note: scheduler thread lifetime and errors]), and the stage-1
+        # buckets sent since without a step.
         self._error: Optional[BaseException] = None
+        self.sent_unstepped: list[int] = []
         self._thread: Optional[threading.Thread] = None
         device = model.buckets[0].device if model.buckets else torch.device("cpu")
         self.device = device
@@ -153,7 +167,7 @@ class TwoStageScheduler:
             # Every rank steps and zeroes alike, so every rank decides alike.
             self._round_excluded = True
         if (self.optimizer is None or self._round_excluded or not self.speculating
-                or self._error is not None or b in self._handed or b not in self.plan.stage1):
+                or b in self._handed or b not in self.plan.stage1):
             return
         self._handed.add(b)
         if self.model.backward_may_read_detached_params:
@@ -188,7 +202,6 @@ class TwoStageScheduler:
         Every reduce-scatter has landed when this is called.
         """
         if self.optimizer is None or not self.speculating or self._round_excluded:
-            self._raise_error()
             return
         self.on_backward_end()  # anything still deferred
         self._start_thread()
@@ -202,21 +215,24 @@ class TwoStageScheduler:
         self._joined.wait()
         if self.speculation_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.speculation_stream)
-        self._raise_error()
 
-    def _raise_error(self) -> None:
-        if self._error is not None:
-            error, self._error = self._error, None
-            # For the rest of the run: a loop that catches it trains on without
-            # stage 1 (its next speculative step would most likely raise again).
-            self.speculating = False
-            self.stop_speculating(f"a speculative step raised {error!r}", warn=False)
-            # The exception itself, so that a loop catching its type (an
-            # out-of-memory error) catches it as it would from torch's step.
-            if hasattr(error, "add_note"):  # Python >= 3.11
-                error.add_note("fgpsdp: raised in a two_stage speculative step (the "
-                               "scheduler thread); stage 1 is off for the rest of the run")
-            raise error
+    @property
+    def failed(self) -> bool:
+        """A speculative step raised on this rank since the last step took the error."""
+        return self._error is not None
+
+    def take_error(self) -> Optional[BaseException]:
+        """At the step every rank learned of a failure: this rank's error, if any,
+        noted, and stage 1 stopped for the rest of the run (its next speculative
+        step would most likely raise again)."""
+        error, self._error = self._error, None
+        self.stop_speculating(f"a speculative step raised {error!r}" if error is not None
+                              else "a speculative step raised on another rank", warn=False)
+        if error is not None and hasattr(error, "add_note"):  # Python >= 3.11
+            error.add_note("fgpsdp: raised in a two_stage speculative step (the scheduler "
+                           "thread); this step was skipped on every rank, and stage 1 is off "
+                           "for the rest of the run")
+        return error
 
     # -- the thread -------------------------------------------------------------
 
@@ -240,7 +256,7 @@ class TwoStageScheduler:
                     b, op, count, ready = item
                     self._arrived[b] = (op, count, ready)
                     self._advance(until_end=False)
-            except BaseException as error:  # raised again on the main thread at the join
+            except BaseException as error:  # not a step's: the link's, most likely
                 if self._error is None:
                     self._error = error
                 self._next = len(self.plan.stage1)
@@ -249,7 +265,7 @@ class TwoStageScheduler:
 
     def _advance(self, until_end: bool) -> None:
         stage1 = self.plan.stage1
-        while self._next < len(stage1) and self._error is None:
+        while self._next < len(stage1):
             b = stage1[self._next]
             arrived = self._arrived.pop(b, None)
             if arrived is None and not until_end:
@@ -277,13 +293,20 @@ class TwoStageScheduler:
         with timeline.span("scheduler", f"wait RS b{b}"):
             if op is not None:
                 op.wait()
-        settings = self._loop_settings
-        if settings != self._adopted:
-            settings.adopt()
-            self._adopted = settings
-        with timeline.span("scheduler", f"spec step b{b}"):
-            backup = self.optimizer.speculative_step(b)
-        self.speculated[b] = (backup, count)
+        if self._error is None:
+            settings = self._loop_settings
+            if settings != self._adopted:
+                settings.adopt()
+                self._adopted = settings
+            try:
+                with timeline.span("scheduler", f"spec step b{b}"):
+                    backup = self.optimizer.speculative_step(b)  # undone if it raises
+            except BaseException as error:  # see [Note: scheduler thread lifetime and errors]
+                self._error = error
+            else:
+                self.speculated[b] = (backup, count)
+        if self._error is not None:
+            self.sent_unstepped.append(b)
         self.model.start_param_all_gather(b)
         self._next += 1
 
@@ -337,17 +360,20 @@ class TwoStageScheduler:
         optimizer = self.optimizer
         self.model.reducer.wait_all()
         self.finish_stage1()
-        for b in sorted(self.speculated):
+        # (Sent unstepped after an error: sent again too, as the other ranks do.)
+        for b in sorted(set(self.speculated) | set(self.sent_unstepped)):
             self.model.finish_param_all_gather(b)
-            self.speculated[b][0].restore(self.model.buckets[b].param_shard,
-                                          optimizer._bucket_pieces[b], optimizer.optim.state)
-            self.model.mark_params_changed([b])
-            optimizer._bucket_sq.pop(b, None)
+            if b in self.speculated:
+                self.speculated[b][0].restore(self.model.buckets[b].param_shard,
+                                              optimizer._bucket_pieces[b], optimizer.optim.state)
+                self.model.mark_params_changed([b])
+                optimizer._bucket_sq.pop(b, None)
+                self.rollbacks += 1
             self.model.start_param_all_gather(b)
-            self.rollbacks += 1
         if self.speculated:
             optimizer._step_wide_state.discard()  # what those steps counted is undone too
         self.speculated = {}
+        self.sent_unstepped = []
         self._round_excluded = True
 
     def stop_speculating(self, reason: str, warn: bool = True) -> None:
@@ -391,6 +417,7 @@ class TwoStageScheduler:
     def _reset_round(self) -> None:
         self._next = 0
         self.speculated = {}
+        self.sent_unstepped = []
         self._handed = set()
         self._deferred = []
         self._arrived = {}

@@ -922,6 +922,68 @@ def scheduler_thread_failure(rank: int, world_size: int) -> dict:
     return result
 
 
+class FailingOnOneRankAdamW(torch.optim.AdamW):
+    """AdamW whose speculative steps (off the main thread) raise on rank 1 only, from
+    the ``fail_at``-th one of step ``fail_step`` (0-based), as an out-of-memory error
+    in an undo record would on one rank."""
+
+    fail_at = 1
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.loop_steps = 0  # set by the loop
+        self.fail_step = 1
+        self._speculative_in_step = {}
+
+    def step(self, closure=None):
+        import threading
+        if threading.current_thread() is not threading.main_thread():
+            n = self._speculative_in_step.get(self.loop_steps, 0)
+            self._speculative_in_step[self.loop_steps] = n + 1
+            if (dist.get_rank() == 1 and self.loop_steps == self.fail_step
+                    and n >= self.fail_at):
+                raise ValueError("injected failure on rank 1")
+        return super().step(closure)
+
+
+def speculative_failure_on_one_rank(rank: int, world_size: int, accumulate: bool) -> dict:
+    """A speculative step raising on one rank only, part-way through stage 1, must
+    not leave the ranks' collectives apart: every rank raises at that step (rank 1
+    its own error), the loop catches it, zeroes and trains on, bitwise torch DDP
+    skipping that step. ``accumulate``: a second forward and backward between the
+    failure and the step (the speculation is cancelled; the error still waits for
+    the step). Such a loop speculates in its first step only: the failure is there."""
+    torch.manual_seed(0)
+    module = MLP()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(module))
+    model = fgp.DistributedDataParallel(module, bucket_cap_mb=0.0001, overlap_plan="layout")
+    opt = fgp.ShardedOptimizer(model, FailingOnOneRankAdamW, lr=1e-2)
+    opt.optim.fail_step = 0 if accumulate else 1
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    errors = []
+    for step in range(4):
+        opt.optim.loop_steps = step
+        for micro in range(2 if accumulate else 1):
+            x, y = make_batch("mlp", step, micro, rank)
+            loss_fn("mlp", model(x), y).backward()
+            loss_fn("mlp", ref(x), y).backward()
+        try:
+            opt.step()
+        except (ValueError, RuntimeError) as error:
+            errors.append((step, type(error).__name__, str(error),
+                           getattr(error, "__notes__", [])))
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            continue
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    model.synchronize()
+    return {"errors": errors, "stage1": len(model.plan.stage1),
+            "param_diff": max(float((a - b).abs().max())
+                              for a, b in zip(module.parameters(), ref.parameters()))}
+
+
 STEP_LOG: list = []
 
 

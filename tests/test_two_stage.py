@@ -8,8 +8,8 @@ import torch
 from .dist_harness import run_calls, run_distributed
 from .scenarios import (gan_loop, load_checkpoint_with_gathers_in_flight,
                         save_checkpoint_with_gathers_in_flight, scheduler_thread_failure,
-                        step_and_gather_order, synchronize_between_backward_and_step,
-                        traced_steps, train_many)
+                        speculative_failure_on_one_rank, step_and_gather_order,
+                        synchronize_between_backward_and_step, traced_steps, train_many)
 from .test_equivalence import SCENARIOS, TOL
 from .test_schedules import results
 
@@ -125,6 +125,26 @@ def test_scheduler_thread_failure_is_raised_on_every_rank(two_ranks):
         assert res["param_diff"] <= 1e-6, res
 
 
+@pytest.mark.parametrize("accumulate", [False, True], ids=["step", "forward_before_step"])
+def test_a_speculative_step_failing_on_one_rank_is_raised_on_every_rank(accumulate):
+    """Before 2026-12-05 rank 1 raised at the join while rank 0 went on into the
+    step's collectives: both waited out the process group's timeout."""
+    ranks = run_distributed(2, speculative_failure_on_one_rank, accumulate,
+                            timeout_s=120, pg_timeout_s=30)
+    assert ranks[0]["stage1"] >= 3  # the failure is part-way through stage 1
+    (step0, kind0, message0, _), = ranks[0]["errors"]
+    (step1, kind1, message1, notes1), = ranks[1]["errors"]
+    assert step0 == step1 == (0 if accumulate else 1)
+    assert kind1 == "ValueError" and "injected failure on rank 1" in message1
+    if sys.version_info >= (3, 11):
+        assert any("skipped on every rank" in n for n in notes1), notes1
+    assert kind0 == "RuntimeError" and "raised on 1 other rank" in message0
+    # Accumulating without no_sync() adds reduced gradients, torch DDP reduces the sum:
+    # bitwise only without it.
+    for res in ranks:
+        assert res["param_diff"] <= (1e-6 if accumulate else 0.0), res["param_diff"]
+
+
 @pytest.mark.parametrize("schedule", ["two_stage", "next_forward"])
 def test_timeline_has_every_lane_and_bucket(schedule):
     ranks = run_distributed(4, traced_steps, {"local_size": 2, "schedule": schedule, "steps": 3},
@@ -220,3 +240,60 @@ def test_gan_discriminator_does_not_speculate_with_gradients_it_never_steps(
             # (all four: G's round through D is no read before D's step).
             assert res["d_stage1"] > 0, res
             assert res["d_commits"] == 4 * res["d_stage1"] and res["d_rollbacks"] == 0, res
+
+
+def _tensor_learning_rate(rank, world_size, system):
+    """AdamW with ``lr=torch.tensor(...)`` (as capturable and fused optimizers take it
+    on a GPU), a StepLR filling it in place after each step, and the loop filling it
+    once between backward and step. Returns the parameters, the number of speculative
+    steps committed, and per step how often the hyperparameter bookkeeping read a
+    tensor's value (torch.equal: on a GPU each waits for the device)."""
+    import sys as _sys
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+    import fgpsdp_runtime as fgp
+    torch.manual_seed(0)
+    module = torch.nn.Sequential(*[torch.nn.Linear(8, 8) for _ in range(4)])
+    kwargs = dict(lr=torch.tensor(1e-2), foreach=False)
+    if system == "ddp":
+        model = TorchDDP(module)
+        opt = torch.optim.AdamW(module.parameters(), **kwargs)
+    else:
+        model = fgp.DistributedDataParallel(module, schedule="two_stage", overlap_plan="layout",
+                                            bucket_cap_mb=0.0005)
+        opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, **kwargs)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.7)
+    reads = [0]
+    original = torch.equal
+
+    def counting(a, b):
+        if _sys._getframe(1).f_globals.get("__name__") == "fgpsdp_runtime.step_wide_state":
+            reads[-1] += 1
+        return original(a, b)
+    torch.equal = counting
+    try:
+        g = torch.Generator().manual_seed(rank)
+        for step in range(5):
+            model(torch.randn(4, 8, generator=g)).square().mean().backward()
+            if step == 2:
+                opt.param_groups[0]["lr"].fill_(3e-3)  # the speculative steps must be redone
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            sched.step()
+            reads.append(0)
+    finally:
+        torch.equal = original
+    if system != "ddp":
+        model.synchronize()
+    return {"params": [p.detach().clone() for p in module.parameters()], "reads": reads[:-1],
+            "commits": model.scheduler.commits if system != "ddp" else None}
+
+
+def test_a_tensor_learning_rate_trains_as_torch_ddp_without_reading_it_each_step():
+    ours = run_distributed(2, _tensor_learning_rate, "fgpsdp")
+    torch_ddp = run_distributed(2, _tensor_learning_rate, "ddp")
+    for rank, (res, ref) in enumerate(zip(ours, torch_ddp)):
+        assert res["commits"] > 0, "nothing speculated: the test proves nothing"
+        for a, b in zip(res["params"], ref["params"]):
+            assert torch.equal(a, b), f"rank {rank}"
+        # Only the step whose learning rate changed after backward compares values.
+        assert [n for step, n in enumerate(res["reads"]) if step != 2] == [0] * 4, res["reads"]

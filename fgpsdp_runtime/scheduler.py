@@ -50,8 +50,9 @@ every rank that some rank's speculative step raised: every rank then undoes
 its speculative steps, sends the restored slices, skips the step, stops
 speculating for the rest of the run and raises (the rank's own exception
 where it has one, so that a loop catching its type catches it as from
-torch's step; a RuntimeError on the others). Never swallowed; raised at the
-step even where a forward cancelled the speculation in between.
+torch's step; a RuntimeError on the others). Never swallowed: raised at the
+next step even where a forward cancelled the speculation in between, or
+zero_grad() dropped the round without a step (that next step is skipped).
 On CUDA it runs on a stream of its own (``speculation_stream``), so the
 speculative optimizer steps overlap backward kernels; joins order the main
 stream after it.

@@ -592,7 +592,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Some rank's speculative step raised (all-reduced: every rank gets here):
         undo this rank's speculative steps, send every stage-1 bucket sent this
         round again (the same buckets on every rank, in the same order), skip the
-        step and raise. The gradients stay as reduced: a loop that catches the
+        step and raise the failing rank's exception. The gradients stay as reduced: a loop that catches the
         error may step again. See [Note: scheduler thread lifetime and errors]."""
         model, scheduler = self.model, self.model.scheduler
         speculated = scheduler.speculated
@@ -609,15 +609,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for b in resend:
             model.queue_param_all_gather(b)
         self._step_wide_state.end_step(stepped=False)
-        failures = self._speculation_failures
-        error = scheduler.take_error()
+        error = scheduler.take_error()  # the same on every rank (a collective)
         self.last_step_skipped = True
         self._end_step(would_commit=False, stepped=False)
-        if error is None:
-            error = RuntimeError(
-                f"fgpsdp: a two_stage speculative step raised on {failures} other rank(s) "
-                "(their exception says what); this step was skipped on every rank, and "
-                "stage 1 is off for the rest of the run")
         raise error
 
     def _inner_step(self) -> None:

@@ -44,15 +44,19 @@ the first step that speculates. An exception raised in a speculative step
 to a value the optimizer refuses while the thread was stepping) is most
 often raised on one rank only, and depends on timing. So the thread undoes
 that step and goes on through the rest of stage 1 without stepping,
-starting each bucket's all-gather all the same: the all-gathers stay paired
-with the other ranks'. The error waits for the step, whose all-reduce tells
-every rank that some rank's speculative step raised: every rank then undoes
-its speculative steps, sends the restored slices, skips the step, stops
-speculating for the rest of the run and raises (the rank's own exception
-where it has one, so that a loop catching its type catches it as from
-torch's step; a RuntimeError on the others). Never swallowed: raised at the
-next step even where a forward cancelled the speculation in between, or
-zero_grad() dropped the round without a step (that next step is skipped).
+starting each bucket's all-gather all the same (and bumping its parameters'
+version counters, as a step would: a second backward through a retained
+graph then fails alike on every rank): the all-gathers stay paired with the
+other ranks'. The error waits for the step, whose all-reduce tells every
+rank that some rank's speculative step raised: every rank then undoes its
+speculative steps, sends the restored slices, skips the step, stops
+speculating for the rest of the run and raises the same exception (a failing
+rank its own; the others the lowest failing rank's, sent pickled), so that a
+loop catching its type (torch.cuda.OutOfMemoryError) catches it on every rank
+as from torch's step. A round zero_grad() drops before any step has no step
+to fail: the error is dropped with a warning on its rank (torch's step, which
+would have raised it, never ran), and the next round speculates on every
+rank alike.
 On CUDA it runs on a stream of its own (``speculation_stream``), so the
 speculative optimizer steps overlap backward kernels; joins order the main
 stream after it.
@@ -65,9 +69,13 @@ import warnings
 import weakref
 from typing import TYPE_CHECKING, Optional
 
+import pickle
+
 import torch
+import torch.distributed as dist
 
 from . import shutdown
+from .backends import objects_on
 from .plan import OverlapPlan
 from .thread_settings import ThreadSettings
 
@@ -222,17 +230,43 @@ class TwoStageScheduler:
         """A speculative step raised on this rank since the last step took the error."""
         return self._error is not None
 
-    def take_error(self) -> Optional[BaseException]:
-        """At the step every rank learned of a failure: this rank's error, if any,
-        noted, and stage 1 stopped for the rest of the run (its next speculative
-        step would most likely raise again)."""
+    def take_error(self) -> BaseException:
+        """At a step whose all-reduce said some rank's speculative step raised (a
+        collective: every rank calls it): the exception to raise, the same on every
+        rank (see [Note: scheduler thread lifetime and errors]). Stage 1 stops for
+        the rest of the run: its next speculative step would most likely raise
+        again."""
         error, self._error = self._error, None
+        self.speculating = False
         self.stop_speculating(f"a speculative step raised {error!r}" if error is not None
                               else "a speculative step raised on another rank", warn=False)
-        if error is not None and hasattr(error, "add_note"):  # Python >= 3.11
-            error.add_note("fgpsdp: raised in a two_stage speculative step (the scheduler "
-                           "thread); this step was skipped on every rank, and stage 1 is off "
-                           "for the rest of the run")
+        mine = None
+        if error is not None:
+            try:  # (sent as bytes: a peer that cannot unpickle it falls back below)
+                data = pickle.dumps(error)
+            except Exception:  # noqa: BLE001 - not picklable: described in words
+                data = None
+            mine = (data, f"{type(error).__name__}: {error}")
+        model = self.model
+        gathered: list = [mine]
+        if model.world_size > 1:
+            gathered = [None] * model.world_size
+            with objects_on(model.device):
+                dist.all_gather_object(gathered, mine, group=model.process_group)
+        first = next(rank for rank, failure in enumerate(gathered) if failure is not None)
+        where = "in a two_stage speculative step (the scheduler thread)"
+        if error is None:
+            data, description = gathered[first]
+            try:
+                error = pickle.loads(data) if data is not None else None
+            except Exception:  # noqa: BLE001 - a class this process cannot rebuild
+                error = None
+            if not isinstance(error, BaseException):
+                error = RuntimeError(f"fgpsdp: {description}")
+            where = f"on rank {first} {where}"
+        if hasattr(error, "add_note"):  # Python >= 3.11
+            error.add_note(f"fgpsdp: raised {where}; this step was skipped on every rank, and "
+                           "stage 1 is off for the rest of the run")
         return error
 
     # -- the thread -------------------------------------------------------------
@@ -308,6 +342,7 @@ class TwoStageScheduler:
                 self.speculated[b] = (backup, count)
         if self._error is not None:
             self.sent_unstepped.append(b)
+            self.model.mark_params_changed([b])  # as a step would: see the Note
         self.model.start_param_all_gather(b)
         self._next += 1
 
@@ -413,6 +448,11 @@ class TwoStageScheduler:
         """zero_grad(), after before_forward() has undone this round's speculation
         (the thread is idle): the next backward starts a round of its own, which
         may speculate."""
+        if self._error is not None:  # no step of this round will raise it
+            error, self._error = self._error, None
+            warnings.warn(f"fgpsdp: a two_stage speculative step raised {error!r}; zero_grad() "
+                          "dropped its round before opt.step(), which would have raised it",
+                          RuntimeWarning)
         self._reset_round()
 
     def _reset_round(self) -> None:

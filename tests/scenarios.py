@@ -946,40 +946,59 @@ class FailingOnOneRankAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
-def speculative_failure_on_one_rank(rank: int, world_size: int, accumulate: bool) -> dict:
+def speculative_failure_on_one_rank(rank: int, world_size: int, mode: str) -> dict:
     """A speculative step raising on one rank only, part-way through stage 1, must
-    not leave the ranks' collectives apart: every rank raises at that step (rank 1
-    its own error), the loop catches it, zeroes and trains on, bitwise torch DDP
-    skipping that step. ``accumulate``: a second forward and backward between the
-    failure and the step (the speculation is cancelled; the error still waits for
-    the step). Such a loop speculates in its first step only: the failure is there."""
+    not leave the ranks' collectives apart. ``mode``:
+
+    - "step": every rank raises the failing rank's exception (a ValueError) at that
+      step; the loop catches that type, zeroes and trains on, bitwise torch DDP
+      skipping the step;
+    - "forward_before_step": a second forward and backward between the failure and
+      the step (the speculation is cancelled; the error still waits for the step).
+      Such a loop speculates in its first step only: the failure is there;
+    - "zero_grad_without_step": the loop drops that round with zero_grad() and no
+      step: nothing raises (the failing rank warns), and the next rounds speculate
+      on every rank alike, bitwise torch DDP dropping the batch too.
+    """
+    import warnings as _warnings
     torch.manual_seed(0)
     module = MLP()
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(module))
     model = fgp.DistributedDataParallel(module, bucket_cap_mb=0.0001, overlap_plan="layout")
     opt = fgp.ShardedOptimizer(model, FailingOnOneRankAdamW, lr=1e-2)
+    accumulate = mode == "forward_before_step"
     opt.optim.fail_step = 0 if accumulate else 1
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    errors = []
-    for step in range(4):
-        opt.optim.loop_steps = step
-        for micro in range(2 if accumulate else 1):
-            x, y = make_batch("mlp", step, micro, rank)
-            loss_fn("mlp", model(x), y).backward()
-            loss_fn("mlp", ref(x), y).backward()
-        try:
-            opt.step()
-        except (ValueError, RuntimeError) as error:
-            errors.append((step, type(error).__name__, str(error),
-                           getattr(error, "__notes__", [])))
+    errors, commits_at_failure = [], None
+    with _warnings.catch_warnings(record=True) as seen:
+        _warnings.simplefilter("always")
+        for step in range(4):
+            opt.optim.loop_steps = step
+            for micro in range(2 if accumulate else 1):
+                x, y = make_batch("mlp", step, micro, rank)
+                loss_fn("mlp", model(x), y).backward()
+                loss_fn("mlp", ref(x), y).backward()
+            if mode == "zero_grad_without_step" and step == opt.optim.fail_step:
+                opt.zero_grad()  # (a loop skipping a batch it found bad)
+                ref_opt.zero_grad()
+                commits_at_failure = model.scheduler.commits
+                continue
+            try:
+                opt.step()
+            except ValueError as error:  # the optimizer's own type, on every rank
+                errors.append((step, str(error), getattr(error, "__notes__", [])))
+                opt.zero_grad()
+                ref_opt.zero_grad()
+                continue
+            ref_opt.step()
             opt.zero_grad()
             ref_opt.zero_grad()
-            continue
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
     model.synchronize()
     return {"errors": errors, "stage1": len(model.plan.stage1),
+            "commits_after_failure": (model.scheduler.commits - commits_at_failure
+                                      if commits_at_failure is not None else None),
+            "dropped_warnings": [str(w.message) for w in seen if "dropped its round"
+                                 in str(w.message)],
             "param_diff": max(float((a - b).abs().max())
                               for a, b in zip(module.parameters(), ref.parameters()))}
 

@@ -592,8 +592,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Some rank's speculative step raised (all-reduced: every rank gets here):
         undo this rank's speculative steps, send every stage-1 bucket sent this
         round again (the same buckets on every rank, in the same order), skip the
-        step and raise the failing rank's exception. The gradients stay as reduced: a loop that catches the
-        error may step again. See [Note: scheduler thread lifetime and errors]."""
+        step and raise the failing rank's exception. The gradients stay as reduced:
+        a loop that catches the error may step again. See [Note: scheduler thread
+        lifetime and errors]."""
         model, scheduler = self.model, self.model.scheduler
         speculated = scheduler.speculated
         for b in sorted(speculated):

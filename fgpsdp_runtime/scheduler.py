@@ -63,13 +63,12 @@ stream after it.
 """
 from __future__ import annotations
 
+import pickle
 import queue
 import threading
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Optional
-
-import pickle
 
 import torch
 import torch.distributed as dist

@@ -309,10 +309,10 @@ class DistributedDataParallel(nn.Module):
         # Bucket traffic goes over groups of its own (one per link class and
         # phase), driven by worker threads; the wrapper's group stays free for
         # broadcasts and the norm all-reduce. See link_worker.py.
-        hashed_names = hashed_group_names(process_group)  # see topology.py
+        naming = hashed_group_names(process_group)  # see topology.py
         if self.topology.uses_hierarchy:
-            rs_groups = create_link_groups(self.topology, process_group, hashed_names)
-            ag_groups = create_link_groups(self.topology, process_group, hashed_names)
+            rs_groups = create_link_groups(self.topology, process_group, naming)
+            ag_groups = create_link_groups(self.topology, process_group, naming)
             self._own_groups = [rs_groups.intra, rs_groups.inter, ag_groups.intra,
                                 ag_groups.inter]
             self._exchange = HierarchicalExchange(
@@ -321,7 +321,7 @@ class DistributedDataParallel(nn.Module):
         else:
             ranks = dist.get_process_group_ranks(process_group) if process_group \
                 else list(range(dist.get_world_size()))
-            self._own_groups = [new_group_like(ranks, process_group, hashed_names)
+            self._own_groups = [new_group_like(ranks, process_group, naming)
                                 for _ in range(2)]
             self._exchange = FlatExchange(
                 *self._own_groups, device, self._comm_stats, self.timeline,

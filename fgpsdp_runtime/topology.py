@@ -206,8 +206,52 @@ def group_timeout(group: Optional[dist.ProcessGroup]) -> Optional[timedelta]:
         return None
 
 
-def hashed_group_names(group: Optional[dist.ProcessGroup]) -> bool:
-    """Whether the wrapper's own groups over ``group`` are named by a hash of their ranks.
+class GroupNaming:
+    """How a wrapper on a subgroup names its groups: by a hash of their ranks
+    (see [Note: naming the groups of a wrapper on a subgroup]). ``salts``: where
+    torch salts that hash with its group counter (torch >= 2.14), the counter
+    values this wrapper's groups are hashed with, one per group; None where torch
+    salts it with the number of groups held (which the members compared)."""
+
+    def __init__(self, first_salt: Optional[int] = None):
+        self._next_salt = first_salt
+
+    @property
+    def salted_by_counter(self) -> bool:
+        return self._next_salt is not None
+
+    def next_salt(self) -> int:
+        salt, self._next_salt = self._next_salt, self._next_salt + 1
+        return salt
+
+
+# Counter values for torch >= 2.14's hash (see the Note): far above any its own
+# counter reaches, so no hash of ours is one torch makes for another group; a
+# block per wrapper, numbered by the members' agreed count of such wrappers.
+_SALT_BASE = 1 << 48
+_SALTS_PER_WRAPPER = 1 << 16
+_salted_wrappers = 0  # wrappers this process built with salts of ours
+
+
+def _hash_salted_by_counter() -> bool:
+    """Whether this torch's hashed group name moves the group counter (torch >= 2.14
+    salts the hash with it and advances it for either kind of name): a probe of
+    ``_process_group_name`` that puts the counter back."""
+    c10d = dist.distributed_c10d
+    try:
+        before = c10d._world.group_count
+        try:
+            c10d._process_group_name([0], use_hashed_name=True)
+            return c10d._world.group_count != before
+        finally:
+            c10d._world.group_count = before
+    except (AttributeError, TypeError):  # private API: another torch
+        return False
+
+
+def hashed_group_names(group: Optional[dist.ProcessGroup]) -> Optional[GroupNaming]:
+    """How the wrapper's own groups over ``group`` are named: by a hash of their
+    ranks (a GroupNaming), or by torch's counter (None).
 
     [Note: naming the groups of a wrapper on a subgroup]
     torch names a plain ``new_group`` by a per-process counter. Only a
@@ -215,40 +259,63 @@ def hashed_group_names(group: Optional[dist.ProcessGroup]) -> bool:
     theirs on other subgroups (pipeline stages, data-parallel groups beside
     tensor-parallel ones): both sets of groups then got the same names, and
     store keys, whose gloo rendezvous collided (an error or a hang). With
-    ``use_local_synchronization=True`` torch hashes the ranks and the number
-    of groups the process holds instead, and leaves the counter alone. That
-    number must be the same on every member: the members compare it (a
-    collective over ``group``) and fall back to the counter where it differs
-    (a member also in a group the others are not in), as before.
+    ``use_local_synchronization=True`` torch hashes the ranks instead, salted
+    (up to torch 2.13) with the number of groups the process holds, leaving the
+    counter alone. That number must be the same on every member: the members
+    compare it (a collective over ``group``) and fall back to the counter where
+    it differs (a member also in a group the others are not in), as before.
+    torch 2.14 salts the hash with the counter itself and advances it, on the
+    members only: every later counter-named group of the job (a wrapper over
+    every rank) then got different names on members and others, and its
+    rendezvous hung. There the wrapper sets the counter, for each of its groups,
+    to a value of its own that the members agree on (a block per wrapper above
+    any value torch reaches), and puts it back after: the job's counter moves on
+    no rank.
     """
+    global _salted_wrappers
     if group is None or dist.get_world_size(group) == dist.get_world_size():
-        return False  # every rank of the job builds it: the counter agrees
+        return None  # every rank of the job builds it: the counter agrees
+    salted = _hash_salted_by_counter()
     try:
         held = len(dist.distributed_c10d._world.pg_names)
     except AttributeError:  # private: another torch
         held = -1
-    counts: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(counts, held, group=group)
-    return held >= 0 and len(set(counts)) == 1
+    views: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(views, (held, salted, _salted_wrappers), group=group)
+    if held < 0 or len({salted for _, salted, _ in views}) != 1:
+        return None
+    if salted:
+        _salted_wrappers = max(count for _, _, count in views) + 1
+        return GroupNaming(_SALT_BASE + _salted_wrappers * _SALTS_PER_WRAPPER)
+    return GroupNaming() if len({held for held, _, _ in views}) == 1 else None
 
 
 def new_group_like(ranks: list[int], group: Optional[dist.ProcessGroup],
-                   hashed_name: bool = False) -> dist.ProcessGroup:
+                   naming: Optional[GroupNaming] = None) -> dist.ProcessGroup:
     """A process group of ``ranks`` with ``group``'s timeout (every rank of ``group``
-    calls it, in the same order); ``hashed_name``: see hashed_group_names."""
+    calls it, in the same order); ``naming``: see hashed_group_names."""
     kwargs = {}
     timeout = group_timeout(group)
     if timeout is not None:
         kwargs["timeout"] = timeout
-    if hashed_name:
-        _forget_old_rendezvous(ranks, group)
+    if naming is not None:
+        c10d = dist.distributed_c10d
+        counter = c10d._world.group_count if naming.salted_by_counter else None
+        if counter is not None:
+            c10d._world.group_count = naming.next_salt()
         try:
-            return dist.new_group(ranks, use_local_synchronization=True, **kwargs)
-        except ValueError as error:
-            # A live group has that name: groups destroyed since (a dropped wrapper's)
-            # lowered the count it hashes. Every member holds that group alike.
-            if "already been created" not in str(error):
-                raise
+            _forget_old_rendezvous(ranks, group)
+            try:
+                return dist.new_group(ranks, use_local_synchronization=True, **kwargs)
+            except ValueError as error:
+                # A live group has that name: groups destroyed since (a dropped
+                # wrapper's) lowered the count it hashes. Every member holds that
+                # group alike.
+                if "already been created" not in str(error):
+                    raise
+        finally:
+            if counter is not None:
+                c10d._world.group_count = counter
     return dist.new_group(ranks, **kwargs)
 
 
@@ -300,7 +367,7 @@ def _forget_old_rendezvous(ranks: list[int], group: Optional[dist.ProcessGroup])
 
 
 def create_link_groups(layout: NodeLayout, group: Optional[dist.ProcessGroup],
-                       hashed_names: bool = False) -> LinkGroups:
+                       naming: Optional[GroupNaming] = None) -> LinkGroups:
     """Create every node group and rail group, on every rank, in the same order."""
     def global_ranks(ranks):
         if group is None:
@@ -310,11 +377,11 @@ def create_link_groups(layout: NodeLayout, group: Optional[dist.ProcessGroup],
     rank = dist.get_rank(group)
     intra = inter = None
     for node in range(layout.nodes):
-        g = new_group_like(global_ranks(layout.intra_ranks(node)), group, hashed_names)
+        g = new_group_like(global_ranks(layout.intra_ranks(node)), group, naming)
         if layout.node_of(rank) == node:
             intra = g
     for local in range(layout.local_size):
-        g = new_group_like(global_ranks(layout.rail_ranks(local)), group, hashed_names)
+        g = new_group_like(global_ranks(layout.rail_ranks(local)), group, naming)
         if layout.local_rank(rank) == local:
             inter = g
     return LinkGroups(intra=intra, inter=inter)

@@ -130,10 +130,64 @@ def _rewrapped_one_member_late(rank: int, world_size: int) -> dict:
 
 
 def test_a_subgroup_wrapper_rebuilt_with_one_member_late():
+    from fgpsdp_runtime.topology import _hash_salted_by_counter
     results = run_distributed(4, _rewrapped_one_member_late, timeout_s=180, pg_timeout_s=30)
     for res in results:
         assert res["held"][0] == res["held"][1] == res["held"][2], res
-        assert res["names"][0] == res["names"][1] == res["names"][2], res
+    for a, b in (results[0], results[1]), (results[2], results[3]):
+        assert a["names"] == b["names"]  # the members of a pair agree, phase by phase
+    if not _hash_salted_by_counter():  # torch < 2.14: the dropped groups' names come back
+        for res in results:
+            assert res["names"][0] == res["names"][1] == res["names"][2], res
+
+
+def _with_counter_salted_names() -> None:
+    """This process names hashed groups as torch 2.14 does (on an older torch): the
+    hash of the ranks salted with the group counter, and the counter advanced for
+    hashed names as for counted ones."""
+    import hashlib
+    c10d = dist.distributed_c10d
+
+    def hash_ranks(ranks):
+        text = "_".join(map(str, ranks)) + "_" + str(c10d._world.group_count)
+        return hashlib.sha1(text.encode()).hexdigest()
+
+    def group_name(ranks, use_hashed_name):
+        name = hash_ranks(ranks) if use_hashed_name else str(c10d._world.group_count)
+        c10d._world.group_count += 1
+        return name
+    c10d._hash_ranks_to_str, c10d._process_group_name = hash_ranks, group_name
+
+
+def _subgroup_wrapper_then_whole_job(rank: int, world_size: int, counter_salted: bool) -> dict:
+    """Ranks 0-1 wrap on their pair (hashed names), then every rank wraps on the whole
+    job (counter names): the counter must still agree on every rank."""
+    if counter_salted:
+        _with_counter_salted_names()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    if rank < 2:
+        pair_model = fgp.DistributedDataParallel(MLP(), process_group=pairs[0], topology="flat")
+        pair_names = sorted(g.group_name for g in pair_model._own_groups)
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(MLP(), topology="flat")
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    train_both([(model, opt)], rank, 1)
+    return {"names": sorted(g.group_name for g in model._own_groups),
+            "pair_hashed": rank >= 2 or all(not n.isdigit() for n in pair_names),
+            "params": [p.detach().clone() for p in model.module.parameters()]}
+
+
+@pytest.mark.parametrize("counter_salted", [False, True], ids=["torch", "torch_2_14_naming"])
+def test_a_subgroup_wrapper_leaves_the_job_counter_alone(counter_salted):
+    """torch 2.14 salts a hashed name with the group counter and advances it on the
+    members only: before 2026-12-05 the job-wide wrapper that followed named its
+    groups differently on ranks 0-1 and 2-3, and its rendezvous hung."""
+    results = run_distributed(4, _subgroup_wrapper_then_whole_job, counter_salted,
+                              timeout_s=120, pg_timeout_s=15)
+    assert all(res["pair_hashed"] for res in results)
+    assert all(res["names"] == results[0]["names"] for res in results)
+    for res in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(res["params"], results[0]["params"]))
 
 
 def _forget_by_name_without_list_keys(rank: int, world_size: int) -> dict:

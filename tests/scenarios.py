@@ -927,12 +927,10 @@ class FailingOnOneRankAdamW(torch.optim.AdamW):
     the ``fail_at``-th one of step ``fail_step`` (0-based), as an out-of-memory error
     in an undo record would on one rank."""
 
-    fail_at = 1
-
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.loop_steps = 0  # set by the loop
-        self.fail_step = 1
+        self.fail_step, self.fail_at = 1, 1
         self._speculative_in_step = {}
 
     def step(self, closure=None):

@@ -12,6 +12,7 @@ stays sharded over all N ranks; nothing is replicated per node.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -207,87 +208,59 @@ def group_timeout(group: Optional[dist.ProcessGroup]) -> Optional[timedelta]:
 
 
 class GroupNaming:
-    """How a wrapper on a subgroup names its groups: by a hash of their ranks
-    (see [Note: naming the groups of a wrapper on a subgroup]). ``salts``: where
-    torch salts that hash with its group counter (torch >= 2.14), the counter
-    values this wrapper's groups are hashed with, one per group; None where torch
-    salts it with the number of groups held (which the members compared)."""
+    """The names of one wrapper's groups on a subgroup (see [Note: naming the groups
+    of a wrapper on a subgroup]): a hash of each group's ranks and a number the
+    members agreed on, one per group."""
 
-    def __init__(self, first_salt: Optional[int] = None):
-        self._next_salt = first_salt
+    def __init__(self, first_number: int):
+        self._next = first_number
 
-    @property
-    def salted_by_counter(self) -> bool:
-        return self._next_salt is not None
-
-    def next_salt(self) -> int:
-        salt, self._next_salt = self._next_salt, self._next_salt + 1
-        return salt
+    def next_name(self, ranks: list[int]) -> str:
+        text = f"fgpsdp:{'_'.join(map(str, sorted(ranks)))}:{self._next}"
+        self._next += 1
+        return hashlib.sha1(text.encode()).hexdigest()
 
 
-# Counter values for torch >= 2.14's hash (see the Note): far above any its own
-# counter reaches, so no hash of ours is one torch makes for another group; a
-# block per wrapper, numbered by the members' agreed count of such wrappers.
-_SALT_BASE = 1 << 48
-_SALTS_PER_WRAPPER = 1 << 16
-_salted_wrappers = 0  # wrappers this process built with salts of ours
-
-
-def _hash_salted_by_counter() -> bool:
-    """Whether this torch's hashed group name moves the group counter (torch >= 2.14
-    salts the hash with it and advances it for either kind of name): a probe of
-    ``_process_group_name`` that puts the counter back."""
-    c10d = dist.distributed_c10d
-    try:
-        before = c10d._world.group_count
-        try:
-            c10d._process_group_name([0], use_hashed_name=True)
-            return c10d._world.group_count != before
-        finally:
-            c10d._world.group_count = before
-    except (AttributeError, TypeError):  # private API: another torch
-        return False
+_GROUPS_PER_WRAPPER = 1 << 16  # numbers per wrapper: more than its groups
+_named_wrappers = 0  # wrappers this process built on a subgroup
 
 
 def hashed_group_names(group: Optional[dist.ProcessGroup]) -> Optional[GroupNaming]:
     """How the wrapper's own groups over ``group`` are named: by a hash of their
-    ranks (a GroupNaming), or by torch's counter (None).
+    ranks and an agreed number (a GroupNaming), or by torch's counter (None).
 
     [Note: naming the groups of a wrapper on a subgroup]
-    torch names a plain ``new_group`` by a per-process counter. Only a
-    subgroup's members build a wrapper on it, maybe while other ranks build
-    theirs on other subgroups (pipeline stages, data-parallel groups beside
-    tensor-parallel ones): both sets of groups then got the same names, and
-    store keys, whose gloo rendezvous collided (an error or a hang). With
-    ``use_local_synchronization=True`` torch hashes the ranks instead, salted
-    (up to torch 2.13) with the number of groups the process holds, leaving the
-    counter alone. That number must be the same on every member: the members
-    compare it (a collective over ``group``) and fall back to the counter where
-    it differs (a member also in a group the others are not in), as before.
-    torch 2.14 salts the hash with the counter itself and advances it, on the
-    members only: every later counter-named group of the job (a wrapper over
-    every rank) then got different names on members and others, and its
-    rendezvous hung. There the wrapper sets the counter, for each of its groups,
-    to a value of its own that the members agree on (a block per wrapper above
-    any value torch reaches), and puts it back after: the job's counter moves on
-    no rank.
+    torch names a plain ``new_group`` by a per-process counter, which every rank
+    of the job must advance alike. Only a subgroup's members build a wrapper on
+    it, maybe while other ranks build theirs on other subgroups (pipeline
+    stages, data-parallel groups beside tensor-parallel ones): both sets of
+    groups then got the same names, and store keys, whose gloo rendezvous
+    collided (an error or a hang). So a wrapper on a subgroup creates its
+    groups with ``use_local_synchronization=True`` (only the members take
+    part) under names of its own: a hash of the group's ranks and a number,
+    from a block per wrapper that the members agree on (one above the most
+    wrappers any member has built so far: a collective over ``group``), given
+    to torch by standing in for its ``_process_group_name`` while the group is
+    created. torch's own hashed names would not do: up to torch 2.13 the hash
+    counts the groups a process holds, which differs between members that are
+    also in other groups (wrappers on overlapping subgroups hung), and comes
+    back after groups are destroyed (a rebuilt wrapper met a user's live group
+    of that name, or its dropped groups' stale rendezvous addresses); torch
+    2.14 salts it with the counter and advances the counter on the members
+    alone, so every later counter-named group of the job got different names
+    on members and others (a job-wide wrapper after one on a subgroup hung).
+    The job's counter moves on no rank here, and no name comes back.
     """
-    global _salted_wrappers
+    global _named_wrappers
     if group is None or dist.get_world_size(group) == dist.get_world_size():
         return None  # every rank of the job builds it: the counter agrees
-    salted = _hash_salted_by_counter()
-    try:
-        held = len(dist.distributed_c10d._world.pg_names)
-    except AttributeError:  # private: another torch
-        held = -1
+    usable = hasattr(dist.distributed_c10d, "_process_group_name")  # private: another torch
     views: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(views, (held, salted, _salted_wrappers), group=group)
-    if held < 0 or len({salted for _, salted, _ in views}) != 1:
+    dist.all_gather_object(views, (usable, _named_wrappers), group=group)
+    if not all(usable for usable, _ in views):
         return None
-    if salted:
-        _salted_wrappers = max(count for _, _, count in views) + 1
-        return GroupNaming(_SALT_BASE + _salted_wrappers * _SALTS_PER_WRAPPER)
-    return GroupNaming() if len({held for held, _, _ in views}) == 1 else None
+    _named_wrappers = max(count for _, count in views) + 1
+    return GroupNaming(_named_wrappers * _GROUPS_PER_WRAPPER)
 
 
 def new_group_like(ranks: list[int], group: Optional[dist.ProcessGroup],
@@ -298,72 +271,19 @@ def new_group_like(ranks: list[int], group: Optional[dist.ProcessGroup],
     timeout = group_timeout(group)
     if timeout is not None:
         kwargs["timeout"] = timeout
-    if naming is not None:
-        c10d = dist.distributed_c10d
-        counter = c10d._world.group_count if naming.salted_by_counter else None
-        if counter is not None:
-            c10d._world.group_count = naming.next_salt()
-        try:
-            _forget_old_rendezvous(ranks, group)
-            try:
-                return dist.new_group(ranks, use_local_synchronization=True, **kwargs)
-            except ValueError as error:
-                # A live group has that name: groups destroyed since (a dropped
-                # wrapper's) lowered the count it hashes. Every member holds that
-                # group alike.
-                if "already been created" not in str(error):
-                    raise
-        finally:
-            if counter is not None:
-                c10d._world.group_count = counter
-    return dist.new_group(ranks, **kwargs)
+    if naming is None:
+        return dist.new_group(ranks, **kwargs)
+    c10d = dist.distributed_c10d
+    name = naming.next_name(ranks)
+    torchs_names = c10d._process_group_name
 
-
-def _forget_old_rendezvous(ranks: list[int], group: Optional[dist.ProcessGroup]) -> None:
-    """Before a hash-named group is created: remove this rank's address of an earlier
-    group of that name from the job's store, then wait for every rank of ``group``.
-
-    torch's hash counts the groups a rank holds, so a wrapper dropped (its groups
-    destroyed) and built again on the same subgroup names its groups as before; the
-    store still held the old rendezvous addresses, and a member reading its peer's
-    before the peer had written a new one failed in gloo's connectFullMesh
-    ("Connection refused"; also right after a barrier). Every rank of ``group``
-    calls this for every group, in the same order (see new_group_like): after the
-    barrier no member's old address is left. Private torch API: where it is missing
-    (another torch) nothing is removed.
-
-    torch 2.4 hashes the ranks alone (``_process_group_name``; no
-    ``_hash_ranks_to_str``), skipping the names of live groups: a rebuilt wrapper
-    gets its dropped groups' names there too, and its store (TCPStore) cannot list
-    its keys. There the keys gloo writes are removed by name:
-    ``{name}//cpu//{device}/{group rank}`` (one per gloo device). Only gloo's
-    groups are destroyed with a wrapper (lifecycle.destroy_gloo_group): an NCCL
-    group stays alive, so its name stays taken and is never reused.
-    """
-    member = dist.get_rank() in ranks
-    if member:
-        try:
-            c10d = dist.distributed_c10d
-            # torch 2.4 has no _hash_ranks_to_str; its _process_group_name moves no
-            # counter for a hashed name.
-            hashed = getattr(c10d, "_hash_ranks_to_str", None)
-            name = (hashed(sorted(ranks)) if hashed is not None
-                    else c10d._process_group_name(sorted(ranks), use_hashed_name=True))
-            if name not in c10d._world.pg_names.values():  # a live group: left alone
-                store = c10d._get_default_store()
-                index = sorted(ranks).index(dist.get_rank())
-                own = f"/{index}"
-                if hasattr(store, "list_keys"):
-                    for key in store.list_keys():
-                        if key.startswith(f"{name}/") and key.endswith(own):
-                            store.delete_key(key)
-                else:
-                    device = 0
-                    while store.delete_key(f"{name}//cpu//{device}/{index}"):
-                        device += 1
-        except (AttributeError, RuntimeError, NotImplementedError, ValueError, TypeError):
-            pass
-    dist.barrier(group=group)
+    def named(group_ranks, use_hashed_name):
+        return name if use_hashed_name else torchs_names(group_ranks, use_hashed_name)
+    c10d._process_group_name = named
+    try:
+        return dist.new_group(ranks, use_local_synchronization=True, **kwargs)
+    finally:
+        c10d._process_group_name = torchs_names
 
 
 def create_link_groups(layout: NodeLayout, group: Optional[dist.ProcessGroup],

@@ -98,8 +98,9 @@ def _rewrapped_beside_another(rank: int, world_size: int) -> object:
 
 @pytest.mark.parametrize("scenario", [_asymmetric_members, _rewrapped_beside_another])
 def test_subgroup_wrappers_where_hashed_names_would_not_agree(scenario):
-    """Members holding different numbers of groups would hash different names (a
-    hang); a name taken by a live group raised. Both fall back to torch's counter."""
+    """Members holding different numbers of groups: torch 2.13's hash would differ
+    between them (a hang); a dropped wrapper's names would come back beside a live
+    one's. The wrapper's own names agree and never come back."""
     results = run_distributed(3, scenario, timeout_s=120, pg_timeout_s=20)
     assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))
 
@@ -107,9 +108,10 @@ def test_subgroup_wrappers_where_hashed_names_would_not_agree(scenario):
 def _rewrapped_one_member_late(rank: int, world_size: int) -> dict:
     """Pairs [0, 1] and [2, 3] wrap, train, drop the wrapper and wrap again, one
     member of each pair a while after the other (a slower data loader), then both at
-    once. The new groups get the dropped ones' names (torch's hash counts the groups
-    held); before, the member arriving first read its peer's address of the old
-    rendezvous from the store: gloo's connection refused."""
+    once. With torch's hashed names (up to 2.13) the new groups got the dropped
+    ones' names, and the member arriving first read its peer's address of the old
+    rendezvous from the store: gloo's connection refused. The wrapper's own names
+    never come back."""
     import gc
     import time
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
@@ -130,15 +132,69 @@ def _rewrapped_one_member_late(rank: int, world_size: int) -> dict:
 
 
 def test_a_subgroup_wrapper_rebuilt_with_one_member_late():
-    from fgpsdp_runtime.topology import _hash_salted_by_counter
     results = run_distributed(4, _rewrapped_one_member_late, timeout_s=180, pg_timeout_s=30)
     for res in results:
         assert res["held"][0] == res["held"][1] == res["held"][2], res
+        assert len({name for phase in res["names"] for name in phase}) == 6, res  # all new
     for a, b in (results[0], results[1]), (results[2], results[3]):
         assert a["names"] == b["names"]  # the members of a pair agree, phase by phase
-    if not _hash_salted_by_counter():  # torch < 2.14: the dropped groups' names come back
-        for res in results:
-            assert res["names"][0] == res["names"][1] == res["names"][2], res
+    assert not set(results[0]["names"][0]) & set(results[2]["names"][0])  # pairs apart
+
+
+def _overlapping_subgroups(rank: int, world_size: int) -> object:
+    """Rank 0 is in [0, 1] and [0, 2] and wraps on both, its peers on theirs: the
+    members hold different numbers of groups (torch 2.13's hash differed, and its
+    counter fallback named [0, 2]'s groups as [0, 1]'s: a hang)."""
+    a, b = dist.new_group([0, 1]), dist.new_group([0, 2])
+    params = []
+    for group, members in ((a, (0, 1)), (b, (0, 2))):
+        if rank in members:
+            torch.manual_seed(0)
+            model = fgp.DistributedDataParallel(nn.Linear(4, 4), process_group=group,
+                                                topology="flat")
+            opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+            model(torch.randn(2, 4) + rank).sum().backward()
+            opt.step()
+            model.synchronize()
+            params.append([p.detach().clone() for p in model.module.parameters()])
+    return params
+
+
+def _rebuilt_beside_a_users_group(rank: int, world_size: int) -> object:
+    """Each pair wraps, makes a use_local_synchronization group of its own, drops the
+    wrapper and wraps again (torch 2.13's hash came back to the user's group's name,
+    and both pairs fell back to the same counter name: a hang in one run of three)."""
+    import gc
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    group = pairs[rank // 2]
+    module = MLP()
+    model = fgp.DistributedDataParallel(module, process_group=group, topology="flat")
+    user = dist.new_group([0, 1] if rank < 2 else [2, 3], use_local_synchronization=True)
+    del model
+    gc.collect()
+    model = fgp.DistributedDataParallel(module, process_group=group, topology="flat")
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    train_both([(model, opt)], rank, 2)
+    model.synchronize()
+    flag = torch.ones(1)
+    dist.all_reduce(flag, group=user)  # the user's group still works
+    return {"names": sorted(g.group_name for g in model._own_groups), "user": float(flag),
+            "params": [p.detach().clone() for p in module.parameters()]}
+
+
+def test_wrappers_on_overlapping_subgroups():
+    results = run_distributed(3, _overlapping_subgroups, timeout_s=120, pg_timeout_s=15)
+    on_a, on_b = results[0]
+    assert all(torch.equal(x, y) for x, y in zip(on_a, results[1][0]))
+    assert all(torch.equal(x, y) for x, y in zip(on_b, results[2][0]))
+
+
+def test_a_wrapper_rebuilt_beside_a_users_local_group():
+    results = run_distributed(4, _rebuilt_beside_a_users_group, timeout_s=120, pg_timeout_s=15)
+    assert results[0]["names"] == results[1]["names"] != results[2]["names"] == results[3]["names"]
+    assert all(res["user"] == 2.0 for res in results)
+    for a, b in (results[0], results[1]), (results[2], results[3]):
+        assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"]))
 
 
 def _with_counter_salted_names() -> None:
@@ -188,41 +244,6 @@ def test_a_subgroup_wrapper_leaves_the_job_counter_alone(counter_salted):
     assert all(res["names"] == results[0]["names"] for res in results)
     for res in results[1:]:
         assert all(torch.equal(a, b) for a, b in zip(res["params"], results[0]["params"]))
-
-
-def _forget_by_name_without_list_keys(rank: int, world_size: int) -> dict:
-    # torch 2.4's API, simulated on this torch: no _hash_ranks_to_str, the name from
-    # _process_group_name, and a store that cannot list its keys.
-    from fgpsdp_runtime import topology
-    c10d = dist.distributed_c10d
-    real_store = c10d._get_default_store()
-
-    class StoreWithoutListKeys:
-        def delete_key(self, key):
-            return real_store.delete_key(key)
-
-    live = next(iter(c10d._world.pg_names.values()))  # the default group's name
-    for name in ("stale", live):
-        for device in (0, 1):
-            real_store.set(f"{name}//cpu//{device}/0", "address")
-    saved = (c10d._hash_ranks_to_str, c10d._process_group_name, c10d._get_default_store)
-    names = iter(["stale", live])
-    try:
-        del c10d._hash_ranks_to_str
-        c10d._process_group_name = lambda ranks, use_hashed_name: next(names)
-        c10d._get_default_store = StoreWithoutListKeys
-        topology._forget_old_rendezvous([0], None)  # a dropped group's name
-        topology._forget_old_rendezvous([0], None)  # a live group's name: left alone
-    finally:
-        (c10d._hash_ranks_to_str, c10d._process_group_name, c10d._get_default_store) = saved
-    return {f"{name}/{device}": real_store.check([f"{name}//cpu//{device}/0"])
-            for name in ("stale", live) for device in (0, 1)}
-
-
-def test_dropped_groups_addresses_removed_where_the_store_cannot_list_keys():
-    (kept,) = run_distributed(1, _forget_by_name_without_list_keys)
-    assert [kept[k] for k in sorted(kept) if k.startswith("stale")] == [False, False]
-    assert all(v for k, v in kept.items() if not k.startswith("stale")), kept
 
 
 def _default_group_without_a_backend(rank: int, world_size: int, store_path: str) -> dict:

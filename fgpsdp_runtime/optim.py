@@ -596,16 +596,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         a loop that catches the error may step again. See [Note: scheduler thread
         lifetime and errors]."""
         model, scheduler = self.model, self.model.scheduler
-        speculated = scheduler.speculated
-        for b in sorted(speculated):
-            model.finish_param_all_gather(b)
-            speculated[b][0].restore(model.buckets[b].param_shard, self._bucket_pieces[b],
-                                     self.optim.state)
-        model.mark_params_changed(sorted(speculated))
-        scheduler.rollbacks += len(speculated)
-        resend = sorted(set(speculated) | set(scheduler.sent_unstepped))
-        for b in resend:
-            model.finish_param_all_gather(b)
+        resend = scheduler.undo_speculation()
         model.begin_param_exchange()
         for b in resend:
             model.queue_param_all_gather(b)

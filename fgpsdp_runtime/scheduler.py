@@ -392,11 +392,20 @@ class TwoStageScheduler:
         cancel depends only on the reductions launched, which every rank
         launches alike.
         """
-        optimizer = self.optimizer
         self.model.reducer.wait_all()
         self.finish_stage1()
-        # (Sent unstepped after an error: sent again too, as the other ranks do.)
-        for b in sorted(set(self.speculated) | set(self.sent_unstepped)):
+        for b in self.undo_speculation():
+            self.model.start_param_all_gather(b)
+        self._round_excluded = True
+
+    def undo_speculation(self) -> list[int]:
+        """After the join: undo this round's speculative steps (each once its
+        all-gather has landed) and return every stage-1 bucket sent this round, for
+        the caller to send again: the same buckets on every rank, in order (those
+        sent unstepped after an error included, as the other ranks re-send theirs)."""
+        optimizer = self.optimizer
+        sent = sorted(set(self.speculated) | set(self.sent_unstepped))
+        for b in sent:
             self.model.finish_param_all_gather(b)
             if b in self.speculated:
                 self.speculated[b][0].restore(self.model.buckets[b].param_shard,
@@ -404,12 +413,11 @@ class TwoStageScheduler:
                 self.model.mark_params_changed([b])
                 optimizer._bucket_sq.pop(b, None)
                 self.rollbacks += 1
-            self.model.start_param_all_gather(b)
         if self.speculated:
             optimizer._step_wide_state.discard()  # what those steps counted is undone too
         self.speculated = {}
         self.sent_unstepped = []
-        self._round_excluded = True
+        return sent
 
     def stop_speculating(self, reason: str, warn: bool = True) -> None:
         """For the rest of the run (every rank decides it alike: from all-reduced

@@ -159,6 +159,11 @@ class DistributedDataParallel(nn.Module):
                  overlap_plan: Union[str, OverlapPlan] = "auto",
                  reduce_dtype: Optional[torch.dtype] = None,
                  speculation_memory_mb: Optional[float] = None):
+        # Who the finalizer belongs to: torch.compile's nn_module_proxy makes
+        # stand-ins of a module (new objects of its class sharing its __dict__),
+        # and their __del__ must release none of this wrapper's hooks, threads or
+        # groups (see __del__). Set first: a failed __init__ is finalized too.
+        self.__dict__["_finalizer_owner"] = id(self)
         super().__init__()
         refuse_unsupported(mixed_precision=mixed_precision,
                            delay_all_reduce_named_params=delay_all_reduce_named_params,
@@ -1034,6 +1039,12 @@ class DistributedDataParallel(nn.Module):
             # call have been emptied ("Exception ignored ... 'NoneType' object is
             # not callable" before). Nothing is left to release.
             return
+        # Only the wrapper itself releases, once: not a stand-in sharing its
+        # __dict__ (which may outlive it and get its address when it is gone).
+        state = self.__dict__
+        if state.get("_finalizer_owner") != id(self) or state.get("_released"):
+            return
+        state["_released"] = True
         # The module may outlive its wrapper (wrapped again later): our hooks go.
         reducer = self.__dict__.get("reducer")
         if reducer is not None:

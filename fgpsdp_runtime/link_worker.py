@@ -128,6 +128,11 @@ class LinkWorker:
         self.stream = torch.cuda.Stream(device=device) if device.type == "cuda" else None
         self.in_flight = calls_in_flight() if in_flight is None else in_flight
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        # Once closed, a submitted call would never run and its waiter would wait
+        # forever: submit() raises instead (under the lock, so that no call goes
+        # into the queue behind the worker's last item).
+        self._closed = False
+        self._closing_lock = threading.Lock()
         self._finishes: Optional["queue.SimpleQueue"] = None
         self._slots: Optional[threading.Semaphore] = None
         self._finisher: Optional[threading.Thread] = None
@@ -148,7 +153,12 @@ class LinkWorker:
 
     def submit(self, fn: Callable[[], Optional[Callable[[], None]]], ready_event=None) -> Future:
         future: Future = Future()
-        self._queue.put((fn, future, ready_event))
+        with self._closing_lock:
+            if self._closed:
+                raise RuntimeError(
+                    f"fgpsdp: the {self.name} link worker is closed (its wrapper was released "
+                    "or the process is exiting): no collective can be sent on it")
+            self._queue.put((fn, future, ready_event))
         return future
 
     def _run(self) -> None:
@@ -217,8 +227,12 @@ class LinkWorker:
             future.set_result(None)
 
     def close(self) -> None:
-        """The threads end once the collectives submitted so far have run."""
-        self._queue.put(None)
+        """The threads end once the collectives submitted so far have run; later
+        submissions raise."""
+        with self._closing_lock:
+            if not self._closed:
+                self._closed = True
+                self._queue.put(None)
 
     request_stop = close
 

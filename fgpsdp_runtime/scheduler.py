@@ -131,6 +131,7 @@ class TwoStageScheduler:
         self._error: Optional[BaseException] = None
         self.sent_unstepped: list[int] = []
         self._thread: Optional[threading.Thread] = None
+        self._closed = False
         device = model.buckets[0].device if model.buckets else torch.device("cpu")
         self.device = device
         # CUDA: speculative steps run beside the backward kernels.
@@ -271,6 +272,7 @@ class TwoStageScheduler:
     # -- the thread -------------------------------------------------------------
 
     def _start_thread(self) -> None:
+        self._refuse_if_closed()
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="fgpsdp-scheduler", daemon=True)
             self._thread.start()
@@ -480,8 +482,16 @@ class TwoStageScheduler:
                           "to keep stage 1.", RuntimeWarning)
 
     def close(self) -> None:
+        """The thread ends once what was handed to it has run; a later hand-over or
+        join raises (the thread would never take it, and the step wait forever)."""
+        self._closed = True
         if self._thread is not None:
             self._queue.put(None)
+
+    def _refuse_if_closed(self) -> None:
+        if self._closed:
+            raise RuntimeError("fgpsdp: the two_stage scheduler thread was stopped (its wrapper "
+                               "was released or the process is exiting): no step can run")
 
     request_stop = close
 

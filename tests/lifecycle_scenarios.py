@@ -100,6 +100,36 @@ def dropped_wrapper_is_freed(rank: int, world_size: int, schedule: str) -> dict[
             "hooks_left": hooks}
 
 
+def stand_in_freed(rank: int, world_size: int, schedule: str) -> dict[str, Any]:
+    """Train, then make and drop a stand-in of the wrapper as torch.compile's
+    ``nn_module_proxy`` makes one at a graph break (a new object of the class
+    sharing the wrapper's ``__dict__``), and train on; torch DDP does the same
+    steps. The stand-in's finalizer must leave the live wrapper's hooks, threads
+    and groups alone (before, on torch 2.4 under torch.compile, it removed them
+    and the next step waited forever)."""
+    from torch._dynamo.utils import nn_module_proxy
+
+    results = {}
+    for system in ("fgpsdp", "ddp"):
+        torch.manual_seed(0)
+        net = MLP()
+        model, opt = wrapped_for(net, system == "ddp", torch.optim.AdamW, 1e-2,
+                                 schedule=schedule, bucket_cap_mb=0.002)
+        _train(model, opt, rank, range(2))
+        stand_in = nn_module_proxy(model)
+        assert stand_in is not model and vars(stand_in) is vars(model)
+        del stand_in
+        gc.collect()
+        _train(model, opt, rank, range(2, 4))
+        if system == "fgpsdp":
+            model.synchronize()
+            alive = model.scheduler is None or model.scheduler.is_alive()
+        results[system] = [p.detach().clone() for p in net.parameters()]
+    diff = max(float((a - b).abs().max())
+               for a, b in zip(results["fgpsdp"], results["ddp"]))
+    return {"diff_to_ddp": diff, "scheduler_alive": alive}
+
+
 class _Boom(Exception):
     pass
 

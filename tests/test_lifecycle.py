@@ -7,6 +7,7 @@ from .dist_harness import DEFAULT_PG_TIMEOUT_S, run_calls
 SCHEDULES = ["two_stage", "serial"]
 CALLS = ([(scen.wrap_again, s) for s in SCHEDULES]
          + [(scen.dropped_wrapper_is_freed, s) for s in SCHEDULES]
+         + [(scen.stand_in_freed, s) for s in SCHEDULES]
          + [(scen.backward_raises, s, zero) for s in SCHEDULES for zero in (True, False)]
          + [(scen.own_group_timeouts,)])
 
@@ -36,6 +37,16 @@ def test_a_dropped_wrapper_is_freed_with_its_threads_and_groups(two_ranks, sched
         assert res["counts"][2] == res["counts"][1], res["counts"]
         assert res["python_threads"] == 1
         assert res["hooks_left"] == 0
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_stand_in_of_the_wrapper_freed_leaves_it_working(two_ranks, schedule):
+    # torch.compile's nn_module_proxy (a copy sharing the wrapper's __dict__) was
+    # finalized as if it were the wrapper: hooks, threads and groups went, and
+    # the next step waited forever.
+    for res in two_ranks[(scen.stand_in_freed, schedule)]:
+        assert res["scheduler_alive"], res
+        assert res["diff_to_ddp"] == 0.0, res
 
 
 @pytest.mark.parametrize("zero_grad", [True, False])

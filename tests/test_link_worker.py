@@ -54,6 +54,22 @@ def test_a_call_that_finished_whole_resolves_on_the_worker():
     assert set(threads.values()) == {"fgpsdp-test-order"}
 
 
+@pytest.mark.parametrize("in_flight", [1, 2])
+def test_a_call_submitted_after_close_raises_instead_of_never_running(in_flight):
+    # Before, it went into the queue behind the worker's last item and its
+    # waiter (a step's future.result()) waited forever.
+    worker = LinkWorker("test-closed", torch.device("cpu"), in_flight=in_flight)
+    ran = []
+    before = worker.submit(lambda: ran.append(0))
+    worker.close()
+    worker.close()  # twice is harmless
+    with pytest.raises(RuntimeError, match="closed"):
+        worker.submit(lambda: ran.append(1))
+    before.result(timeout=10)  # what came before the close still runs
+    worker.join(timeout=10)
+    assert ran == [0] and not worker.is_alive()
+
+
 def test_a_failure_resolves_in_order_between_finishing_calls():
     worker = LinkWorker("test-fail", torch.device("cpu"), in_flight=2)
     order = []

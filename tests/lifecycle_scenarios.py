@@ -130,6 +130,23 @@ def stand_in_freed(rank: int, world_size: int, schedule: str) -> dict[str, Any]:
     return {"diff_to_ddp": diff, "scheduler_alive": alive}
 
 
+def step_after_scheduler_stopped(rank: int, world_size: int) -> str:
+    """The scheduler thread stopped (as the exit hook stops it), then a step:
+    the hand-over raises on every rank (before, the step waited forever for a
+    thread that was gone)."""
+    from fgpsdp_runtime import shutdown
+
+    model = fgp.DistributedDataParallel(MLP(), bucket_cap_mb=0.002, overlap_plan="layout")
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    _train(model, opt, rank, range(2))
+    shutdown.stop_and_join([model.scheduler])
+    try:
+        _train(model, opt, rank, range(2, 3))
+    except RuntimeError as error:
+        return str(error)
+    return "no error"
+
+
 class _Boom(Exception):
     pass
 

@@ -8,6 +8,7 @@ SCHEDULES = ["two_stage", "serial"]
 CALLS = ([(scen.wrap_again, s) for s in SCHEDULES]
          + [(scen.dropped_wrapper_is_freed, s) for s in SCHEDULES]
          + [(scen.stand_in_freed, s) for s in SCHEDULES]
+         + [(scen.step_after_scheduler_stopped,)]
          + [(scen.backward_raises, s, zero) for s in SCHEDULES for zero in (True, False)]
          + [(scen.own_group_timeouts,)])
 
@@ -47,6 +48,11 @@ def test_a_stand_in_of_the_wrapper_freed_leaves_it_working(two_ranks, schedule):
     for res in two_ranks[(scen.stand_in_freed, schedule)]:
         assert res["scheduler_alive"], res
         assert res["diff_to_ddp"] == 0.0, res
+
+
+def test_a_step_after_the_scheduler_thread_stopped_raises(two_ranks):
+    for message in two_ranks[(scen.step_after_scheduler_stopped,)]:
+        assert "scheduler thread was stopped" in message, message
 
 
 @pytest.mark.parametrize("zero_grad", [True, False])

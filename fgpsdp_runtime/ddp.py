@@ -744,6 +744,7 @@ class DistributedDataParallel(nn.Module):
         """
         if self._uneven_inputs is not None:
             self._uneven_inputs.notify(AnnouncedCall.ZERO_GRAD, float(set_to_none))
+        self._drop_unfinished_step()
         self._read_for_a_clip = False  # (of gradients no step used)
         self.reducer.discard_unfinished_backward()
         if self.scheduler is not None:
@@ -881,11 +882,18 @@ class DistributedDataParallel(nn.Module):
         speculative steps of that backward are undone (as for a forward there),
         a collective: call it on every rank.
         """
+        self._drop_unfinished_step()
         if self.scheduler is not None:
             if self._uneven_inputs is not None and self.scheduler.holds_speculative_values():
                 self._uneven_inputs.notify(AnnouncedCall.SYNCHRONIZE)
             self.scheduler.before_forward()
         self.finish_param_all_gathers(timed=True)
+
+    def _drop_unfinished_step(self) -> None:
+        """A step that raised part-way and was not called again sends what is left
+        (see ShardedOptimizer.drop_unfinished_step); the forward's note_forward does too."""
+        if self.optimizer_attached:
+            self._optimizer_ref().drop_unfinished_step()
 
     # -- introspection ---------------------------------------------------------
 

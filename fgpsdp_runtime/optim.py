@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 import math
 import sys
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
@@ -197,6 +198,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # reducer.reduce_scatters_launched when this step's were finished: see
         # _forget_stale_measurements.
         self._finished_at: Optional[int] = None
+        # A step whose inner optimizer raised part-way (see _UnfinishedStep).
+        self._unfinished: Optional[_UnfinishedStep] = None
         self._reset_step_measurements()
         model.attach_optimizer(self)
 
@@ -464,6 +467,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         what unscale_ found."""
         self._check_pieces_in_buckets()  # before any collective: the loop did it everywhere
         self.model._param_places.refuse_substitutes()  # (likewise)
+        if self._unfinished is not None:  # called again after it raised: no collective
+            with self.model.timeline.span("compute", "optimizer step"):
+                self._resume_unfinished_step()
+            return
         uneven = self._announce(AnnouncedCall.STEP)
         if uneven is not None:
             uneven.share_hyperparameters(self)
@@ -545,6 +552,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             scheduler.rollbacks += len(rolled_back)
             scheduler.commits += len(speculated) - len(rolled_back)
         self.last_step_skipped = not finite
+        would_commit = (finite and self._applied_coefficient >= 1.0
+                        and not self._values_clipped
+                        and not other_hyperparameters
+                        and not self._speculated_on_scaled_gradients)
         if finite:
             # In forward order (the same on every rank): what the next forward
             # needs first is stepped and sent first.
@@ -562,13 +573,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             chunks = _split_evenly(to_step, _MAX_STEP_CHUNKS) if model.gathers_overlap_forward \
                 else [to_step]
             model.begin_param_exchange()
-            for chunk in chunks:
-                self._assign_slice_grads(self._globally_used, chunk)
-                with nvtx_range("fgpsdp.optimizer_step"):
-                    self._inner_step()
-                model.mark_params_changed(chunk)
-                for b in chunk:
-                    model.queue_param_all_gather(b)
+            self._unfinished = _UnfinishedStep(chunks, self._globally_used, would_commit)
+            self._step_chunks()
         else:
             # Same decision on every rank: the total and the scaler's flag are all-reduced.
             self.skipped_steps += 1
@@ -579,14 +585,59 @@ class ShardedOptimizer(torch.optim.Optimizer):
             model.begin_param_exchange()
             for b in rolled_back:  # peers hold the speculative values: send the restored ones
                 model.queue_param_all_gather(b)
-        self._step_wide_state.end_step(stepped=finite)
-        if not model.gathers_overlap_forward:
+        self._finish_step(stepped=finite, would_commit=would_commit)
+
+    def _step_chunks(self) -> None:
+        """Step and send what is left of this step, chunk by chunk (see
+        _UnfinishedStep): a chunk whose inner step raises stays, with those after
+        it, for the step called again or for _drop_unfinished_step."""
+        unfinished, model = self._unfinished, self.model
+        while unfinished.chunks:
+            chunk = unfinished.chunks[0]
+            self._assign_slice_grads(unfinished.globally_used, chunk)
+            try:
+                with nvtx_range("fgpsdp.optimizer_step"):
+                    self._inner_step()
+            finally:
+                model.mark_params_changed(chunk)  # (one that raised may have written some)
+            for b in chunk:
+                model.queue_param_all_gather(b)
+            unfinished.chunks.pop(0)
+        self._unfinished = None
+
+    def _finish_step(self, stepped: bool, would_commit: bool) -> None:
+        self._step_wide_state.end_step(stepped=stepped)
+        if not self.model.gathers_overlap_forward:
             # serial / overlap_backward: the parameters have landed when the step ends.
-            model.finish_param_all_gathers()
-        self._end_step(would_commit=finite and self._applied_coefficient >= 1.0
-                       and not self._values_clipped
-                       and not other_hyperparameters
-                       and not self._speculated_on_scaled_gradients)
+            self.model.finish_param_all_gathers()
+        self._end_step(would_commit=would_commit)
+
+    def _resume_unfinished_step(self) -> None:
+        """opt.step() called again after its inner optimizer raised (on this rank, or
+        on every rank): step what was left and send it, as the first call would
+        have. Nothing before that is done again: the clip (once per step), the
+        rollbacks, the collectives, which a rank retrying alone would call alone."""
+        would_commit = self._unfinished.would_commit
+        self._step_chunks()
+        self._finish_step(stepped=True, would_commit=would_commit)
+
+    def drop_unfinished_step(self) -> None:
+        """The loop went on (a forward, zero_grad(), synchronize()) after opt.step()
+        raised part-way, without calling it again: send the slices not yet stepped
+        as they are, so that the other ranks' all-gathers are answered, and end
+        the step. Warns: those slices missed this step's update."""
+        unfinished, self._unfinished = self._unfinished, None
+        if unfinished is None:
+            return
+        left = [b for chunk in unfinished.chunks for b in chunk]
+        warn_at_user_code(
+            f"fgpsdp: opt.step() raised before it had stepped {len(left)} of the "
+            f"{len(self.model.buckets)} buckets on this rank, and the loop went on without "
+            "calling it again: this rank's slices of those buckets are sent as they are, "
+            "without this step's update (call opt.step() again after it raises to finish it)")
+        for b in left:
+            self.model.queue_param_all_gather(b)
+        self._finish_step(stepped=True, would_commit=False)
 
     def _abandon_failed_speculation(self) -> None:
         """Some rank's speculative step raised (all-reduced: every rank gets here):
@@ -739,6 +790,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         one whose backward reaches no parameter. (A forward only between
         clip_grad_norm_ or unscale_ and the step costs a round of
         reduce-scatters adding zeros.)"""
+        self.drop_unfinished_step()
         if self._reduce_scatters_finished:
             self._reset_step_measurements()
 
@@ -1128,6 +1180,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
         dtypes = {s.dtype for s in self.model.buckets} or {torch.float32}
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
         return torch.tensor(total, dtype=dtype, device=self._device)
+
+
+@dataclass
+class _UnfinishedStep:
+    """What is left of a step whose inner optimizer raised part-way (an
+    out-of-memory error; a hyperparameter it refuses).
+
+    The step had taken every decision from all-reduced figures (the norm, the
+    clip, what to roll back) and sent the chunks stepped before; peers went on
+    and wait for the rest of its all-gathers. The rest is sent in the same order
+    whether the loop calls opt.step() again (each chunk stepped then: on this
+    rank alone too, with no collective, as torch DDP's optimizer step is local)
+    or goes on without it (sent unstepped, with a warning). A chunk that raised
+    after writing some of its slices (torch's optimizers check their arguments
+    first) is stepped again whole, as a torch optimizer's step called again is."""
+
+    chunks: list[list[int]]  # the chunk that raised first, in forward order
+    globally_used: Optional[list[bool]]
+    would_commit: bool
 
 
 # The forward-ordered step (see _step) runs the inner optimizer at most this

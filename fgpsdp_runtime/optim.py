@@ -590,7 +590,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _step_chunks(self) -> None:
         """Step and send what is left of this step, chunk by chunk (see
         _UnfinishedStep): a chunk whose inner step raises stays, with those after
-        it, for the step called again or for _drop_unfinished_step."""
+        it, for the step called again or for drop_unfinished_step."""
         unfinished, model = self._unfinished, self.model
         while unfinished.chunks:
             chunk = unfinished.chunks[0]

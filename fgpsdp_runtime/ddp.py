@@ -558,6 +558,7 @@ class DistributedDataParallel(nn.Module):
         return output
 
     def _before_forward(self, inputs: tuple, kwargs: dict, wait_all: bool) -> tuple[tuple, dict]:
+        self._drop_unfinished_step()
         if self._uneven_inputs is not None:
             buffers_first = self._sync_buffers_before_forward and self.broadcast_buffers
             synchronised = torch.is_grad_enabled() and self.reducer.sync_enabled
@@ -742,9 +743,9 @@ class DistributedDataParallel(nn.Module):
         for the next backward to add to. ``ShardedOptimizer.zero_grad`` calls
         this; loops may call either, as with torch DDP.
         """
+        self._drop_unfinished_step()
         if self._uneven_inputs is not None:
             self._uneven_inputs.notify(AnnouncedCall.ZERO_GRAD, float(set_to_none))
-        self._drop_unfinished_step()
         self._read_for_a_clip = False  # (of gradients no step used)
         self.reducer.discard_unfinished_backward()
         if self.scheduler is not None:
@@ -882,7 +883,6 @@ class DistributedDataParallel(nn.Module):
         speculative steps of that backward are undone (as for a forward there),
         a collective: call it on every rank.
         """
-        self._drop_unfinished_step()
         if self.scheduler is not None:
             if self._uneven_inputs is not None and self.scheduler.holds_speculative_values():
                 self._uneven_inputs.notify(AnnouncedCall.SYNCHRONIZE)
@@ -891,7 +891,10 @@ class DistributedDataParallel(nn.Module):
 
     def _drop_unfinished_step(self) -> None:
         """A step that raised part-way and was not called again sends what is left
-        (see ShardedOptimizer.drop_unfinished_step); the forward's note_forward does too."""
+        (see ShardedOptimizer.drop_unfinished_step): first thing at a forward or
+        zero_grad(), before their announcement under join(), which the other ranks
+        may only reach once they have it. (Not at synchronize() or a save: the
+        step may still be called again then.)"""
         if self.optimizer_attached:
             self._optimizer_ref().drop_unfinished_step()
 

@@ -573,7 +573,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             chunks = _split_evenly(to_step, _MAX_STEP_CHUNKS) if model.gathers_overlap_forward \
                 else [to_step]
             model.begin_param_exchange()
-            self._unfinished = _UnfinishedStep(chunks, self._globally_used, would_commit)
+            self._unfinished = _UnfinishedStep(chunks, self._globally_used, would_commit,
+                                               self._hyperparameters_now(), len(chunks))
             self._step_chunks()
         else:
             # Same decision on every rank: the total and the scaler's flag are all-reduced.
@@ -617,12 +618,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         on every rank): step what was left and send it, as the first call would
         have. Nothing before that is done again: the clip (once per step), the
         rollbacks, the collectives, which a rank retrying alone would call alone."""
-        would_commit = self._unfinished.would_commit
+        unfinished = self._unfinished
+        if len(unfinished.chunks) < unfinished.chunk_count and not same_hyperparameters(
+                unfinished.hyperparameters, self._hyperparameters_now()):
+            warn_at_user_code(
+                "fgpsdp: the optimizer's hyperparameters changed between opt.step() raising "
+                "and this call, which finishes it: the buckets stepped before it raised "
+                "keep the old values' update (set them before the step, or after it)")
         self._step_chunks()
-        self._finish_step(stepped=True, would_commit=would_commit)
+        self._finish_step(stepped=True, would_commit=unfinished.would_commit)
 
     def drop_unfinished_step(self) -> None:
-        """The loop went on (a forward, zero_grad(), synchronize()) after opt.step()
+        """The loop went on (a forward, zero_grad()) after opt.step()
         raised part-way, without calling it again: send the slices not yet stepped
         as they are, so that the other ranks' all-gathers are answered, and end
         the step. Warns: those slices missed this step's update."""
@@ -637,7 +644,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             "without this step's update (call opt.step() again after it raises to finish it)")
         for b in left:
             self.model.queue_param_all_gather(b)
-        self._finish_step(stepped=True, would_commit=False)
+        # As decided from all-reduced figures: two_stage's next rounds speculate
+        # on every rank alike, whichever ranks raised.
+        self._finish_step(stepped=True, would_commit=unfinished.would_commit)
 
     def _abandon_failed_speculation(self) -> None:
         """Some rank's speculative step raised (all-reduced: every rank gets here):
@@ -790,7 +799,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         one whose backward reaches no parameter. (A forward only between
         clip_grad_norm_ or unscale_ and the step costs a round of
         reduce-scatters adding zeros.)"""
-        self.drop_unfinished_step()
         if self._reduce_scatters_finished:
             self._reset_step_measurements()
 
@@ -1199,6 +1207,8 @@ class _UnfinishedStep:
     chunks: list[list[int]]  # the chunk that raised first, in forward order
     globally_used: Optional[list[bool]]
     would_commit: bool
+    hyperparameters: Any  # what the first call stepped with (speculation.hyperparameters)
+    chunk_count: int  # chunks the first call had to step
 
 
 # The forward-ordered step (see _step) runs the inner optimizer at most this

@@ -3,6 +3,7 @@ rank or on every rank; the loop calls it again or goes on. Imported by the
 spawned ranks."""
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 import warnings
@@ -43,24 +44,33 @@ class RaisingOnTheMainThreadAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
-def step_raises(rank: int, world_size: int, schedule: str, who: str, then: str) -> dict[str, Any]:
+def step_raises(rank: int, world_size: int, schedule: str, who: str, then: str,
+                clip: bool = True, join: bool = False) -> dict[str, Any]:
     """Step 1 raises at its first inner step (``then="go_on"``: the loop zeroes and
     trains on, as torch DDP skipping that step) or at its second (``then="retry"``:
     the loop calls opt.step() again, as torch DDP whose step did not fail), on rank
-    1 (``who="one_rank"``) or on every rank; clipping at 1e-3 throughout."""
+    1 (``who="one_rank"``) or on every rank; clipping at 1e-3 throughout
+    (``clip=False``: none, so two_stage's speculative steps commit). Between the
+    error and the retry, ``then="state_dict_then_retry"`` saves the model (which
+    lands the all-gathers in flight) and ``"lr_change_then_retry"`` halves the
+    learning rate. ``join``: the loop runs inside ``model.join()``. The
+    replicas are compared after every step."""
     torch.manual_seed(0)
     module = MLP()
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(module))
     model = fgp.DistributedDataParallel(module, schedule=schedule, bucket_cap_mb=0.0001,
                                         overlap_plan="layout" if schedule == "two_stage" else "auto")
-    opt = fgp.ShardedOptimizer(model, RaisingOnTheMainThreadAdamW, lr=1e-2, max_grad_norm=MAX_NORM)
+    max_norm = MAX_NORM if clip else None
+    opt = fgp.ShardedOptimizer(model, RaisingOnTheMainThreadAdamW, lr=1e-2, max_grad_norm=max_norm)
     opt.optim.failing = {1} if who == "one_rank" else set(range(world_size))
-    retry = then == "retry"
+    retry = then != "go_on"
     # serial and overlap_backward step once per step: only the first can raise.
     opt.optim.fail_at = 1 if retry and model.gathers_overlap_forward else 0
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    caught = []
-    with warnings.catch_warnings(record=True) as seen:
+    caught, replicas_differ = [], 0.0
+    params = lambda: torch.cat([p.detach().reshape(-1) for p in module.parameters()])  # noqa: E731
+    with warnings.catch_warnings(record=True) as seen, \
+            (model.join() if join else contextlib.nullcontext()):
         warnings.simplefilter("always")
         for step in range(4):
             opt.optim.loop_step = step
@@ -71,19 +81,31 @@ def step_raises(rank: int, world_size: int, schedule: str, who: str, then: str) 
                 opt.step()
             except _Injected:
                 caught.append(step)
+                if then == "state_dict_then_retry":
+                    model.state_dict()
+                if then == "lr_change_then_retry":
+                    opt.param_groups[0]["lr"] /= 2
                 if retry:
                     opt.step()
-            reference_clip_(ref.parameters(), MAX_NORM)
+            if then == "lr_change_then_retry" and step == 1 and (who == "all_ranks" or rank == 1):
+                ref_opt.param_groups[0]["lr"] /= 2
+            if clip:
+                reference_clip_(ref.parameters(), MAX_NORM)
             if not (step == 1 and not retry and rank in opt.optim.failing):
                 ref_opt.step()
             opt.zero_grad()
             ref_opt.zero_grad()
-    model.synchronize()
-    params = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
-    gathered = [torch.empty_like(params) for _ in range(world_size)]
-    dist.all_gather(gathered, params)
+            model.synchronize()
+            now = params()
+            gathered = [torch.empty_like(now) for _ in range(world_size)]
+            dist.all_gather(gathered, now)
+            replicas_differ = max(replicas_differ,
+                                  max(float((g - now).abs().max()) for g in gathered))
     return {"caught": caught,
             "diff_to_ddp": max(float((a - b).abs().max())
                                for a, b in zip(module.parameters(), ref.parameters())),
-            "replicas_differ": max(float((g - params).abs().max()) for g in gathered),
-            "warned": [str(w.message)[:80] for w in seen if "raised before" in str(w.message)]}
+            "replicas_differ": replicas_differ,
+            "speculating": model.scheduler.speculating if model.scheduler is not None else None,
+            "warned": [str(w.message)[:80] for w in seen if "raised before" in str(w.message)],
+            "hyperparameters_warned": sum("changed between opt.step() raising" in str(w.message)
+                                          for w in seen)}

@@ -7,8 +7,13 @@ from . import step_failure_scenarios as scen
 from .dist_harness import run_calls
 
 SCHEDULES = ["serial", "overlap_backward", "next_forward", "two_stage"]
-CASES = [(s, who, then) for s in SCHEDULES for who in ("one_rank", "all_ranks")
-         for then in ("retry", "go_on")]
+CASES = ([(s, who, then) for s in SCHEDULES for who in ("one_rank", "all_ranks")
+          for then in ("retry", "go_on")]
+         + [("two_stage", "one_rank", then, False) for then in ("retry", "go_on")]
+         + [(s, who, "state_dict_then_retry") for s in ("serial", "two_stage")
+            for who in ("one_rank", "all_ranks")]
+         + [(s, "all_ranks", "lr_change_then_retry") for s in ("serial", "next_forward")]
+         + [(s, "one_rank", then, True, True) for s in SCHEDULES for then in ("retry", "go_on")])
 
 
 @pytest.fixture(scope="module")
@@ -46,3 +51,55 @@ def test_a_step_that_raised_and_is_not_called_again_sends_the_rest_unstepped(two
         assert all(res["diff_to_ddp"] == 0.0 for res in results), results
     else:
         assert all(res["diff_to_ddp"] > 0.0 for res in results), results
+
+
+def test_going_on_after_a_one_rank_error_keeps_two_stage_speculating_alike(two_ranks):
+    # No clipping, so the speculative steps commit. Before, the failing rank alone
+    # ended the step as one that would not commit and stopped speculating: the
+    # next round sent stage 1 during backward on one rank and at the step on the
+    # other, and the replicas differed by 0.47 after the next step.
+    for then in ("retry", "go_on"):
+        results = two_ranks[(scen.step_raises, "two_stage", "one_rank", then, False)]
+        assert [res["speculating"] for res in results] == [True, True], results
+        for res in results:
+            assert res["replicas_differ"] == 0.0, res
+            if then == "retry":
+                assert res["diff_to_ddp"] == 0.0, res
+
+
+@pytest.mark.parametrize("schedule", ["serial", "two_stage"])
+@pytest.mark.parametrize("who", ["one_rank", "all_ranks"])
+def test_a_model_save_between_the_error_and_the_retry_leaves_the_step_to_finish(
+        two_ranks, schedule, who):
+    # Before, the save's synchronize() sent the rest unstepped, and the retry ran
+    # a new step: on one rank alone a collective mismatch (gloo aborted), on both
+    # the first chunk stepped twice.
+    for res in two_ranks[(scen.step_raises, schedule, who, "state_dict_then_retry")]:
+        assert res["warned"] == [], res
+        assert res["diff_to_ddp"] == 0.0 and res["replicas_differ"] == 0.0, res
+
+
+@pytest.mark.parametrize("schedule", ["serial", "next_forward"])
+def test_hyperparameters_changed_before_the_retry(two_ranks, schedule):
+    results = two_ranks[(scen.step_raises, schedule, "all_ranks", "lr_change_then_retry")]
+    for res in results:
+        assert res["replicas_differ"] == 0.0, res
+        if schedule == "serial":
+            # It raised before stepping anything: the retry is a whole step at the new lr.
+            assert res["hyperparameters_warned"] == 0 and res["diff_to_ddp"] == 0.0, res
+        else:
+            # A chunk was stepped at the old lr: said once (torch would use the new one).
+            assert res["hyperparameters_warned"] == 1 and res["diff_to_ddp"] > 0.0, res
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("then", ["retry", "go_on"])
+def test_a_step_error_on_one_rank_inside_join(two_ranks, schedule, then):
+    # Before, going on under serial / overlap_backward deadlocked: the failing
+    # rank announced its zero_grad() (an all-reduce) before sending the rest,
+    # while the other waited for that rest at the end of its step.
+    for rank, res in enumerate(two_ranks[(scen.step_raises, schedule, "one_rank", then, True, True)]):
+        assert res["caught"] == ([1] if rank == 1 else []), res
+        assert res["replicas_differ"] == 0.0, res
+        if then == "retry":
+            assert res["diff_to_ddp"] == 0.0, res

@@ -628,20 +628,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._step_chunks()
         self._finish_step(stepped=True, would_commit=unfinished.would_commit)
 
-    def drop_unfinished_step(self) -> None:
+    def drop_unfinished_step(self, where: Optional[str] = None) -> None:
         """The loop went on (a forward, zero_grad()) after opt.step()
-        raised part-way, without calling it again: send the slices not yet stepped
-        as they are, so that the other ranks' all-gathers are answered, and end
-        the step. Warns: those slices missed this step's update."""
+        raised part-way, without calling it again (or ``where`` it raised, none
+        can): send the slices not yet stepped as they are, so that the other
+        ranks' all-gathers are answered, and end the step. Warns: those slices
+        missed this step's update."""
         unfinished, self._unfinished = self._unfinished, None
         if unfinished is None:
             return
         left = [b for chunk in unfinished.chunks for b in chunk]
+        went_on = (f", {where}" if where is not None else
+                   ", and the loop went on without calling it again")
         warn_at_user_code(
             f"fgpsdp: opt.step() raised before it had stepped {len(left)} of the "
-            f"{len(self.model.buckets)} buckets on this rank, and the loop went on without "
-            "calling it again: this rank's slices of those buckets are sent as they are, "
-            "without this step's update (call opt.step() again after it raises to finish it)")
+            f"{len(self.model.buckets)} buckets on this rank{went_on}: this rank's slices "
+            "of those buckets are sent as they are, without this step's update (call "
+            "opt.step() again after it raises to finish it)")
         for b in left:
             self.model.queue_param_all_gather(b)
         # As decided from all-reduced figures: two_stage's next rounds speculate

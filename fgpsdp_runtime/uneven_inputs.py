@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -97,6 +97,8 @@ class UnevenInputs:
         self.joined = False  # this rank's loop has ended; it shadows the others
         self.active_ranks: Sequence[int] = range(model.world_size)  # group ranks
         self._someone_joined = False
+        # The joined rank's own stand-in step raised: raised once every rank has joined.
+        self._shadowed_step_error: Optional[BaseException] = None
 
     # -- the context -----------------------------------------------------------
 
@@ -132,6 +134,8 @@ class UnevenInputs:
             if exc_type is None:
                 self.joined = True
                 self._shadow_until_all_joined()
+                if self._shadowed_step_error is not None:
+                    raise self._shadowed_step_error
         finally:
             self._leave()
             if own is not None:
@@ -246,7 +250,19 @@ class UnevenInputs:
             model.reducer.launch_round_of_zeros()
         elif call is AnnouncedCall.STEP:
             _share_hyperparameters(model, optimizer, self.authoritative_rank)
-            optimizer.step()
+            try:
+                optimizer.step()
+            except BaseException as error:
+                if optimizer._unfinished is None:
+                    raise
+                # Its inner optimizer raised (this rank's own: out of memory), where
+                # no loop can call the step again: the rest goes out unstepped (with
+                # a warning), the active ranks' all-gathers are answered, and the
+                # error is raised when every rank has joined.
+                optimizer.drop_unfinished_step(
+                    "in the stand-in step of a rank whose loop had ended (model.join())")
+                if self._shadowed_step_error is None:
+                    self._shadowed_step_error = error
             # Every all-gather starts now: an active rank may wait for any of
             # them (a save, a direct call of model.module) without a forward.
             model.begin_param_exchange()

@@ -33,9 +33,13 @@ class RaisingOnTheMainThreadAdamW(torch.optim.AdamW):
         self.loop_step, self.fail_step, self.fail_at = 0, 1, 0
         self.failing: set[int] = set()
         self._counts: dict[int, int] = {}
+        self.armed = False  # the next main-thread inner step raises (once)
 
     def step(self, closure=None):
         if threading.current_thread() is threading.main_thread():
+            if self.armed:
+                self.armed = False
+                raise _Injected(f"injected on rank {dist.get_rank()}")
             n = self._counts.get(self.loop_step, 0)
             self._counts[self.loop_step] = n + 1
             if (dist.get_rank() in self.failing and self.loop_step == self.fail_step
@@ -109,3 +113,35 @@ def step_raises(rank: int, world_size: int, schedule: str, who: str, then: str,
             "warned": [str(w.message)[:80] for w in seen if "raised before" in str(w.message)],
             "hyperparameters_warned": sum("changed between opt.step() raising" in str(w.message)
                                           for w in seen)}
+
+
+def joined_rank_step_raises(rank: int, world_size: int, schedule: str) -> dict[str, Any]:
+    """Under model.join(), rank 1's loop ends after 2 steps, rank 0's after 4; the
+    first stand-in step rank 1 takes for rank 0's steps raises in its inner
+    optimizer. Rank 1 sends the rest unstepped, shadows on, and raises when the
+    join ends; rank 0 trains through (before, it waited out the group's timeout)."""
+    torch.manual_seed(0)
+    module = MLP()
+    model = fgp.DistributedDataParallel(module, schedule=schedule, bucket_cap_mb=0.0001)
+    opt = fgp.ShardedOptimizer(model, RaisingOnTheMainThreadAdamW, lr=1e-2,
+                               max_grad_norm=MAX_NORM)
+    raised = None
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        try:
+            with model.join():
+                for step in range(4 if rank == 0 else 2):
+                    x, y = make_batch("mlp", step, 0, rank)
+                    loss_fn("mlp", model(x), y).backward()
+                    opt.step()
+                    opt.zero_grad()
+                opt.optim.armed = rank == 1
+        except _Injected as error:
+            raised = str(error)
+    model.synchronize()
+    now = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    gathered = [torch.empty_like(now) for _ in range(world_size)]
+    dist.all_gather(gathered, now)
+    return {"raised": raised,
+            "replicas_differ": max(float((g - now).abs().max()) for g in gathered),
+            "warned": [str(w.message)[:200] for w in seen if "raised before" in str(w.message)]}

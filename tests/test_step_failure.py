@@ -14,11 +14,13 @@ CASES = ([(s, who, then) for s in SCHEDULES for who in ("one_rank", "all_ranks")
             for who in ("one_rank", "all_ranks")]
          + [(s, "all_ranks", "lr_change_then_retry") for s in ("serial", "next_forward")]
          + [(s, "one_rank", then, True, True) for s in SCHEDULES for then in ("retry", "go_on")])
+CALLS = ([(scen.step_raises, *case) for case in CASES]
+         + [(scen.joined_rank_step_raises, s) for s in SCHEDULES])
 
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return run_calls(2, [(scen.step_raises, *case) for case in CASES], timeout_s=300)
+    return run_calls(2, CALLS, timeout_s=300)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -103,3 +105,12 @@ def test_a_step_error_on_one_rank_inside_join(two_ranks, schedule, then):
         assert res["replicas_differ"] == 0.0, res
         if then == "retry":
             assert res["diff_to_ddp"] == 0.0, res
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_the_stand_in_step_of_a_joined_rank_raising(two_ranks, schedule):
+    rank0, rank1 = two_ranks[(scen.joined_rank_step_raises, schedule)]
+    assert rank0["raised"] is None and rank0["warned"] == [], rank0
+    assert rank1["raised"] == "injected on rank 1", rank1
+    assert len(rank1["warned"]) == 1 and "model.join()" in rank1["warned"][0], rank1
+    assert rank0["replicas_differ"] == 0.0 and rank1["replicas_differ"] == 0.0

@@ -401,6 +401,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"fgpsdp: ShardedOptimizer.clip_grad_norm_ supports only the L2 norm "
                 f"(norm_type=2), not norm_type={norm_type!r}")
+        self._refuse_while_unfinished("clip_grad_norm_()")
         self._announce(AnnouncedCall.CLIP, float(max_norm))
         self._clip_called = True
         self._reduce_and_measure()
@@ -419,6 +420,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Clamp the reduced gradient to [-clip_value, clip_value], as
         torch.nn.utils.clip_grad_value_ would on DDP's gradients. A collective."""
         clip_value = float(clip_value)
+        self._refuse_while_unfinished("clip_grad_value_()")
         self._announce(AnnouncedCall.CLIP_VALUE, clip_value)
         self._clip_called = True
         self._reduce_and_measure()  # every reduce-scatter landed, every stage-1 step taken
@@ -464,7 +466,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         skipped whatever the gradients hold now. A forward between unscale_ and the
         step makes the step measure them again (note_forward), and clip_grad_value_
         may have clamped the inf away by then; torch's scaler, too, decides by
-        what unscale_ found."""
+        what unscale_ found. Called again after it raised part-way, it finishes
+        that step (see _UnfinishedStep)."""
         self._check_pieces_in_buckets()  # before any collective: the loop did it everywhere
         self.model._param_places.refuse_substitutes()  # (likewise)
         if self._unfinished is not None:  # called again after it raised: no collective
@@ -573,8 +576,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             chunks = _split_evenly(to_step, _MAX_STEP_CHUNKS) if model.gathers_overlap_forward \
                 else [to_step]
             model.begin_param_exchange()
-            self._unfinished = _UnfinishedStep(chunks, self._globally_used, would_commit,
-                                               self._hyperparameters_now(), len(chunks))
+            committed = len(speculated) > len(rolled_back)
+            self._unfinished = _UnfinishedStep(chunks, [], self._globally_used, would_commit,
+                                               self._hyperparameters_now(), len(chunks),
+                                               committed)
             self._step_chunks()
         else:
             # Same decision on every rank: the total and the scaler's flag are all-reduced.
@@ -590,10 +595,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _step_chunks(self) -> None:
         """Step and send what is left of this step, chunk by chunk (see
-        _UnfinishedStep): a chunk whose inner step raises stays, with those after
-        it, for the step called again or for drop_unfinished_step."""
+        _UnfinishedStep). Progress is recorded as it is made, whatever raises
+        (the inner optimizer, or an all-gather's error surfacing as the next is
+        queued): a chunk is stepped once, and each bucket queued once, whether
+        the step is called again or drop_unfinished_step sends the rest."""
         unfinished, model = self._unfinished, self.model
-        while unfinished.chunks:
+        while True:
+            while unfinished.to_send:
+                model.queue_param_all_gather(unfinished.to_send[0])
+                unfinished.to_send.pop(0)
+            if not unfinished.chunks:
+                break
             chunk = unfinished.chunks[0]
             self._assign_slice_grads(unfinished.globally_used, chunk)
             try:
@@ -601,9 +613,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     self._inner_step()
             finally:
                 model.mark_params_changed(chunk)  # (one that raised may have written some)
-            for b in chunk:
-                model.queue_param_all_gather(b)
             unfinished.chunks.pop(0)
+            unfinished.to_send = list(chunk)
         self._unfinished = None
 
     def _finish_step(self, stepped: bool, would_commit: bool) -> None:
@@ -619,8 +630,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         have. Nothing before that is done again: the clip (once per step), the
         rollbacks, the collectives, which a rank retrying alone would call alone."""
         unfinished = self._unfinished
-        if len(unfinished.chunks) < unfinished.chunk_count and not same_hyperparameters(
-                unfinished.hyperparameters, self._hyperparameters_now()):
+        stepped_before = (unfinished.committed_speculation
+                          or len(unfinished.chunks) < unfinished.chunk_count)
+        if stepped_before and not same_hyperparameters(unfinished.hyperparameters,
+                                                       self._hyperparameters_now()):
             warn_at_user_code(
                 "fgpsdp: the optimizer's hyperparameters changed between opt.step() raising "
                 "and this call, which finishes it: the buckets stepped before it raised "
@@ -638,18 +651,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if unfinished is None:
             return
         left = [b for chunk in unfinished.chunks for b in chunk]
-        went_on = (f", {where}" if where is not None else
-                   ", and the loop went on without calling it again")
-        warn_at_user_code(
-            f"fgpsdp: opt.step() raised before it had stepped {len(left)} of the "
-            f"{len(self.model.buckets)} buckets on this rank{went_on}: this rank's slices "
-            "of those buckets are sent as they are, without this step's update (call "
-            "opt.step() again after it raises to finish it)")
-        for b in left:
+        for b in unfinished.to_send + left:
             self.model.queue_param_all_gather(b)
         # As decided from all-reduced figures: two_stage's next rounds speculate
         # on every rank alike, whichever ranks raised.
         self._finish_step(stepped=True, would_commit=unfinished.would_commit)
+        went_on = (f", {where}" if where is not None else
+                   ", and the loop went on without calling it again")
+        # Last: a warning turned into an error (-W error) must not stop the sending.
+        warn_at_user_code(
+            f"fgpsdp: opt.step() raised before it had stepped {len(left)} of the "
+            f"{len(self.model.buckets)} buckets on this rank{went_on}: this rank's slices "
+            "of those buckets were sent as they were, without this step's update (call "
+            "opt.step() again after it raises to finish it)")
 
     def _abandon_failed_speculation(self) -> None:
         """Some rank's speculative step raised (all-reduced: every rank gets here):
@@ -846,6 +860,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         with these buckets. ``full_state_dict()`` is torch.optim's format.
         """
         _refuse_torchs_checkpoint_helpers()
+        self._refuse_while_unfinished("state_dict()")
         self._refuse_speculative_state("state_dict()")
         self._run_state_dict_pre_hooks()
         # The hooks registered on this optimizer see a torch.optim state dict: here
@@ -869,6 +884,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         first step, the state a step would create, as a template for an in-place
         load (``torch.distributed.checkpoint``); the optimizer itself is unchanged.
         """
+        self._refuse_while_unfinished("full_state_dict()")
         self._refuse_speculative_state("full_state_dict()")
         with warn_if_the_others_are_late("opt.full_state_dict()", self.model.world_size,
                                          user_code_line(),
@@ -901,6 +917,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         torch.optim's format (``full_state_dict()``, or a torch optimizer's, as
         a torch DDP run saves it) on every rank."""
         _refuse_torchs_checkpoint_helpers()
+        self._refuse_while_unfinished("load_state_dict()")
         self._refuse_speculative_state("load_state_dict()")
         if self.model._uneven_inputs is not None:
             self.model._uneven_inputs.announce_load("opt.load_state_dict()")
@@ -994,6 +1011,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     "parameters started aligned placed them otherwise); "
                     "full_state_dict() loads by parameter")
         return None
+
+    def _refuse_while_unfinished(self, what: str) -> None:
+        """Raised locally, before any collective: under serial and overlap_backward the
+        ranks whose step went through wait inside it for the rest of this rank's
+        all-gathers, and a rank that alone failed would call this collective alone;
+        and the optimizer state is half stepped."""
+        if self._unfinished is not None:
+            raise RuntimeError(
+                f"fgpsdp: opt.{what} while this rank's opt.step() is unfinished (it raised "
+                "part-way): call opt.step() again to finish it, or go on (a forward or "
+                "zero_grad() sends the rest unstepped) first")
 
     def _refuse_speculative_state(self, what: str) -> None:
         # Not undone here: undoing re-sends the restored slices, a collective, and
@@ -1207,11 +1235,13 @@ class _UnfinishedStep:
     after writing some of its slices (torch's optimizers check their arguments
     first) is stepped again whole, as a torch optimizer's step called again is."""
 
-    chunks: list[list[int]]  # the chunk that raised first, in forward order
+    chunks: list[list[int]]  # not yet stepped, the next first, in forward order
+    to_send: list[int]  # stepped, their all-gathers not yet queued
     globally_used: Optional[list[bool]]
     would_commit: bool
     hyperparameters: Any  # what the first call stepped with (speculation.hyperparameters)
     chunk_count: int  # chunks the first call had to step
+    committed_speculation: bool  # two_stage's speculative steps kept some buckets' update
 
 
 # The forward-ordered step (see _step) runs the inner optimizer at most this

@@ -132,6 +132,10 @@ class UnevenInputs:
                for g in optimizer.param_groups] if optimizer is not None else None
         try:
             if exc_type is None:
+                if optimizer is not None:
+                    # A step that raised as the loop ended: the rest goes out before
+                    # the join's announcements, which the others reach only after it.
+                    optimizer.drop_unfinished_step()
                 self.joined = True
                 self._shadow_until_all_joined()
                 if self._shadowed_step_error is not None:
@@ -252,7 +256,7 @@ class UnevenInputs:
             _share_hyperparameters(model, optimizer, self.authoritative_rank)
             try:
                 optimizer.step()
-            except BaseException as error:
+            except Exception as error:  # (not an interrupt: that ends the join)
                 if optimizer._unfinished is None:
                     raise
                 # Its inner optimizer raised (this rank's own: out of memory), where

@@ -145,3 +145,102 @@ def joined_rank_step_raises(rank: int, world_size: int, schedule: str) -> dict[s
     return {"raised": raised,
             "replicas_differ": max(float((g - now).abs().max()) for g in gathered),
             "warned": [str(w.message)[:200] for w in seen if "raised before" in str(w.message)]}
+
+
+def _replicas_differ(module, world_size: int) -> float:
+    now = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    gathered = [torch.empty_like(now) for _ in range(world_size)]
+    dist.all_gather(gathered, now)
+    return max(float((g - now).abs().max()) for g in gathered)
+
+
+def between_error_and_retry(rank: int, world_size: int, schedule: str, case: str) -> dict[str, Any]:
+    """Rank 1's step 1 raises; then, before it calls opt.step() again:
+
+    - "clip": the loop calls opt.clip_grad_norm_(), which raises locally (the
+      other rank waits inside its step under serial: a collective there would
+      hang) and the retry finishes the step;
+    - "send_raises": the error is not the inner optimizer's but comes as the
+      first all-gather is queued after its chunk was stepped: the retry must not
+      step that chunk again (AdamW's step count stays one per step);
+    - "warnings_as_errors": the loop goes on under warnings-as-errors: the
+      forward raises the warning, after the rest was sent (before, nothing went).
+    Compared with torch DDP whose step did not fail (clip, send_raises)."""
+    torch.manual_seed(0)
+    module = MLP()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(module))
+    model = fgp.DistributedDataParallel(module, schedule=schedule, bucket_cap_mb=0.0001)
+    opt = fgp.ShardedOptimizer(model, RaisingOnTheMainThreadAdamW, lr=1e-2, max_grad_norm=MAX_NORM)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    if case != "send_raises":
+        opt.optim.failing = {1}
+    queue = model.queue_param_all_gather
+    armed = [False]
+
+    def queue_once_raising(b):
+        if armed[0]:
+            armed[0] = False
+            raise _Injected("injected as an all-gather is queued")
+        queue(b)
+    model.queue_param_all_gather = queue_once_raising
+    refused, forward_warned = [], []
+    for step in range(4):
+        opt.optim.loop_step = step
+        armed[0] = case == "send_raises" and step == 1 and rank == 1
+        x, y = make_batch("mlp", step, 0, rank)
+        loss_fn("mlp", model(x), y).backward()
+        loss_fn("mlp", ref(x), y).backward()
+        try:
+            opt.step()
+        except _Injected:
+            if case == "clip":
+                try:
+                    opt.clip_grad_norm_(1.0)
+                except RuntimeError as error:
+                    refused.append(str(error)[:100])
+            if case == "warnings_as_errors":
+                with warnings.catch_warnings():
+                    warnings.simplefilter("error")
+                    try:
+                        model(x)
+                    except RuntimeWarning as warning:
+                        forward_warned.append(str(warning)[:40])
+            else:
+                opt.step()
+        reference_clip_(ref.parameters(), MAX_NORM)
+        if not (case == "warnings_as_errors" and step == 1 and rank == 1):
+            ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    model.synchronize()
+    steps = {float(state["step"]) for state in opt.optim.state.values() if "step" in state}
+    return {"refused": refused, "forward_warned": forward_warned, "adam_steps": sorted(steps),
+            "diff_to_ddp": max(float((a - b).abs().max())
+                               for a, b in zip(module.parameters(), ref.parameters())),
+            "replicas_differ": _replicas_differ(module, world_size)}
+
+
+def last_step_raises_in_join(rank: int, world_size: int, schedule: str) -> dict[str, Any]:
+    """Under model.join(), rank 1's last step raises and its loop ends there (it
+    catches the error): the rest goes out as the join begins (before, under
+    serial the join's announcement met the other rank still in its step)."""
+    torch.manual_seed(0)
+    module = MLP()
+    model = fgp.DistributedDataParallel(module, schedule=schedule, bucket_cap_mb=0.0001)
+    opt = fgp.ShardedOptimizer(model, RaisingOnTheMainThreadAdamW, lr=1e-2, max_grad_norm=MAX_NORM)
+    opt.optim.failing, opt.optim.fail_step = {1}, 2
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with model.join():
+            for step in range(3):
+                opt.optim.loop_step = step
+                x, y = make_batch("mlp", step, 0, rank)
+                loss_fn("mlp", model(x), y).backward()
+                try:
+                    opt.step()
+                except _Injected:
+                    break
+                opt.zero_grad()
+    model.synchronize()
+    return {"warned": sum("raised before" in str(w.message) for w in seen),
+            "replicas_differ": _replicas_differ(module, world_size)}

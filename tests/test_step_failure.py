@@ -15,7 +15,10 @@ CASES = ([(s, who, then) for s in SCHEDULES for who in ("one_rank", "all_ranks")
          + [(s, "all_ranks", "lr_change_then_retry") for s in ("serial", "next_forward")]
          + [(s, "one_rank", then, True, True) for s in SCHEDULES for then in ("retry", "go_on")])
 CALLS = ([(scen.step_raises, *case) for case in CASES]
-         + [(scen.joined_rank_step_raises, s) for s in SCHEDULES])
+         + [(scen.joined_rank_step_raises, s) for s in SCHEDULES]
+         + [(scen.between_error_and_retry, s, case) for s in ("serial", "next_forward")
+            for case in ("clip", "send_raises", "warnings_as_errors")]
+         + [(scen.last_step_raises_in_join, s) for s in SCHEDULES])
 
 
 @pytest.fixture(scope="module")
@@ -113,4 +116,37 @@ def test_the_stand_in_step_of_a_joined_rank_raising(two_ranks, schedule):
     assert rank0["raised"] is None and rank0["warned"] == [], rank0
     assert rank1["raised"] == "injected on rank 1", rank1
     assert len(rank1["warned"]) == 1 and "model.join()" in rank1["warned"][0], rank1
+    assert rank0["replicas_differ"] == 0.0 and rank1["replicas_differ"] == 0.0
+
+
+@pytest.mark.parametrize("schedule", ["serial", "next_forward"])
+def test_a_clip_between_the_error_and_the_retry_is_refused_locally(two_ranks, schedule):
+    rank0, rank1 = two_ranks[(scen.between_error_and_retry, schedule, "clip")]
+    assert rank0["refused"] == [] and len(rank1["refused"]) == 1, (rank0, rank1)
+    assert "unfinished" in rank1["refused"][0], rank1
+    for res in (rank0, rank1):
+        assert res["diff_to_ddp"] == 0.0 and res["replicas_differ"] == 0.0, res
+
+
+@pytest.mark.parametrize("schedule", ["serial", "next_forward"])
+def test_an_error_after_a_chunk_was_stepped_does_not_step_it_again(two_ranks, schedule):
+    # Before, the retry stepped that chunk a second time (AdamW's step count 2).
+    for res in two_ranks[(scen.between_error_and_retry, schedule, "send_raises")]:
+        assert res["adam_steps"] == [4.0], res
+        assert res["diff_to_ddp"] == 0.0 and res["replicas_differ"] == 0.0, res
+
+
+@pytest.mark.parametrize("schedule", ["serial", "next_forward"])
+def test_going_on_with_warnings_as_errors_still_sends_the_rest(two_ranks, schedule):
+    # Before, the warning came first: raised as an error, nothing was sent and
+    # the other rank waited out the group's timeout.
+    rank0, rank1 = two_ranks[(scen.between_error_and_retry, schedule, "warnings_as_errors")]
+    assert rank0["forward_warned"] == [] and len(rank1["forward_warned"]) == 1, (rank0, rank1)
+    assert rank0["replicas_differ"] == 0.0 and rank1["replicas_differ"] == 0.0
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_loop_that_ends_on_a_step_error_inside_join(two_ranks, schedule):
+    rank0, rank1 = two_ranks[(scen.last_step_raises_in_join, schedule)]
+    assert rank0["warned"] == 0 and rank1["warned"] == 1, (rank0, rank1)
     assert rank0["replicas_differ"] == 0.0 and rank1["replicas_differ"] == 0.0

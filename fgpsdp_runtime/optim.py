@@ -364,6 +364,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not callable(method):
             raise AttributeError(f"{type(self.optim).__name__} has no {name}() (schedule-free "
                                  "optimizers have one)")
+        self._refuse_while_unfinished(f"{name}()")
         self._refuse_speculative_state(f"{name}()")
         model = self.model
         if model._uneven_inputs is not None:
@@ -632,38 +633,48 @@ class ShardedOptimizer(torch.optim.Optimizer):
         unfinished = self._unfinished
         stepped_before = (unfinished.committed_speculation
                           or len(unfinished.chunks) < unfinished.chunk_count)
-        if stepped_before and not same_hyperparameters(unfinished.hyperparameters,
-                                                       self._hyperparameters_now()):
-            warn_at_user_code(
-                "fgpsdp: the optimizer's hyperparameters changed between opt.step() raising "
-                "and this call, which finishes it: the buckets stepped before it raised "
-                "keep the old values' update (set them before the step, or after it)")
+        changed = stepped_before and not same_hyperparameters(unfinished.hyperparameters,
+                                                              self._hyperparameters_now())
         self._step_chunks()
         self._finish_step(stepped=True, would_commit=unfinished.would_commit)
+        if changed:  # last: a warning raised as an error must not stop the step
+            warn_at_user_code(
+                "fgpsdp: the optimizer's hyperparameters changed between opt.step() raising "
+                "and this call, which finished it: the buckets stepped before it raised "
+                "kept the old values' update (set them before the step, or after it)")
 
-    def drop_unfinished_step(self, where: Optional[str] = None) -> None:
+    def drop_unfinished_step(self, where: Optional[str] = None,
+                             warn: bool = True) -> Optional[str]:
         """The loop went on (a forward, zero_grad()) after opt.step()
         raised part-way, without calling it again (or ``where`` it raised, none
         can): send the slices not yet stepped as they are, so that the other
-        ranks' all-gathers are answered, and end the step. Warns: those slices
-        missed this step's update."""
-        unfinished, self._unfinished = self._unfinished, None
+        ranks' all-gathers are answered, and end the step. Warns (or, with
+        ``warn=False``, returns the warning for the caller to give once it may
+        raise): those slices missed this step's update."""
+        unfinished = self._unfinished
         if unfinished is None:
-            return
-        left = [b for chunk in unfinished.chunks for b in chunk]
-        for b in unfinished.to_send + left:
-            self.model.queue_param_all_gather(b)
+            return None
+        left = sum(len(chunk) for chunk in unfinished.chunks)
+        # As _step_chunks: progress recorded as made, should a send raise part-way
+        # (the next forward or zero_grad() sends the rest).
+        unfinished.to_send.extend(b for chunk in unfinished.chunks for b in chunk)
+        unfinished.chunks = []
+        while unfinished.to_send:
+            self.model.queue_param_all_gather(unfinished.to_send[0])
+            unfinished.to_send.pop(0)
+        self._unfinished = None
         # As decided from all-reduced figures: two_stage's next rounds speculate
         # on every rank alike, whichever ranks raised.
         self._finish_step(stepped=True, would_commit=unfinished.would_commit)
         went_on = (f", {where}" if where is not None else
                    ", and the loop went on without calling it again")
-        # Last: a warning turned into an error (-W error) must not stop the sending.
-        warn_at_user_code(
-            f"fgpsdp: opt.step() raised before it had stepped {len(left)} of the "
-            f"{len(self.model.buckets)} buckets on this rank{went_on}: this rank's slices "
-            "of those buckets were sent as they were, without this step's update (call "
-            "opt.step() again after it raises to finish it)")
+        message = (f"fgpsdp: opt.step() raised before it had stepped {left} of the "
+                   f"{len(self.model.buckets)} buckets on this rank{went_on}: this rank's "
+                   "slices of those buckets were sent as they were, without this step's "
+                   "update (call opt.step() again after it raises to finish it)")
+        if warn:  # last: a warning raised as an error (-W error) must not stop the sending
+            warn_at_user_code(message)
+        return message
 
     def _abandon_failed_speculation(self) -> None:
         """Some rank's speculative step raised (all-reduced: every rank gets here):
@@ -744,6 +755,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         if any(s.dtype == torch.float16 for s in self.model.buckets):
             raise ValueError("Attempting to unscale FP16 gradients.")  # torch's refusal
+        self._refuse_while_unfinished("unscale_gradients_() (the scaler's unscale_)")
         if self.model._uneven_inputs is not None:
             # A joined rank's scaler would miss the others' update(): its scale
             # would differ after the join.

@@ -350,7 +350,12 @@ class TwoStageScheduler:
     # -- main thread: a forward before the step, the step's end --------------------
 
     def holds_speculative_values(self) -> bool:
-        """Between backward and step: stage-1 steps may have updated parameters."""
+        """Between backward and step: stage-1 steps may have updated parameters. (Not
+        once a step that raised part-way has decided what it keeps: they are then
+        part of that unfinished step.)"""
+        optimizer = self.optimizer
+        if optimizer is not None and optimizer._unfinished is not None:
+            return False
         return bool(self._handed or self.speculated) and not self._round_excluded
 
     def on_backward_start(self) -> None:

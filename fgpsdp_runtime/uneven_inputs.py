@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from .backends import objects_on
 from .step_wide_state import copy_value
+from .user_warnings import warn_at_user_code
 
 if TYPE_CHECKING:  # pragma: no cover
     from .ddp import DistributedDataParallel
@@ -99,6 +100,7 @@ class UnevenInputs:
         self._someone_joined = False
         # The joined rank's own stand-in step raised: raised once every rank has joined.
         self._shadowed_step_error: Optional[BaseException] = None
+        self._held_warnings: list[Optional[str]] = []  # (see __exit__)
 
     # -- the context -----------------------------------------------------------
 
@@ -135,9 +137,13 @@ class UnevenInputs:
                 if optimizer is not None:
                     # A step that raised as the loop ended: the rest goes out before
                     # the join's announcements, which the others reach only after it.
-                    optimizer.drop_unfinished_step()
+                    self._held_warnings.append(optimizer.drop_unfinished_step(warn=False))
                 self.joined = True
                 self._shadow_until_all_joined()
+                # Given only now: one raised as an error (-W error) before would have
+                # left the join without shadowing, the others waiting.
+                for message in filter(None, self._held_warnings):
+                    warn_at_user_code(message)
                 if self._shadowed_step_error is not None:
                     raise self._shadowed_step_error
         finally:
@@ -263,8 +269,9 @@ class UnevenInputs:
                 # no loop can call the step again: the rest goes out unstepped (with
                 # a warning), the active ranks' all-gathers are answered, and the
                 # error is raised when every rank has joined.
-                optimizer.drop_unfinished_step(
-                    "in the stand-in step of a rank whose loop had ended (model.join())")
+                self._held_warnings.append(optimizer.drop_unfinished_step(
+                    "in the stand-in step of a rank whose loop had ended (model.join())",
+                    warn=False))
                 if self._shadowed_step_error is None:
                     self._shadowed_step_error = error
             # Every all-gather starts now: an active rank may wait for any of

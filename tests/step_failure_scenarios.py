@@ -68,8 +68,9 @@ def step_raises(rank: int, world_size: int, schedule: str, who: str, then: str,
     opt = fgp.ShardedOptimizer(model, RaisingOnTheMainThreadAdamW, lr=1e-2, max_grad_norm=max_norm)
     opt.optim.failing = {1} if who == "one_rank" else set(range(world_size))
     retry = then != "go_on"
-    # serial and overlap_backward step once per step: only the first can raise.
-    opt.optim.fail_at = 1 if retry and model.gathers_overlap_forward else 0
+    # serial and overlap_backward step once per step: only the first can raise; so
+    # does two_stage without clipping, where the speculative steps committed.
+    opt.optim.fail_at = 1 if retry and model.gathers_overlap_forward and clip else 0
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     caught, replicas_differ = [], 0.0
     params = lambda: torch.cat([p.detach().reshape(-1) for p in module.parameters()])  # noqa: E731
@@ -198,6 +199,12 @@ def between_error_and_retry(rank: int, world_size: int, schedule: str, case: str
                     opt.clip_grad_norm_(1.0)
                 except RuntimeError as error:
                     refused.append(str(error)[:100])
+            if case == "drop_send_raises":  # going on, the first send raising
+                armed[0] = True
+                try:
+                    model(x)
+                except _Injected:
+                    refused.append("send raised")  # the next forward sends the rest
             if case == "warnings_as_errors":
                 with warnings.catch_warnings():
                     warnings.simplefilter("error")
@@ -205,10 +212,10 @@ def between_error_and_retry(rank: int, world_size: int, schedule: str, case: str
                         model(x)
                     except RuntimeWarning as warning:
                         forward_warned.append(str(warning)[:40])
-            else:
+            elif case != "drop_send_raises":
                 opt.step()
         reference_clip_(ref.parameters(), MAX_NORM)
-        if not (case == "warnings_as_errors" and step == 1 and rank == 1):
+        if not (case in ("warnings_as_errors", "drop_send_raises") and step == 1 and rank == 1):
             ref_opt.step()
         opt.zero_grad()
         ref_opt.zero_grad()
@@ -220,27 +227,35 @@ def between_error_and_retry(rank: int, world_size: int, schedule: str, case: str
             "replicas_differ": _replicas_differ(module, world_size)}
 
 
-def last_step_raises_in_join(rank: int, world_size: int, schedule: str) -> dict[str, Any]:
+def last_step_raises_in_join(rank: int, world_size: int, schedule: str,
+                             warnings_as_errors: bool = False) -> dict[str, Any]:
     """Under model.join(), rank 1's last step raises and its loop ends there (it
     catches the error): the rest goes out as the join begins (before, under
-    serial the join's announcement met the other rank still in its step)."""
+    serial the join's announcement met the other rank still in its step). With
+    ``warnings_as_errors`` the warning is raised once the join is over (before,
+    it left the join unshadowed and the other rank waiting)."""
     torch.manual_seed(0)
     module = MLP()
     model = fgp.DistributedDataParallel(module, schedule=schedule, bucket_cap_mb=0.0001)
     opt = fgp.ShardedOptimizer(model, RaisingOnTheMainThreadAdamW, lr=1e-2, max_grad_norm=MAX_NORM)
     opt.optim.failing, opt.optim.fail_step = {1}, 2
+    raised_warning = []
     with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        with model.join():
-            for step in range(3):
-                opt.optim.loop_step = step
-                x, y = make_batch("mlp", step, 0, rank)
-                loss_fn("mlp", model(x), y).backward()
-                try:
-                    opt.step()
-                except _Injected:
-                    break
-                opt.zero_grad()
+        warnings.simplefilter("error" if warnings_as_errors else "always")
+        try:
+            with model.join():
+                for step in range(3):
+                    opt.optim.loop_step = step
+                    x, y = make_batch("mlp", step, 0, rank)
+                    loss_fn("mlp", model(x), y).backward()
+                    try:
+                        opt.step()
+                    except _Injected:
+                        break
+                    opt.zero_grad()
+        except RuntimeWarning as warning:
+            raised_warning.append(str(warning))
     model.synchronize()
-    return {"warned": sum("raised before" in str(w.message) for w in seen),
+    return {"warned": sum("raised before" in str(w.message) for w in seen)
+            + sum("raised before" in w for w in raised_warning),
             "replicas_differ": _replicas_differ(module, world_size)}

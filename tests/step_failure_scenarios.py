@@ -20,6 +20,13 @@ from .scenarios import MLP, loss_fn, make_batch, reference_clip_
 MAX_NORM = 1e-3  # clips every step: under two_stage every bucket is stepped at the step
 
 
+def _replicas_differ(module, world_size: int) -> float:
+    now = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
+    gathered = [torch.empty_like(now) for _ in range(world_size)]
+    dist.all_gather(gathered, now)
+    return max(float((g - now).abs().max()) for g in gathered)
+
+
 class _Injected(Exception):
     pass
 
@@ -73,7 +80,6 @@ def step_raises(rank: int, world_size: int, schedule: str, who: str, then: str,
     opt.optim.fail_at = 1 if retry and model.gathers_overlap_forward and clip else 0
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     caught, replicas_differ = [], 0.0
-    params = lambda: torch.cat([p.detach().reshape(-1) for p in module.parameters()])  # noqa: E731
     with warnings.catch_warnings(record=True) as seen, \
             (model.join() if join else contextlib.nullcontext()):
         warnings.simplefilter("always")
@@ -101,11 +107,7 @@ def step_raises(rank: int, world_size: int, schedule: str, who: str, then: str,
             opt.zero_grad()
             ref_opt.zero_grad()
             model.synchronize()
-            now = params()
-            gathered = [torch.empty_like(now) for _ in range(world_size)]
-            dist.all_gather(gathered, now)
-            replicas_differ = max(replicas_differ,
-                                  max(float((g - now).abs().max()) for g in gathered))
+            replicas_differ = max(replicas_differ, _replicas_differ(module, world_size))
     return {"caught": caught,
             "diff_to_ddp": max(float((a - b).abs().max())
                                for a, b in zip(module.parameters(), ref.parameters())),
@@ -140,19 +142,9 @@ def joined_rank_step_raises(rank: int, world_size: int, schedule: str) -> dict[s
         except _Injected as error:
             raised = str(error)
     model.synchronize()
-    now = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
-    gathered = [torch.empty_like(now) for _ in range(world_size)]
-    dist.all_gather(gathered, now)
     return {"raised": raised,
-            "replicas_differ": max(float((g - now).abs().max()) for g in gathered),
+            "replicas_differ": _replicas_differ(module, world_size),
             "warned": [str(w.message)[:200] for w in seen if "raised before" in str(w.message)]}
-
-
-def _replicas_differ(module, world_size: int) -> float:
-    now = torch.cat([p.detach().reshape(-1) for p in module.parameters()])
-    gathered = [torch.empty_like(now) for _ in range(world_size)]
-    dist.all_gather(gathered, now)
-    return max(float((g - now).abs().max()) for g in gathered)
 
 
 def between_error_and_retry(rank: int, world_size: int, schedule: str, case: str) -> dict[str, Any]:

@@ -266,9 +266,9 @@ class UnevenInputs:
                 if optimizer._unfinished is None:
                     raise
                 # Its inner optimizer raised (this rank's own: out of memory), where
-                # no loop can call the step again: the rest goes out unstepped (with
-                # a warning), the active ranks' all-gathers are answered, and the
-                # error is raised when every rank has joined.
+                # no loop can call the step again: the rest goes out unstepped, the
+                # active ranks' all-gathers are answered, and the warning and the
+                # error are given when every rank has joined.
                 self._held_warnings.append(optimizer.drop_unfinished_step(
                     "in the stand-in step of a rank whose loop had ended (model.join())",
                     warn=False))

@@ -883,11 +883,7 @@ class DistributedDataParallel(nn.Module):
         speculative steps of that backward are undone (as for a forward there),
         a collective: call it on every rank.
         """
-        optimizer = self.attached_optimizer
-        # Not while a step that raised is unfinished: its committed speculative
-        # steps are part of it (undoing them would resend, on this rank alone if it
-        # alone failed); what it has sent lands.
-        if self.scheduler is not None and (optimizer is None or optimizer._unfinished is None):
+        if self.scheduler is not None:
             if self._uneven_inputs is not None and self.scheduler.holds_speculative_values():
                 self._uneven_inputs.notify(AnnouncedCall.SYNCHRONIZE)
             self.scheduler.before_forward()

@@ -579,8 +579,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             model.begin_param_exchange()
             committed = len(speculated) > len(rolled_back)
             self._unfinished = _UnfinishedStep(chunks, [], self._globally_used, would_commit,
-                                               self._hyperparameters_now(), len(chunks),
-                                               committed)
+                                               len(chunks), committed)
             self._step_chunks()
         else:
             # Same decision on every rank: the total and the scaler's flag are all-reduced.
@@ -601,22 +600,34 @@ class ShardedOptimizer(torch.optim.Optimizer):
         queued): a chunk is stepped once, and each bucket queued once, whether
         the step is called again or drop_unfinished_step sends the rest."""
         unfinished, model = self._unfinished, self.model
-        while True:
-            while unfinished.to_send:
-                model.queue_param_all_gather(unfinished.to_send[0])
-                unfinished.to_send.pop(0)
-            if not unfinished.chunks:
-                break
-            chunk = unfinished.chunks[0]
-            self._assign_slice_grads(unfinished.globally_used, chunk)
-            try:
-                with nvtx_range("fgpsdp.optimizer_step"):
-                    self._inner_step()
-            finally:
-                model.mark_params_changed(chunk)  # (one that raised may have written some)
-            unfinished.chunks.pop(0)
-            unfinished.to_send = list(chunk)
+        try:
+            while True:
+                self._send_stepped(unfinished)
+                if not unfinished.chunks:
+                    break
+                chunk = unfinished.chunks[0]
+                self._assign_slice_grads(unfinished.globally_used, chunk)
+                try:
+                    with nvtx_range("fgpsdp.optimizer_step"):
+                        self._inner_step()
+                finally:
+                    model.mark_params_changed(chunk)  # (one that raised may have written some)
+                unfinished.chunks.pop(0)
+                unfinished.to_send = list(chunk)
+        except BaseException:
+            # Taken only on an error, off the step's path: what the loop has not
+            # changed since the step began (see _resume_unfinished_step).
+            if unfinished.hyperparameters is None:
+                unfinished.hyperparameters = self._hyperparameters_now()
+            raise
         self._unfinished = None
+
+    def _send_stepped(self, unfinished: "_UnfinishedStep") -> None:
+        """Queue the all-gathers of the buckets stepped and not yet sent, each
+        recorded as sent once queued (a queue raising leaves the rest listed)."""
+        while unfinished.to_send:
+            self.model.queue_param_all_gather(unfinished.to_send[0])
+            unfinished.to_send.pop(0)
 
     def _finish_step(self, stepped: bool, would_commit: bool) -> None:
         self._step_wide_state.end_step(stepped=stepped)
@@ -659,9 +670,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # (the next forward or zero_grad() sends the rest).
         unfinished.to_send.extend(b for chunk in unfinished.chunks for b in chunk)
         unfinished.chunks = []
-        while unfinished.to_send:
-            self.model.queue_param_all_gather(unfinished.to_send[0])
-            unfinished.to_send.pop(0)
+        self._send_stepped(unfinished)
         self._unfinished = None
         # As decided from all-reduced figures: two_stage's next rounds speculate
         # on every rank alike, whichever ranks raised.
@@ -1251,9 +1260,10 @@ class _UnfinishedStep:
     to_send: list[int]  # stepped, their all-gathers not yet queued
     globally_used: Optional[list[bool]]
     would_commit: bool
-    hyperparameters: Any  # what the first call stepped with (speculation.hyperparameters)
     chunk_count: int  # chunks the first call had to step
     committed_speculation: bool  # two_stage's speculative steps kept some buckets' update
+    # What the first call stepped with (speculation.hyperparameters), taken when it raised.
+    hyperparameters: Any = None
 
 
 # The forward-ordered step (see _step) runs the inner optimizer at most this

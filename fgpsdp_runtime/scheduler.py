@@ -353,10 +353,15 @@ class TwoStageScheduler:
         """Between backward and step: stage-1 steps may have updated parameters. (Not
         once a step that raised part-way has decided what it keeps: they are then
         part of that unfinished step.)"""
-        optimizer = self.optimizer
-        if optimizer is not None and optimizer._unfinished is not None:
+        if self._step_unfinished():
             return False
         return bool(self._handed or self.speculated) and not self._round_excluded
+
+    def _step_unfinished(self) -> bool:
+        """A step raised part-way after deciding what of stage 1 it keeps (see
+        optim._UnfinishedStep): nothing is speculative any more, nor undone."""
+        optimizer = self.optimizer
+        return optimizer is not None and optimizer._unfinished is not None
 
     def on_backward_start(self) -> None:
         """Reducer listener (main thread): a backward starts before the step.
@@ -379,6 +384,11 @@ class TwoStageScheduler:
         and step, which must see the old parameters, or a reset of what
         speculation used."""
         self._loop_settings = self._settings_of_this_thread()
+        if self._step_unfinished():
+            # (synchronize() or a save then: a forward or zero_grad() ends it first.)
+            # Its committed speculative steps are part of it; undoing them would
+            # resend, on this rank alone if it alone failed.
+            return
         if any(self.model.reducer.reduce_scatters_since_reset) and not self._round_excluded:
             # Most likely gradient accumulation without no_sync(), which a loop
             # does on every step: see end_step. (An excluded round, a GAN's D in

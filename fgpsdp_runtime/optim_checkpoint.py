@@ -213,6 +213,7 @@ def load_full_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> N
     to_load = []  # (parameter index, saved entry, {key: per-element?})
     for g, saved in enumerate(saved_groups):
         numbered = _numbering_for(opt, g, len(saved["params"]))
+        first_stepped = None  # (saved index, its keys): the group's others must match
         for saved_index, param in zip(saved["params"], numbered):
             index = model.param_index(param)
             entry = saved_state.get(saved_index)
@@ -220,6 +221,10 @@ def load_full_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> N
                 continue  # frozen, or never stepped (torch creates state at the first step)
             kinds = {key: _is_saved_per_element(key, value, param, saved_index)
                      for key, value in entry.items()}
+            if first_stepped is None:
+                first_stepped = (saved_index, set(entry))
+            else:
+                _check_same_state_keys(g, first_stepped, saved_index, set(entry))
             to_load.append((index, entry, kinds))
     inner_state: dict[int, dict[str, Any]] = {}
     for index, entry, kinds in to_load:
@@ -238,6 +243,28 @@ def load_full_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> N
                              "params": [inner_number[id(p)] for p in inner_group["params"]]})
     # torch's loader casts each value to its piece's device and dtype ("step" kept).
     opt.optim.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+
+
+def _check_same_state_keys(g: int, first: tuple[int, set], saved_index: int,
+                           keys: set) -> None:
+    """Raise, on every rank alike, if two stepped parameters of one group hold
+    different state entries.
+
+    An elementwise optimizer (the only kind a slice can run) keeps the same
+    entries for every parameter of a group it has stepped. A dict where one
+    lacks an entry (edited by hand, merged from two runs) would load, and only
+    the rank holding that parameter's elements would raise at its step,
+    leaving the others to see their exchange fail instead of the cause.
+    """
+    first_index, first_keys = first
+    if keys == first_keys:
+        return
+    lacking, holder, other = ((saved_index, first_index, first_keys - keys) if first_keys - keys
+                              else (first_index, saved_index, keys - first_keys))
+    raise ValueError(f"fgpsdp: in param group {g} of the optimizer state dict, saved parameter "
+                     f"{lacking} has no state {sorted(other)} that saved parameter {holder} "
+                     "has; an optimizer keeps the same state entries for every parameter of "
+                     "a group it has stepped (a state dict edited or merged by hand?)")
 
 
 def _numbering_for(opt: ShardedOptimizer, g: int, saved_count: int) -> list[torch.Tensor]:

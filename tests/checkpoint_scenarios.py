@@ -468,3 +468,33 @@ def full_state_dict_on_rank_0_alone(rank: int, world_size: int) -> dict:
             error = type(e).__name__
     return {"warnings": [(str(w.message), os.path.basename(w.filename)) for w in caught
                          if "has waited" in str(w.message)], "error": error}
+
+
+def load_dict_lacking_an_entry(rank: int, world_size: int) -> dict[int, Optional[str]]:
+    """A whole-model dict in which one parameter's state lacks an entry the others of
+    its group hold (removed here from the first parameter, then from the last). Before,
+    it loaded; at the step the rank holding that parameter's elements raised a
+    KeyError alone, and the others saw their exchange fail. Returns, per parameter
+    edited, the error each load raised (None if it loaded)."""
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(MODELS["mlp"](), bucket_cap_mb=0.0001)
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    x, y = make_batch("mlp", 0, 0, rank)
+    loss_fn("mlp", model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+    full = opt.full_state_dict()
+    errors = {}
+    for edited in (min(full["state"]), max(full["state"])):
+        broken = {"state": {i: dict(entry) for i, entry in full["state"].items()},
+                  "param_groups": full["param_groups"]}
+        del broken["state"][edited]["exp_avg_sq"]
+        try:
+            opt.load_state_dict(broken)
+            errors[edited] = None
+        except ValueError as error:
+            errors[edited] = str(error)
+    opt.load_state_dict(full)  # the dict as saved still loads, and trains
+    loss_fn("mlp", model(x), y).backward()
+    opt.step()
+    return errors

@@ -294,3 +294,12 @@ def _template_without_lr(rank, world_size):
 def test_template_for_an_optimizer_without_lr():
     # Before: KeyError 'lr' (torch's _init_optim_state sets lr only where a group has one).
     assert run_distributed(2, _template_without_lr) == [4, 4]
+
+
+def test_a_dict_whose_parameter_lacks_an_entry_is_refused_on_every_rank():
+    for errors in run_distributed(3, checkpoint_scenarios.load_dict_lacking_an_entry,
+                                  timeout_s=120):
+        assert len(errors) == 2, errors
+        for edited, error in errors.items():
+            assert error is not None, f"the dict lacking parameter {edited}'s entry loaded"
+            assert f"saved parameter {edited} has no state ['exp_avg_sq']" in error, error

@@ -17,7 +17,7 @@ here post every message at once, split into pieces of at most
 
 - reduce-scatter: chunk j of the input goes to rank j; this rank receives its
   chunk from every peer and sums the n chunks in rank order (the same order
-  on every rank and on every transport: see shared_memory.py);
+  on every rank and on every transport: rank_order_sum.py);
 - all-gather: this rank's input goes to every peer; each peer's lands in its
   chunk of the output.
 
@@ -52,6 +52,8 @@ from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+
+from .rank_order_sum import sum_in_rank_order
 
 # docs/benchmarks/2026-11-30-rail-collectives-cpu.md: 1 MiB pieces move as much as 256 KiB;
 # each message costs a little CPU, so no smaller.
@@ -109,7 +111,7 @@ def start_reduce_scatter(group: dist.ProcessGroup, output: torch.Tensor, input: 
             torch.add(*((mine, theirs) if me == 0 else (theirs, mine)), out=output)
             return
         rows[me].copy_(chunks[me])
-        torch.sum(rows, dim=0, out=output)
+        sum_in_rank_order(rows, output)
     return finish
 
 

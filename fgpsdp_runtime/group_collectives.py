@@ -24,6 +24,7 @@ import torch.distributed as dist
 from . import gloo_collectives
 from .backends import backend_of
 from .profiling import nvtx_range
+from .rank_order_sum import sum_in_rank_order
 
 # torch 2.13 renamed the flat-tensor collectives; older releases have only the old names.
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -90,7 +91,7 @@ def start_reduce_scatter(group: dist.ProcessGroup, output: torch.Tensor, input: 
         # gloo's point-to-point takes CPU tensors only.
         received = _scratch_like("reduce_scatter_received", input)
         dist.all_to_all_single(received, input, group=group)
-        torch.sum(received.view(n, -1), dim=0, out=output)
+        sum_in_rank_order(received.view(n, -1), output)
         return None
 
 

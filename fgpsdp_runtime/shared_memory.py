@@ -68,6 +68,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .rank_order_sum import sum_in_rank_order
 from .shm_barrier import (RegionBarrier, area_bytes, group_timeout_s, native_barrier_wanted,
                           open_region_barrier)
 
@@ -192,7 +193,7 @@ class SharedMemoryCollectives:
                 continue
             slots[me].copy_(rows[:, lo:lo + m])
             self._barrier()
-            torch.sum(slots[:, me, :], dim=0, out=out[lo:lo + m])
+            sum_in_rank_order(slots[:, me, :], out[lo:lo + m])
         return True
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> bool:

@@ -30,6 +30,7 @@ has the same length by construction), cut into parameters by the bucket layout.
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
@@ -213,7 +214,7 @@ def load_full_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> N
     to_load = []  # (parameter index, saved entry, {key: per-element?})
     for g, saved in enumerate(saved_groups):
         numbered = _numbering_for(opt, g, len(saved["params"]))
-        first_stepped = None  # (saved index, its keys): the group's others must match
+        stepped = []  # (saved index, its state's keys, its parameter)
         for saved_index, param in zip(saved["params"], numbered):
             index = model.param_index(param)
             entry = saved_state.get(saved_index)
@@ -221,11 +222,9 @@ def load_full_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> N
                 continue  # frozen, or never stepped (torch creates state at the first step)
             kinds = {key: _is_saved_per_element(key, value, param, saved_index)
                      for key, value in entry.items()}
-            if first_stepped is None:
-                first_stepped = (saved_index, set(entry))
-            else:
-                _check_same_state_keys(g, first_stepped, saved_index, set(entry))
+            stepped.append((saved_index, set(entry), param))
             to_load.append((index, entry, kinds))
+        _check_no_entry_is_missing(opt, g, saved, stepped)
     inner_state: dict[int, dict[str, Any]] = {}
     for index, entry, kinds in to_load:
         for tensor, _, start, end in opt._pieces.get(index, ()):
@@ -245,26 +244,51 @@ def load_full_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> N
     opt.optim.load_state_dict({"state": inner_state, "param_groups": inner_groups})
 
 
-def _check_same_state_keys(g: int, first: tuple[int, set], saved_index: int,
-                           keys: set) -> None:
-    """Raise, on every rank alike, if two stepped parameters of one group hold
-    different state entries.
+def _check_no_entry_is_missing(opt: ShardedOptimizer, g: int, saved_group: dict[str, Any],
+                               stepped: list[tuple[int, set, torch.Tensor]]) -> None:
+    """Raise, on every rank alike, if a stepped parameter's saved state lacks an entry
+    that a first step creates under the group's saved hyperparameters.
 
-    An elementwise optimizer (the only kind a slice can run) keeps the same
-    entries for every parameter of a group it has stepped. A dict where one
-    lacks an entry (edited by hand, merged from two runs) would load, and only
-    the rank holding that parameter's elements would raise at its step,
-    leaving the others to see their exchange fail instead of the cause.
+    Such a dict (edited by hand, merged from two runs) would load, and only the
+    rank holding that parameter's elements would raise at its step, leaving the
+    others to see their exchange fail instead of the cause. Parameters of a group
+    may hold different entries legitimately: a setting that decides which entries a
+    first step creates (Adam's ``amsgrad``, RMSprop's ``momentum``) changed during
+    the run, before another parameter's first step. So only where the entries
+    differ is a throwaway optimizer stepped to learn which ones are needed.
     """
-    first_index, first_keys = first
-    if keys == first_keys:
+    if len({frozenset(keys) for _, keys, _ in stepped}) < 2:
+        return  # all alike: torch's own loader and step treat every rank the same
+    needed = _entries_a_first_step_creates(type(opt.optim), saved_group, stepped[0][2])
+    if needed is None:
         return
-    lacking, holder, other = ((saved_index, first_index, first_keys - keys) if first_keys - keys
-                              else (first_index, saved_index, keys - first_keys))
-    raise ValueError(f"fgpsdp: in param group {g} of the optimizer state dict, saved parameter "
-                     f"{lacking} has no state {sorted(other)} that saved parameter {holder} "
-                     "has; an optimizer keeps the same state entries for every parameter of "
-                     "a group it has stepped (a state dict edited or merged by hand?)")
+    for saved_index, keys, _ in stepped:
+        if needed - keys:
+            raise ValueError(
+                f"fgpsdp: in param group {g} of the optimizer state dict, saved parameter "
+                f"{saved_index} has no state {sorted(needed - keys)}, which a step of "
+                f"{type(opt.optim).__name__} creates under the group's settings and other "
+                "parameters of the group hold (a state dict edited or merged by hand?)")
+
+
+def _entries_a_first_step_creates(optimizer_class: type, saved_group: dict[str, Any],
+                                  like: torch.Tensor) -> Optional[set]:
+    """The state entries ``optimizer_class`` gives a parameter like ``like`` at its
+    first step under ``saved_group``'s hyperparameters: a throwaway optimizer steps a
+    zero gradient at learning rate 0. None if it cannot (nothing is then refused)."""
+    hyper = {k: v for k, v in saved_group.items() if k not in ("params", "param_names")}
+    if "lr" in hyper:
+        hyper["lr"] = torch.zeros_like(hyper["lr"]) if torch.is_tensor(hyper["lr"]) else 0.0
+    probe = torch.zeros(2, dtype=like.dtype, device=like.device, requires_grad=True)
+    probe.grad = torch.zeros_like(probe)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            throwaway = optimizer_class([{**hyper, "params": [probe]}])
+            throwaway.step()
+    except Exception:  # noqa: BLE001 - a class we cannot build alone: leave it to its step
+        return None
+    return set(throwaway.state.get(probe, {}))
 
 
 def _numbering_for(opt: ShardedOptimizer, g: int, saved_count: int) -> list[torch.Tensor]:

@@ -498,3 +498,47 @@ def load_dict_lacking_an_entry(rank: int, world_size: int) -> dict[int, Optional
     loss_fn("mlp", model(x), y).backward()
     opt.step()
     return errors
+
+
+def load_dict_whose_parameters_started_under_other_settings(
+        rank: int, world_size: int) -> dict[str, Optional[str]]:
+    """torch's own dict where a parameter's first step came after a setting that
+    decides which entries a first step creates was turned off (RMSprop's momentum,
+    Adam's amsgrad): it holds fewer entries than the others of its group, and torch
+    loads and steps it. Returns, per optimizer, the error its load and step raised
+    (None if both ran)."""
+    cases = {"rmsprop_momentum_off": (torch.optim.RMSprop, {"lr": 1e-2, "momentum": 0.9},
+                                      "momentum", 0.0),
+             "adam_amsgrad_off": (torch.optim.Adam, {"lr": 1e-2, "amsgrad": True},
+                                  "amsgrad", False)}
+
+    def two_layers():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 3))
+
+    x = torch.randn(4, 6, generator=torch.Generator().manual_seed(1))
+    errors = {}
+    for name, (cls, kwargs, setting, off) in cases.items():
+        net = two_layers()
+        opt = cls(net.parameters(), **kwargs)
+        net(x).square().mean().backward()
+        for p in net[1].parameters():  # the second layer's first step comes later
+            p.grad = None
+        opt.step()
+        opt.zero_grad()
+        for group in opt.param_groups:
+            group[setting] = off
+        net(x).square().mean().backward()
+        opt.step()
+        saved = opt.state_dict()
+        assert len(saved["state"][0]) != len(saved["state"][2])  # the case at hand
+        model = fgp.DistributedDataParallel(two_layers(), bucket_cap_mb=0.0001)
+        sharded = fgp.ShardedOptimizer(model, cls, **{**kwargs, setting: off})
+        try:
+            sharded.load_state_dict(saved)
+            model(x).square().mean().backward()
+            sharded.step()
+            errors[name] = None
+        except ValueError as error:
+            errors[name] = str(error)
+    return errors

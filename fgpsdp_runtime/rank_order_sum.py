@@ -4,8 +4,8 @@ Shared memory sums a chunk in rounds of a slot's size, gloo's point-to-point
 path sums it whole, and the hierarchy sums a node's chunk before the rail's; the
 bits of each element must not depend on which of these ran, or on where a round
 cut the chunk. ``torch.sum(rows, dim=0)`` does not promise that: on CPU, from 5
-rows of float32 on, it adds some columns in another order than others depending
-on the row length (measured on torch 2.13: 73 of 4.2M elements one bit apart
+rows of float32 or float64 on, it adds some columns in another order than others
+depending on the row length (measured on torch 2.13: 73 of 4.2M elements one bit apart
 between the two transports on 5 ranks of one node, buckets of 25 MB). So each
 element is added here left to right, rank 0's chunk first, with plain additions
 whose result depends on nothing but their operands.

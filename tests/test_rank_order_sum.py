@@ -1,7 +1,7 @@
 """The reduce-scatter's sum adds every element's ranks left to right, whatever the
 length of the rows: shared memory sums a chunk in slot-sized rounds and gloo sums
 it whole, and the two must give the same bits (torch.sum(rows, dim=0) did not from
-5 rows of float32 on: its order there depends on the row length)."""
+5 rows of float32 or float64 on: its order there depends on the row length)."""
 import pytest
 import torch
 
@@ -27,7 +27,8 @@ def _left_to_right(rows: torch.Tensor) -> torch.Tensor:
 def test_each_element_is_added_left_to_right(dtype, n):
     gen = torch.Generator().manual_seed(n)
     for length in LENGTHS[:4] + [300]:  # the Python reference is slow
-        rows = (torch.randn(n, length, generator=gen) * 10 ** torch.randint(
+        # Drawn in float64: float32 draws summed in float64 would be exact in any order.
+        rows = (torch.randn(n, length, generator=gen, dtype=torch.float64) * 10 ** torch.randint(
             -3, 4, (n, length), generator=gen)).to(dtype)
         out = torch.full((length,), float("nan"), dtype=dtype)
         sum_in_rank_order(rows, out)
@@ -39,7 +40,7 @@ def test_each_element_is_added_left_to_right(dtype, n):
 def test_a_chunk_summed_in_pieces_has_the_bits_of_the_whole(dtype, n):
     gen = torch.Generator().manual_seed(100 + n)
     for length in LENGTHS:
-        rows = torch.randn(n, length, generator=gen).to(dtype)
+        rows = torch.randn(n, length, generator=gen, dtype=torch.float64).to(dtype)
         whole = torch.empty(length, dtype=dtype)
         sum_in_rank_order(rows, whole)
         for piece in (1, 5, 12, 256):

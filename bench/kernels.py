@@ -5,7 +5,11 @@
 
 Prints a table last and writes JSON (``--json``). Bandwidths count bytes read
 plus bytes written; the reference bandwidth is a plain device copy of the same
-size (``dst.copy_(src)``), or a plain read (``src.sum()``) for the norm.
+size (``dst.copy_(src)``), or a plain read (``src.sum()``) for the norm. On CPU
+a second table times the reduce-scatter's sum of n ranks' chunks over one
+shared-memory round (16 MiB of rows): rank_order_sum's chain of additions, and
+``torch.sum(rows, dim=0)``, which the transports used before and whose order is
+not fixed (rank_order_sum.py says why).
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from fgpsdp_runtime import ops  # noqa: E402
+from fgpsdp_runtime.rank_order_sum import sum_in_rank_order  # noqa: E402
 
 
 def timer(device: torch.device, fn, reps: int) -> float:
@@ -89,6 +94,23 @@ def bench_case(name, sizes, device, reps, scale=0.125):
     }
 
 
+def bench_rank_order_sum(reps: int) -> list[dict]:
+    rows_out = []
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in (3, 5, 8):
+            m = (16 << 20) // (n * torch.tensor([], dtype=dtype).element_size())
+            rows = torch.randn(n, m).to(dtype)
+            out = torch.empty(m, dtype=dtype)
+            times = {
+                "rank_order": timer(torch.device("cpu"),
+                                    lambda: sum_in_rank_order(rows, out), reps),
+                "torch.sum": timer(torch.device("cpu"),
+                                   lambda: torch.sum(rows, dim=0, out=out), reps)}
+            rows_out.append({"dtype": str(dtype).replace("torch.", ""), "ranks": n,
+                             "elements": m, **{f"{k}_ms": v * 1e3 for k, v in times.items()}})
+    return rows_out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -106,13 +128,14 @@ def main() -> None:
         cases = [("1 x 64 MiB", [16 << 20]), ("4 x 16 MiB", [4 << 20] * 4),
                  ("128 small (4K-96K elems)", [4096 * (1 + i % 24) for i in range(128)])]
     rows = [bench_case(name, sizes, device, reps) for name, sizes in cases]
+    sums = bench_rank_order_sum(reps) if device.type == "cpu" else []
     meta = {"device": torch.cuda.get_device_name(device) if device.type == "cuda"
             else f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads",
             "torch": torch.__version__, "compiled_kernels": ops.cuda_kernels_available()
             if device.type == "cuda" else ops.extension_available()}
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+            json.dump({"meta": meta, "rows": rows, "rank_order_sum": sums}, f, indent=1)
     print(f"device: {meta['device']}; torch {meta['torch']}; compiled kernels: {meta['compiled_kernels']}")
     print("| case | copy GB/s | pack GB/s (% copy, x torch) | unpack GB/s (% copy, x torch) | "
           "norm GB/s (% read, x torch) | norm rel err (torch fp32) |")
@@ -124,6 +147,14 @@ def main() -> None:
               f"{r['unpack_speedup']:.2f}x) | {r['norm_GBps']:.1f} "
               f"({100 * r['norm_GBps'] / r['read_GBps']:.0f}%, {r['norm_speedup']:.2f}x) | "
               f"{r['norm_rel_err']:.1e} ({r['torch_fp32_norm_rel_err']:.1e}) |")
+    if sums:
+        print()
+        print("| reduce-scatter sum: dtype, ranks x elements | rank order ms | "
+              "torch.sum ms (order not fixed) |")
+        print("|---|---:|---:|")
+        for r in sums:
+            print(f"| {r['dtype']}, {r['ranks']} x {r['elements']} | {r['rank_order_ms']:.2f} | "
+                  f"{r['torch.sum_ms']:.2f} |")
 
 
 if __name__ == "__main__":

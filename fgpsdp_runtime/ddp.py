@@ -302,6 +302,7 @@ class DistributedDataParallel(nn.Module):
         self._params = [p for _, p in trainable]
         self._param_names = [n for n, _ in trainable]
         lifecycle.claim(trainable, self)
+        lifecycle.finish_before_destroy(self)
         # Unfrozen later, they would never be reduced nor stepped: see _check_frozen.
         self._frozen_at_wrap = [(n, p) for n, p in module.named_parameters()
                                 if not p.requires_grad]
@@ -1069,14 +1070,21 @@ class DistributedDataParallel(nn.Module):
                 handles.remove()
         # Stops and joins this model's threads (bounded), so that a later
         # destroy_process_group() finds none of them still ending.
+        self._finish_communication()
+        for group in self.__dict__.get("_own_groups", ()):
+            lifecycle.destroy_gloo_group(group)
+
+    def _finish_communication(self) -> None:
+        """Let the submitted collectives run (the last step's all-gathers), then stop
+        the threads, bounded as at exit: when the wrapper is freed, and before its
+        process group is destroyed (see [Note: the last step's all-gathers and
+        destroy_process_group()] in lifecycle.py). The wrapper steps no more."""
         scheduler = self.__dict__.get("scheduler")
         if scheduler is not None:
             shutdown.stop_and_join([scheduler])
         exchange = self.__dict__.get("_exchange")
         if exchange is not None:
             exchange.close()
-        for group in self.__dict__.get("_own_groups", ()):
-            lifecycle.destroy_gloo_group(group)
 
 
 SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")

@@ -11,6 +11,7 @@ take their gradients too, and is refused.
 """
 from __future__ import annotations
 
+import functools
 import gc
 import weakref
 from typing import TYPE_CHECKING, Optional, Sequence
@@ -63,6 +64,42 @@ def claim(trainable: Sequence[tuple[str, nn.Parameter]],
     wrapper_ref = weakref.ref(wrapper)
     for _, param in trainable:
         _WRAPPER_OF_PARAM[id(param)] = (weakref.ref(param), wrapper_ref)
+
+
+# [Note: the last step's all-gathers and destroy_process_group()]
+# Under next_forward and two_stage a step ends with its all-gathers running on
+# the link workers, to land during the next forward. A loop that ended there
+# and destroyed the process group on one rank (the usual last line, or a Ctrl-C
+# handler's) closed the connections while that rank's sends were in flight, and
+# a peer still reading its parameters (rank 0 saving) got "Connection closed by
+# peer" instead of the values; torch DDP's step leaves nothing in flight. torch
+# has no hook on that call, so the first wrapper puts one in front of
+# torch.distributed's destroy_process_group: the live wrappers on the group it
+# destroys (every wrapper, for the default group) first let their submitted
+# collectives run and stop their threads, bounded as at exit (shutdown.py).
+_LIVE_WRAPPERS: "weakref.WeakSet[DistributedDataParallel]" = weakref.WeakSet()
+
+
+def finish_before_destroy(wrapper: "DistributedDataParallel") -> None:
+    """``wrapper`` finishes its communication before its group is destroyed."""
+    _LIVE_WRAPPERS.add(wrapper)
+    c10d = dist.distributed_c10d
+    torch_destroy = c10d.destroy_process_group
+    if getattr(torch_destroy, "_fgpsdp_torch_destroy", None) is not None:
+        return  # already in front
+
+    @functools.wraps(torch_destroy)
+    def destroy_process_group(group=None):
+        everything = group is None or group is dist.GroupMember.WORLD
+        for live in list(_LIVE_WRAPPERS):
+            if everything or live.__dict__.get("process_group") is group:
+                live._finish_communication()
+        return torch_destroy(group)
+
+    destroy_process_group._fgpsdp_torch_destroy = torch_destroy
+    c10d.destroy_process_group = destroy_process_group
+    if dist.destroy_process_group is torch_destroy:
+        dist.destroy_process_group = destroy_process_group
 
 
 def destroy_gloo_group(group) -> None:

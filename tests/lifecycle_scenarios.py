@@ -7,9 +7,10 @@ import copy
 import gc
 import os
 import threading
+import time
 import warnings
 import weakref
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -224,3 +225,38 @@ def own_group_timeouts(rank: int, world_size: int) -> list[float]:
     model = fgp.DistributedDataParallel(MLP())
     return [g._get_backend(torch.device("cpu")).options._timeout.total_seconds()
             for g in model._own_groups]
+
+
+_KEPT_ALIVE: list = []
+
+
+def save_after_a_peer_destroyed_the_group(rank: int, world_size: int,
+                                          schedule: str) -> Optional[float]:
+    """A job's last lines, ``if rank == 0: torch.save(model.module.state_dict())`` and
+    ``dist.destroy_process_group()``, where rank 1 destroys the group first (the
+    harness does, as soon as this returns) while its last step's all-gathers are in
+    flight, and rank 0 reads the parameters a moment later. Returns rank 0's
+    largest difference to torch DDP's parameters (None on rank 1)."""
+    torch.manual_seed(0)
+    module = MLP()
+    reference = copy.deepcopy(module)
+    plan = {"overlap_plan": "layout"} if schedule == "two_stage" else {}
+    ours = wrapped_for(module, False, torch.optim.Adam, 1e-2, schedule=schedule,
+                       bucket_cap_mb=0.0005, **plan)
+    theirs = wrapped_for(reference, True, torch.optim.Adam, 1e-2)
+    for step in range(3):
+        for model, opt in (theirs, ours):  # ours last: nothing lands its all-gathers
+            if step:
+                opt.zero_grad()
+            x, y = make_batch("mlp", step, 0, rank)
+            loss_fn("mlp", model(x), y).backward()
+            opt.step()
+    # Alive past the harness's destroy_process_group(), as a script's model is
+    # (freed, a wrapper lets its collectives run first: see ddp.__del__).
+    _KEPT_ALIVE.append(ours)
+    if rank != 0:
+        return None
+    time.sleep(0.5)
+    saved = ours[0].module.state_dict()
+    return max(float((saved[k] - v).abs().max())
+               for k, v in theirs[0].module.state_dict().items())

@@ -2,7 +2,7 @@
 import pytest
 
 from . import lifecycle_scenarios as scen
-from .dist_harness import DEFAULT_PG_TIMEOUT_S, run_calls
+from .dist_harness import DEFAULT_PG_TIMEOUT_S, run_calls, run_distributed
 
 SCHEDULES = ["two_stage", "serial"]
 CALLS = ([(scen.wrap_again, s) for s in SCHEDULES]
@@ -82,3 +82,14 @@ def test_own_process_groups_wait_as_long_as_the_jobs(two_ranks):
     minutes (gloo)."""
     for timeouts in two_ranks[(scen.own_group_timeouts,)]:
         assert timeouts and all(t == DEFAULT_PG_TIMEOUT_S for t in timeouts), timeouts
+
+
+@pytest.mark.parametrize("schedule", ["next_forward", "two_stage"])
+def test_a_save_after_a_peer_destroyed_the_group_holds_the_step(monkeypatch, schedule):
+    """Before, rank 1's destroy_process_group() closed its connections with the last
+    step's all-gathers in flight, and rank 0's read raised "Connection closed by
+    peer". Over gloo: shared memory has no connection to close."""
+    monkeypatch.setenv("FGPSDP_SHARED_MEMORY", "0")
+    differences = run_distributed(2, scen.save_after_a_peer_destroyed_the_group, schedule,
+                                  timeout_s=120)
+    assert differences == [0.0, None], differences

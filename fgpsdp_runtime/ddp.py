@@ -11,6 +11,7 @@ import contextlib
 import functools
 import os
 import sys
+import time
 import warnings
 import weakref
 from typing import Any, Iterator, Optional, Sequence, Union
@@ -1079,12 +1080,15 @@ class DistributedDataParallel(nn.Module):
         the threads, bounded as at exit: when the wrapper is freed, and before its
         process group is destroyed (see [Note: the last step's all-gathers and
         destroy_process_group()] in lifecycle.py). The wrapper steps no more."""
+        # The scheduler first (its last speculative all-gathers go to the link
+        # workers, which then refuse new ones), within one bound for both.
+        deadline = time.monotonic() + shutdown.EXIT_JOIN_TIMEOUT_S
         scheduler = self.__dict__.get("scheduler")
         if scheduler is not None:
             shutdown.stop_and_join([scheduler])
         exchange = self.__dict__.get("_exchange")
         if exchange is not None:
-            exchange.close()
+            shutdown.stop_and_join(exchange.workers, max(0.0, deadline - time.monotonic()))
 
 
 SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")

@@ -1264,6 +1264,7 @@ class _UnfinishedStep:
     committed_speculation: bool  # two_stage's speculative steps kept some buckets' update
     # What the first call stepped with (speculation.hyperparameters), taken when it raised.
     hyperparameters: Any = None
+    save_warned: bool = False  # a save of the module said it holds part of this step
 
 
 # The forward-ordered step (see _step) runs the inner optimizer at most this

@@ -114,6 +114,8 @@ def step_raises(rank: int, world_size: int, schedule: str, who: str, then: str,
             "replicas_differ": replicas_differ,
             "speculating": model.scheduler.speculating if model.scheduler is not None else None,
             "warned": [str(w.message)[:80] for w in seen if "raised before" in str(w.message)],
+            "save_warned": sum("while this rank's opt.step() is unfinished" in str(w.message)
+                               for w in seen),
             "hyperparameters_warned": sum("changed between opt.step() raising" in str(w.message)
                                           for w in seen)}
 

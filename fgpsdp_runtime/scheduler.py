@@ -66,6 +66,7 @@ from __future__ import annotations
 import pickle
 import queue
 import threading
+import time
 import warnings
 import weakref
 from typing import TYPE_CHECKING, Optional
@@ -129,6 +130,7 @@ class TwoStageScheduler:
         # (see [Note: scheduler thread lifetime and errors]), and the stage-1
         # buckets sent since without a step.
         self._error: Optional[BaseException] = None
+        self._busy = False  # the thread is handling a bucket (see settle)
         self.sent_unstepped: list[int] = []
         self._thread: Optional[threading.Thread] = None
         self._closed = False
@@ -285,6 +287,7 @@ class TwoStageScheduler:
             item = self._queue.get()
             if item is None:
                 return
+            self._busy = True
             try:
                 if item is _JOIN:
                     self._advance(until_end=True)
@@ -296,6 +299,8 @@ class TwoStageScheduler:
                 if self._error is None:
                     self._error = error
                 self._next = len(self.plan.stage1)
+            finally:
+                self._busy = False
             if item is _JOIN:
                 self._joined.set()
 
@@ -352,10 +357,24 @@ class TwoStageScheduler:
     def holds_speculative_values(self) -> bool:
         """Between backward and step: stage-1 steps may have updated parameters. (Not
         once a step that raised part-way has decided what it keeps: they are then
-        part of that unfinished step.)"""
+        part of that unfinished step.) Buckets handed to the thread count while it
+        may still step them; once it has failed (a link error: a peer gone) it steps
+        none, and those it did step are recorded, so a survivor's save goes through."""
         if self._step_unfinished():
             return False
-        return bool(self._handed or self.speculated) and not self._round_excluded
+        may_step = bool(self._handed) and self._error is None
+        return (may_step or bool(self.speculated)) and not self._round_excluded
+
+    def settle(self, timeout_s: float = 1.0) -> None:
+        """Wait, at most ``timeout_s``, until the thread has handled the buckets
+        handed to it or has failed (a peer gone fails its reduce-scatters at once):
+        then holds_speculative_values() tells what it stepped, not what it might.
+        For a save on a survivor of a failed peer, whose step raised on the
+        exchange before the thread had noted the same failure."""
+        deadline = time.monotonic() + timeout_s
+        while (self._error is None and (self._busy or self._arrived or not self._queue.empty())
+               and time.monotonic() < deadline):
+            time.sleep(0.002)
 
     def _step_unfinished(self) -> bool:
         """A step raised part-way after deciding what of stage 1 it keeps (see

@@ -260,3 +260,38 @@ def save_after_a_peer_destroyed_the_group(rank: int, world_size: int,
     saved = ours[0].module.state_dict()
     return max(float((saved[k] - v).abs().max())
                for k, v in theirs[0].module.state_dict().items())
+
+
+def survivor_saves_after_a_peer_failed(rank: int, world_size: int) -> tuple[str, float]:
+    """Rank 1 raises in its forward of step 3 (a data error) and leaves; rank 0's step
+    then fails on the exchange, and its handler saves ``model.module.state_dict()``,
+    as torch DDP's survivor can. Under two_stage with a stage 1 that save raised
+    "would hold two_stage's speculative updates" although none had run. Returns rank
+    0's error type and the largest difference of what it saved to torch DDP's
+    parameters after step 2."""
+    torch.manual_seed(0)
+    module = MLP()
+    reference = copy.deepcopy(module)
+    ours = wrapped_for(module, False, torch.optim.Adam, 1e-2, schedule="two_stage",
+                       overlap_plan="layout", bucket_cap_mb=0.0005)
+    theirs = wrapped_for(reference, True, torch.optim.Adam, 1e-2)
+    for step in range(3):
+        for model, opt in (theirs, ours):
+            opt.zero_grad()
+            x, y = make_batch("mlp", step, 0, rank)
+            loss_fn("mlp", model(x), y).backward()
+            opt.step()
+    model, opt = ours
+    opt.zero_grad()
+    x, y = make_batch("mlp", 3, 0, rank)
+    if rank == 1:
+        raise _Boom("a data error on rank 1")
+    try:
+        loss_fn("mlp", model(x), y).backward()
+        opt.step()
+        failed = "nothing"
+    except Exception as error:  # noqa: BLE001 - the exchange's, whatever the transport
+        failed = type(error).__name__
+    saved = model.module.state_dict()
+    return failed, max(float((saved[k] - v).abs().max())
+                       for k, v in theirs[0].module.state_dict().items())

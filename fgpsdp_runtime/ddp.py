@@ -861,14 +861,15 @@ class DistributedDataParallel(nn.Module):
         if unfinished is not None and not unfinished.save_warned:
             # Allowed (a save between the error and the retry), but its stepped buckets
             # are updated and the rest not, whose all-gathers are not even queued.
-            # Once: a save runs this for every submodule.
-            unfinished.save_warned = True
+            # Once (a save runs this for every submodule); marked only once said, so
+            # that under -W error every such save raises.
             warn_at_user_code(
                 "fgpsdp: a state_dict() or a copy of the module while this rank's opt.step() "
                 "is unfinished (it raised part-way, a Ctrl-C inside it included) holds that "
                 "step's updates on part of the buckets only; call opt.step() again to "
                 "finish it (no collective) before saving, or keep the last completed "
                 "step's checkpoint")
+            unfinished.save_warned = True
         # With the default lookahead every all-gather has started at the step, and
         # the save may run on one rank; with a smaller one, save on every rank (the
         # rest start here).

@@ -156,8 +156,9 @@ class LinkWorker:
         with self._closing_lock:
             if self._closed:
                 raise RuntimeError(
-                    f"fgpsdp: the {self.name} link worker is closed (its wrapper was released "
-                    "or the process is exiting): no collective can be sent on it")
+                    f"fgpsdp: the {self.name} link worker is closed (its wrapper was released, "
+                    "its process group destroyed, or the process is exiting): no collective "
+                    "can be sent on it")
             self._queue.put((fn, future, ready_event))
         return future
 

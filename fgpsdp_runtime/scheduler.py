@@ -223,7 +223,13 @@ class TwoStageScheduler:
         self._join_ready = self._current_stream_event()
         self._joined.clear()
         self._queue.put(_JOIN)
-        self._joined.wait()
+        # Not a bare wait: a close() from another thread (destroy_process_group())
+        # between the check above and the put ends the thread before the join.
+        while not self._joined.wait(0.1):
+            if not self.is_alive():
+                self._refuse_if_closed()
+                raise RuntimeError("fgpsdp: the two_stage scheduler thread ended "
+                                   "before the step's join")
         if self.speculation_stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.speculation_stream)
 
@@ -525,7 +531,8 @@ class TwoStageScheduler:
     def _refuse_if_closed(self) -> None:
         if self._closed:
             raise RuntimeError("fgpsdp: the two_stage scheduler thread was stopped (its wrapper "
-                               "was released or the process is exiting): no step can run")
+                               "was released, its process group destroyed, or the process is "
+                               "exiting): no step can run")
 
     request_stop = close
 

@@ -5,10 +5,10 @@ path sums it whole, and the hierarchy sums a node's chunk before the rail's; the
 bits of each element must not depend on which of these ran, or on where a round
 cut the chunk. ``torch.sum(rows, dim=0)`` does not promise that: on CPU, from 5
 rows of float32 or float64 on, it adds some columns in another order than others
-depending on the row length (measured on torch 2.13: 73 of 4.2M elements one bit apart
-between the two transports on 5 ranks of one node, buckets of 25 MB). So each
-element is added here left to right, rank 0's chunk first, with plain additions
-whose result depends on nothing but their operands.
+depending on the row length (on torch 2.13 the two transports were one bit apart on
+some elements with 5 ranks in a node and 25 MB buckets; tests/test_rank_order_sum.py
+shows the order). So each element is added here left to right, rank 0's chunk first,
+with plain additions whose result depends on nothing but their operands.
 """
 from __future__ import annotations
 

@@ -845,10 +845,7 @@ class DistributedDataParallel(nn.Module):
         two_stage's speculative updates may be in the parameters, and only a
         collective (every rank undoing them) could take them out: refused.
         """
-        scheduler = self.scheduler
-        if scheduler is not None and scheduler.holds_speculative_values():
-            scheduler.settle()
-        if scheduler is not None and scheduler.holds_speculative_values():
+        if self.scheduler is not None and self.scheduler.holds_speculative_values_once_settled():
             raise RuntimeError(
                 "fgpsdp: a state_dict() or a copy of the module (copy.deepcopy, torch.save) "
                 "between backward and opt.step() would hold two_stage's speculative updates; "

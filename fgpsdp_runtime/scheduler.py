@@ -130,7 +130,7 @@ class TwoStageScheduler:
         # (see [Note: scheduler thread lifetime and errors]), and the stage-1
         # buckets sent since without a step.
         self._error: Optional[BaseException] = None
-        self._busy = False  # the thread is handling a bucket (see settle)
+        self._busy = False  # the thread is handling a bucket (see ..._once_settled)
         self.sent_unstepped: list[int] = []
         self._thread: Optional[threading.Thread] = None
         self._closed = False
@@ -371,16 +371,19 @@ class TwoStageScheduler:
         may_step = bool(self._handed) and self._error is None
         return (may_step or bool(self.speculated)) and not self._round_excluded
 
-    def settle(self, timeout_s: float = 1.0) -> None:
-        """Wait, at most ``timeout_s``, until the thread has handled the buckets
-        handed to it or has failed (a peer gone fails its reduce-scatters at once):
-        then holds_speculative_values() tells what it stepped, not what it might.
-        For a save on a survivor of a failed peer, whose step raised on the
-        exchange before the thread had noted the same failure."""
+    def holds_speculative_values_once_settled(self, timeout_s: float = 1.0) -> bool:
+        """holds_speculative_values(), after waiting (at most ``timeout_s``, and only
+        if it says yes) for the thread to handle the buckets handed to it or to
+        fail: then it tells what the thread stepped, not what it might. For a save
+        on a survivor of a failed peer (a peer gone fails its reduce-scatters at
+        once), whose step raised on the exchange before the thread saw the same."""
+        if not self.holds_speculative_values():
+            return False
         deadline = time.monotonic() + timeout_s
         while (self._error is None and (self._busy or self._arrived or not self._queue.empty())
                and time.monotonic() < deadline):
             time.sleep(0.002)
+        return self.holds_speculative_values()
 
     def _step_unfinished(self) -> bool:
         """A step raised part-way after deciding what of stage 1 it keeps (see

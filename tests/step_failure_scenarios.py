@@ -55,6 +55,14 @@ class RaisingOnTheMainThreadAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
+def _backward_both(model, ref, step: int, rank: int) -> torch.Tensor:
+    """This rank's batch of ``step`` through ours and torch DDP's, backward; its input."""
+    x, y = make_batch("mlp", step, 0, rank)
+    loss_fn("mlp", model(x), y).backward()
+    loss_fn("mlp", ref(x), y).backward()
+    return x
+
+
 def step_raises(rank: int, world_size: int, schedule: str, who: str, then: str,
                 clip: bool = True, join: bool = False) -> dict[str, Any]:
     """Step 1 raises at its first inner step (``then="go_on"``: the loop zeroes and
@@ -85,9 +93,7 @@ def step_raises(rank: int, world_size: int, schedule: str, who: str, then: str,
         warnings.simplefilter("always")
         for step in range(4):
             opt.optim.loop_step = step
-            x, y = make_batch("mlp", step, 0, rank)
-            loss_fn("mlp", model(x), y).backward()
-            loss_fn("mlp", ref(x), y).backward()
+            _backward_both(model, ref, step, rank)
             try:
                 opt.step()
             except _Injected:
@@ -182,9 +188,7 @@ def between_error_and_retry(rank: int, world_size: int, schedule: str, case: str
     for step in range(4):
         opt.optim.loop_step = step
         armed[0] = case == "send_raises" and step == 1 and rank == 1
-        x, y = make_batch("mlp", step, 0, rank)
-        loss_fn("mlp", model(x), y).backward()
-        loss_fn("mlp", ref(x), y).backward()
+        x = _backward_both(model, ref, step, rank)
         try:
             opt.step()
         except _Injected:

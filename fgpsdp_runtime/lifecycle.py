@@ -73,10 +73,18 @@ def claim(trainable: Sequence[tuple[str, nn.Parameter]],
 # handler's) closed the connections while that rank's sends were in flight, and
 # a peer still reading its parameters (rank 0 saving) got "Connection closed by
 # peer" instead of the values; torch DDP's step leaves nothing in flight. torch
-# has no hook on that call, so the first wrapper puts one in front of
-# torch.distributed's destroy_process_group: the live wrappers on the group it
-# destroys (every wrapper, for the default group) first let their submitted
-# collectives run and stop their threads, bounded as at exit (shutdown.py).
+# has no hook on that call, so the first wrapper puts two in front of it: the
+# live wrappers on the destroyed group (every wrapper, for the default group)
+# first let their submitted collectives run and stop their threads, bounded as
+# at exit (shutdown.py).
+# - torch.distributed's destroy_process_group is replaced, which every torch
+#   version calls, but only a script that looks it up after the first wrapper
+#   is built gets the replacement;
+# - ProcessGroup.shutdown, where torch has it (2.13 and 2.14 do): the destroy
+#   shuts every group down through it before it forgets any, so this one also
+#   catches a script that bound the function before (``from torch.distributed
+#   import destroy_process_group`` at the top, as nanoGPT's train.py has).
+#   torch 2.4 has no such method, and its destroy no point this could catch.
 _LIVE_WRAPPERS: "weakref.WeakSet[DistributedDataParallel]" = weakref.WeakSet()
 
 
@@ -100,6 +108,34 @@ def finish_before_destroy(wrapper: "DistributedDataParallel") -> None:
     c10d.destroy_process_group = destroy_process_group
     if dist.destroy_process_group is torch_destroy:
         dist.destroy_process_group = destroy_process_group
+    _finish_before_group_shutdown()
+
+
+def _finish_before_group_shutdown() -> None:
+    """Before a group shuts down, the live wrappers communicating over it finish."""
+    process_group_class = getattr(dist, "ProcessGroup", None)
+    torch_shutdown = getattr(process_group_class, "shutdown", None)
+    if torch_shutdown is None or getattr(torch_shutdown, "_fgpsdp_torch_shutdown", None):
+        return
+
+    @functools.wraps(torch_shutdown)
+    def shutdown(group, *args, **kwargs):
+        for live in list(_LIVE_WRAPPERS):
+            if _communicates_over(live, group):
+                live._finish_communication()
+        return torch_shutdown(group, *args, **kwargs)
+
+    shutdown._fgpsdp_torch_shutdown = torch_shutdown
+    process_group_class.shutdown = shutdown
+
+
+def _communicates_over(wrapper: "DistributedDataParallel", group) -> bool:
+    """The wrapper's process group (None: the default one) or one of its own."""
+    state = wrapper.__dict__
+    its_group = state.get("process_group")
+    if its_group is None:
+        its_group = dist.GroupMember.WORLD
+    return group is its_group or any(group is own for own in state.get("_own_groups", ()))
 
 
 def destroy_gloo_group(group) -> None:

@@ -64,7 +64,8 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
         try:
             result = {"ok": True, "value": fn(rank, world_size, *args)}
         finally:
-            dist.destroy_process_group()
+            if dist.is_initialized():  # the scenario may have destroyed it itself
+                dist.destroy_process_group()
     except BaseException as error:  # reported to the parent
         result = {"ok": False, "type": type(error).__name__, "message": str(error),
                   "traceback": traceback.format_exc()}

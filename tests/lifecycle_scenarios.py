@@ -230,13 +230,19 @@ def own_group_timeouts(rank: int, world_size: int) -> list[float]:
 _KEPT_ALIVE: list = []
 
 
-def save_after_a_peer_destroyed_the_group(rank: int, world_size: int,
-                                          schedule: str) -> Optional[float]:
+def save_after_a_peer_destroyed_the_group(rank: int, world_size: int, schedule: str,
+                                          bound_before_import: bool) -> Optional[float]:
     """A job's last lines, ``if rank == 0: torch.save(model.module.state_dict())`` and
     ``dist.destroy_process_group()``, where rank 1 destroys the group first (the
     harness does, as soon as this returns) while its last step's all-gathers are in
-    flight, and rank 0 reads the parameters a moment later. Returns rank 0's
-    largest difference to torch DDP's parameters (None on rank 1)."""
+    flight, and rank 0 reads the parameters a moment later. With
+    ``bound_before_import``, rank 1 calls the function as a script that ran ``from
+    torch.distributed import destroy_process_group`` before building the wrapper
+    holds it (nanoGPT's train.py does). Returns rank 0's largest difference to
+    torch DDP's parameters (None on rank 1)."""
+    c10d = torch.distributed.distributed_c10d
+    destroy_bound_early = getattr(c10d.destroy_process_group, "_fgpsdp_torch_destroy",
+                                  c10d.destroy_process_group)
     torch.manual_seed(0)
     module = MLP()
     reference = copy.deepcopy(module)
@@ -255,6 +261,8 @@ def save_after_a_peer_destroyed_the_group(rank: int, world_size: int,
     # (freed, a wrapper lets its collectives run first: see ddp.__del__).
     _KEPT_ALIVE.append(ours)
     if rank != 0:
+        if bound_before_import:
+            destroy_bound_early()
         return None
     time.sleep(0.5)
     saved = ours[0].module.state_dict()

@@ -877,7 +877,7 @@ class DistributedDataParallel(nn.Module):
         rank 0 alone): as a save does, land the all-gathers in flight first."""
         if in_backward():
             return  # recomputation (activation checkpointing) reads what backward does
-        if self.scheduler is not None and self.scheduler.holds_speculative_values():
+        if self.scheduler is not None and self.scheduler.holds_speculative_values_once_settled():
             raise RuntimeError(
                 "fgpsdp: model.module(...) between a backward through it and opt.step() (or "
                 "zero_grad()) would read two_stage's speculative updates; call the wrapper, "

@@ -1048,9 +1048,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # Not undone here: undoing re-sends the restored slices, a collective, and
         # a checkpoint is often taken on one rank. Whether stage 1 holds anything
         # depends on the plan, so a loop can pass the profile window and raise
-        # from step 4 on: the message says both ways out.
+        # from step 4 on: the message says both ways out. Settled first, as for a
+        # save of the module: a survivor of a failed peer saves here too.
         scheduler = self.model.scheduler
-        if scheduler is not None and scheduler.holds_speculative_values():
+        if scheduler is not None and scheduler.holds_speculative_values_once_settled():
             raise RuntimeError(
                 f"fgpsdp: opt.{what} between backward and opt.step() would see two_stage's "
                 "speculative updates of the optimizer state; call it after opt.step(), or "

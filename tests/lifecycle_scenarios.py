@@ -270,12 +270,16 @@ def save_after_a_peer_destroyed_the_group(rank: int, world_size: int, schedule: 
                for k, v in theirs[0].module.state_dict().items())
 
 
-def survivor_saves_after_a_peer_failed(rank: int, world_size: int) -> tuple[str, float]:
+def survivor_saves_after_a_peer_failed(rank: int, world_size: int, first_read: str,
+                                       slow_thread: bool) -> tuple[str, float]:
     """Rank 1 raises in its forward of step 3 (a data error) and leaves; rank 0's step
-    then fails on the exchange, and its handler saves ``model.module.state_dict()``,
-    as torch DDP's survivor can. Under two_stage with a stage 1 that save raised
-    "would hold two_stage's speculative updates" although none had run. Returns rank
-    0's error type and the largest difference of what it saved to torch DDP's
+    then fails on the exchange, and its handler reads what torch DDP's survivor can:
+    ``first_read`` ("module state_dict", "optimizer state_dict" or "direct call",
+    ``model.module(x)``), then saves ``model.module.state_dict()``. Under two_stage
+    with a stage 1 these raised "would ... two_stage's speculative updates" although
+    none had run, where the scheduler thread had not yet failed (``slow_thread``
+    makes it take 0.3 s to each bucket on rank 0: then always). Returns rank 0's
+    error type and the largest difference of what it saved to torch DDP's
     parameters after step 2."""
     torch.manual_seed(0)
     module = MLP()
@@ -294,12 +298,23 @@ def survivor_saves_after_a_peer_failed(rank: int, world_size: int) -> tuple[str,
     x, y = make_batch("mlp", 3, 0, rank)
     if rank == 1:
         raise _Boom("a data error on rank 1")
+    if slow_thread:
+        speculate = model.scheduler._speculate
+
+        def slowly(*args):
+            time.sleep(0.3)
+            return speculate(*args)
+        model.scheduler._speculate = slowly
     try:
         loss_fn("mlp", model(x), y).backward()
         opt.step()
         failed = "nothing"
     except Exception as error:  # noqa: BLE001 - the exchange's, whatever the transport
         failed = type(error).__name__
+    reads = {"module state_dict": lambda: model.module.state_dict(),
+             "optimizer state_dict": lambda: opt.state_dict(),
+             "direct call": lambda: model.module(x)}
+    reads[first_read]()
     saved = model.module.state_dict()
     return failed, max(float((saved[k] - v).abs().max())
                        for k, v in theirs[0].module.state_dict().items())

@@ -103,11 +103,16 @@ def test_a_save_after_a_peer_destroyed_the_group_holds_the_step(monkeypatch, sch
     assert differences == [0.0, None], differences
 
 
+@pytest.mark.parametrize("first_read,slow_thread", [
+    ("module state_dict", False), ("module state_dict", True),
+    ("optimizer state_dict", True), ("direct call", True)])
 @pytest.mark.parametrize("shared_memory", ["1", "0"])
-def test_a_survivor_of_a_failed_peer_saves_the_last_step(monkeypatch, shared_memory):
+def test_a_survivor_of_a_failed_peer_saves_the_last_step(monkeypatch, shared_memory,
+                                                         first_read, slow_thread):
     monkeypatch.setenv("FGPSDP_SHARED_MEMORY", shared_memory)
-    results = run_distributed(2, scen.survivor_saves_after_a_peer_failed, timeout_s=120,
-                              pg_timeout_s=30, allow_errors=True)
+    results = run_distributed(2, scen.survivor_saves_after_a_peer_failed, first_read,
+                              slow_thread, timeout_s=120, pg_timeout_s=30,
+                              allow_errors=True)
     assert not results[1]["ok"] and "a data error on rank 1" in results[1]["message"], results
     assert results[0]["ok"], results[0]
     failed, difference = results[0]["value"]

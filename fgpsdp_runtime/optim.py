@@ -182,6 +182,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             slice_groups.append({**{k: v for k, v in group.items() if k != "params"},
                                  "params": pieces})
         self.optim = optimizer_class(slice_groups, **defaults)
+        # Some state at construction comes from these alone, not from the groups
+        # (Adagrad's initial_accumulator_value): see optim_checkpoint.
+        self._inner_arguments = dict(defaults)
         # Group entries and optimizer-wide state an inner step writes (step counters
         # outside the parameters' state) advance once per opt.step(), not per run.
         self._step_wide_state = StepWideState(self.optim)

@@ -180,8 +180,9 @@ def _state_of_untrained_params(opt: ShardedOptimizer) -> dict[int, dict[str, Any
 
     Most optimizers create state at a parameter's first step, so none; some
     (Adagrad) at construction, for every listed parameter. A throwaway
-    optimizer of the same class and hyperparameters over those parameters
-    shows which: never stepped, that state is what torch's would still hold.
+    optimizer of the same class, arguments and groups over those parameters
+    shows which: never stepped, that state is what torch's would still hold
+    (the arguments too: Adagrad's initial sum is one, which no group passes on).
     """
     groups = []
     for inner_group, numbered in zip(opt.optim.param_groups, opt._numbered_params):
@@ -191,7 +192,7 @@ def _state_of_untrained_params(opt: ShardedOptimizer) -> dict[int, dict[str, Any
                            "params": untrained})
     if not groups:
         return {}
-    throwaway = type(opt.optim)(groups)
+    throwaway = type(opt.optim)(groups, **opt._inner_arguments)
     return {id(p): {key: value.detach().to("cpu", copy=True) if torch.is_tensor(value) else value
                     for key, value in entry.items()}
             for p, entry in throwaway.state.items() if entry}

@@ -58,6 +58,8 @@ OPTIMIZERS = {
     "sgd": (torch.optim.SGD, {"lr": 0.05}),  # no momentum: no state at all
     "counting_sgd": (CountingSGD, {"lr": 0.05}),
     "adagrad": (torch.optim.Adagrad, {"lr": 0.05}),  # state made at construction
+    # ... from a constructor argument that no param group entry passes on.
+    "adagrad_initial_sum": (torch.optim.Adagrad, {"lr": 0.05, "initial_accumulator_value": 0.1}),
     "nadam": (torch.optim.NAdam, {"lr": 1e-2}),  # scalar state besides step: mu_product
     # Step counts in its param groups and in an optimizer-wide state entry.
     "step_counters": (StepCountingSGD, {"lr": 0.05}),

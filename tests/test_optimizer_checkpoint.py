@@ -27,6 +27,8 @@ CONFIGS = {
     # Adagrad makes state at construction, for the frozen layer too.
     "adagrad_frozen": {"model": "bn_frozen", "optimizer": "adagrad", "groups": "default",
                        "schedule": "serial"},
+    "adagrad_initial_sum_frozen": {"model": "bn_frozen", "optimizer": "adagrad_initial_sum",
+                                   "groups": "default"},
     "nadam_scalar_param": {"model": "temperature", "optimizer": "nadam"},
     "adamw_named_params": {"model": "mlp", "optimizer": "adamw", "groups": "named"},
     # Counted once per step (not per bucket), saved and resumed.

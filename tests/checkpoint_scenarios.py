@@ -51,12 +51,21 @@ class CountingSGD(torch.optim.Optimizer):
                 state["trace"].mul_(0.5).add_(p.grad)
                 p.add_(state["trace"], alpha=-group["lr"] / state["count"])
 
+
+class CountingSGDLrRequired(CountingSGD):
+    """As many users' optimizers: no default for the learning rate."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, lr)
+
+
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "betas": (0.9, 0.95), "weight_decay": 0.1}),
     "adamw_amsgrad": (torch.optim.AdamW, {"lr": 1e-2, "amsgrad": True}),
     "sgd_momentum": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
     "sgd": (torch.optim.SGD, {"lr": 0.05}),  # no momentum: no state at all
     "counting_sgd": (CountingSGD, {"lr": 0.05}),
+    "counting_sgd_lr_required": (CountingSGDLrRequired, {"lr": 0.05}),
     "adagrad": (torch.optim.Adagrad, {"lr": 0.05}),  # state made at construction
     # ... from a constructor argument that no param group entry passes on.
     "adagrad_initial_sum": (torch.optim.Adagrad, {"lr": 0.05, "initial_accumulator_value": 0.1}),

@@ -24,6 +24,10 @@ CONFIGS = {
     "sgd_momentum_tied": {"model": "tied", "optimizer": "sgd_momentum"},
     "sgd_stateless": {"model": "mlp", "optimizer": "sgd"},
     "custom_optimizer_python_number": {"model": "mlp", "optimizer": "counting_sgd"},
+    # Frozen parameters' state comes from an optimizer built with the same arguments.
+    "custom_optimizer_lr_required_frozen": {"model": "bn_frozen",
+                                            "optimizer": "counting_sgd_lr_required",
+                                            "groups": "default"},
     # Adagrad makes state at construction, for the frozen layer too.
     "adagrad_frozen": {"model": "bn_frozen", "optimizer": "adagrad", "groups": "default",
                        "schedule": "serial"},

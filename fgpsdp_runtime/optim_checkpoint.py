@@ -260,7 +260,8 @@ def _check_no_entry_is_missing(opt: ShardedOptimizer, g: int, saved_group: dict[
     """
     if len({frozenset(keys) for _, keys, _ in stepped}) < 2:
         return  # all alike: torch's own loader and step treat every rank the same
-    needed = _entries_a_first_step_creates(type(opt.optim), saved_group, stepped[0][2])
+    needed = _entries_a_first_step_creates(type(opt.optim), opt._inner_arguments,
+                                           saved_group, stepped[0][2])
     if needed is None:
         return
     for saved_index, keys, _ in stepped:
@@ -272,11 +273,13 @@ def _check_no_entry_is_missing(opt: ShardedOptimizer, g: int, saved_group: dict[
                 "parameters of the group hold (a state dict edited or merged by hand?)")
 
 
-def _entries_a_first_step_creates(optimizer_class: type, saved_group: dict[str, Any],
+def _entries_a_first_step_creates(optimizer_class: type, arguments: dict[str, Any],
+                                  saved_group: dict[str, Any],
                                   like: torch.Tensor) -> Optional[set]:
-    """The state entries ``optimizer_class`` gives a parameter like ``like`` at its
-    first step under ``saved_group``'s hyperparameters: a throwaway optimizer steps a
-    zero gradient at learning rate 0. None if it cannot (nothing is then refused)."""
+    """The state entries ``optimizer_class`` (built with ``arguments``) gives a
+    parameter like ``like`` at its first step under ``saved_group``'s hyperparameters:
+    a throwaway optimizer steps a zero gradient at learning rate 0. None if it cannot
+    (nothing is then refused)."""
     hyper = {k: v for k, v in saved_group.items() if k not in ("params", "param_names")}
     if "lr" in hyper:
         hyper["lr"] = torch.zeros_like(hyper["lr"]) if torch.is_tensor(hyper["lr"]) else 0.0
@@ -285,7 +288,7 @@ def _entries_a_first_step_creates(optimizer_class: type, saved_group: dict[str, 
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            throwaway = optimizer_class([{**hyper, "params": [probe]}])
+            throwaway = optimizer_class([{**hyper, "params": [probe]}], **arguments)
             throwaway.step()
     except Exception:  # noqa: BLE001 - a class we cannot build alone: leave it to its step
         return None

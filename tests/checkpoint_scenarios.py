@@ -481,15 +481,17 @@ def full_state_dict_on_rank_0_alone(rank: int, world_size: int) -> dict:
                          if "has waited" in str(w.message)], "error": error}
 
 
-def load_dict_lacking_an_entry(rank: int, world_size: int) -> dict[int, Optional[str]]:
+def load_dict_lacking_an_entry(rank: int, world_size: int, optimizer: str,
+                               entry: str) -> dict[int, Optional[str]]:
     """A whole-model dict in which one parameter's state lacks an entry the others of
-    its group hold (removed here from the first parameter, then from the last). Before,
-    it loaded; at the step the rank holding that parameter's elements raised a
-    KeyError alone, and the others saw their exchange fail. Returns, per parameter
-    edited, the error each load raised (None if it loaded)."""
+    its group hold (``entry``, removed here from the first parameter, then from the
+    last). Before, it loaded; at the step the rank holding that parameter's elements
+    raised a KeyError alone, and the others saw their exchange fail. Returns, per
+    parameter edited, the error each load raised (None if it loaded)."""
     torch.manual_seed(0)
     model = fgp.DistributedDataParallel(MODELS["mlp"](), bucket_cap_mb=0.0001)
-    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    optimizer_class, arguments = OPTIMIZERS[optimizer]
+    opt = fgp.ShardedOptimizer(model, optimizer_class, **arguments)
     x, y = make_batch("mlp", 0, 0, rank)
     loss_fn("mlp", model(x), y).backward()
     opt.step()
@@ -499,7 +501,7 @@ def load_dict_lacking_an_entry(rank: int, world_size: int) -> dict[int, Optional
     for edited in (min(full["state"]), max(full["state"])):
         broken = {"state": {i: dict(entry) for i, entry in full["state"].items()},
                   "param_groups": full["param_groups"]}
-        del broken["state"][edited]["exp_avg_sq"]
+        del broken["state"][edited][entry]
         try:
             opt.load_state_dict(broken)
             errors[edited] = None

@@ -302,13 +302,16 @@ def test_template_for_an_optimizer_without_lr():
     assert run_distributed(2, _template_without_lr) == [4, 4]
 
 
-def test_a_dict_whose_parameter_lacks_an_entry_is_refused_on_every_rank():
+@pytest.mark.parametrize("optimizer,entry", [("adamw", "exp_avg_sq"),
+                                             # built with its arguments to learn the entries
+                                             ("counting_sgd_lr_required", "trace")])
+def test_a_dict_whose_parameter_lacks_an_entry_is_refused_on_every_rank(optimizer, entry):
     for errors in run_distributed(3, checkpoint_scenarios.load_dict_lacking_an_entry,
-                                  timeout_s=120):
+                                  optimizer, entry, timeout_s=120):
         assert len(errors) == 2, errors
         for edited, error in errors.items():
             assert error is not None, f"the dict lacking parameter {edited}'s entry loaded"
-            assert f"saved parameter {edited} has no state ['exp_avg_sq']" in error, error
+            assert f"saved parameter {edited} has no state ['{entry}']" in error, error
 
 
 def test_a_dict_whose_parameters_started_under_other_settings_loads():

@@ -71,7 +71,8 @@ def step_raises(rank: int, world_size: int, schedule: str, who: str, then: str,
     1 (``who="one_rank"``) or on every rank; clipping at 1e-3 throughout
     (``clip=False``: none, so two_stage's speculative steps commit). Between the
     error and the retry, ``then="state_dict_then_retry"`` saves the model (which
-    lands the all-gathers in flight) and ``"lr_change_then_retry"`` halves the
+    lands the all-gathers in flight), ``"strict_state_dict_then_retry"`` tries that
+    twice under warnings-as-errors, and ``"lr_change_then_retry"`` halves the
     learning rate. ``join``: the loop runs inside ``model.join()``. The
     replicas are compared after every step."""
     torch.manual_seed(0)
@@ -87,7 +88,7 @@ def step_raises(rank: int, world_size: int, schedule: str, who: str, then: str,
     # does two_stage without clipping, where the speculative steps committed.
     opt.optim.fail_at = 1 if retry and model.gathers_overlap_forward and clip else 0
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    caught, replicas_differ = [], 0.0
+    caught, replicas_differ, strict_saves_raised = [], 0.0, 0
     with warnings.catch_warnings(record=True) as seen, \
             (model.join() if join else contextlib.nullcontext()):
         warnings.simplefilter("always")
@@ -100,6 +101,14 @@ def step_raises(rank: int, world_size: int, schedule: str, who: str, then: str,
                 caught.append(step)
                 if then == "state_dict_then_retry":
                     model.state_dict()
+                if then == "strict_state_dict_then_retry":
+                    with warnings.catch_warnings():
+                        warnings.simplefilter("error")
+                        for _ in range(2):
+                            try:
+                                model.state_dict()
+                            except RuntimeWarning:
+                                strict_saves_raised += 1
                 if then == "lr_change_then_retry":
                     opt.param_groups[0]["lr"] /= 2
                 if retry:
@@ -122,6 +131,7 @@ def step_raises(rank: int, world_size: int, schedule: str, who: str, then: str,
             "warned": [str(w.message)[:80] for w in seen if "raised before" in str(w.message)],
             "save_warned": sum("while this rank's opt.step() is unfinished" in str(w.message)
                                for w in seen),
+            "strict_saves_raised": strict_saves_raised,
             "hyperparameters_warned": sum("changed between opt.step() raising" in str(w.message)
                                           for w in seen)}
 

@@ -13,6 +13,7 @@ CASES = ([(s, who, then) for s in SCHEDULES for who in ("one_rank", "all_ranks")
          + [(s, who, "state_dict_then_retry") for s in ("serial", "two_stage")
             for who in ("one_rank", "all_ranks")]
          + [("two_stage", who, "state_dict_then_retry", False) for who in ("one_rank", "all_ranks")]
+         + [(s, "one_rank", "strict_state_dict_then_retry") for s in ("serial", "two_stage")]
          + [(s, "all_ranks", "lr_change_then_retry") for s in ("serial", "next_forward")]
          + [(s, "one_rank", then, True, True) for s in SCHEDULES for then in ("retry", "go_on")])
 CALLS = ([(scen.step_raises, *case) for case in CASES]
@@ -90,6 +91,16 @@ def test_a_model_save_between_the_error_and_the_retry_leaves_the_step_to_finish(
         assert res["diff_to_ddp"] == 0.0 and res["replicas_differ"] == 0.0, res
         # The save itself holds that step on part of the buckets only: said once.
         assert res["save_warned"] == (1 if who == "all_ranks" or rank == 1 else 0), res
+
+
+@pytest.mark.parametrize("schedule", ["serial", "two_stage"])
+def test_under_warnings_as_errors_every_save_of_an_unfinished_step_raises(two_ranks, schedule):
+    # The warning is marked as said only once said: not by a save it made raise.
+    for rank, res in enumerate(two_ranks[(scen.step_raises, schedule, "one_rank",
+                                          "strict_state_dict_then_retry")]):
+        assert res["strict_saves_raised"] == (2 if rank == 1 else 0), res
+        assert res["save_warned"] == 0, res
+        assert res["diff_to_ddp"] == 0.0 and res["replicas_differ"] == 0.0, res
 
 
 @pytest.mark.parametrize("schedule", ["serial", "next_forward"])

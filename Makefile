@@ -63,5 +63,6 @@ CUDA_VENV ?= build/cuda-venv
 cuda-build-check:
 	bash bench/cuda_build_check.sh $(CUDA_VENV) $(CUDA_TORCH_VERSION)
 
+# The install stamp too: kept, it let demo and test run without the extension.
 clean:
-	rm -rf build *.egg-info fgpsdp_runtime/_C*.so
+	rm -rf build *.egg-info fgpsdp_runtime/_C*.so $(STAMP)

@@ -7,6 +7,8 @@ reference runs instead and one warning says so.
 """
 from __future__ import annotations
 
+import glob
+import os
 import warnings
 from typing import Optional, Sequence
 
@@ -26,6 +28,16 @@ def extension_available() -> bool:
     return _C is not None
 
 
+def _why_not_loaded() -> str:
+    # With no built file at all, Python's message ("cannot import name '_C' from
+    # partially initialized module ... circular import") points elsewhere.
+    here = os.path.dirname(os.path.abspath(__file__))
+    if not glob.glob(os.path.join(here, "_C*.so")) + glob.glob(os.path.join(here, "_C*.pyd")):
+        return ("fgpsdp_runtime._C is not built (run `make setup`, or "
+                "`pip install --no-build-isolation -e .` in the checkout)")
+    return f"fgpsdp_runtime._C could not be loaded ({_LOAD_ERROR})"
+
+
 def cuda_kernels_available() -> bool:
     return _C is not None and bool(_C.has_cuda_kernels())
 
@@ -36,7 +48,7 @@ def _compiled_for(device: torch.device):
         return _C
     if device.type == "cuda" and cuda_kernels_available():
         return _C
-    reason = (f"fgpsdp_runtime._C could not be loaded ({_LOAD_ERROR})" if _C is None
+    reason = (_why_not_loaded() if _C is None
               else f"fgpsdp_runtime._C has no kernels for {device.type}")
     if reason not in _warned:
         _warned.add(reason)

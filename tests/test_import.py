@@ -9,6 +9,7 @@ tests/test_bad_input.py, whose ranks come from a forkserver; checked here on
 any machine by recording the calls that would start the driver.
 """
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -45,3 +46,31 @@ def test_importing_every_module_starts_no_cuda():
     assert done.returncode == 0, done.stderr[-3000:]
     line = [l for l in done.stdout.splitlines() if l.startswith("CALLS ")][-1]
     assert line == "CALLS [] False", line
+
+
+_UNBUILT_PROBE = textwrap.dedent("""
+    import sys, warnings, torch
+    # An editable install's finder maps fgpsdp_runtime._C to the checkout's build
+    # from anywhere: stop it, as a copy of the package without one would.
+    sys.modules["fgpsdp_runtime._C"] = None
+    from fgpsdp_runtime import ops
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        ops._compiled_for(torch.device("cpu"))
+    print("AVAILABLE", ops.extension_available())
+    print("WARNED", [str(w.message) for w in seen])
+""")
+
+
+def test_a_checkout_without_the_built_extension_says_so(tmp_path):
+    """Before, the fallback's warning quoted Python's "cannot import name '_C' from
+    partially initialized module (most likely due to a circular import)"."""
+    copy = tmp_path / "fgpsdp_runtime"
+    shutil.copytree(os.path.join(_ROOT, "fgpsdp_runtime"), copy,
+                    ignore=shutil.ignore_patterns("_C*", "__pycache__"))
+    out = subprocess.run([sys.executable, "-c", _UNBUILT_PROBE], cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path)},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "AVAILABLE False" in out.stdout, out.stdout
+    assert "fgpsdp_runtime._C is not built (run `make setup`" in out.stdout, out.stdout

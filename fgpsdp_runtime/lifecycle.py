@@ -80,11 +80,11 @@ def claim(trainable: Sequence[tuple[str, nn.Parameter]],
 # - torch.distributed's destroy_process_group is replaced, which every torch
 #   version calls, but only a script that looks it up after the first wrapper
 #   is built gets the replacement;
-# - ProcessGroup.shutdown, where torch has it (2.13 and 2.14 do): the destroy
-#   shuts every group down through it before it forgets any, so this one also
-#   catches a script that bound the function before (``from torch.distributed
-#   import destroy_process_group`` at the top, as nanoGPT's train.py has).
-#   torch 2.4 has no such method, and its destroy no point this could catch.
+# - ProcessGroup.shutdown (torch 2.13, 2.14), or c10d._shutdown_backend (torch
+#   2.4): the destroy shuts every group down through it before it forgets any,
+#   so this one also catches a script that bound the function before (``from
+#   torch.distributed import destroy_process_group`` at the top, as nanoGPT's
+#   train.py has).
 _LIVE_WRAPPERS: "weakref.WeakSet[DistributedDataParallel]" = weakref.WeakSet()
 
 
@@ -112,21 +112,32 @@ def finish_before_destroy(wrapper: "DistributedDataParallel") -> None:
 
 
 def _finish_before_group_shutdown() -> None:
-    """Before a group shuts down, the live wrappers communicating over it finish."""
+    """Before a group shuts down, the live wrappers communicating over it finish:
+    in front of ``ProcessGroup.shutdown`` (torch 2.13, 2.14), or of the module
+    function older destroys call for each group (torch 2.4's
+    ``_shutdown_backend``, looked up by name when called)."""
     process_group_class = getattr(dist, "ProcessGroup", None)
-    torch_shutdown = getattr(process_group_class, "shutdown", None)
-    if torch_shutdown is None or getattr(torch_shutdown, "_fgpsdp_torch_shutdown", None):
-        return
+    if getattr(process_group_class, "shutdown", None) is not None:
+        _put_in_front(process_group_class, "shutdown")
+    c10d = dist.distributed_c10d
+    if getattr(c10d, "_shutdown_backend", None) is not None:
+        _put_in_front(c10d, "_shutdown_backend")
 
-    @functools.wraps(torch_shutdown)
-    def shutdown(group, *args, **kwargs):
+
+def _put_in_front(owner, name: str) -> None:
+    torch_call = getattr(owner, name)
+    if getattr(torch_call, "_fgpsdp_torch_call", None) is not None:
+        return  # already in front
+
+    @functools.wraps(torch_call)
+    def finish_then_call(group, *args, **kwargs):
         for live in list(_LIVE_WRAPPERS):
             if _communicates_over(live, group):
                 live._finish_communication()
-        return torch_shutdown(group, *args, **kwargs)
+        return torch_call(group, *args, **kwargs)
 
-    shutdown._fgpsdp_torch_shutdown = torch_shutdown
-    process_group_class.shutdown = shutdown
+    finish_then_call._fgpsdp_torch_call = torch_call
+    setattr(owner, name, finish_then_call)
 
 
 def _communicates_over(wrapper: "DistributedDataParallel", group) -> bool:

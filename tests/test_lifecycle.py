@@ -94,9 +94,11 @@ def test_a_save_after_a_peer_destroyed_the_group_holds_the_step(monkeypatch, sch
     peer". Over gloo: shared memory has no connection to close. Also where the
     script bound the function before the wrapper existed (caught at the groups'
     shutdown)."""
-    if bound_before_import and not hasattr(torch.distributed.ProcessGroup, "shutdown"):
+    if bound_before_import and not (
+            hasattr(torch.distributed.ProcessGroup, "shutdown")
+            or hasattr(torch.distributed.distributed_c10d, "_shutdown_backend")):
         pytest.skip("this torch's destroy_process_group has no step a wrapper can "
-                    "precede (no ProcessGroup.shutdown)")
+                    "precede (no ProcessGroup.shutdown nor c10d._shutdown_backend)")
     monkeypatch.setenv("FGPSDP_SHARED_MEMORY", "0")
     differences = run_distributed(2, scen.save_after_a_peer_destroyed_the_group, schedule,
                                   bound_before_import, timeout_s=120)

@@ -270,6 +270,41 @@ def save_after_a_peer_destroyed_the_group(rank: int, world_size: int, schedule: 
                for k, v in theirs[0].module.state_dict().items())
 
 
+def read_after_an_early_bound_destroy_and_a_dropped_wrapper(rank: int, world_size: int,
+                                                            schedule: str) -> float:
+    """Every rank calls ``destroy_process_group`` as bound before the wrapper existed
+    (``from torch.distributed import ...`` at the top of a script) right after its
+    last step, drops the wrapper and its optimizer, and reads the module (to save
+    it, or to wrap it again after a new ``init_process_group``). Before, the destroy
+    cut the last step's all-gathers, the freed wrapper could not finish them, and
+    the module held the step before on some elements, differently on each rank,
+    without a word. Returns the largest difference to torch DDP's parameters."""
+    c10d = torch.distributed.distributed_c10d
+    destroy_bound_early = getattr(c10d.destroy_process_group, "_fgpsdp_torch_destroy",
+                                  c10d.destroy_process_group)
+    torch.manual_seed(0)
+    module = MLP()
+    reference = copy.deepcopy(module)
+    plan = {"overlap_plan": "layout"} if schedule == "two_stage" else {}
+    ours = wrapped_for(module, False, torch.optim.Adam, 1e-2, schedule=schedule,
+                       bucket_cap_mb=0.0005, **plan)
+    theirs = wrapped_for(reference, True, torch.optim.Adam, 1e-2)
+    for step in range(3):
+        for model, opt in (theirs, ours):  # ours last: nothing lands its all-gathers
+            if step:
+                opt.zero_grad()
+            x, y = make_batch("mlp", step, 0, rank)
+            loss_fn("mlp", model(x), y).backward()
+            opt.step()
+    expected = copy.deepcopy(theirs[0].module.state_dict())
+    del theirs, model, opt
+    destroy_bound_early()
+    del ours
+    gc.collect()
+    saved = module.state_dict()
+    return max(float((saved[k] - v).abs().max()) for k, v in expected.items())
+
+
 def survivor_saves_after_a_peer_failed(rank: int, world_size: int, first_read: str,
                                        slow_thread: bool) -> tuple[str, float]:
     """Rank 1 raises in its forward of step 3 (a data error) and leaves; rank 0's step

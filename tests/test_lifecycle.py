@@ -105,6 +105,20 @@ def test_a_save_after_a_peer_destroyed_the_group_holds_the_step(monkeypatch, sch
     assert differences == [0.0, None], differences
 
 
+@pytest.mark.parametrize("schedule", ["next_forward", "two_stage"])
+def test_a_module_read_after_an_early_bound_destroy_and_a_dropped_wrapper_holds_the_step(
+        monkeypatch, schedule):
+    if not (hasattr(torch.distributed.ProcessGroup, "shutdown")
+            or hasattr(torch.distributed.distributed_c10d, "_shutdown_backend")):
+        pytest.skip("this torch's destroy_process_group has no step a wrapper can "
+                    "precede (no ProcessGroup.shutdown nor c10d._shutdown_backend)")
+    monkeypatch.setenv("FGPSDP_SHARED_MEMORY", "0")
+    differences = run_distributed(
+        2, scen.read_after_an_early_bound_destroy_and_a_dropped_wrapper, schedule,
+        timeout_s=120)
+    assert differences == [0.0, 0.0], differences
+
+
 @pytest.mark.parametrize("first_read,slow_thread", [
     ("module state_dict", False), ("module state_dict", True),
     ("optimizer state_dict", True), ("direct call", True)])

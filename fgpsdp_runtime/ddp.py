@@ -1088,6 +1088,23 @@ class DistributedDataParallel(nn.Module):
         self._finish_communication()
         for group in self.__dict__.get("_own_groups", ()):
             lifecycle.destroy_gloo_group(group)
+        self._warn_of_gathers_that_never_landed()
+
+    def _warn_of_gathers_that_never_landed(self) -> None:
+        """The module outlives its wrapper (saved, wrapped again): where the last
+        step's all-gathers failed (a peer gone, the group destroyed under them) or
+        never started (a plan with a small lookahead), its parameters hold the
+        values before that step on some elements, which nothing else would say."""
+        gathers = self.__dict__.get("_gathers")
+        buckets = gathers.not_landed() if gathers is not None else []
+        if buckets:
+            warnings.warn(
+                f"fgpsdp: a DistributedDataParallel was freed before the all-gathers of its "
+                f"last step landed in bucket(s) {buckets} (they failed: a peer gone or the "
+                "process group destroyed under them; or never started: a plan with a small "
+                "lookahead): its module holds the values before that step there, on some "
+                "elements. Save after model.synchronize() on every rank, or keep the last "
+                "completed step's checkpoint", RuntimeWarning, stacklevel=2)
 
     def _finish_communication(self) -> None:
         """Let the submitted collectives run (the last step's all-gathers), then stop

@@ -167,6 +167,17 @@ class ParamGathers:
         if self._queued and by_the_loop:
             self.start_queued()
 
+    def not_landed(self) -> list[int]:
+        """Buckets whose updated values have not reached the parameters, and will
+        not without this object: queued and never started, or in flight and failed
+        or unfinished. (Asked as the wrapper is freed, its link threads stopped.)"""
+        with self._lock:
+            in_flight = dict(self._in_flight)
+            queued = list(self._queued)
+        failed = [b for b, op in in_flight.items()
+                  if not op.done() or (op.future is not None and op.future.exception() is not None)]
+        return sorted(set(queued) | set(failed))
+
     def finish_all(self, timer=None, *, by_the_loop: bool = True) -> None:
         if by_the_loop:
             self.start_queued(all_of_them=True)

@@ -305,6 +305,42 @@ def read_after_an_early_bound_destroy_and_a_dropped_wrapper(rank: int, world_siz
     return max(float((saved[k] - v).abs().max()) for k, v in expected.items())
 
 
+def freed_before_the_last_gathers_landed(rank: int, world_size: int, how: str) -> list[str]:
+    """The wrapper is dropped right after its last step, and the module outlives it.
+    ``how``: "landed" (the all-gathers ran: nothing to say), "failed" (every rank's
+    last all-gathers fail, as where a peer is gone; injected before any byte moves,
+    so that no rank waits) or "never started" (a plan with a lookahead of one keeps
+    the rest queued). Returns the warnings the drop gave."""
+    from concurrent.futures import Future
+
+    from fgpsdp_runtime.link_worker import PendingOp
+    from fgpsdp_runtime.plan import OverlapPlan
+
+    torch.manual_seed(0)
+    module = MLP()
+    model, opt = wrapped_for(module, False, torch.optim.Adam, 1e-2, schedule="two_stage",
+                             overlap_plan="layout", bucket_cap_mb=0.0005)
+    if how == "never started":
+        model.set_overlap_plan(OverlapPlan(stage1=(), stage2=model.forward_bucket_order,
+                                           lookahead=1, source="test"))
+    for step in range(3):
+        opt.zero_grad()
+        x, y = make_batch("mlp", step, 0, rank)
+        loss_fn("mlp", model(x), y).backward()
+        if how == "failed" and step == 2:
+            def fail(*args, **kwargs):
+                future: Future = Future()
+                future.set_exception(RuntimeError("injected: a peer is gone"))
+                return PendingOp(future)
+            model._exchange.start_all_gather = fail
+        opt.step()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        del model, opt
+        gc.collect()
+    return [str(w.message) for w in seen]
+
+
 def survivor_saves_after_a_peer_failed(rank: int, world_size: int, first_read: str,
                                        slow_thread: bool) -> tuple[str, float]:
     """Rank 1 raises in its forward of step 3 (a data error) and leaves; rank 0's step

@@ -119,6 +119,16 @@ def test_a_module_read_after_an_early_bound_destroy_and_a_dropped_wrapper_holds_
     assert differences == [0.0, 0.0], differences
 
 
+@pytest.mark.parametrize("how", ["landed", "failed", "never started"])
+def test_a_wrapper_freed_before_its_last_gathers_landed_says_so(how):
+    """Before, the module kept the values before the last step in those buckets
+    without a word."""
+    for seen in run_distributed(2, scen.freed_before_the_last_gathers_landed, how,
+                                timeout_s=120):
+        said = [m for m in seen if "freed before the all-gathers of its last step" in m]
+        assert len(said) == (0 if how == "landed" else 1), seen
+
+
 @pytest.mark.parametrize("first_read,slow_thread", [
     ("module state_dict", False), ("module state_dict", True),
     ("optimizer state_dict", True), ("direct call", True)])

@@ -1088,13 +1088,15 @@ class DistributedDataParallel(nn.Module):
         self._finish_communication()
         for group in self.__dict__.get("_own_groups", ()):
             lifecycle.destroy_gloo_group(group)
-        self._warn_of_gathers_that_never_landed()
+        self._warn_of_what_the_module_is_left_holding()
 
-    def _warn_of_gathers_that_never_landed(self) -> None:
-        """The module outlives its wrapper (saved, wrapped again): where the last
+    def _warn_of_what_the_module_is_left_holding(self) -> None:
+        """The module outlives its wrapper (saved, wrapped again), and nothing else
+        would say where it holds what no step of torch DDP's leaves: where the last
         step's all-gathers failed (a peer gone, the group destroyed under them) or
-        never started (a plan with a small lookahead), its parameters hold the
-        values before that step on some elements, which nothing else would say."""
+        never started (a plan with a small lookahead), the values before that step,
+        on some elements; between backward and step, two_stage's speculative
+        updates (undoing them takes a collective)."""
         gathers = self.__dict__.get("_gathers")
         buckets = gathers.not_landed() if gathers is not None else []
         if buckets:
@@ -1105,6 +1107,14 @@ class DistributedDataParallel(nn.Module):
                 "lookahead): its module holds the values before that step there, on some "
                 "elements. Save after model.synchronize() on every rank, or keep the last "
                 "completed step's checkpoint", RuntimeWarning, stacklevel=2)
+        scheduler = self.__dict__.get("scheduler")
+        if scheduler is not None and scheduler.holds_speculative_values():
+            warnings.warn(
+                "fgpsdp: a DistributedDataParallel was freed between backward and opt.step(): "
+                "its module holds two_stage's speculative updates on some elements, which "
+                "no step committed. Keep the last completed step's checkpoint, or call "
+                "model.synchronize() on every rank before dropping the wrapper",
+                RuntimeWarning, stacklevel=2)
 
     def _finish_communication(self) -> None:
         """Let the submitted collectives run (the last step's all-gathers), then stop

@@ -1103,8 +1103,8 @@ class DistributedDataParallel(nn.Module):
             warnings.warn(
                 f"fgpsdp: a DistributedDataParallel was freed before the all-gathers of its "
                 f"last step landed in bucket(s) {buckets} (they failed: a peer gone or the "
-                "process group destroyed under them; or never started: a plan with a small "
-                "lookahead): its module holds the values before that step there, on some "
+                "process group destroyed under them; or did not end within the bound of its "
+                "teardown; or never started: a plan with a small lookahead): its module holds the values before that step there, on some "
                 "elements. Save after model.synchronize() on every rank, or keep the last "
                 "completed step's checkpoint", RuntimeWarning, stacklevel=2)
         scheduler = self.__dict__.get("scheduler")
@@ -1121,6 +1121,12 @@ class DistributedDataParallel(nn.Module):
         the threads, bounded as at exit: when the wrapper is freed, and before its
         process group is destroyed (see [Note: the last step's all-gathers and
         destroy_process_group()] in lifecycle.py). The wrapper steps no more."""
+        # Once: closed, the threads take nothing new, and a later call (the destroy
+        # reaches this for each of the wrapper's groups, then __del__) would only
+        # wait again for threads stuck in a wait whose peer is gone.
+        if self.__dict__.get("_communication_finished"):
+            return
+        self.__dict__["_communication_finished"] = True
         # The scheduler first (its last speculative all-gathers go to the link
         # workers, which then refuse new ones), within one bound for both.
         deadline = time.monotonic() + shutdown.EXIT_JOIN_TIMEOUT_S

@@ -7,7 +7,8 @@ reference runs instead and one warning says so.
 """
 from __future__ import annotations
 
-import glob
+import functools
+import importlib.machinery
 import os
 import warnings
 from typing import Optional, Sequence
@@ -28,12 +29,15 @@ def extension_available() -> bool:
     return _C is not None
 
 
+@functools.lru_cache(maxsize=None)  # asked at every kernel call of the fallback
 def _why_not_loaded() -> str:
-    # With no built file at all, Python's message ("cannot import name '_C' from
-    # partially initialized module ... circular import") points elsewhere.
+    # With no file this Python can import (none built, or one built for another
+    # Python), its message ("cannot import name '_C' from partially initialized
+    # module ... circular import") points elsewhere.
     here = os.path.dirname(os.path.abspath(__file__))
-    if not glob.glob(os.path.join(here, "_C*.so")) + glob.glob(os.path.join(here, "_C*.pyd")):
-        return ("fgpsdp_runtime._C is not built (run `make setup`, or "
+    if not any(os.path.exists(os.path.join(here, "_C" + suffix))
+               for suffix in importlib.machinery.EXTENSION_SUFFIXES):
+        return ("fgpsdp_runtime._C is not built for this Python (run `make setup`, or "
                 "`pip install --no-build-isolation -e .` in the checkout)")
     return f"fgpsdp_runtime._C could not be loaded ({_LOAD_ERROR})"
 

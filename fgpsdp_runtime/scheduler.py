@@ -130,7 +130,12 @@ class TwoStageScheduler:
         # (see [Note: scheduler thread lifetime and errors]), and the stage-1
         # buckets sent since without a step.
         self._error: Optional[BaseException] = None
-        self._busy = False  # the thread is handling a bucket (see ..._once_settled)
+        # Items put for the thread, and those it has handled (see ..._once_settled):
+        # a flag the thread set after its get() left a moment in which a waiter saw
+        # an empty queue and no work while it held a bucket.
+        self._put_count = 0
+        self._handled_count = 0  # written by the thread only
+        self._put_lock = threading.Lock()  # hooks may hand over from autograd's threads
         self.sent_unstepped: list[int] = []
         self._thread: Optional[threading.Thread] = None
         self._closed = False
@@ -198,7 +203,12 @@ class TwoStageScheduler:
         # event the thread waits for just before this bucket's step (a wait put
         # on the speculation stream from here would also hold back the kernels
         # of an earlier bucket's step that the thread is still launching).
-        self._queue.put((b, op, count, self._current_stream_event()))
+        self._put((b, op, count, self._current_stream_event()))
+
+    def _put(self, item) -> None:
+        with self._put_lock:
+            self._put_count += 1
+        self._queue.put(item)
 
     def _current_stream_event(self):
         if self.speculation_stream is None:
@@ -222,7 +232,7 @@ class TwoStageScheduler:
         # follow.
         self._join_ready = self._current_stream_event()
         self._joined.clear()
-        self._queue.put(_JOIN)
+        self._put(_JOIN)
         # Not a bare wait: a close() from another thread (destroy_process_group())
         # between the check above and the put ends the thread before the join.
         while not self._joined.wait(0.1):
@@ -293,7 +303,6 @@ class TwoStageScheduler:
             item = self._queue.get()
             if item is None:
                 return
-            self._busy = True
             try:
                 if item is _JOIN:
                     self._advance(until_end=True)
@@ -306,7 +315,7 @@ class TwoStageScheduler:
                     self._error = error
                 self._next = len(self.plan.stage1)
             finally:
-                self._busy = False
+                self._handled_count += 1
             if item is _JOIN:
                 self._joined.set()
 
@@ -380,7 +389,8 @@ class TwoStageScheduler:
         if not self.holds_speculative_values():
             return False
         deadline = time.monotonic() + timeout_s
-        while (self._error is None and (self._busy or self._arrived or not self._queue.empty())
+        while (self._error is None
+               and (self._handled_count < self._put_count or self._arrived)
                and time.monotonic() < deadline):
             time.sleep(0.002)
         return self.holds_speculative_values()

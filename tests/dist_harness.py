@@ -40,6 +40,13 @@ os.environ["PYTHONPATH"] = os.pathsep.join(
 mp.set_forkserver_preload(["torch", "torch.distributed", "fgpsdp_runtime", "tests.scenarios"])
 
 
+def destroys_its_group(fn: Callable) -> Callable:
+    """Marks a scenario that may destroy the default group itself: the harness then
+    destroys it after the scenario only if it is still there."""
+    fn.destroys_its_group = True
+    return fn
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -64,7 +71,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
         try:
             result = {"ok": True, "value": fn(rank, world_size, *args)}
         finally:
-            if dist.is_initialized():  # the scenario may have destroyed it itself
+            # Unconditionally but for a scenario marked to destroy it itself: one
+            # that lost the group otherwise (a wrapper destroying it) fails here.
+            if dist.is_initialized() or not getattr(fn, "destroys_its_group", False):
                 dist.destroy_process_group()
     except BaseException as error:  # reported to the parent
         result = {"ok": False, "type": type(error).__name__, "message": str(error),

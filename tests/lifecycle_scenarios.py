@@ -17,6 +17,7 @@ from torch import nn
 
 import fgpsdp_runtime as fgp
 
+from .dist_harness import destroys_its_group
 from .scenarios import MLP, loss_fn, make_batch, wrapped_for
 
 
@@ -230,6 +231,7 @@ def own_group_timeouts(rank: int, world_size: int) -> list[float]:
 _KEPT_ALIVE: list = []
 
 
+@destroys_its_group
 def save_after_a_peer_destroyed_the_group(rank: int, world_size: int, schedule: str,
                                           bound_before_import: bool) -> Optional[float]:
     """A job's last lines, ``if rank == 0: torch.save(model.module.state_dict())`` and
@@ -270,6 +272,7 @@ def save_after_a_peer_destroyed_the_group(rank: int, world_size: int, schedule: 
                for k, v in theirs[0].module.state_dict().items())
 
 
+@destroys_its_group
 def read_after_an_early_bound_destroy_and_a_dropped_wrapper(rank: int, world_size: int,
                                                             schedule: str) -> float:
     """Every rank calls ``destroy_process_group`` as bound before the wrapper existed
@@ -345,6 +348,40 @@ def freed_before_the_last_gathers_landed(rank: int, world_size: int, how: str) -
         del model, opt
         gc.collect()
     return [str(w.message) for w in seen]
+
+
+@destroys_its_group
+def teardown_waits_for_the_threads_once(rank: int, world_size: int, schedule: str) -> int:
+    """``dist.destroy_process_group()`` right after the last step, then the wrapper
+    dropped: how many times the wrapper waited for its threads. Before, the destroy
+    reached the wrapper once, then once per group it shuts down, and the drop once
+    more, each wait up to 5 s where a thread is stuck (a peer gone)."""
+    from fgpsdp_runtime import shutdown
+
+    waits = []
+    stop_and_join = shutdown.stop_and_join
+
+    def counted(owners, *args, **kwargs):
+        waits.append(1)
+        return stop_and_join(owners, *args, **kwargs)
+
+    torch.manual_seed(0)
+    plan = {"overlap_plan": "layout"} if schedule == "two_stage" else {}
+    model, opt = wrapped_for(MLP(), False, torch.optim.Adam, 1e-2, schedule=schedule,
+                             bucket_cap_mb=0.0005, **plan)
+    for step in range(2):
+        opt.zero_grad()
+        x, y = make_batch("mlp", step, 0, rank)
+        loss_fn("mlp", model(x), y).backward()
+        opt.step()
+    shutdown.stop_and_join = counted
+    try:
+        torch.distributed.destroy_process_group()
+        del model, opt
+        gc.collect()
+    finally:
+        shutdown.stop_and_join = stop_and_join
+    return len(waits)
 
 
 def survivor_saves_after_a_peer_failed(rank: int, world_size: int, first_read: str,

@@ -73,4 +73,5 @@ def test_a_checkout_without_the_built_extension_says_so(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "AVAILABLE False" in out.stdout, out.stdout
-    assert "fgpsdp_runtime._C is not built (run `make setup`" in out.stdout, out.stdout
+    assert "fgpsdp_runtime._C is not built for this Python (run `make setup`" in out.stdout, \
+        out.stdout

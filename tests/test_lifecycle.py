@@ -119,6 +119,15 @@ def test_a_module_read_after_an_early_bound_destroy_and_a_dropped_wrapper_holds_
     assert differences == [0.0, 0.0], differences
 
 
+@pytest.mark.parametrize("schedule,threads", [("next_forward", 1), ("two_stage", 2)])
+def test_the_destroy_and_the_drop_wait_for_the_threads_once(schedule, threads):
+    """One wait for the link workers (and one for the scheduler thread): before, the
+    destroy waited again for each of the wrapper's groups, and the drop once more
+    (20 s where stuck threads had 5 s each, in a review's probe)."""
+    assert run_distributed(2, scen.teardown_waits_for_the_threads_once, schedule,
+                           timeout_s=120) == [threads, threads]
+
+
 @pytest.mark.parametrize("how", ["landed", "failed", "never started", "speculated"])
 def test_a_wrapper_freed_before_its_last_gathers_landed_says_so(how):
     """Before, the module kept the values before the last step in those buckets (or

@@ -1093,8 +1093,9 @@ class DistributedDataParallel(nn.Module):
     def _warn_of_what_the_module_is_left_holding(self) -> None:
         """The module outlives its wrapper (saved, wrapped again), and nothing else
         would say where it holds what no step of torch DDP's leaves: where the last
-        step's all-gathers failed (a peer gone, the group destroyed under them) or
-        never started (a plan with a small lookahead), the values before that step,
+        step's all-gathers failed (a peer gone, the group destroyed under them), did
+        not end within the teardown's bound, or never started (a plan with a small
+        lookahead), the values before that step,
         on some elements; between backward and step, two_stage's speculative
         updates (undoing them takes a collective)."""
         gathers = self.__dict__.get("_gathers")
@@ -1104,9 +1105,10 @@ class DistributedDataParallel(nn.Module):
                 f"fgpsdp: a DistributedDataParallel was freed before the all-gathers of its "
                 f"last step landed in bucket(s) {buckets} (they failed: a peer gone or the "
                 "process group destroyed under them; or did not end within the bound of its "
-                "teardown; or never started: a plan with a small lookahead): its module holds the values before that step there, on some "
-                "elements. Save after model.synchronize() on every rank, or keep the last "
-                "completed step's checkpoint", RuntimeWarning, stacklevel=2)
+                "teardown; or never started: a plan with a small lookahead): its module "
+                "holds the values before that step there, on some elements. Save after "
+                "model.synchronize() on every rank, or keep the last completed step's "
+                "checkpoint", RuntimeWarning, stacklevel=2)
         scheduler = self.__dict__.get("scheduler")
         if scheduler is not None and scheduler.holds_speculative_values():
             warnings.warn(

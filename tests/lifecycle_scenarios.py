@@ -231,6 +231,34 @@ def own_group_timeouts(rank: int, world_size: int) -> list[float]:
 _KEPT_ALIVE: list = []
 
 
+def _early_bound_destroy():
+    """torch's destroy_process_group, as a script bound it before any wrapper put one
+    in front of it (``from torch.distributed import destroy_process_group``)."""
+    c10d = torch.distributed.distributed_c10d
+    return getattr(c10d.destroy_process_group, "_fgpsdp_torch_destroy",
+                   c10d.destroy_process_group)
+
+
+def _three_steps_ending_in_flight(rank: int, schedule: str):
+    """(module, ours, theirs): three steps of an MLP under ``schedule`` beside torch
+    DDP, ours last, so that the last step's all-gathers are still in flight."""
+    torch.manual_seed(0)
+    module = MLP()
+    reference = copy.deepcopy(module)
+    plan = {"overlap_plan": "layout"} if schedule == "two_stage" else {}
+    ours = wrapped_for(module, False, torch.optim.Adam, 1e-2, schedule=schedule,
+                       bucket_cap_mb=0.0005, **plan)
+    theirs = wrapped_for(reference, True, torch.optim.Adam, 1e-2)
+    for step in range(3):
+        for model, opt in (theirs, ours):
+            if step:
+                opt.zero_grad()
+            x, y = make_batch("mlp", step, 0, rank)
+            loss_fn("mlp", model(x), y).backward()
+            opt.step()
+    return module, ours, theirs
+
+
 @destroys_its_group
 def save_after_a_peer_destroyed_the_group(rank: int, world_size: int, schedule: str,
                                           bound_before_import: bool) -> Optional[float]:
@@ -242,23 +270,8 @@ def save_after_a_peer_destroyed_the_group(rank: int, world_size: int, schedule: 
     torch.distributed import destroy_process_group`` before building the wrapper
     holds it (nanoGPT's train.py does). Returns rank 0's largest difference to
     torch DDP's parameters (None on rank 1)."""
-    c10d = torch.distributed.distributed_c10d
-    destroy_bound_early = getattr(c10d.destroy_process_group, "_fgpsdp_torch_destroy",
-                                  c10d.destroy_process_group)
-    torch.manual_seed(0)
-    module = MLP()
-    reference = copy.deepcopy(module)
-    plan = {"overlap_plan": "layout"} if schedule == "two_stage" else {}
-    ours = wrapped_for(module, False, torch.optim.Adam, 1e-2, schedule=schedule,
-                       bucket_cap_mb=0.0005, **plan)
-    theirs = wrapped_for(reference, True, torch.optim.Adam, 1e-2)
-    for step in range(3):
-        for model, opt in (theirs, ours):  # ours last: nothing lands its all-gathers
-            if step:
-                opt.zero_grad()
-            x, y = make_batch("mlp", step, 0, rank)
-            loss_fn("mlp", model(x), y).backward()
-            opt.step()
+    destroy_bound_early = _early_bound_destroy()
+    module, ours, theirs = _three_steps_ending_in_flight(rank, schedule)
     # Alive past the harness's destroy_process_group(), as a script's model is
     # (freed, a wrapper lets its collectives run first: see ddp.__del__).
     _KEPT_ALIVE.append(ours)
@@ -282,25 +295,10 @@ def read_after_an_early_bound_destroy_and_a_dropped_wrapper(rank: int, world_siz
     cut the last step's all-gathers, the freed wrapper could not finish them, and
     the module held the step before on some elements, differently on each rank,
     without a word. Returns the largest difference to torch DDP's parameters."""
-    c10d = torch.distributed.distributed_c10d
-    destroy_bound_early = getattr(c10d.destroy_process_group, "_fgpsdp_torch_destroy",
-                                  c10d.destroy_process_group)
-    torch.manual_seed(0)
-    module = MLP()
-    reference = copy.deepcopy(module)
-    plan = {"overlap_plan": "layout"} if schedule == "two_stage" else {}
-    ours = wrapped_for(module, False, torch.optim.Adam, 1e-2, schedule=schedule,
-                       bucket_cap_mb=0.0005, **plan)
-    theirs = wrapped_for(reference, True, torch.optim.Adam, 1e-2)
-    for step in range(3):
-        for model, opt in (theirs, ours):  # ours last: nothing lands its all-gathers
-            if step:
-                opt.zero_grad()
-            x, y = make_batch("mlp", step, 0, rank)
-            loss_fn("mlp", model(x), y).backward()
-            opt.step()
+    destroy_bound_early = _early_bound_destroy()
+    module, ours, theirs = _three_steps_ending_in_flight(rank, schedule)
     expected = copy.deepcopy(theirs[0].module.state_dict())
-    del theirs, model, opt
+    del theirs
     destroy_bound_early()
     del ours
     gc.collect()

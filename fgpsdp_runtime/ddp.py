@@ -1095,9 +1095,8 @@ class DistributedDataParallel(nn.Module):
         would say where it holds what no step of torch DDP's leaves: where the last
         step's all-gathers failed (a peer gone, the group destroyed under them), did
         not end within the teardown's bound, or never started (a plan with a small
-        lookahead), the values before that step,
-        on some elements; between backward and step, two_stage's speculative
-        updates (undoing them takes a collective)."""
+        lookahead), the values before that step, on some elements; between backward
+        and step, two_stage's speculative updates (undoing them takes a collective)."""
         gathers = self.__dict__.get("_gathers")
         buckets = gathers.not_landed() if gathers is not None else []
         if buckets:

@@ -98,10 +98,7 @@ def finish_before_destroy(wrapper: "DistributedDataParallel") -> None:
 
     @functools.wraps(torch_destroy)
     def destroy_process_group(group=None):
-        everything = group is None or group is dist.GroupMember.WORLD
-        for live in list(_LIVE_WRAPPERS):
-            if everything or live.__dict__.get("process_group") is group:
-                live._finish_communication()
+        _finish_wrappers_on(group, everything=group is None or group is dist.GroupMember.WORLD)
         return torch_destroy(group)
 
     destroy_process_group._fgpsdp_torch_destroy = torch_destroy
@@ -131,13 +128,19 @@ def _put_in_front(owner, name: str) -> None:
 
     @functools.wraps(torch_call)
     def finish_then_call(group, *args, **kwargs):
-        for live in list(_LIVE_WRAPPERS):
-            if _communicates_over(live, group):
-                live._finish_communication()
+        _finish_wrappers_on(group)
         return torch_call(group, *args, **kwargs)
 
     finish_then_call._fgpsdp_torch_call = torch_call
     setattr(owner, name, finish_then_call)
+
+
+def _finish_wrappers_on(group, everything: bool = False) -> None:
+    """The live wrappers communicating over ``group`` (all of them: ``everything``)
+    let their submitted collectives run and stop their threads."""
+    for live in list(_LIVE_WRAPPERS):
+        if everything or _communicates_over(live, group):
+            live._finish_communication()
 
 
 def _communicates_over(wrapper: "DistributedDataParallel", group) -> bool:

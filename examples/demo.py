@@ -49,7 +49,9 @@ def run(rank: int, world_size: int, port: int, args) -> None:
                     d_model=args.width)
     torch.manual_seed(0)
     module = GPT(cfg)
-    ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(module))
+    # The same bucket size for both: fgpsdp is not compared with itself at another.
+    ref = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(module),
+                                                    bucket_cap_mb=args.bucket_cap_mb)
     ours = fgp.DistributedDataParallel(module, bucket_cap_mb=args.bucket_cap_mb)
     hyper = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
     ref_opt = torch.optim.AdamW(ref.parameters(), **hyper)

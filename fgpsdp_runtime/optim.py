@@ -1104,9 +1104,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._speculated_with_other_hyperparameters = float(packet[2]) > 0
         self._speculation_failures = int(round(float(packet[3])))
         self._globally_used = (packet[4:] > 0).tolist()
-        self._total_norm = math.inf if nonfinite else math.sqrt(sq_sum)
-        if math.isnan(sq_sum):
-            self._total_norm = math.nan
+        self._total_norm = _norm_from(sq_sum, nonfinite)
         self._reduced = True
         return self._total_norm
 
@@ -1237,13 +1235,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
             with self.model.timeline.span("compute", "norm all-reduce"):
                 self.model.all_reduce_sum(local)
             sq_sum, nonfinite = (float(v) for v in local.cpu())
-            self._clipped_norm = math.inf if nonfinite else math.sqrt(sq_sum)
+            self._clipped_norm = _norm_from(sq_sum, nonfinite)
         return self._clipped_norm
 
     def _norm_tensor(self, total: float) -> torch.Tensor:
         dtypes = {s.dtype for s in self.model.buckets} or {torch.float32}
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
         return torch.tensor(total, dtype=dtype, device=self._device)
+
+
+def _norm_from(sq_sum: float, nonfinite: float) -> float:
+    """The L2 norm from all-reduced [sum of squares, non-finite flag]: NaN where an
+    element is NaN, as torch's clip_grad_norm_ returns then (also once
+    clip_grad_value_ has clamped the infs beside it), inf where one is inf."""
+    if math.isnan(sq_sum):
+        return math.nan
+    return math.inf if nonfinite else math.sqrt(sq_sum)
 
 
 @dataclass

@@ -755,6 +755,36 @@ def train_with_inf_gradient(rank: int, world_size: int, schedule: str) -> dict:
             "rollbacks": model.scheduler.rollbacks if model.scheduler else 0}
 
 
+def norms_after_clip_grad_value(rank: int, world_size: int, schedule: str) -> dict:
+    """clip_grad_value_ then clip_grad_norm_, beside torch DDP, where step 0's gradient
+    holds an inf and a NaN (rank 0): the value clip clamps the inf and leaves the NaN,
+    so torch's norm is NaN. Returns both norms per step, and the parameters."""
+    torch.manual_seed(0)
+    ours, opt, ref, ref_opt = _adamw_beside_torch_ddp(MLP(), schedule)
+    norms = []
+    for step in range(3):
+        x, y = make_batch("mlp", step, 0, rank)
+        for model in (ours, ref):
+            loss = loss_fn("mlp", model(x), y)
+            if step == 0 and rank == 0:
+                w = model.module.net[0].weight.view(-1)
+                # d/dw0 = inf; d/dw1 = inf - inf = NaN.
+                loss = loss + w[0] * math.inf + (w[1] * math.inf - w[1] * math.inf)
+            loss.backward()
+        opt.clip_grad_value_(0.5)
+        torch.nn.utils.clip_grad_value_(ref.parameters(), 0.5)
+        norms.append((float(opt.clip_grad_norm_(1.0)),
+                      reference_clip_(ref.parameters(), 1.0)))
+        opt.step()  # skips a non-finite step itself
+        if math.isfinite(norms[-1][1]):
+            ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    ours.synchronize()
+    return {"norms": norms, "params": [p.detach().clone() for p in ours.module.parameters()],
+            "ref_params": [p.detach().clone() for p in ref.module.parameters()]}
+
+
 def skip_on_inf_norm(rank: int, world_size: int, schedule: str, all_no_sync: bool) -> dict:
     """A loop that skips opt.step() when clip_grad_norm_ says inf (step 0: rank 0's
     loss is inf), accumulating two micro-batches per step: the first under

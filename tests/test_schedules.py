@@ -9,7 +9,8 @@ import torch
 from .dist_harness import call_many, run_distributed
 from .scenarios import (functional_call_substitutes_viewing_parameters,
                         functional_calls_through_the_wrapper, global_optimizer_hook_calls,
-                        groups_holding_objects, skip_on_inf_norm, train_eval_modes, train_many,
+                        groups_holding_objects, norms_after_clip_grad_value, skip_on_inf_norm,
+                        train_eval_modes, train_many,
                         train_with_inf_gradient, validation_under_inference_mode_first)
 from .test_equivalence import REDUCED_MORE_THAN_ONCE_PER_STEP, SCENARIOS, TOL
 
@@ -144,6 +145,20 @@ def test_inf_gradient_skips_the_step_everywhere(schedule):
             assert torch.equal(a, b), f"rank {rank}: {schedule} differs from serial"
     if schedule == "two_stage":
         assert ours[0]["rollbacks"] > 0
+
+
+@pytest.mark.parametrize("schedule", ["serial", "two_stage"])
+def test_the_norm_after_a_value_clip_is_nan_where_torchs_is(schedule):
+    """clip_grad_value_ clamps a gradient's inf and leaves its NaN: clip_grad_norm_ then
+    returns NaN, as torch's does on DDP's gradients (it returned inf: the norm measured
+    again after the value clip took any non-finite element for an inf)."""
+    for rank, res in enumerate(run_distributed(2, norms_after_clip_grad_value, schedule)):
+        (ours0, ref0), *later = res["norms"]
+        assert math.isnan(ref0) and math.isnan(ours0), (rank, res["norms"])
+        for ours, ref in later:
+            assert math.isfinite(ours) and ours == pytest.approx(ref, rel=1e-6)
+        for a, b in zip(res["params"], res["ref_params"]):
+            assert torch.equal(a, b), f"rank {rank}: differs from torch DDP"
 
 
 def test_unknown_schedule_is_refused():

@@ -1,9 +1,13 @@
 """DistributedDataParallel: the drop-in wrapper that owns buckets and hooks.
 
 It composes the pure layout (layout.py), the bucket tensors (buckets.py), the
-gradient reducer (reducer.py) and the communicator (comm.py). The optimizer
-(optim.py) drives the per-step exchange through the ``start_*`` / ``finish_*``
-methods below.
+gradient reducer (reducer.py), the communicator (comm.py), the parameter
+all-gathers (param_gathers.py) and the forward's waits for them
+(forward_waits.py), the overlap plan (plan.py, plan_profiler.py) and the
+two_stage scheduler (scheduler.py), and the guards on reads and writes of the
+module's parameters (module_guards.py, param_guards.py). The optimizer
+(optim.py) drives the per-step exchange through ``begin_param_exchange``,
+``queue_param_all_gather`` and the ``finish_param_all_gather*`` methods below.
 """
 from __future__ import annotations
 
@@ -937,6 +941,8 @@ class DistributedDataParallel(nn.Module):
     def reset_comm_stats(self) -> None:
         self._comm_stats.reset()
 
+    # -- reads of the parameters ----------------------------------------------
+
     def named_parameters(self, *args: Any, **kwargs: Any):
         # model.parameters() goes through here. See [Note: reading parameters
         # through the wrapper].
@@ -1058,6 +1064,8 @@ class DistributedDataParallel(nn.Module):
         """Blocking sum of a small tensor (norms, flags) over the wrapper's group."""
         if self.world_size > 1:
             dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
+
+    # -- teardown -------------------------------------------------------------
 
     def __del__(self, _finalizing=sys.is_finalizing):
         if _finalizing():

@@ -5,7 +5,8 @@ Per step::
     finish reduce-scatters (two_stage: speculative steps of stage-1 buckets)
     -> [ShardedGradScaler.unscale_: slices times the inverse loss scale]
     -> per-bucket sums of squares + used mask
-    -> one all-reduce [sum, non-finite flag, hyperparameters-changed flag, used mask]
+    -> one all-reduce [sum, non-finite flag, hyperparameters-changed flag,
+                       speculative-step-failed flag, used mask]
     -> clip coefficient
     -> two_stage: commit or roll back each speculative step
     -> inner optimizer step on the remaining slices -> all-gather them
@@ -484,6 +485,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         with self.model.timeline.span("compute", "optimizer step"):
             self._step(inf_found_by_scaler)
 
+    # -- the step -------------------------------------------------------------
+
     def _check_pieces_in_buckets(self) -> None:
         """The pieces in ``param_groups`` must still view their buckets: a loop written
         for torch.optim that assigns ``p.data = ...`` to them (a hand-written weight
@@ -552,8 +555,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             speculated[b][0].keep_written_gradient(model.buckets[b].grad_shard)
         for b in rolled_back:
             model.finish_param_all_gather(b)  # the speculative values must have landed
-            speculated[b][0].restore(model.buckets[b].param_shard, self._bucket_pieces[b],
-                                     self.optim.state)
+            self.restore_speculated(b, speculated[b][0])
         model.mark_params_changed(rolled_back)
         if scheduler is not None:
             scheduler.rollbacks += len(rolled_back)
@@ -740,12 +742,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         self._inner_step()
                     if not compile_session_active():
                         break
-                backup.restore(storage.param_shard, self._bucket_pieces[b], self.optim.state)
+                self.restore_speculated(b, backup)
                 backup.reset_gradient(storage.grad_shard)
         except BaseException:
             # Raised part-way (an out-of-memory error in a foreach kernel): the slice
             # and its state as they were, for the all-gather that follows all the same.
-            backup.restore(storage.param_shard, self._bucket_pieces[b], self.optim.state)
+            self.restore_speculated(b, backup)
             self.model.mark_params_changed([b])
             raise
         self.model.mark_params_changed([b])
@@ -756,6 +758,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if same_hyperparameters(ran_with, self._hyperparameters_now()):
             backup.hyperparameters = ran_with
         return backup
+
+    def restore_speculated(self, b: int, backup: SliceBackup) -> None:
+        """Bucket b's slice and its optimizer state as before its speculative step."""
+        backup.restore(self.model.buckets[b].param_shard, self._bucket_pieces[b],
+                       self.optim.state)
 
     def unscale_gradients_(self, inv_scale: torch.Tensor) -> bool:
         """For ShardedGradScaler.unscale_: multiply every reduced slice by ``inv_scale``.
@@ -876,6 +883,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _bucket_fully_used(self, b: int) -> bool:
         used = self._globally_used
         return all(used[span.param_index] for span in self.model.buckets[b].layout.spans)
+
+    # -- checkpoints ----------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state, with the layout it belongs to.

@@ -463,8 +463,7 @@ class TwoStageScheduler:
         for b in sent:
             self.model.finish_param_all_gather(b)
             if b in self.speculated:
-                self.speculated[b][0].restore(self.model.buckets[b].param_shard,
-                                              optimizer._bucket_pieces[b], optimizer.optim.state)
+                optimizer.restore_speculated(b, self.speculated[b][0])
                 self.model.mark_params_changed([b])
                 optimizer._bucket_sq.pop(b, None)
                 self.rollbacks += 1

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import sys
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -74,30 +73,6 @@ def _is_second_order(optimizer_class: type) -> bool:
     flag = inspect.getattr_static(optimizer_class, "is_second_order", False)
     # A property (timm's Adahessian: always True) cannot be read without an instance.
     return flag is True or isinstance(flag, property)
-
-
-_TORCH_DCP_HELPERS = "torch.distributed.checkpoint.state_dict"
-
-
-def _refuse_torchs_checkpoint_helpers() -> None:
-    """Called by ``state_dict()`` and ``load_state_dict()``: refuse torch's
-    ``get_state_dict`` / ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``
-    with what works instead. They map ``opt.param_groups``' tensors to the model's
-    parameter names, and ours are this rank's slices: they failed with a bare
-    ``KeyError: 'state'``. Every rank calls them, so every rank raises here."""
-    try:
-        caller = sys._getframe(2)  # the caller of state_dict() / load_state_dict()
-    except ValueError:  # called with no Python frame above (from C, at the top)
-        return
-    if caller.f_globals.get("__name__") == _TORCH_DCP_HELPERS:
-        raise TypeError(
-            "fgpsdp: torch.distributed.checkpoint.state_dict's helpers (get_state_dict, "
-            "get_optimizer_state_dict, set_optimizer_state_dict, set_state_dict) do not know "
-            "ShardedOptimizer: its param_groups hold this rank's slices, not the model's "
-            "parameters. Save opt.full_state_dict() (torch.optim's format, every rank "
-            "calls it) with dcp.save; to resume, dcp.load into "
-            "opt.full_state_dict(init_state=True) and pass that to opt.load_state_dict(). "
-            "For the model, give get_model_state_dict / set_model_state_dict model.module")
 
 
 def _float_text(value: Any) -> str:
@@ -892,7 +867,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Local and quick; it loads only on this rank of a world of this size
         with these buckets. ``full_state_dict()`` is torch.optim's format.
         """
-        _refuse_torchs_checkpoint_helpers()
+        optim_checkpoint.refuse_torchs_checkpoint_helpers()
         self._refuse_while_unfinished("state_dict()")
         self._refuse_speculative_state("state_dict()")
         self._run_state_dict_pre_hooks()
@@ -901,8 +876,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         shard = self._run_state_dict_post_hooks(self.optim.state_dict())
         return {"shard": shard, "rank": self.model.rank,
                 "world_size": self.model.world_size, "slice_index": self.model.slice_index,
-                "layout": [(l.dtype_name, l.padded_numel, len(l.spans))
-                           for l in self.model.bucket_layouts],
+                "layout": optim_checkpoint.shard_layout(self),
                 "params": optim_checkpoint.shard_params(self)}
 
     def full_state_dict(self, *, rank0_only: bool = False,
@@ -949,7 +923,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Load a ``state_dict()`` shard (this rank's), or a whole-model dict in
         torch.optim's format (``full_state_dict()``, or a torch optimizer's, as
         a torch DDP run saves it) on every rank."""
-        _refuse_torchs_checkpoint_helpers()
+        optim_checkpoint.refuse_torchs_checkpoint_helpers()
         self._refuse_while_unfinished("load_state_dict()")
         self._refuse_speculative_state("load_state_dict()")
         if self.model._uneven_inputs is not None:
@@ -1001,7 +975,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """A collective (every rank loads its own shard): a shard that does not fit on
         one rank raises on every rank, so that none goes on alone into the next
         step's collectives."""
-        problem = self._shard_problem(state_dict)
+        problem = optim_checkpoint.shard_problem(self, state_dict)
         # On the buckets' device: an NCCL-only group has no backend for CPU tensors.
         unfit = torch.tensor([0.0 if problem is None else 1.0], device=self._device)
         self.model.all_reduce_sum(unfit)
@@ -1011,39 +985,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"fgpsdp: the optimizer shards of {int(unfit.item())} other rank(s) "
                              "do not fit (see their errors); nothing was loaded")
         self.optim.load_state_dict(state_dict["shard"])
-
-    def _shard_problem(self, state_dict: dict[str, Any]) -> Optional[str]:
-        if not {"shard", "rank", "world_size", "layout"} <= set(state_dict):
-            return ("fgpsdp: not an optimizer checkpoint (it holds "
-                    f"{sorted(state_dict)}); load what state_dict() or full_state_dict() saved")
-        expected = (self.model.rank, self.model.world_size)
-        got = (state_dict.get("rank"), state_dict.get("world_size"))
-        if got != expected:
-            return (f"optimizer shard saved by rank/world {got}, loading on {expected}; "
-                    "full_state_dict() loads at any world size")
-        # The slice a rank owns follows the topology (topology.py): the same rank of
-        # 2 nodes x 2 and of one node of 4 own other slices. (Shards saved before
-        # the slice was recorded do not say.)
-        saved_slice = state_dict.get("slice_index", self.model.slice_index)
-        if saved_slice != self.model.slice_index:
-            return (f"optimizer shard of slice {saved_slice} loading on rank "
-                    f"{self.model.rank}, which owns slice {self.model.slice_index} under this "
-                    "topology (nodes x local ranks changed); full_state_dict() loads under "
-                    "any topology")
-        layout = [(l.dtype_name, l.padded_numel, len(l.spans)) for l in self.model.bucket_layouts]
-        if [tuple(x) for x in state_dict["layout"]] != layout:
-            return ("optimizer shard was saved with another bucket layout (bucket_cap_mb or "
-                    "model changed, or an fgpsdp before parameters started aligned "
-                    "sized the buckets); full_state_dict() loads with any buckets")
-        saved_params = state_dict.get("params")  # (shards saved before it was recorded: None)
-        if saved_params is not None and \
-                [[(n, tuple(shape), o) for n, shape, o in b] for b in saved_params] \
-                != optim_checkpoint.shard_params(self):
-            return ("optimizer shard was saved with other parameters in the buckets (the set "
-                    "of trainable parameters or their order changed, or an fgpsdp before "
-                    "parameters started aligned placed them otherwise); "
-                    "full_state_dict() loads by parameter")
-        return None
 
     def _refuse_while_unfinished(self, what: str) -> None:
         """Raised locally, before any collective: under serial and overlap_backward the

@@ -30,6 +30,7 @@ has the same length by construction), cut into parameters by the bucket layout.
 from __future__ import annotations
 
 import copy
+import sys
 import warnings
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
@@ -347,6 +348,71 @@ def shard_params(opt: ShardedOptimizer) -> list[list[tuple]]:
     return [[(named[s.param_index][0].replace("_orig_mod.", ""),
               tuple(named[s.param_index][1].shape), s.bucket_offset)
              for s in layout.spans] for layout in opt.model.bucket_layouts]
+
+
+def shard_layout(opt: ShardedOptimizer) -> list[tuple]:
+    """The sizes a ``state_dict()`` shard records of its buckets: (dtype, padded
+    length, number of spans) each."""
+    return [(l.dtype_name, l.padded_numel, len(l.spans)) for l in opt.model.bucket_layouts]
+
+
+def shard_problem(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> Optional[str]:
+    """Why a ``state_dict()`` shard cannot load on this rank, or None."""
+    if not {"shard", "rank", "world_size", "layout"} <= set(state_dict):
+        return ("fgpsdp: not an optimizer checkpoint (it holds "
+                f"{sorted(state_dict)}); load what state_dict() or full_state_dict() saved")
+    expected = (opt.model.rank, opt.model.world_size)
+    got = (state_dict.get("rank"), state_dict.get("world_size"))
+    if got != expected:
+        return (f"optimizer shard saved by rank/world {got}, loading on {expected}; "
+                "full_state_dict() loads at any world size")
+    # The slice a rank owns follows the topology (topology.py): the same rank of
+    # 2 nodes x 2 and of one node of 4 own other slices. (Shards saved before
+    # the slice was recorded do not say.)
+    saved_slice = state_dict.get("slice_index", opt.model.slice_index)
+    if saved_slice != opt.model.slice_index:
+        return (f"optimizer shard of slice {saved_slice} loading on rank "
+                f"{opt.model.rank}, which owns slice {opt.model.slice_index} under this "
+                "topology (nodes x local ranks changed); full_state_dict() loads under "
+                "any topology")
+    if [tuple(x) for x in state_dict["layout"]] != shard_layout(opt):
+        return ("optimizer shard was saved with another bucket layout (bucket_cap_mb or "
+                "model changed, or an fgpsdp before parameters started aligned "
+                "sized the buckets); full_state_dict() loads with any buckets")
+    saved_params = state_dict.get("params")  # (shards saved before it was recorded: None)
+    if saved_params is not None and \
+            [[(n, tuple(shape), o) for n, shape, o in b] for b in saved_params] \
+            != shard_params(opt):
+        return ("optimizer shard was saved with other parameters in the buckets (the set "
+                "of trainable parameters or their order changed, or an fgpsdp before "
+                "parameters started aligned placed them otherwise); "
+                "full_state_dict() loads by parameter")
+    return None
+
+
+_TORCH_DCP_HELPERS = "torch.distributed.checkpoint.state_dict"
+
+
+def refuse_torchs_checkpoint_helpers() -> None:
+    """Called by ``ShardedOptimizer.state_dict()`` and ``load_state_dict()`` (directly:
+    the frame looked at is their caller's): refuse torch's
+    ``get_state_dict`` / ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``
+    with what works instead. They map ``opt.param_groups``' tensors to the model's
+    parameter names, and ours are this rank's slices: they failed with a bare
+    ``KeyError: 'state'``. Every rank calls them, so every rank raises here."""
+    try:
+        caller = sys._getframe(2)  # the caller of state_dict() / load_state_dict()
+    except ValueError:  # called with no Python frame above (from C, at the top)
+        return
+    if caller.f_globals.get("__name__") == _TORCH_DCP_HELPERS:
+        raise TypeError(
+            "fgpsdp: torch.distributed.checkpoint.state_dict's helpers (get_state_dict, "
+            "get_optimizer_state_dict, set_optimizer_state_dict, set_state_dict) do not know "
+            "ShardedOptimizer: its param_groups hold this rank's slices, not the model's "
+            "parameters. Save opt.full_state_dict() (torch.optim's format, every rank "
+            "calls it) with dcp.save; to resume, dcp.load into "
+            "opt.full_state_dict(init_state=True) and pass that to opt.load_state_dict(). "
+            "For the model, give get_model_state_dict / set_model_state_dict model.module")
 
 
 def create_missing_state(opt: ShardedOptimizer) -> list[Any]:

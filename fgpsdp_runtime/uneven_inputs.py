@@ -36,6 +36,7 @@ that broadcast); it resumes after the context.
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import struct
 from typing import TYPE_CHECKING, Any, Optional, Sequence
@@ -49,6 +50,27 @@ from .user_warnings import warn_at_user_code
 
 if TYPE_CHECKING:  # pragma: no cover
     from .ddp import DistributedDataParallel
+
+
+@contextlib.contextmanager
+def errors_told_to_the_joined(model: "DistributedDataParallel"):
+    """Around the checks an announced call makes before its announcement (its
+    arguments, an unfinished step): under ``model.join()`` a joined rank waits in
+    the announcement's all-reduce, and an active rank that raised before it would
+    leave it waiting out the group's timeout. It is told (REFUSED: it raises too),
+    then the error goes on. Where the other active ranks made another call, the
+    announcement fails on them as well (different calls), and this rank's own
+    error is the one raised here."""
+    try:
+        yield
+    except Exception:
+        uneven = model._uneven_inputs
+        if uneven is not None and not uneven.joined:
+            try:
+                uneven.notify(AnnouncedCall.REFUSED)
+            except RuntimeError:
+                pass  # the others announced another call: they raise on it
+        raise
 
 
 class AnnouncedCall(enum.IntEnum):

@@ -14,6 +14,8 @@ from .dist_harness import run_calls
 TWO = [name for name in scen.CASES if name.startswith("2r-")]
 THREE = [name for name in scen.CASES if name.startswith("3r-")]
 ERROR_CALLS = [(scen.train_case_throwing,), (scen.join_with_grad_scaler,)]
+ERRORS_BEFORE_ANNOUNCING = [(scen.error_before_an_announcement, what)
+                            for what in ("norm_type", "train")]
 MISALIGNED_NO_SYNC = (scen.no_sync_beside_a_synchronised_forward,)
 LOADS = [(scen.load_while_joined, what, load_at) for what in ("model", "full", "shard")
          for load_at in (0, 2)]  # at 0 every rank is active: the load is fine
@@ -37,7 +39,7 @@ def _by_case(per_rank, names, fn=scen.train_case):
 def two_ranks():
     calls = [(scen.train_case, name) for name in TWO] + [(scen.join_then_save, "two_stage"),
                                                         (scen.join_then_save, "next_forward")]
-    calls += ERROR_CALLS + BACKWARD_SKIPPED + LEFT_AT_JOIN_CALLS + [MISALIGNED_NO_SYNC]
+    calls += ERROR_CALLS + ERRORS_BEFORE_ANNOUNCING + BACKWARD_SKIPPED + LEFT_AT_JOIN_CALLS + [MISALIGNED_NO_SYNC]
     return run_calls(2, calls, timeout_s=300)
 
 
@@ -144,6 +146,17 @@ def test_refusals_and_early_termination_raise_on_every_rank(two_ranks):
         assert scaler["type"] == "NotImplementedError", (rank, scaler)
         if rank == 1:  # the rank whose loop raised; rank 0 was told
             assert "ShardedGradScaler" in scaler["message"]
+
+
+@pytest.mark.parametrize("call", ERRORS_BEFORE_ANNOUNCING, ids=lambda c: c[1])
+def test_an_error_before_an_announcement_is_told_to_the_joined_rank(two_ranks, call):
+    """Rank 1's call raises before announcing itself (a wrong argument): rank 0, joined,
+    raises too, told, instead of waiting out the group's timeout."""
+    joined, active = two_ranks[call]
+    assert active["type"] == ("ValueError" if call[1] == "norm_type" else "AttributeError"), \
+        active
+    assert joined["type"] == "NotImplementedError", joined
+    assert "the active ranks raised" in joined["message"], joined
 
 
 def test_a_no_sync_micro_batch_beside_a_synchronised_forward_raises_on_every_rank(two_ranks):

@@ -202,6 +202,28 @@ def _join_with_grad_scaler(rank: int) -> None:
             opt.zero_grad()
 
 
+def error_before_an_announcement(rank: int, world_size: int, what: str) -> dict[str, str]:
+    """Rank 0 joins after one step; rank 1's loop raises at its third step in a call
+    that checks its arguments before announcing itself: rank 0 must be told."""
+    return _error_of(_error_before_an_announcement, rank, what)
+
+
+def _error_before_an_announcement(rank: int, what: str) -> None:
+    ours = fgp.DistributedDataParallel(MODELS["mlp"]())
+    opt = fgp.ShardedOptimizer(ours, torch.optim.SGD, lr=0.1)
+    with ours.join():
+        for step in range(1 if rank == 0 else 3):
+            x, y = make_batch("mlp", step, 0, rank)
+            loss_fn("mlp", ours(x), y).backward()
+            if step == 2:
+                if what == "norm_type":
+                    opt.clip_grad_norm_(1.0, norm_type=1.0)  # only the L2 norm
+                else:
+                    opt.train()  # SGD has no train() (schedule-free's)
+            opt.step()
+            opt.zero_grad()
+
+
 def train_case_throwing(rank: int, world_size: int) -> dict[str, str]:
     """join(throw_on_early_termination=True): rank 0 runs out first."""
     return _error_of(_train_throwing, rank)

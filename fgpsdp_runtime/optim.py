@@ -16,7 +16,8 @@ For every parameter piece inside this rank's slice of a bucket the inner
 optimizer gets a 1-D view of the bucket's flat parameter buffer (a leaf
 tensor) whose ``.grad`` is the matching view of the reduced gradient slice.
 The optimizer's state is thus allocated for owned elements only, and
-updates land in place in the model's storage. This is exact for
+updates land in place in the model's storage (slice_pieces.py builds them
+and hands them their gradients). This is exact for
 element-wise optimizers (SGD, Adam, AdamW, RMSprop, Adagrad, ...); those whose
 update depends on a parameter's shape (LBFGS, Adafactor, SparseAdam) are
 refused.
@@ -36,6 +37,7 @@ from .ddp import DistributedDataParallel
 from .ops import multi_tensor_sq_norm
 from .module_guards import plain_named_parameters
 from .profiling import nvtx_range
+from .slice_pieces import SlicePieces
 from .slice_state import SliceState
 from .speculation import (SliceBackup, compile_session_active, hyperparameters,
                           no_compile_session_begins, same_hyperparameters,
@@ -144,12 +146,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0  # steps skipped because the gradient norm was inf/NaN
         self.last_step_skipped = False
 
-        # _pieces_of_bucket serves _assign_slice_grads.
-        self._pieces, self._pieces_of_bucket = self._build_pieces()
+        self._slice_pieces = SlicePieces(model)
         slice_groups = []
         for group in groups:
             pieces = [piece for p in group["params"]
-                      for piece, *_ in self._pieces.get(model.param_index(p), ())]
+                      for piece, *_ in self._slice_pieces.by_param.get(model.param_index(p), ())]
             if not pieces:
                 # Keep the group (schedulers index groups by position) with a
                 # placeholder that never gets a gradient, so the inner
@@ -169,11 +170,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.param_groups = self.optim.param_groups
         self._share_state()
         self._groups_fixed = True  # see add_param_group
-        self._bucket_pieces: list[list[torch.Tensor]] = [
-            [tensor for _, tensor, _, _ in pieces] for pieces in self._pieces_of_bucket]
-        # Buckets whose pieces _assign_slice_grads may have given a gradient.
-        self._buckets_with_slice_grads: set[int] = set()
-        self._grad_views: dict[int, tuple] = {}  # see _grad_shard_views
         # reducer.reduce_scatters_launched when this step's were finished: see
         # _forget_stale_measurements.
         self._finished_at: Optional[int] = None
@@ -249,20 +245,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "still), or freeze them (requires_grad_(False))")
         return groups
 
-    def _build_pieces(self):
-        """This rank's slice pieces, by parameter index ([(piece tensor, bucket, start,
-        end)]) and by bucket ([(parameter index, piece tensor, start, end)])."""
-        by_param: dict[int, list] = {}
-        by_bucket: list[list[tuple]] = [[] for _ in self.model.buckets]
-        for b, storage in enumerate(self.model.buckets):
-            for piece in storage.layout.shard_pieces(self.model.slice_index):
-                start = piece.bucket_offset
-                end = start + piece.numel
-                tensor = storage.flat_param[start:end]  # a leaf view: updates land in place
-                by_param.setdefault(piece.param_index, []).append((tensor, b, start, end))
-                by_bucket[b].append((piece.param_index, tensor, start, end))
-        return by_param, by_bucket
-
     def _placeholder(self, params) -> torch.Tensor:
         candidates = list(params) + [p for _, p in self.model.named_trainable_parameters()]
         any_param = candidates[0] if candidates else None
@@ -285,7 +267,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         element of the pieces that have it, as the inner optimizer will make it."""
         state = self.optim.state
         per_element = 0.0  # state bytes per slice element, where state exists
-        for pieces in self._bucket_pieces:
+        for pieces in self._slice_pieces.of_bucket:
             for piece in pieces:
                 if piece in state and piece.numel() > 0:  # per-element entries only
                     per_element = max(per_element, sum(
@@ -295,7 +277,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for b, storage in enumerate(self.model.buckets):
             nbytes = sum(t.numel() * t.element_size()
                          for t in (storage.param_shard, storage.grad_shard))
-            for piece in self._bucket_pieces[b]:
+            for piece in self._slice_pieces.of_bucket[b]:
                 if piece in state:
                     nbytes += sum(v.numel() * v.element_size() for v in state[piece].values()
                                   if torch.is_tensor(v))
@@ -452,7 +434,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         what unscale_ found. Called again after it raised part-way, it finishes
         that step (see _UnfinishedStep)."""
         with errors_told_to_the_joined(self.model):
-            self._check_pieces_in_buckets()  # before any collective: the loop did it everywhere
+            # Before any collective: the loop did it everywhere.
+            self._slice_pieces.check_they_view_their_buckets()
             self.model._param_places.refuse_substitutes()  # (likewise)
         if self._unfinished is not None:  # called again after it raised: no collective
             with self.model.timeline.span("compute", "optimizer step"):
@@ -465,25 +448,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._step(inf_found_by_scaler)
 
     # -- the step -------------------------------------------------------------
-
-    def _check_pieces_in_buckets(self) -> None:
-        """The pieces in ``param_groups`` must still view their buckets: a loop written
-        for torch.optim that assigns ``p.data = ...`` to them (a hand-written weight
-        decay) would have every later step write storage no all-gather reads, and the
-        model would silently stop training."""
-        bases = [(s.flat_param.data_ptr(), s.flat_param.element_size())
-                 for s in self.model.buckets]
-        for index, pieces in self._pieces.items():
-            for tensor, b, start, _ in pieces:
-                base, element_size = bases[b]
-                if tensor.data_ptr() != base + start * element_size:
-                    name = self.model.named_trainable_parameters()[index][0]
-                    raise RuntimeError(
-                        f"fgpsdp: a piece of parameter {name!r} in "
-                        "opt.param_groups was given new storage (p.data = ...): the tensors "
-                        "there are views of this rank's bucket slices, and the step would "
-                        "write storage the model never reads. Write them in place under "
-                        "torch.no_grad() (p.mul_(...)), or use the optimizer's weight_decay")
 
     def _step(self, inf_found_by_scaler: bool = False) -> None:
         model = self.model
@@ -590,7 +554,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if not unfinished.chunks:
                     break
                 chunk = unfinished.chunks[0]
-                self._assign_slice_grads(unfinished.globally_used, chunk)
+                self._slice_pieces.assign_grads(unfinished.globally_used, chunk)
                 try:
                     with nvtx_range("fgpsdp.optimizer_step"):
                         self._inner_step()
@@ -707,9 +671,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         storage = self.model.buckets[b]
         sq = multi_tensor_sq_norm([storage.grad_shard])  # before any update
         self.model.finish_param_all_gather(b)
-        backup = SliceBackup(storage.param_shard, storage.grad_shard, self._bucket_pieces[b],
-                             self.optim.state)
-        self._assign_slice_grads(None, [b], grads={b: backup.grad})
+        backup = SliceBackup(storage.param_shard, storage.grad_shard,
+                             self._slice_pieces.of_bucket[b], self.optim.state)
+        self._slice_pieces.assign_grads(None, [b], grads={b: backup.grad})
         try:
             while True:  # see [Note: speculative steps during a torch.compile session]
                 wait_out_compile_session()
@@ -740,7 +704,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def restore_speculated(self, b: int, backup: SliceBackup) -> None:
         """Bucket b's slice and its optimizer state as before its speculative step."""
-        backup.restore(self.model.buckets[b].param_shard, self._bucket_pieces[b],
+        backup.restore(self.model.buckets[b].param_shard, self._slice_pieces.of_bucket[b],
                        self.optim.state)
 
     def unscale_gradients_(self, inv_scale: torch.Tensor) -> bool:
@@ -1100,54 +1064,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         packet = torch.tensor([float(flag)], dtype=torch.float64, device=self._device)
         self.model.all_reduce_sum(packet)
         return float(packet.cpu()[0]) > 0
-
-    def _assign_slice_grads(self, globally_used: Optional[Sequence[bool]],
-                            buckets: Sequence[int],
-                            grads: Optional[dict[int, torch.Tensor]] = None) -> None:
-        """Slice gradients of ``buckets`` become views of the reduced shard (or of
-        ``grads[b]``, a copy of it); all others None.
-
-        A parameter no rank had a gradient for keeps grad=None (the inner
-        optimizer skips it, as after torch DDP). ``globally_used=None`` takes
-        every parameter as used (a stage-1 bucket; checked at the step).
-        """
-        # Bucket by bucket, touching only the buckets wanted now or given gradients
-        # before: one inner step per chunk (and per speculative bucket) would
-        # otherwise walk every piece of the model, buckets x pieces per step.
-        wanted = set(buckets)
-        storages = self.model.buckets
-        for b in self._buckets_with_slice_grads - wanted:
-            for _, tensor, _, _ in self._pieces_of_bucket[b]:
-                tensor.grad = None
-        for b in wanted:
-            storage = storages[b]
-            valid = storage.grad_shard_valid
-            pieces = self._pieces_of_bucket[b]
-            if grads is not None:
-                source = grads[b]
-                views = [source[start - storage.shard_start:end - storage.shard_start]
-                         for _, _, start, end in pieces]
-            else:
-                views = self._grad_shard_views(b)
-            for (index, tensor, _, _), view in zip(pieces, views):
-                if valid and (globally_used is None or globally_used[index]):
-                    tensor.grad = view
-                else:
-                    tensor.grad = None
-        self._buckets_with_slice_grads = wanted
-
-    def _grad_shard_views(self, b: int) -> list[torch.Tensor]:
-        """The views of bucket b's reduced gradient slice that its pieces take as
-        ``.grad``: made once (a slice per piece per step costs microseconds each on a
-        model of many small tensors), again only if the slice got other storage."""
-        storage = self.model.buckets[b]
-        shard = storage.grad_shard
-        cached = self._grad_views.get(b)
-        if cached is None or cached[0] is not shard or cached[1] != shard.data_ptr():
-            views = [shard[start - storage.shard_start:end - storage.shard_start]
-                     for _, _, start, end in self._pieces_of_bucket[b]]
-            cached = self._grad_views[b] = (shard, shard.data_ptr(), views)
-        return cached[2]
 
     def _apply_clip(self, max_norm: float) -> None:
         # torch: coefficient max_norm / (total + 1e-6), applied when below 1,

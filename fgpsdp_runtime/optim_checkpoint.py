@@ -61,7 +61,7 @@ def _local_metadata(opt: ShardedOptimizer) -> dict[int, dict[str, Any]]:
     """Per parameter (wrapper's index) this rank holds a piece of, with state:
     the order of its state keys, its scalar entries and its per-element keys' dtypes."""
     meta = {}
-    for index, pieces in opt._pieces.items():
+    for index, pieces in opt._slice_pieces.by_param.items():
         tensor = pieces[0][0]  # one piece per parameter per rank (a span meets a slice once)
         state = opt.optim.state.get(tensor)
         if not state:
@@ -128,7 +128,8 @@ def full_state_dict(opt: ShardedOptimizer, rank0_only: bool) -> dict[str, Any]:
             dtype = getattr(torch, dtype_name)
             mine = torch.zeros(layout.shard_numel, dtype=dtype, device=storage.device)
             for span in layout.spans:
-                for tensor, pb, start, end in opt._pieces.get(span.param_index, ()):
+                pieces = opt._slice_pieces.by_param.get(span.param_index, ())
+                for tensor, pb, start, end in pieces:
                     state = opt.optim.state.get(tensor)
                     if pb == b and state and key in state:
                         lo = start - storage.shard_start
@@ -229,7 +230,7 @@ def load_full_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> N
         _check_no_entry_is_missing(opt, g, saved, stepped)
     inner_state: dict[int, dict[str, Any]] = {}
     for index, entry, kinds in to_load:
-        for tensor, _, start, end in opt._pieces.get(index, ()):
+        for tensor, _, start, end in opt._slice_pieces.by_param.get(index, ()):
             offset = start - spans[index].bucket_offset
             inner_state[inner_number[id(tensor)]] = {
                 key: _piece_of(value, kinds[key], offset, end - start, spans[index].strides)

@@ -26,6 +26,9 @@ the same everywhere already) and the context ends.
     joined rank : notify    -> F     notify    RS RS RS  notify    norm AG AG
                   (zeros)      (lands gathers, buffers)  (zeros)    (steps its slices)
 
+A call that an active rank refuses before announcing it (its arguments, an
+unfinished step: errors_told_to_the_joined) announces REFUSED instead, and the
+joined ranks raise too.
 A round of reduce-scatters that a step or a clip launches itself (a
 backward that reached no parameter on some rank) is launched and announced
 before the step's or clip's own announcement, as a backward's is.

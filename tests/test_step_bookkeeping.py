@@ -26,7 +26,7 @@ def _train(rank, world_size, schedule, steps=4, share_memory=False):
         # Slice gradients are what the reduced slice holds, view by view.
         opt.step()
         for b, storage in enumerate(model.buckets):
-            for index, piece, start, end in opt._pieces_of_bucket[b]:
+            for index, piece, start, end in opt._slice_pieces.by_bucket[b]:
                 if piece.grad is not None:
                     lo = start - storage.shard_start
                     assert piece.grad.data_ptr() == storage.grad_shard[lo:].data_ptr()

@@ -43,7 +43,7 @@ from .speculation import (SliceBackup, compile_session_active, hyperparameters,
                           no_compile_session_begins, same_hyperparameters,
                           wait_out_compile_session)
 from .step_wide_state import StepWideState
-from .uneven_inputs import AnnouncedCall, UnevenInputs, errors_told_to_the_joined
+from .uneven_inputs import AnnouncedCall, UnevenInputs
 from .user_warnings import user_code_line, warn_at_user_code
 from .validation import settings_agree_or_raise
 
@@ -322,12 +322,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         element; every bucket is then all-gathered, so that every replica holds the
         result (a collective)."""
         method = getattr(self.optim, name, None)
-        with errors_told_to_the_joined(self.model):
-            if not callable(method):
-                raise AttributeError(f"{type(self.optim).__name__} has no {name}() "
-                                     "(schedule-free optimizers have one)")
-            self._refuse_while_unfinished(f"{name}()")
-            self._refuse_speculative_state(f"{name}()")
+        if not callable(method):
+            raise AttributeError(f"{type(self.optim).__name__} has no {name}() (schedule-free "
+                                 "optimizers have one)")
+        self._refuse_while_unfinished(f"{name}()")
+        self._refuse_speculative_state(f"{name}()")
         model = self.model
         if model._uneven_inputs is not None:
             model._uneven_inputs.announce_load(f"opt.{name}()", f"call opt.{name}() before "
@@ -360,12 +359,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ``error_if_nonfinite`` raises torch's error on every rank (the total is
         all-reduced); ``foreach`` is accepted and unneeded.
         """
-        with errors_told_to_the_joined(self.model):
-            if float(norm_type) != 2.0:
-                raise ValueError(
-                    f"fgpsdp: ShardedOptimizer.clip_grad_norm_ supports only the L2 norm "
-                    f"(norm_type=2), not norm_type={norm_type!r}")
-            self._refuse_while_unfinished("clip_grad_norm_()")
+        if float(norm_type) != 2.0:
+            raise ValueError(
+                f"fgpsdp: ShardedOptimizer.clip_grad_norm_ supports only the L2 norm "
+                f"(norm_type=2), not norm_type={norm_type!r}")
+        self._refuse_while_unfinished("clip_grad_norm_()")
         self._announce(AnnouncedCall.CLIP, float(max_norm))
         self._clip_called = True
         self._reduce_and_measure()
@@ -383,9 +381,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp the reduced gradient to [-clip_value, clip_value], as
         torch.nn.utils.clip_grad_value_ would on DDP's gradients. A collective."""
-        with errors_told_to_the_joined(self.model):
-            clip_value = float(clip_value)
-            self._refuse_while_unfinished("clip_grad_value_()")
+        clip_value = float(clip_value)
+        self._refuse_while_unfinished("clip_grad_value_()")
         self._announce(AnnouncedCall.CLIP_VALUE, clip_value)
         self._clip_called = True
         self._reduce_and_measure()  # every reduce-scatter landed, every stage-1 step taken
@@ -433,10 +430,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         may have clamped the inf away by then; torch's scaler, too, decides by
         what unscale_ found. Called again after it raised part-way, it finishes
         that step (see _UnfinishedStep)."""
-        with errors_told_to_the_joined(self.model):
-            # Before any collective: the loop did it everywhere.
-            self._slice_pieces.check_they_view_their_buckets()
-            self.model._param_places.refuse_substitutes()  # (likewise)
+        # Before any collective: the loop did it everywhere.
+        self._slice_pieces.check_they_view_their_buckets()
+        self.model._param_places.refuse_substitutes()  # (likewise)
         if self._unfinished is not None:  # called again after it raised: no collective
             with self.model.timeline.span("compute", "optimizer step"):
                 self._resume_unfinished_step()
@@ -715,10 +711,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         measured from then on (clipping, clip_grad_norm_) is the unscaled
         gradient's, as after torch's unscale_.
         """
-        with errors_told_to_the_joined(self.model):
-            if any(s.dtype == torch.float16 for s in self.model.buckets):
-                raise ValueError("Attempting to unscale FP16 gradients.")  # torch's refusal
-            self._refuse_while_unfinished("unscale_gradients_() (the scaler's unscale_)")
+        if any(s.dtype == torch.float16 for s in self.model.buckets):
+            raise ValueError("Attempting to unscale FP16 gradients.")  # torch's refusal
+        self._refuse_while_unfinished("unscale_gradients_() (the scaler's unscale_)")
         if self.model._uneven_inputs is not None:
             # A joined rank's scaler would miss the others' update(): its scale
             # would differ after the join.
@@ -860,9 +855,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         first step, the state a step would create, as a template for an in-place
         load (``torch.distributed.checkpoint``); the optimizer itself is unchanged.
         """
-        with errors_told_to_the_joined(self.model):
-            self._refuse_while_unfinished("full_state_dict()")
-            self._refuse_speculative_state("full_state_dict()")
+        self._refuse_while_unfinished("full_state_dict()")
+        self._refuse_speculative_state("full_state_dict()")
         with warn_if_the_others_are_late("opt.full_state_dict()", self.model.world_size,
                                          user_code_line(),
                                          " (rank0_only=True keeps the result on rank 0 alone)"):
@@ -893,10 +887,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Load a ``state_dict()`` shard (this rank's), or a whole-model dict in
         torch.optim's format (``full_state_dict()``, or a torch optimizer's, as
         a torch DDP run saves it) on every rank."""
-        with errors_told_to_the_joined(self.model):
-            optim_checkpoint.refuse_torchs_checkpoint_helpers()
-            self._refuse_while_unfinished("load_state_dict()")
-            self._refuse_speculative_state("load_state_dict()")
+        optim_checkpoint.refuse_torchs_checkpoint_helpers()
+        self._refuse_while_unfinished("load_state_dict()")
+        self._refuse_speculative_state("load_state_dict()")
         if self.model._uneven_inputs is not None:
             self.model._uneven_inputs.announce_load("opt.load_state_dict()")
         if {"state", "param_groups"} <= set(state_dict) and "shard" not in state_dict:

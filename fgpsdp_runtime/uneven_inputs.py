@@ -27,8 +27,12 @@ the same everywhere already) and the context ends.
                   (zeros)      (lands gathers, buffers)  (zeros)    (steps its slices)
 
 A call that an active rank refuses before announcing it (its arguments, an
-unfinished step: errors_told_to_the_joined) announces REFUSED instead, and the
-joined ranks raise too.
+unfinished step) announces nothing: the loop may catch the error and go on, and
+the join with it. One that ends the loop instead leaves a joined rank waiting
+for the next announcement until the group's timeout, as torch DDP's joined
+ranks wait. (Telling them from the refusal broke both: a caught error ended
+the join, and a rank-local one, an unfinished step's, met the others'
+all-gathers.)
 A round of reduce-scatters that a step or a clip launches itself (a
 backward that reached no parameter on some rank) is launched and announced
 before the step's or clip's own announcement, as a backward's is.
@@ -39,7 +43,6 @@ that broadcast); it resumes after the context.
 """
 from __future__ import annotations
 
-import contextlib
 import enum
 import struct
 from typing import TYPE_CHECKING, Any, Optional, Sequence
@@ -53,27 +56,6 @@ from .user_warnings import warn_at_user_code
 
 if TYPE_CHECKING:  # pragma: no cover
     from .ddp import DistributedDataParallel
-
-
-@contextlib.contextmanager
-def errors_told_to_the_joined(model: "DistributedDataParallel"):
-    """Around the checks an announced call makes before its announcement (its
-    arguments, an unfinished step): under ``model.join()`` a joined rank waits in
-    the announcement's all-reduce, and an active rank that raised before it would
-    leave it waiting out the group's timeout. It is told (REFUSED: it raises too),
-    then the error goes on. Where the other active ranks made another call, the
-    announcement fails on them as well (different calls), and this rank's own
-    error is the one raised here."""
-    try:
-        yield
-    except Exception:
-        uneven = model._uneven_inputs
-        if uneven is not None and not uneven.joined:
-            try:
-                uneven.notify(AnnouncedCall.REFUSED)
-            except RuntimeError:
-                pass  # the others announced another call: they raise on it
-        raise
 
 
 class AnnouncedCall(enum.IntEnum):

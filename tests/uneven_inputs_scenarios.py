@@ -202,26 +202,37 @@ def _join_with_grad_scaler(rank: int) -> None:
             opt.zero_grad()
 
 
-def error_before_an_announcement(rank: int, world_size: int, what: str) -> dict[str, str]:
-    """Rank 0 joins after one step; rank 1's loop raises at its third step in a call
-    that checks its arguments before announcing itself: rank 0 must be told."""
-    return _error_of(_error_before_an_announcement, rank, what)
+def refusal_caught_under_join(rank: int, world_size: int, what: str) -> dict[str, Any]:
+    """Rank 0 joins after one step; rank 1's loop calls, at its third step, what
+    refuses before announcing itself, catches the error and goes on (a loop written
+    for any optimizer). Returns the error caught, if any, and the parameters."""
+    try:
+        return _refusal_caught_under_join(rank, what)
+    except Exception as error:  # noqa: BLE001 - the test checks there is none
+        return {"error": f"{type(error).__name__}: {error}"}
 
 
-def _error_before_an_announcement(rank: int, what: str) -> None:
+def _refusal_caught_under_join(rank: int, what: str) -> dict[str, Any]:
     ours = fgp.DistributedDataParallel(MODELS["mlp"]())
     opt = fgp.ShardedOptimizer(ours, torch.optim.SGD, lr=0.1)
+    caught = None
     with ours.join():
-        for step in range(1 if rank == 0 else 3):
+        for step in range(1 if rank == 0 else 4):
             x, y = make_batch("mlp", step, 0, rank)
             loss_fn("mlp", ours(x), y).backward()
             if step == 2:
-                if what == "norm_type":
-                    opt.clip_grad_norm_(1.0, norm_type=1.0)  # only the L2 norm
-                else:
-                    opt.train()  # SGD has no train() (schedule-free's)
+                try:
+                    if what == "norm_type":
+                        opt.clip_grad_norm_(1.0, norm_type=1.0)  # only the L2 norm
+                    else:
+                        opt.train()  # SGD has no train() (schedule-free's)
+                except (ValueError, AttributeError) as error:
+                    caught = type(error).__name__
             opt.step()
             opt.zero_grad()
+    ours.synchronize()
+    return {"error": None, "caught": caught,
+            "params": torch.cat([p.detach().reshape(-1) for p in ours.module.parameters()])}
 
 
 def train_case_throwing(rank: int, world_size: int) -> dict[str, str]:

@@ -229,10 +229,7 @@ class GradientReducer:
         grad = param.grad
         if grad is None:
             return
-        if grad.is_sparse:
-            raise RuntimeError(
-                f"fgpsdp: parameter '{self.param_names[index]}' received a sparse gradient; "
-                "sparse gradients are not supported (use nn.Embedding(sparse=False))")
+        self._refuse_unsupported_gradient(index, param, grad)
         if not self._callback_queued:
             self._queue_backward_end()  # no output hook ran: see watch_outputs
         elif self._round_done_in_backward:
@@ -252,6 +249,21 @@ class GradientReducer:
             self._pack_bucket(b)
             if self.launch_during_backward:
                 self._launch_ready_in_order()
+
+    def _refuse_unsupported_gradient(self, index: int, param: torch.Tensor,
+                                     grad: torch.Tensor) -> None:
+        if grad.is_sparse:
+            raise RuntimeError(
+                f"fgpsdp: parameter '{self.param_names[index]}' received a sparse gradient; "
+                "sparse gradients are not supported (use nn.Embedding(sparse=False))")
+        if grad.shape != param.shape:
+            # Autograd checks the shape of what it accumulates; a hook that swaps
+            # param.grad (or its .data) afterwards is not checked, and a smaller
+            # tensor would be packed with the rest of its span left stale.
+            raise RuntimeError(
+                f"fgpsdp: parameter '{self.param_names[index]}' of shape "
+                f"{tuple(param.shape)} holds a gradient of shape {tuple(grad.shape)} (did a "
+                "hook replace param.grad?); a gradient must have its parameter's shape")
 
     def _accumulate_second_gradient(self, index: int, b: int, span, grad: torch.Tensor) -> None:
         """A parameter used across two backward graphs of one backward call."""
@@ -415,6 +427,7 @@ class GradientReducer:
                     continue
                 param = self.params[index]
                 if param.grad is not None:  # left by no_sync() iterations
+                    self._refuse_unsupported_gradient(index, param, param.grad)
                     self._held[b].append((span, param.grad))
                     param.grad = None
                     self._used_flags[index] = 1

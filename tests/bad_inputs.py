@@ -36,6 +36,15 @@ def sparse_gradient_at_runtime(rank, world_size):
     model(torch.tensor([1, 2, 3])).sum().backward()
 
 
+def gradient_of_another_shape(rank, world_size):
+    model = fgp.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)))
+
+    def replace(param):  # a post-accumulate hook swapping the gradient's storage
+        param.grad.data = torch.ones(3)
+    model.module[0].weight.register_post_accumulate_grad_hook(replace)
+    model(torch.randn(2, 4)).sum().backward()
+
+
 def mixed_devices(rank, world_size):
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     if rank == world_size - 1:  # only one rank is broken: all must still raise

@@ -20,6 +20,8 @@ CASES = [
      [r"device_ids=\[0\] names cuda:0, but the module's parameters are on \['cpu'\]"]),
     (bad_inputs.sparse_module, "ValueError", [r"sparse gradients are not supported", r"'0'"]),
     (bad_inputs.sparse_gradient_at_runtime, "RuntimeError", [r"'weight' received a sparse gradient"]),
+    (bad_inputs.gradient_of_another_shape, "RuntimeError",
+     [r"parameter '0\.weight' of shape \(4, 4\) holds a gradient of shape \(3,\)"]),
     (bad_inputs.mixed_devices, "ValueError", [r"rank \d: trainable parameters are on several devices"]),
     (bad_inputs.complex_dtype, "ValueError", [r"dtype torch.complex64"]),
     (bad_inputs.non_torch_optimizer, "TypeError", [r"torch.optim.Optimizer subclass"]),

@@ -939,6 +939,7 @@ class DistributedDataParallel(nn.Module):
         return self._exchange.node_transport
 
     def reset_comm_stats(self) -> None:
+        """Start comm_stats() from zero (a benchmark's timed steps alone)."""
         self._comm_stats.reset()
 
     # -- reads of the parameters ----------------------------------------------

@@ -785,6 +785,24 @@ def norms_after_clip_grad_value(rank: int, world_size: int, schedule: str) -> di
             "ref_params": [p.detach().clone() for p in ref.module.parameters()]}
 
 
+def comm_stats_around_a_reset(rank: int, world_size: int) -> dict:
+    """comm_stats() after one step, right after reset_comm_stats(), and after one more."""
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(MLP(), bucket_cap_mb=0.0001, schedule="serial")
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    seen = {}
+    for step in range(2):
+        x, y = make_batch("mlp", step, 0, rank)
+        loss_fn("mlp", model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        seen[f"after step {step}"] = model.comm_stats()
+        if step == 0:
+            model.reset_comm_stats()
+            seen["after the reset"] = model.comm_stats()
+    return seen
+
+
 def skip_on_inf_norm(rank: int, world_size: int, schedule: str, all_no_sync: bool) -> dict:
     """A loop that skips opt.step() when clip_grad_norm_ says inf (step 0: rank 0's
     loss is inf), accumulating two micro-batches per step: the first under

@@ -10,7 +10,7 @@ import torch
 from fgpsdp_runtime.topology import NodeLayout, Topology, resolve
 
 from .dist_harness import run_distributed
-from .scenarios import train_many
+from .scenarios import comm_stats_around_a_reset, train_many
 from .test_equivalence import SCENARIOS, TOL
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -180,3 +180,10 @@ def test_flat_trains_on_nodes_of_different_sizes():
     ranks = run_distributed(3, _flat_on_uneven_nodes, timeout_s=120)
     for other in ranks[1:]:
         assert all(torch.equal(a, b) for a, b in zip(ranks[0], other))
+
+
+def test_reset_comm_stats_starts_the_count_again():
+    for seen in run_distributed(2, comm_stats_around_a_reset, timeout_s=120):
+        assert seen["after the reset"] == {}
+        assert seen["after step 1"] == seen["after step 0"]
+        assert seen["after step 0"]["flat"]["total"] > 0

@@ -365,26 +365,29 @@ def shard_problem(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> Optional
     expected = (opt.model.rank, opt.model.world_size)
     got = (state_dict.get("rank"), state_dict.get("world_size"))
     if got != expected:
-        return (f"optimizer shard saved by rank/world {got}, loading on {expected}; "
-                "full_state_dict() loads at any world size")
+        return (f"fgpsdp: optimizer shard saved by rank/world {got}, loading on "
+                f"{expected}: opt.state_dict() is one rank's shard (every rank saves and "
+                "loads its own); opt.full_state_dict(), called on every rank "
+                "(rank0_only=True keeps it on rank 0 alone), is the whole state and loads "
+                "at any world size")
     # The slice a rank owns follows the topology (topology.py): the same rank of
     # 2 nodes x 2 and of one node of 4 own other slices. (Shards saved before
     # the slice was recorded do not say.)
     saved_slice = state_dict.get("slice_index", opt.model.slice_index)
     if saved_slice != opt.model.slice_index:
-        return (f"optimizer shard of slice {saved_slice} loading on rank "
+        return (f"fgpsdp: optimizer shard of slice {saved_slice} loading on rank "
                 f"{opt.model.rank}, which owns slice {opt.model.slice_index} under this "
                 "topology (nodes x local ranks changed); full_state_dict() loads under "
                 "any topology")
     if [tuple(x) for x in state_dict["layout"]] != shard_layout(opt):
-        return ("optimizer shard was saved with another bucket layout (bucket_cap_mb or "
+        return ("fgpsdp: optimizer shard was saved with another bucket layout (bucket_cap_mb or "
                 "model changed, or an fgpsdp before parameters started aligned "
                 "sized the buckets); full_state_dict() loads with any buckets")
     saved_params = state_dict.get("params")  # (shards saved before it was recorded: None)
     if saved_params is not None and \
             [[(n, tuple(shape), o) for n, shape, o in b] for b in saved_params] \
             != shard_params(opt):
-        return ("optimizer shard was saved with other parameters in the buckets (the set "
+        return ("fgpsdp: optimizer shard was saved with other parameters in the buckets (the set "
                 "of trainable parameters or their order changed, or an fgpsdp before "
                 "parameters started aligned placed them otherwise); "
                 "full_state_dict() loads by parameter")

@@ -9,6 +9,7 @@ import time
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import fgpsdp_runtime as fgp
@@ -315,6 +316,24 @@ def shard_under_another_topology(rank: int, world_size: int) -> Optional[str]:
     _, resumed = build("flat")
     try:
         resumed.load_state_dict(shard)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def rank0_shard_loaded_everywhere(rank: int, world_size: int) -> Optional[str]:
+    """The checkpoint of a loop that saves on rank 0 alone (timm's saver): rank 0's
+    ``state_dict()`` shard, loaded on every rank. Returns the error, if any."""
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(MODELS["mlp"]())
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    x, y = make_batch("mlp", 0, 0, rank)
+    loss_fn("mlp", model(x), y).backward()
+    opt.step()
+    shard = [opt.state_dict() if rank == 0 else None]
+    dist.broadcast_object_list(shard, src=0)  # as torch.load of rank 0's file
+    try:
+        opt.load_state_dict(shard[0])
     except ValueError as error:
         return str(error)
     return None

@@ -176,6 +176,16 @@ def test_shard_of_another_slice_is_refused():
         assert "full_state_dict() loads under any topology" in errors[rank]
 
 
+def test_rank0s_shard_loaded_everywhere_is_refused_saying_what_works():
+    errors = run_distributed(2, checkpoint_scenarios.rank0_shard_loaded_everywhere,
+                             timeout_s=120)
+    assert "optimizer shards of 1 other rank(s) do not fit" in errors[0]
+    assert errors[1].startswith("fgpsdp: optimizer shard saved by rank/world (0, 2), "
+                                "loading on (1, 2)"), errors[1]
+    assert "opt.state_dict() is one rank's shard" in errors[1]
+    assert "opt.full_state_dict(), called on every rank" in errors[1]
+
+
 def test_torchs_checkpoint_helpers_are_refused_saying_what_works():
     """get_state_dict & co. map opt.param_groups to the model's parameter names, and
     ours are slices: before, a bare KeyError: 'state'. (Before the first step torch's

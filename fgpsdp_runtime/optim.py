@@ -99,8 +99,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # loops build their optimizer on that one's parameters alike.
         model = getattr(model, "_orig_mod", model)
         if not isinstance(model, DistributedDataParallel):
-            raise TypeError("ShardedOptimizer needs the fgpsdp_runtime.DistributedDataParallel "
-                            f"wrapper, got {type(model).__name__}")
+            raise TypeError(
+                "fgpsdp: ShardedOptimizer needs the fgpsdp_runtime.DistributedDataParallel "
+                f"wrapper, got {type(model).__name__}: wrap the module first, then build "
+                "the optimizer on the wrapper (fgp.ShardedOptimizer(model, torch.optim.AdamW, "
+                "...) with model = fgp.DistributedDataParallel(module)); param_groups= picks "
+                "its parameters")
         # Checked on every rank before any is refused: a rank that raised alone would
         # leave the others to fail in their first collective (or wait out the timeout).
         self.model = model

@@ -180,3 +180,10 @@ def test_equal_settings_in_other_types_are_accepted():
 
 def test_buffers_that_are_never_broadcast_may_differ():
     assert run_distributed(3, bad_inputs.rank_local_buffers_unsynced, timeout_s=120) == [1, 1, 1]
+
+
+def test_an_optimizer_on_the_unwrapped_module_says_to_wrap_first():
+    import fgpsdp_runtime as fgp
+    with pytest.raises(TypeError, match=r"got Linear: wrap the module first, then build the "
+                                        r"optimizer on the wrapper"):
+        fgp.ShardedOptimizer(torch.nn.Linear(2, 2), torch.optim.SGD, lr=0.1)

@@ -45,6 +45,28 @@ def gradient_of_another_shape(rank, world_size):
     model(torch.randn(2, 4)).sum().backward()
 
 
+class OptionalFirstLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.last = nn.Linear(4, 2)
+
+    def forward(self, x, use_first=True):
+        return self.last(self.first(x) if use_first else x)
+
+
+def gradient_of_another_shape_left_by_no_sync(rank, world_size):
+    model = fgp.DistributedDataParallel(OptionalFirstLayer())
+
+    def replace(param):  # a post-accumulate hook swapping the gradient's storage
+        param.grad.data = torch.ones(3)
+    model.module.first.weight.register_post_accumulate_grad_hook(replace)
+    with model.no_sync():  # the gradient stays in param.grad
+        model(torch.randn(2, 4)).sum().backward()
+    # first is unused here: its no_sync() gradient is reduced as it was left.
+    model(torch.randn(2, 4), use_first=False).sum().backward()
+
+
 def mixed_devices(rank, world_size):
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     if rank == world_size - 1:  # only one rank is broken: all must still raise

@@ -22,6 +22,8 @@ CASES = [
     (bad_inputs.sparse_gradient_at_runtime, "RuntimeError", [r"'weight' received a sparse gradient"]),
     (bad_inputs.gradient_of_another_shape, "RuntimeError",
      [r"parameter '0\.weight' of shape \(4, 4\) holds a gradient of shape \(3,\)"]),
+    (bad_inputs.gradient_of_another_shape_left_by_no_sync, "RuntimeError",
+     [r"parameter 'first\.weight' of shape \(4, 4\) holds a gradient of shape \(3,\)"]),
     (bad_inputs.mixed_devices, "ValueError", [r"rank \d: trainable parameters are on several devices"]),
     (bad_inputs.complex_dtype, "ValueError", [r"dtype torch.complex64"]),
     (bad_inputs.non_torch_optimizer, "TypeError", [r"torch.optim.Optimizer subclass"]),

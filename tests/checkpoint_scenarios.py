@@ -261,11 +261,8 @@ def look_up_model_params_in_state(rank: int, world_size: int) -> dict[str, Any]:
             "pieces": sum(len(g["params"]) for g in opt.param_groups)}
 
 
-def state_dict_hooks(rank: int, world_size: int) -> dict[str, Any]:
-    """torch.optim's state-dict hooks registered on the ShardedOptimizer (checkpoint
-    tagging and migration): they run around full_state_dict(), state_dict() and
-    load_state_dict(), on the torch.optim-format dict, as torch's optimizer runs them.
-    Before, none ran and a migrating load hook was silently skipped."""
+def _mlp_stepped_once(rank: int):
+    """The MLP wrapped, with AdamW, after one step (and its zero_grad()): (model, opt)."""
     torch.manual_seed(0)
     model = fgp.DistributedDataParallel(MODELS["mlp"]())
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
@@ -273,6 +270,15 @@ def state_dict_hooks(rank: int, world_size: int) -> dict[str, Any]:
     loss_fn("mlp", model(x), y).backward()
     opt.step()
     opt.zero_grad()
+    return model, opt
+
+
+def state_dict_hooks(rank: int, world_size: int) -> dict[str, Any]:
+    """torch.optim's state-dict hooks registered on the ShardedOptimizer (checkpoint
+    tagging and migration): they run around full_state_dict(), state_dict() and
+    load_state_dict(), on the torch.optim-format dict, as torch's optimizer runs them.
+    Before, none ran and a migrating load hook was silently skipped."""
+    model, opt = _mlp_stepped_once(rank)
     calls = []
 
     def tag(optimizer, state_dict):
@@ -324,12 +330,7 @@ def shard_under_another_topology(rank: int, world_size: int) -> Optional[str]:
 def rank0_shard_loaded_everywhere(rank: int, world_size: int) -> Optional[str]:
     """The checkpoint of a loop that saves on rank 0 alone (timm's saver): rank 0's
     ``state_dict()`` shard, loaded on every rank. Returns the error, if any."""
-    torch.manual_seed(0)
-    model = fgp.DistributedDataParallel(MODELS["mlp"]())
-    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
-    x, y = make_batch("mlp", 0, 0, rank)
-    loss_fn("mlp", model(x), y).backward()
-    opt.step()
+    _, opt = _mlp_stepped_once(rank)
     shard = [opt.state_dict() if rank == 0 else None]
     dist.broadcast_object_list(shard, src=0)  # as torch.load of rank 0's file
     try:

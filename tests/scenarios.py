@@ -741,6 +741,7 @@ def train_with_inf_gradient(rank: int, world_size: int, schedule: str) -> dict:
     model = fgp.DistributedDataParallel(MLP(), bucket_cap_mb=0.0001, schedule=schedule,
                                         overlap_plan="layout")
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2, max_grad_norm=1.0)
+    skipped_per_step = []
     for step in range(4):
         x, y = make_batch("mlp", step, 0, rank)
         loss = loss_fn("mlp", model(x), y)
@@ -748,10 +749,11 @@ def train_with_inf_gradient(rank: int, world_size: int, schedule: str) -> dict:
             loss = loss * float("inf")
         loss.backward()
         opt.step()
+        skipped_per_step.append(opt.last_step_skipped)
         opt.zero_grad()
     model.synchronize()
     return {"params": [p.detach().clone() for p in model.module.parameters()],
-            "skipped": opt.skipped_steps,
+            "skipped": opt.skipped_steps, "skipped_per_step": skipped_per_step,
             "rollbacks": model.scheduler.rollbacks if model.scheduler else 0}
 
 

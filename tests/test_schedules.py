@@ -140,6 +140,7 @@ def test_inf_gradient_skips_the_step_everywhere(schedule):
     ours, serial = inf_results(schedule), inf_results("serial")
     for rank, (res, ref) in enumerate(zip(ours, serial)):
         assert res["skipped"] == 1
+        assert res["skipped_per_step"] == [False, False, True, False]
         assert all(torch.isfinite(p).all() for p in res["params"])
         for a, b in zip(res["params"], ref["params"]):
             assert torch.equal(a, b), f"rank {rank}: {schedule} differs from serial"

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fgpsdp_runtime.ddp import SCHEDULES
+
 from .dist_harness import run_distributed
 
 # CLIP: the totals run 5.2-5.9 here, so some steps clip and some do not.
@@ -213,8 +215,7 @@ def _recipe(rank, world_size, schedules, autocast, hook=_ordered_hook, topology=
 
 @pytest.mark.parametrize("autocast", [False, True])
 def test_gpt_recipe_bitwise_torch_ddp_with_float64_clip(autocast):
-    schedules = ["serial", "overlap_backward", "next_forward", "two_stage"]
-    for problems in run_distributed(2, _recipe, schedules, autocast, timeout_s=300):
+    for problems in run_distributed(2, _recipe, SCHEDULES, autocast, timeout_s=300):
         assert problems == []
 
 

@@ -6,10 +6,11 @@ wrapping ran after the gradient had been taken into its bucket: it saw ``None``.
 """
 import pytest
 
+from fgpsdp_runtime.ddp import SCHEDULES
+
 from . import autograd_scenarios
 from .dist_harness import run_calls
 
-SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
 CASES = [(autograd_scenarios.user_grad_hooks_side_by_side, schedule, registered)
          for schedule in SCHEDULES for registered in ("before", "after")]
 

@@ -12,10 +12,11 @@ import math
 
 import pytest
 
+from fgpsdp_runtime.ddp import SCHEDULES
+
 from . import grad_scaler_scenarios
 from .dist_harness import run_distributed
 
-SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
 CASES = [{"schedule": s, "precision": "autocast_float16", "clip": clip, "rank0_overflows_at": 5}
          for s in SCHEDULES for clip in (None, "optimizer", "manual")]
 CASES += [{"schedule": s, "precision": "float32", "clip": "optimizer", "rank0_overflows_at": 5}

@@ -10,6 +10,8 @@ instead of computing with the new values.
 import pytest
 import torch
 
+from fgpsdp_runtime.ddp import SCHEDULES
+
 from . import autograd_scenarios
 from .dist_harness import run_calls, run_distributed
 
@@ -31,7 +33,7 @@ COPIES = [(autograd_scenarios.copies_and_direct_calls, schedule) for schedule in
 MODULE_ONLY = [(autograd_scenarios.train_through_module_only, schedule)
                for schedule in ("next_forward", "two_stage")]
 RENORMED = [(autograd_scenarios.renorm_in_forward, schedule)
-            for schedule in ("serial", "overlap_backward", "next_forward", "two_stage")]
+            for schedule in SCHEDULES]
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,8 @@ import math
 import pytest
 import torch
 
+from fgpsdp_runtime.ddp import SCHEDULES
+
 from .dist_harness import call_many, run_distributed
 from .scenarios import (functional_call_substitutes_viewing_parameters,
                         functional_calls_through_the_wrapper, global_optimizer_hook_calls,
@@ -14,7 +16,6 @@ from .scenarios import (functional_call_substitutes_viewing_parameters,
                         validation_under_inference_mode_first)
 from .test_equivalence import REDUCED_MORE_THAN_ONCE_PER_STEP, SCENARIOS, TOL
 
-SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
 CASES = ("adamw_groups", "clip_triggers", "clip_triggers_nesterov", "clip_idle", "manual_clip", "no_sync",
          "accumulate_synced", "tied", "bn_frozen", "unused", "small_buckets", "attention",
          "order_change", "hyperparameters_after_backward", "hyperparameters_after_clip",

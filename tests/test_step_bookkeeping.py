@@ -4,6 +4,8 @@ moves), and the version bumps of one call per bucket."""
 import torch
 from torch import nn
 
+from fgpsdp_runtime.ddp import SCHEDULES
+
 from .dist_harness import run_distributed
 
 
@@ -38,7 +40,7 @@ def _train(rank, world_size, schedule, steps=4, share_memory=False):
 
 def _all_schedules(rank, world_size):
     return {s: _train(rank, world_size, s)
-            for s in ("serial", "overlap_backward", "next_forward", "two_stage")}
+            for s in SCHEDULES}
 
 
 def test_schedules_bitwise_with_cached_views():

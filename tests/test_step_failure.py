@@ -3,10 +3,11 @@ ShardedOptimizer._UnfinishedStep): called again it finishes the step, on one ran
 alone too; not called again, the rest is sent unstepped with a warning."""
 import pytest
 
+from fgpsdp_runtime.ddp import SCHEDULES
+
 from . import step_failure_scenarios as scen
 from .dist_harness import run_calls
 
-SCHEDULES = ["serial", "overlap_backward", "next_forward", "two_stage"]
 CASES = ([(s, who, then) for s in SCHEDULES for who in ("one_rank", "all_ranks")
           for then in ("retry", "go_on")]
          + [("two_stage", "one_rank", then, False) for then in ("retry", "go_on")]

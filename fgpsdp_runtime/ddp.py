@@ -28,7 +28,7 @@ from . import lifecycle, shutdown
 from .backends import backend_of
 from .buckets import BucketStorage, layout_strides
 from .comm import CommStats, FlatExchange, HierarchicalExchange
-from .ddp_options import (bucket_caps_bytes, buffer_sync, device_ids_problem, ignored_names,
+from .ddp_options import (buffer_sync, checked_arguments, ignored_names,
                           ignored_trainable_problem, named_device, process_group_of,
                           refuse_unsupported)
 from .layout import (BucketLayout, ParamInfo, default_bucket_cap_mb, first_bucket_cap_bytes,
@@ -48,8 +48,8 @@ from .topology import (NodeLayout, TopologyArg, check_contiguous_nodes, create_l
                        hashed_group_names, new_group_like, resolve)
 from .uneven_inputs import AnnouncedCall, UnevenInputs
 from .user_warnings import warn_at_user_code
-from .validation import (SUPPORTED_DTYPES, agree_or_raise, describe, describe_buffers,
-                         local_problems, shared_memory_problem)
+from .validation import (agree_or_raise, describe, describe_buffers, local_problems,
+                         shared_memory_problem)
 
 
 def _make_current_device(module: nn.Module) -> None:
@@ -175,51 +175,15 @@ class DistributedDataParallel(nn.Module):
                            param_to_hook_all_reduce=param_to_hook_all_reduce)
         # Invalid arguments are said on every rank (by agree_or_raise below): one
         # given on one rank only would otherwise leave the others waiting there.
-        # Each is replaced by a valid value until then.
-        argument_problems = []
-        try:
-            bucket_caps = bucket_caps_bytes(bucket_cap_mb_list)
-        except ValueError as error:
-            argument_problems.append(str(error))
-            bucket_caps = None
-        if reduce_dtype is not None and reduce_dtype not in SUPPORTED_DTYPES:
-            argument_problems.append("reduce_dtype must be a floating dtype (" + ", ".join(
-                str(d) for d in SUPPORTED_DTYPES) + f") or None, got {reduce_dtype!r}")
-            reduce_dtype = None
-        if schedule not in SCHEDULES:
-            argument_problems.append(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
-            schedule = "serial"
-        if not (isinstance(overlap_plan, OverlapPlan) or overlap_plan in ("auto", "layout")):
-            argument_problems.append("overlap_plan must be 'auto', 'layout' or an OverlapPlan, "
-                                     f"got {overlap_plan!r}")
-            overlap_plan = "layout"
-        if speculation_memory_mb is not None and not (
-                isinstance(speculation_memory_mb, (int, float))
-                and not isinstance(speculation_memory_mb, bool) and speculation_memory_mb >= 0):
-            argument_problems.append("speculation_memory_mb must be a number >= 0 or None, "
-                                     f"got {speculation_memory_mb!r}")
-            speculation_memory_mb = None
-        elif speculation_memory_mb is not None and (schedule != "two_stage"
-                                                    or overlap_plan != "auto"):
-            # A plan given (or the layout's) is run as it is; other schedules
-            # do not speculate.
-            warnings.warn("fgpsdp: speculation_memory_mb bounds the plan two_stage derives with "
-                          f"overlap_plan='auto' only; ignored here (schedule={schedule!r}, "
-                          "overlap_plan=" + (repr(overlap_plan) if isinstance(overlap_plan, str)
-                                             else "an OverlapPlan") + ")", UserWarning,
-                          stacklevel=2)
-        if bucket_cap_mb is not None and not bucket_cap_mb > 0 and bucket_caps is None:
-            argument_problems.append(f"bucket_cap_mb must be > 0 (or None: automatic), got "
-                                     f"{bucket_cap_mb}")
-            bucket_cap_mb = None
-        if device_ids is not None and len(device_ids) != 1:
-            argument_problems.append("device_ids must name exactly one device (single-device "
-                                     "modules)")
-            device_ids = None
-        misplaced = device_ids_problem(device_ids, module) if device_ids is not None else None
-        if misplaced:
-            argument_problems.append(misplaced)
-            device_ids = None
+        args = checked_arguments(module, schedule=schedule, overlap_plan=overlap_plan,
+                                 reduce_dtype=reduce_dtype,
+                                 speculation_memory_mb=speculation_memory_mb,
+                                 bucket_cap_mb=bucket_cap_mb,
+                                 bucket_cap_mb_list=bucket_cap_mb_list, device_ids=device_ids)
+        argument_problems, bucket_caps = args.problems, args.bucket_caps
+        schedule, overlap_plan, reduce_dtype = args.schedule, args.overlap_plan, args.reduce_dtype
+        speculation_memory_mb, bucket_cap_mb = args.speculation_memory_mb, args.bucket_cap_mb
+        device_ids = args.device_ids
         if not dist.is_available() or not dist.is_initialized():
             if argument_problems:  # no group to tell: said here
                 raise ValueError("fgpsdp: " + "; ".join(argument_problems))
@@ -1147,8 +1111,6 @@ class DistributedDataParallel(nn.Module):
         if exchange is not None:
             shutdown.stop_and_join(exchange.workers, max(0.0, deadline - time.monotonic()))
 
-
-SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
 
 
 def _check_plan(plan: OverlapPlan, n_buckets: int) -> None:

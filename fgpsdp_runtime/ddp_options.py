@@ -1,4 +1,5 @@
-"""torch DDP's constructor keywords and what each means here.
+"""The wrapper's constructor keywords: torch DDP's and what each means here, and
+the checks of this library's own.
 
 The wrapper takes torch DDP's keywords (torch 2.13's, in its positional
 order), so that a loop written for torch DDP runs unchanged. Each one either
@@ -8,12 +9,18 @@ where it is taken), or is refused with a sentence saying what to use instead.
 from __future__ import annotations
 
 import operator
+import warnings
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from .plan import OverlapPlan
+from .validation import SUPPORTED_DTYPES
+
+SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
 
 
 @dataclass(frozen=True)
@@ -125,3 +132,72 @@ def ignored_trainable_problem(trainable: Sequence[tuple[str, torch.nn.Parameter]
             "_ddp_params_and_buffers_to_ignore: rank-local trainable parameters are not "
             "supported (ignored buffers and frozen parameters are); train them outside the "
             "wrapped module, or freeze them")
+
+
+@dataclass(frozen=True)
+class CheckedArguments:
+    """The keywords whose values the wrapper checks itself, each invalid one
+    replaced by a valid value, and what was wrong with them. The problems are not
+    raised here: the wrapper says them on every rank (``agree_or_raise``), as one
+    given on one rank only would leave the others waiting in a collective."""
+
+    schedule: str
+    overlap_plan: Union[str, OverlapPlan]
+    reduce_dtype: Optional[torch.dtype]
+    speculation_memory_mb: Optional[float]
+    bucket_cap_mb: Optional[float]
+    bucket_caps: Optional[tuple[int, ...]]  # bucket_cap_mb_list in bytes
+    device_ids: Optional[Sequence[Any]]
+    problems: list[str]
+
+
+def checked_arguments(module: nn.Module, *, schedule: str,
+                      overlap_plan: Union[str, OverlapPlan],
+                      reduce_dtype: Optional[torch.dtype],
+                      speculation_memory_mb: Optional[float], bucket_cap_mb: Optional[float],
+                      bucket_cap_mb_list: Optional[Sequence[float]],
+                      device_ids: Optional[Sequence[Any]]) -> CheckedArguments:
+    problems = []
+    try:
+        bucket_caps = bucket_caps_bytes(bucket_cap_mb_list)
+    except ValueError as error:
+        problems.append(str(error))
+        bucket_caps = None
+    if reduce_dtype is not None and reduce_dtype not in SUPPORTED_DTYPES:
+        problems.append("reduce_dtype must be a floating dtype (" + ", ".join(
+            str(d) for d in SUPPORTED_DTYPES) + f") or None, got {reduce_dtype!r}")
+        reduce_dtype = None
+    if schedule not in SCHEDULES:
+        problems.append(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+        schedule = "serial"
+    if not (isinstance(overlap_plan, OverlapPlan) or overlap_plan in ("auto", "layout")):
+        problems.append("overlap_plan must be 'auto', 'layout' or an OverlapPlan, "
+                        f"got {overlap_plan!r}")
+        overlap_plan = "layout"
+    if speculation_memory_mb is not None and not (
+            isinstance(speculation_memory_mb, (int, float))
+            and not isinstance(speculation_memory_mb, bool) and speculation_memory_mb >= 0):
+        problems.append("speculation_memory_mb must be a number >= 0 or None, "
+                        f"got {speculation_memory_mb!r}")
+        speculation_memory_mb = None
+    elif speculation_memory_mb is not None and (schedule != "two_stage"
+                                                or overlap_plan != "auto"):
+        # A plan given (or the layout's) is run as it is; other schedules do not
+        # speculate. stacklevel: the wrapper's caller.
+        warnings.warn("fgpsdp: speculation_memory_mb bounds the plan two_stage derives with "
+                      f"overlap_plan='auto' only; ignored here (schedule={schedule!r}, "
+                      "overlap_plan=" + (repr(overlap_plan) if isinstance(overlap_plan, str)
+                                         else "an OverlapPlan") + ")", UserWarning,
+                      stacklevel=3)
+    if bucket_cap_mb is not None and not bucket_cap_mb > 0 and bucket_caps is None:
+        problems.append(f"bucket_cap_mb must be > 0 (or None: automatic), got {bucket_cap_mb}")
+        bucket_cap_mb = None
+    if device_ids is not None and len(device_ids) != 1:
+        problems.append("device_ids must name exactly one device (single-device modules)")
+        device_ids = None
+    misplaced = device_ids_problem(device_ids, module) if device_ids is not None else None
+    if misplaced:
+        problems.append(misplaced)
+        device_ids = None
+    return CheckedArguments(schedule, overlap_plan, reduce_dtype, speculation_memory_mb,
+                            bucket_cap_mb, bucket_caps, device_ids, problems)

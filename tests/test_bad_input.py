@@ -189,3 +189,15 @@ def test_an_optimizer_on_the_unwrapped_module_says_to_wrap_first():
     with pytest.raises(TypeError, match=r"got Linear: wrap the module first, then build the "
                                         r"optimizer on the wrapper"):
         fgp.ShardedOptimizer(torch.nn.Linear(2, 2), torch.optim.SGD, lr=0.1)
+
+
+@pytest.mark.parametrize("settings", [{"schedule": "serial"}, {"overlap_plan": "layout"}])
+def test_a_speculation_budget_the_plan_ignores_is_warned_at_the_callers_line(settings):
+    """Said before any group is needed (here, none is), and pointing at the line that
+    built the wrapper, not at the library's."""
+    import fgpsdp_runtime as fgp
+    with pytest.warns(UserWarning, match=r"speculation_memory_mb bounds the plan two_stage "
+                                         r"derives with overlap_plan='auto' only") as caught, \
+            pytest.raises(RuntimeError, match=r"init_process_group\(\) first"):
+        fgp.DistributedDataParallel(torch.nn.Linear(2, 2), speculation_memory_mb=64, **settings)
+    assert [w.filename for w in caught if "speculation_memory_mb" in str(w.message)] == [__file__]

@@ -6,7 +6,7 @@ wrapping ran after the gradient had been taken into its bucket: it saw ``None``.
 """
 import pytest
 
-from fgpsdp_runtime.ddp import SCHEDULES
+from fgpsdp_runtime.ddp_options import SCHEDULES
 
 from . import autograd_scenarios
 from .dist_harness import run_calls

@@ -12,7 +12,7 @@ import math
 
 import pytest
 
-from fgpsdp_runtime.ddp import SCHEDULES
+from fgpsdp_runtime.ddp_options import SCHEDULES
 
 from . import grad_scaler_scenarios
 from .dist_harness import run_distributed

@@ -10,7 +10,7 @@ instead of computing with the new values.
 import pytest
 import torch
 
-from fgpsdp_runtime.ddp import SCHEDULES
+from fgpsdp_runtime.ddp_options import SCHEDULES
 
 from . import autograd_scenarios
 from .dist_harness import run_calls, run_distributed

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from fgpsdp_runtime.ddp import SCHEDULES
+from fgpsdp_runtime.ddp_options import SCHEDULES
 
 from .dist_harness import call_many, run_distributed
 from .scenarios import (functional_call_substitutes_viewing_parameters,

@@ -4,7 +4,7 @@ moves), and the version bumps of one call per bucket."""
 import torch
 from torch import nn
 
-from fgpsdp_runtime.ddp import SCHEDULES
+from fgpsdp_runtime.ddp_options import SCHEDULES
 
 from .dist_harness import run_distributed
 

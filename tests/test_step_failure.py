@@ -3,7 +3,7 @@ ShardedOptimizer._UnfinishedStep): called again it finishes the step, on one ran
 alone too; not called again, the rest is sent unstepped with a warning."""
 import pytest
 
-from fgpsdp_runtime.ddp import SCHEDULES
+from fgpsdp_runtime.ddp_options import SCHEDULES
 
 from . import step_failure_scenarios as scen
 from .dist_harness import run_calls

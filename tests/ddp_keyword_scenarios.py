@@ -58,7 +58,7 @@ def train_with_keywords(rank: int, world_size: int, cfg: dict[str, Any]) -> dict
         "own_buffers_kept": (_equal(_state(ours.module)[1], before[1]),
                              _equal(_state(ref.module)[1], before[1])),
         "broadcast_buffers": (ours.broadcast_buffers, ref.broadcast_buffers),
-        "n_buckets": len(ours.bucket_layouts),
+        "n_buckets": len(ours.bucket_layouts), "bucket_cap_mb": ours.bucket_cap_mb,
         # Attributes torch DDP keeps, read back by user code.
         "attributes": [(name, getattr(ours, name), getattr(ref, name)) for name in (
             "device", "dim", "static_graph", "gradient_as_bucket_view", "find_unused_parameters",

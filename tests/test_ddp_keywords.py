@@ -69,6 +69,8 @@ def test_the_scenarios_can_tell_syncs_apart():
 
 def test_bucket_cap_mb_list_sets_each_buckets_cap():
     assert results()[0]["bucket_cap_mb_list"]["n_buckets"] == 3
+    # The largest entry, in whole bytes (419).
+    assert results()[0]["bucket_cap_mb_list"]["bucket_cap_mb"] == pytest.approx(0.0004, abs=2**-20)
     assert results()[0]["defaults"]["n_buckets"] == 1
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import sys
 import time
 import warnings
@@ -25,7 +24,6 @@ import torch.distributed as dist
 from torch import nn
 
 from . import lifecycle, shutdown
-from .backends import backend_of
 from .buckets import BucketStorage, layout_strides
 from .comm import CommStats, FlatExchange, HierarchicalExchange
 from .ddp_options import (buffer_sync, checked_arguments, ignored_names,
@@ -34,6 +32,7 @@ from .ddp_options import (buffer_sync, checked_arguments, ignored_names,
 from .layout import (BucketLayout, ParamInfo, default_bucket_cap_mb, first_bucket_cap_bytes,
                      owned_numel, param_alignment_for, plan_buckets)
 from .forward_waits import ForwardParamWaiter, is_traced_by_dynamo
+from .gpu_setup import connect_nccl_groups, make_current_device
 from .param_gathers import ParamGathers
 from .module_guards import (hand_out_parameters_through_the_wrapper,
                             land_gathers_before_state_dicts, zero_grad_through_the_wrapper)
@@ -50,54 +49,6 @@ from .uneven_inputs import AnnouncedCall, UnevenInputs
 from .user_warnings import warn_at_user_code
 from .validation import (agree_or_raise, describe, describe_buffers, local_problems,
                          shared_memory_problem)
-
-
-def _make_current_device(module: nn.Module) -> None:
-    """Make the module's GPU the current one, as launchers' set_device does.
-
-    torch DDP runs without it (its tutorial wraps ``model.to(rank)`` alone), but
-    here NCCL's object collectives (the checks across ranks), the events that
-    order the link streams and the streams the forward waits on all take the
-    current device: left at cuda:0, every rank would meet there (NCCL refuses
-    a duplicate GPU) and the forward would wait on another GPU's stream."""
-    device = next((p.device for p in module.parameters() if p.device.type == "cuda"), None)
-    if device is not None and device.index is not None \
-            and torch.cuda.current_device() != device.index:
-        torch.cuda.set_device(device)
-
-
-def _connect_nccl_groups(groups: Sequence[Optional[dist.ProcessGroup]],
-                         device: torch.device) -> None:
-    """NCCL creates a group's communicator at its first collective. Left to the link
-    workers, each would create its own from its thread during the first backward,
-    in an order that differs between ranks, while the others' kernels run: NCCL
-    warns that this may deadlock. One small all-reduce per group, here, in the
-    same order on every rank, creates them all before any of that."""
-    if device.type != "cuda":
-        return
-    flag = torch.zeros(1, device=device)
-    nccl_groups = [group for group in groups
-                   if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER
-                   and backend_of(group, device) == "nccl"]
-    for group in nccl_groups:
-        dist.all_reduce(flag, group=group)
-    _warn_if_one_hardware_queue(len(nccl_groups))
-
-
-def _warn_if_one_hardware_queue(nccl_groups: int) -> None:
-    """CUDA_DEVICE_MAX_CONNECTIONS=1 (set for Megatron-style tensor-parallel
-    overlap) gives every CUDA stream of the process one hardware queue, which runs
-    kernels in launch order. NCCL kernels wait for their peers, and the link
-    workers' launch orders across groups differ between ranks (link_worker.py):
-    NCCL only guarantees progress to concurrent communicators whose kernels can
-    run side by side (the hazard NCCL documents; not yet run on a GPU)."""
-    if nccl_groups > 1 and os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "").strip() == "1":
-        warnings.warn("fgpsdp: CUDA_DEVICE_MAX_CONNECTIONS=1 puts every CUDA stream of this "
-                      "process in one hardware queue, while this wrapper runs collectives "
-                      f"on {nccl_groups} NCCL communicators at once from separate threads, "
-                      "in orders that may differ between ranks: their kernels can then wait "
-                      "on each other across ranks (a hang). Unset it for training with "
-                      "fgpsdp.", RuntimeWarning, stacklevel=4)
 
 
 @functools.lru_cache(maxsize=None)
@@ -197,7 +148,7 @@ class DistributedDataParallel(nn.Module):
         # (a parameter no rank used keeps grad=None, as when DDP skips it).
         self.schedule = schedule
         self.module = module
-        _make_current_device(module)
+        make_current_device(module)
         process_group = process_group_of(process_group, device_mesh)
         self.device_mesh = device_mesh
         # The group object, as torch DDP holds it (code calls model.process_group.size()).
@@ -301,7 +252,7 @@ class DistributedDataParallel(nn.Module):
             self._exchange = FlatExchange(
                 *self._own_groups, device, self._comm_stats, self.timeline,
                 one_node_shared_memory=self.topology.shared_memory and self.topology.nodes == 1)
-        _connect_nccl_groups(self._own_groups, device)
+        connect_nccl_groups(self._own_groups, device)
 
         infos = [ParamInfo(p.numel(), str(p.dtype).replace("torch.", ""), p.element_size(),
                            layout_strides(p))

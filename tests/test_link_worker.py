@@ -94,15 +94,15 @@ def test_one_hardware_queue_with_several_nccl_communicators_warns(monkeypatch):
     """CUDA_DEVICE_MAX_CONNECTIONS=1 serialises the link workers' NCCL kernels in
     launch order, which differs between ranks: said at wrapping, not left to hang."""
     import warnings
-    from fgpsdp_runtime.ddp import _warn_if_one_hardware_queue
+    from fgpsdp_runtime.gpu_setup import warn_if_one_hardware_queue
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     with pytest.warns(RuntimeWarning, match=r"CUDA_DEVICE_MAX_CONNECTIONS=1 .* 4 NCCL "
                       r"communicators at once"):
-        _warn_if_one_hardware_queue(4)
+        warn_if_one_hardware_queue(4)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        _warn_if_one_hardware_queue(1)  # one communicator: one launch order
+        warn_if_one_hardware_queue(1)  # one communicator: one launch order
         monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
-        _warn_if_one_hardware_queue(4)
+        warn_if_one_hardware_queue(4)
         monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
-        _warn_if_one_hardware_queue(4)
+        warn_if_one_hardware_queue(4)

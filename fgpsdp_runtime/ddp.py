@@ -12,7 +12,6 @@ module's parameters (module_guards.py, param_guards.py). The optimizer
 from __future__ import annotations
 
 import contextlib
-import functools
 import sys
 import time
 import warnings
@@ -25,6 +24,7 @@ from torch import nn
 
 from . import lifecycle, shutdown
 from .buckets import BucketStorage, layout_strides
+from .buffer_broadcast import broadcast_coalesced, versions_kept
 from .comm import CommStats, FlatExchange, HierarchicalExchange
 from .ddp_options import (buffer_sync, checked_arguments, ignored_names,
                           ignored_trainable_problem, named_device, process_group_of,
@@ -49,31 +49,6 @@ from .uneven_inputs import AnnouncedCall, UnevenInputs
 from .user_warnings import warn_at_user_code
 from .validation import (agree_or_raise, describe, describe_buffers, local_problems,
                          shared_memory_problem)
-
-
-@functools.lru_cache(maxsize=None)
-def _version_keeper_takes_tuples() -> bool:
-    # Out of inference mode: the first call may come from a validation forward under
-    # torch.inference_mode(), whose tensors have no version counter to read.
-    with torch.inference_mode(False):
-        try:
-            torch.autograd._unsafe_preserve_version_counter((torch.empty(0),))
-            return True
-        except (AttributeError, TypeError):  # torch 2.4: one tensor only
-            return False
-
-
-def _versions_kept(tensors: Sequence[torch.Tensor]) -> contextlib.AbstractContextManager:
-    """The tensors' version counters restored on exit (an in-place broadcast into
-    buffers autograd saved must not fail backward's version check, as torch DDP's
-    does not): one context for them all, or, where torch takes no tuple, one
-    each (about ten times slower for a ResNet's buffers)."""
-    if _version_keeper_takes_tuples():
-        return torch.autograd._unsafe_preserve_version_counter(tuple(tensors))
-    stack = contextlib.ExitStack()
-    for tensor in tensors:
-        stack.enter_context(torch.autograd._unsafe_preserve_version_counter(tensor))
-    return stack
 
 
 def _plan_setting(plan: Union[str, OverlapPlan]) -> Any:
@@ -418,7 +393,7 @@ class DistributedDataParallel(nn.Module):
             dist.broadcast(storage.flat_param, src=src, group=self.process_group)
         frozen = [p for _, p in named_params if not p.requires_grad]
         buffers = self._synced_buffers() if with_buffers else []
-        _broadcast_coalesced(frozen + buffers, src, self.process_group)
+        broadcast_coalesced(frozen + buffers, src, self.process_group)
 
     @property
     def broadcast_buffers(self) -> bool:
@@ -440,8 +415,8 @@ class DistributedDataParallel(nn.Module):
             return  # nothing to send: no walk over named_buffers() each forward
         buffers = self._synced_buffers()
         if buffers:
-            with _versions_kept(buffers):
-                _broadcast_coalesced(buffers, self._authoritative_rank(), self.process_group)
+            with versions_kept(buffers):
+                broadcast_coalesced(buffers, self._authoritative_rank(), self.process_group)
 
     # -- forward -------------------------------------------------------------
 
@@ -1070,22 +1045,6 @@ def _check_plan(plan: OverlapPlan, n_buckets: int) -> None:
                          f"one stage, got stage1={plan.stage1} stage2={plan.stage2}")
     if plan.lookahead is not None and plan.lookahead < 1:
         raise ValueError(f"overlap plan lookahead must be >= 1, got {plan.lookahead}")
-
-
-def _broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int,
-                         group: Optional[dist.ProcessGroup]) -> None:
-    """Broadcast many small tensors as one flat tensor per (device, dtype)."""
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
-    for members in groups.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in members])
-        dist.broadcast(flat, src=src, group=group)
-        offset = 0
-        for t in members:
-            n = t.numel()
-            t.detach().copy_(flat[offset:offset + n].view_as(t))
-            offset += n
 
 
 def _move_to(obj: Any, device: torch.device) -> Any:

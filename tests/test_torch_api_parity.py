@@ -511,13 +511,13 @@ def test_buffer_broadcast_keeps_version_counters(monkeypatch, takes_tuples):
     """The in-place broadcast into buffers at forward must leave their version
     counters as they were (a buffer saved for backward would fail its check), also
     on torch 2.4, whose _unsafe_preserve_version_counter takes one tensor only."""
-    from fgpsdp_runtime import ddp
-    if takes_tuples and not ddp._version_keeper_takes_tuples():
+    from fgpsdp_runtime import buffer_broadcast
+    if takes_tuples and not buffer_broadcast.version_keeper_takes_tuples():
         pytest.skip("this torch's _unsafe_preserve_version_counter takes no tuple")
-    monkeypatch.setattr(ddp, "_version_keeper_takes_tuples", lambda: takes_tuples)
+    monkeypatch.setattr(buffer_broadcast, "version_keeper_takes_tuples", lambda: takes_tuples)
     buffers = [torch.zeros(3) for _ in range(4)]
     versions = [b._version for b in buffers]
-    with ddp._versions_kept(buffers):
+    with buffer_broadcast.versions_kept(buffers):
         for b in buffers:
             b.add_(1.0)
     assert [b._version for b in buffers] == versions

@@ -129,6 +129,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if max_grad_norm is not None and not (max_grad_norm > 0):
                 raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
             groups = self._normalise_groups(param_groups)
+            if defaults.get("differentiable") or any(g.get("differentiable") for g in groups):
+                raise ValueError("differentiable=True is not supported: the inner optimizer "
+                                 "steps this rank's bucket slices outside autograd, so no "
+                                 "graph through the step reaches the model's parameters")
         except (TypeError, ValueError) as error:
             problem = error
         # A rank clipping alone would roll back and send again what the others
@@ -170,10 +174,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # outside the parameters' state) advance once per opt.step(), not per run.
         self._step_wide_state = StepWideState(self.optim)
         super().__init__(slice_groups, self.optim.defaults)
-        # One set of groups and state: lr schedulers edit what the inner optimizer reads.
-        self.param_groups = self.optim.param_groups
+        # One set of groups and state: lr schedulers edit what the inner optimizer
+        # reads (param_groups is the inner optimizer's list from here).
+        self._groups_fixed = True  # see add_param_group and param_groups
+        del self.__dict__["_groups_while_built"]
         self._share_state()
-        self._groups_fixed = True  # see add_param_group
         # reducer.reduce_scatters_launched when this step's were finished: see
         # _forget_stale_measurements.
         self._finished_at: Optional[int] = None
@@ -342,6 +347,44 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for b in buckets:
             model.start_param_all_gather(b)
         model.finish_param_all_gathers()
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The inner optimizer's groups, the list it steps with: lr schedulers and
+        loops edit what the step reads. A new list given here is the one it steps
+        with from then on, as with a torch optimizer. (The inner optimizer holds
+        copies while a step runs, on the scheduler thread under two_stage: see
+        step_wide_state.py. This list stays the loop's meanwhile.)"""
+        if not self.__dict__.get("_groups_fixed", False):
+            return self.__dict__["_groups_while_built"]
+        return self._step_wide_state.loop_groups
+
+    @param_groups.setter
+    def param_groups(self, groups: list[dict[str, Any]]) -> None:
+        if not self.__dict__.get("_groups_fixed", False):
+            # torch.optim.Optimizer.__init__'s own list, unused: the inner
+            # optimizer's stands in for it once built.
+            self.__dict__["_groups_while_built"] = groups
+            return
+        groups = list(groups)
+        current = self.param_groups
+
+        def same_tensors(new: Any, old: dict[str, Any]) -> bool:
+            params = new.get("params") if isinstance(new, dict) else None
+            return isinstance(params, (list, tuple)) and len(params) == len(old["params"]) \
+                and all(a is b for a, b in zip(params, old["params"]))
+        if len(groups) != len(current) or not all(map(same_tensors, groups, current)):
+            # The tensors are this rank's slice pieces; groups cannot be added or
+            # dropped after construction (see add_param_group).
+            raise ValueError(
+                "fgpsdp: opt.param_groups can be given new dicts only over the same tensors, "
+                "group for group (as [dict(g) for g in opt.param_groups] makes): its tensors "
+                "are this rank's bucket slices, and groups cannot be added or removed after "
+                "construction; change a hyperparameter in the groups instead")
+        # This list first: a step running on the scheduler thread puts back the
+        # inner optimizer's list from it when it ends.
+        self._step_wide_state.loop_groups = groups
+        self.optim.param_groups = groups
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         # torch.optim's would add whole parameters that no bucket slice backs:
@@ -904,7 +947,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._load_shard(state_dict)
         # torch's load_state_dict replaces the inner optimizer's group list and
         # state: share the new ones, or lr schedulers would write to the old.
-        self.param_groups = self.optim.param_groups
+        self._step_wide_state.loop_groups = self.optim.param_groups
         self._share_state()
         for hook in list(self._optimizer_load_state_dict_post_hooks.values()):
             hook(self)
@@ -1055,7 +1098,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _hyperparameters_now(self) -> list[dict]:
         """What a step on this thread would run with (speculation.hyperparameters)."""
-        return hyperparameters(self.optim.param_groups, cpu_arithmetic=self._device.type == "cpu")
+        return hyperparameters(self.param_groups, cpu_arithmetic=self._device.type == "cpu")
 
     def _any_rank(self, flag: bool) -> bool:
         packet = torch.tensor([float(flag)], dtype=torch.float64, device=self._device)

@@ -108,6 +108,9 @@ def optimizer_wide_entries(optim: torch.optim.Optimizer) -> dict[Any, Any]:
 class StepWideState:
     def __init__(self, optim: torch.optim.Optimizer):
         self._optim = optim
+        # The loop's group list (opt.param_groups): the inner optimizer's outside a
+        # run. The loop may give a new one while a run holds copies there.
+        self.loop_groups: list[dict] = optim.param_groups
         # What this step's runs wrote (every run starts from the same values, so
         # what any run wrote counts, a later run's winning): per group
         # {key: value}, and optimizer-wide state {key: value or _MISSING (removed)}.
@@ -121,7 +124,7 @@ class StepWideState:
     def run(self) -> Iterator[None]:
         """One inner step: on copies of the groups, optimizer-wide state put back after."""
         optim = self._optim
-        originals = optim.param_groups
+        originals = self.loop_groups
         # One copy each, under the GIL; tensor entries cloned, so that one written in
         # place (apex FusedAdam(capturable=True)'s group["step"] += 1) stays in the copy.
         # (Per run, on the step's path: plain loops, no per-entry calls.)
@@ -150,7 +153,7 @@ class StepWideState:
             yield
             ran = True
         finally:
-            optim.param_groups = originals
+            optim.param_groups = self.loop_groups  # a list given meanwhile, or originals
             state_after = optimizer_wide_entries(optim)
             for key in state_after.keys() | state_before.keys():
                 if key in state_before:
@@ -199,7 +202,7 @@ class StepWideState:
     def end_step(self, stepped: bool) -> None:
         """The step is over: keep what its runs wrote if it stepped."""
         if stepped:
-            for group, writes in zip(self._optim.param_groups, self._group_writes):
+            for group, writes in zip(self.loop_groups, self._group_writes):
                 group.update(writes)
             for key, value in self._state_writes.items():
                 if value is _MISSING:

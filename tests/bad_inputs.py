@@ -94,6 +94,33 @@ def non_elementwise_optimizer(rank, world_size):
     fgp.ShardedOptimizer(model, torch.optim.LBFGS, lr=0.1)
 
 
+def param_groups_replaced_by_others(rank, world_size):
+    """A new group list over other tensors (the model's parameters) than the slices."""
+    model = fgp.DistributedDataParallel(MLP())
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    opt.param_groups = [{"params": list(model.parameters()), "lr": 0.1}]
+
+
+def param_groups_dropped(rank, world_size):
+    model = fgp.DistributedDataParallel(MLP())
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, param_groups=[
+        {"params": [model.module.net[0].weight]},
+        {"params": [p for n, p in model.module.named_parameters() if n != "net.0.weight"]}],
+        lr=0.1)
+    opt.param_groups = opt.param_groups[1:]
+
+
+def differentiable_optimizer(rank, world_size):
+    model = fgp.DistributedDataParallel(MLP())
+    fgp.ShardedOptimizer(model, torch.optim.Adam, lr=0.1, differentiable=True)
+
+
+def differentiable_group(rank, world_size):
+    model = fgp.DistributedDataParallel(MLP())
+    fgp.ShardedOptimizer(model, torch.optim.SGD, param_groups=[
+        {"params": list(model.parameters()), "differentiable": True}], lr=0.1)
+
+
 def muon_optimizer(rank, world_size):
     model = fgp.DistributedDataParallel(MLP())
     fgp.ShardedOptimizer(model, torch.optim.Muon, lr=0.02)

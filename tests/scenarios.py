@@ -647,6 +647,11 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
 
         if cfg.get("hyperparameters_after_backward") == "before_clip":
             set_hyperparameters()
+        if step == cfg.get("param_groups_replaced_after_backward_at"):
+            # ... with another lr, while two_stage's speculative steps may still run
+            # on the inner optimizer's copies of the old groups.
+            for o in (opt, ref_opt):
+                o.param_groups = [dict(g, lr=g["lr"] / 2) for g in o.param_groups]
         if cfg.get("zero_before_step"):
             # Zeroed between backward and step: the step sees zero gradients
             # (AdamW still decays and moves by its moments), or none, as under DDP.
@@ -679,6 +684,11 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
         if step == cfg.get("reload_optimizer_at"):  # resuming: a checkpoint round trip
             opt.load_state_dict(opt.state_dict())
             ref_opt.load_state_dict(ref_opt.state_dict())
+        if step == cfg.get("param_groups_replaced_at"):
+            # New dicts for the groups (a loop rebuilding them): the steps and the
+            # schedule must use these from now on, as torch's optimizer does.
+            for o in (opt, ref_opt):
+                o.param_groups = [dict(g) for g in o.param_groups]
         if sched is not None:
             sched.step()
             ref_sched.step()

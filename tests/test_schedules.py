@@ -22,7 +22,8 @@ CASES = ("adamw_groups", "clip_triggers", "clip_triggers_nesterov", "clip_idle",
          "model_zero_grad", "zero_before_step", "checkpointed", "checkpointed_reentrant",
          "checkpointed_reentrant_no_sync", "pre_hooks", "parent_reads", "channels_last",
          "no_sync_forward_only", "step_counters", "betas_in_place_after_clip", "clip_value",
-         "clip_value_then_manual_clip")
+         "clip_value_then_manual_clip", "param_groups_replaced",
+         "param_groups_replaced_after_backward")
 # Many small buckets, so that two_stage has stage-1 buckets to speculate on.
 SMALL_BUCKETS_MB = 0.0001
 
@@ -112,7 +113,7 @@ def test_two_stage_commits_and_rolls_back(topology):
         assert res["rollbacks"] > 0 and res["commits"] > 0
         assert "hyperparameters changed" in res["speculation_stopped"]
     moved = ("hyperparameters_after_backward", "hyperparameters_after_clip",
-             "betas_in_place_after_clip")
+             "betas_in_place_after_clip", "param_groups_replaced_after_backward")
     assert all(r[case]["speculation_stopped"] is None for r in changed for case in CASES
                if case not in moved)
 

@@ -54,18 +54,19 @@ def build(tensors: int, per_module: int = 16) -> nn.Module:
                            for i in range(0, tensors, per_module)])
 
 
-def train(system: str, tensors: int, steps: int, warmup: int):
+def train(system: str, tensors: int, steps: int, warmup: int, bucket_cap_mb=None):
     module = build(tensors)
     if system == "ddp":
-        model = nn.parallel.DistributedDataParallel(module)
+        model = nn.parallel.DistributedDataParallel(module, bucket_cap_mb=bucket_cap_mb)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     elif system == "two_stage_stage1":
         # two_stage with every bucket in stage 1 from the first step (the layout
         # plan): what its speculative steps cost on the host.
-        model = fgp.DistributedDataParallel(module, schedule="two_stage", overlap_plan="layout")
+        model = fgp.DistributedDataParallel(module, schedule="two_stage", overlap_plan="layout",
+                                            bucket_cap_mb=bucket_cap_mb)
         opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
     else:
-        model = fgp.DistributedDataParallel(module, schedule=system)
+        model = fgp.DistributedDataParallel(module, schedule=system, bucket_cap_mb=bucket_cap_mb)
         opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
     walls, cpus = [], []
     generator = torch.Generator().manual_seed(dist.get_rank())
@@ -91,6 +92,8 @@ def main() -> None:
     parser.add_argument("--systems", default="ddp,two_stage,next_forward,serial")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=6)
+    parser.add_argument("--bucket-cap-mb", type=float, default=None,
+                        help="every system's bucket cap (default: each one's own)")
     args = parser.parse_args()
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -100,7 +103,8 @@ def main() -> None:
         systems.remove("ddp")
         systems.insert(0, "ddp")
     for system in systems:
-        wall, cpu, params = train(system, args.tensors, args.steps, args.warmup)
+        wall, cpu, params = train(system, args.tensors, args.steps, args.warmup,
+                                  args.bucket_cap_mb)
         if system == "ddp":
             reference = params
         diff = max(float((a - b).abs().max()) for a, b in zip(params, reference)) \
@@ -109,7 +113,8 @@ def main() -> None:
         dist.barrier()
     if dist.get_rank() == 0:
         print(f"{args.tensors} tensors, {dist.get_world_size()} ranks, median of {args.steps} "
-              f"steps after {args.warmup}, torch {torch.__version__}")
+              f"steps after {args.warmup}, bucket_cap_mb {args.bucket_cap_mb}, "
+              f"torch {torch.__version__}")
         print(f"{'system':<18}{'wall ms/step':>14}{'CPU ms/step':>14}{'max |diff| vs ddp':>20}")
         for system, wall, cpu, diff in rows:
             print(f"{system:<18}{wall * 1e3:>14.1f}{cpu * 1e3:>14.1f}{diff:>20.3g}")

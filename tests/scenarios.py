@@ -1323,3 +1323,32 @@ def global_optimizer_hook_calls(rank: int, world_size: int, schedule: str) -> tu
     for handle in handles:
         handle.remove()
     return calls[0], calls[1]
+
+
+def inner_steps_per_step(rank: int, world_size: int, schedule: str,
+                         min_elements: Optional[str]) -> dict:
+    """The inner optimizer's calls in each of 3 steps of an MLP in many buckets, with
+    FGPSDP_STEP_CHUNK_MIN_ELEMENTS as given (None: the default), and the parameters."""
+    if min_elements is None:
+        os.environ.pop("FGPSDP_STEP_CHUNK_MIN_ELEMENTS", None)
+    else:
+        os.environ["FGPSDP_STEP_CHUNK_MIN_ELEMENTS"] = min_elements
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(MLP(), bucket_cap_mb=0.0001, schedule=schedule)
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    calls = []
+    inner_step = opt._inner_step
+
+    def counted():
+        calls[-1] += 1
+        inner_step()
+    opt._inner_step = counted
+    for step in range(3):
+        x, y = make_batch("mlp", step, 0, rank)
+        loss_fn("mlp", model(x), y).backward()
+        calls.append(0)
+        opt.step()
+        opt.zero_grad()
+    model.synchronize()
+    return {"calls": calls, "buckets": len(model.buckets),
+            "params": [p.detach().clone() for p in model.module.parameters()]}

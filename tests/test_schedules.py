@@ -11,7 +11,8 @@ from fgpsdp_runtime.ddp_options import SCHEDULES
 from .dist_harness import call_many, run_distributed
 from .scenarios import (functional_call_substitutes_viewing_parameters,
                         functional_calls_through_the_wrapper, global_optimizer_hook_calls,
-                        groups_holding_objects, norms_after_clip_grad_value, skip_on_inf_norm,
+                        groups_holding_objects, inner_steps_per_step,
+                        norms_after_clip_grad_value, skip_on_inf_norm,
                         train_eval_modes, train_many, train_with_inf_gradient,
                         validation_under_inference_mode_first)
 from .test_equivalence import REDUCED_MORE_THAN_ONCE_PER_STEP, SCENARIOS, TOL
@@ -251,3 +252,17 @@ def test_param_groups_keep_the_objects_they_carry():
             res = per_call[call]
             assert res["param_diff"] == 0.0 and res["same_objects"], (rank, call, res)
         assert per_call[calls[-1]]["commits"] > 0  # two_stage speculated, and kept it
+
+
+def test_a_small_model_is_stepped_in_one_inner_step_by_default():
+    """The forward-ordered step chunks by elements (2**18 per rank by default): a
+    small model takes one inner step, not one per bucket, with the same bits."""
+    calls = [(inner_steps_per_step, "next_forward", None),
+             (inner_steps_per_step, "next_forward", "1")]
+    for rank, per_call in enumerate(run_distributed(2, call_many, calls, timeout_s=120)):
+        merged, chunked = per_call[calls[0]], per_call[calls[1]]
+        assert merged["buckets"] == chunked["buckets"] >= 4
+        assert merged["calls"] == [1, 1, 1], (rank, merged["calls"])
+        assert chunked["calls"] == [chunked["buckets"]] * 3, (rank, chunked["calls"])
+        for a, b in zip(merged["params"], chunked["params"]):
+            assert torch.equal(a, b), rank

@@ -179,7 +179,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # One set of groups and state: lr schedulers edit what the inner optimizer
         # reads (param_groups is the inner optimizer's list from here).
         self._groups_fixed = True  # see add_param_group and param_groups
-        del self.__dict__["_groups_while_built"]
+        del self.__dict__["param_groups"]  # torch's list, replaced by the inner one's
         self._share_state()
         # reducer.reduce_scatters_launched when this step's were finished: see
         # _forget_stale_measurements.
@@ -317,25 +317,41 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # Schedule-free optimizers move their parameters between the point they train
     # at and the average they evaluate at: train() before training, eval() before
-    # an evaluation or a save (every rank, as with torch DDP).
-    @torch.compiler.disable
-    def train(self) -> None:
+    # an evaluation or a save (every rank, as with torch DDP). Where the inner
+    # optimizer has none, neither has this one: HF's Trainer and accelerate call
+    # opt.train() only where hasattr() finds it.
+    @property
+    def train(self) -> Callable[[], None]:
         """The inner optimizer's ``train()`` (schedule-free's), on every rank."""
+        self._inner_method("train")
+        return self._train
+
+    @property
+    def eval(self) -> Callable[[], None]:
+        """The inner optimizer's ``eval()`` (schedule-free's), on every rank."""
+        self._inner_method("eval")
+        return self._eval
+
+    @torch.compiler.disable
+    def _train(self) -> None:
         self._rewrite_slices("train")
 
     @torch.compiler.disable
-    def eval(self) -> None:
-        """The inner optimizer's ``eval()`` (schedule-free's), on every rank."""
+    def _eval(self) -> None:
         self._rewrite_slices("eval")
+
+    def _inner_method(self, name: str) -> Callable[[], None]:
+        method = getattr(self.optim, name, None)
+        if not callable(method):
+            raise AttributeError(f"{type(self.optim).__name__} has no {name}() (schedule-free "
+                                 "optimizers have one)")
+        return method
 
     def _rewrite_slices(self, name: str) -> None:
         """The inner optimizer's ``name()`` rewrites this rank's slices element by
         element; every bucket is then all-gathered, so that every replica holds the
         result (a collective)."""
-        method = getattr(self.optim, name, None)
-        if not callable(method):
-            raise AttributeError(f"{type(self.optim).__name__} has no {name}() (schedule-free "
-                                 "optimizers have one)")
+        method = self._inner_method(name)
         self._refuse_while_unfinished(f"{name}()")
         self._refuse_speculative_state(f"{name}()")
         model = self.model
@@ -350,6 +366,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
             model.start_param_all_gather(b)
         model.finish_param_all_gathers()
 
+    def _built_step_wide_state(self) -> Optional[StepWideState]:
+        """Where the loop's group list lives once this optimizer is built. Looked up
+        as attributes, not in ``__dict__``: a wrapper that takes this class as a base
+        and forwards attributes to the optimizer it wraps (Lightning's
+        LightningOptimizer) reaches the wrapped one's. None while being built, and in
+        a copy made through torch's ``__getstate__`` (pickle, ``copy.deepcopy``), which
+        holds only the list as it was."""
+        try:
+            return self._step_wide_state if self._groups_fixed else None
+        except AttributeError:
+            return None
+
     @property
     def param_groups(self) -> list[dict[str, Any]]:
         """The inner optimizer's groups, the list it steps with: lr schedulers and
@@ -357,16 +385,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         with from then on, as with a torch optimizer. (The inner optimizer holds
         copies while a step runs, on the scheduler thread under two_stage: see
         step_wide_state.py. This list stays the loop's meanwhile.)"""
-        if not self.__dict__.get("_groups_fixed", False):
-            return self.__dict__["_groups_while_built"]
-        return self._step_wide_state.loop_groups
+        wide = self._built_step_wide_state()
+        if wide is None:  # torch.optim.Optimizer.__init__'s own list, or a copy's
+            return self.__dict__["param_groups"]
+        return wide.loop_groups
 
     @param_groups.setter
     def param_groups(self, groups: list[dict[str, Any]]) -> None:
-        if not self.__dict__.get("_groups_fixed", False):
-            # torch.optim.Optimizer.__init__'s own list, unused: the inner
-            # optimizer's stands in for it once built.
-            self.__dict__["_groups_while_built"] = groups
+        wide = self._built_step_wide_state()
+        if wide is None:
+            self.__dict__["param_groups"] = groups
             return
         groups = list(groups)
         current = self.param_groups
@@ -383,10 +411,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "group for group (as [dict(g) for g in opt.param_groups] makes): its tensors "
                 "are this rank's bucket slices, and groups cannot be added or removed after "
                 "construction; change a hyperparameter in the groups instead")
-        # This list first: a step running on the scheduler thread puts back the
-        # inner optimizer's list from it when it ends.
-        self._step_wide_state.loop_groups = groups
-        self.optim.param_groups = groups
+        wide.set_loop_groups(groups)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         # torch.optim's would add whole parameters that no bucket slice backs:
@@ -594,9 +619,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         microseconds of Python (torch's step, the group copies) whatever its size,
         while chunking only lets the first all-gathers start before the later
         slices are stepped: on a small model the calls cost more than that buys
-        (a 5-bucket MLP of 115k parameters, 2 CPU ranks: 0.82x the step time in
-        one step instead of five, median of 5 alternating pairs). The same on
-        every rank: the shard sizes are."""
+        (a 5-bucket MLP of 115k parameters, 2 CPU ranks, next_forward: the whole
+        step in 0.84-0.87x the time in one inner step instead of five,
+        docs/benchmarks/2026-12-05-step-chunks-cpu.md). The same on every rank: the
+        shard sizes are."""
         elements = sum(self.model.buckets[b].layout.shard_numel for b in buckets)
         return max(1, min(_MAX_STEP_CHUNKS, elements // self._step_chunk_min_elements))
 
@@ -963,7 +989,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._load_shard(state_dict)
         # torch's load_state_dict replaces the inner optimizer's group list and
         # state: share the new ones, or lr schedulers would write to the old.
-        self._step_wide_state.loop_groups = self.optim.param_groups
+        self._step_wide_state.set_loop_groups(self.optim.param_groups)
         self._share_state()
         for hook in list(self._optimizer_load_state_dict_post_hooks.values()):
             hook(self)

@@ -522,8 +522,10 @@ class GradientReducer:
                 "opt.zero_grad() or model.zero_grad() between them. With no zeroing at all "
                 "torch DDP would add too; but the reduced gradients are not in param.grad, "
                 "so zeroing through a submodule's zero_grad() or param.grad = None, which "
-                "torch DDP would have taken, does not reset them: call opt.zero_grad(), "
-                "model.zero_grad() or model.module.zero_grad().")
+                "torch DDP would have taken, does not reset them, nor does the zero_grad() "
+                "of an optimizer wrapping this one over its param_groups (timm's "
+                "Lookahead inherits torch's, which clears only the slices' .grad): call "
+                "opt.zero_grad(), model.zero_grad() or model.module.zero_grad().")
         self._report_accumulation = False
 
     def landed(self, b: int) -> bool:

@@ -17,6 +17,7 @@ them, and putting back what the run wrote must not undo that.
 from __future__ import annotations
 
 import copy
+import threading
 from contextlib import contextmanager
 from typing import Any, Iterator, Optional
 
@@ -109,8 +110,11 @@ class StepWideState:
     def __init__(self, optim: torch.optim.Optimizer):
         self._optim = optim
         # The loop's group list (opt.param_groups): the inner optimizer's outside a
-        # run. The loop may give a new one while a run holds copies there.
+        # run. The loop may give a new one (set_loop_groups) while a run, on the
+        # scheduler thread, holds copies there: the lock orders the two.
         self.loop_groups: list[dict] = optim.param_groups
+        self._swap_lock = threading.Lock()
+        self._runs = 0
         # What this step's runs wrote (every run starts from the same values, so
         # what any run wrote counts, a later run's winning): per group
         # {key: value}, and optimizer-wide state {key: value or _MISSING (removed)}.
@@ -124,7 +128,8 @@ class StepWideState:
     def run(self) -> Iterator[None]:
         """One inner step: on copies of the groups, optimizer-wide state put back after."""
         optim = self._optim
-        originals = self.loop_groups
+        with self._swap_lock:
+            originals = self.loop_groups
         # One copy each, under the GIL; tensor entries cloned, so that one written in
         # place (apex FusedAdam(capturable=True)'s group["step"] += 1) stays in the copy.
         # (Per run, on the step's path: plain loops, no per-entry calls.)
@@ -147,13 +152,17 @@ class StepWideState:
         live_state = optimizer_wide_entries(optim)
         live_versions = {k: (v, tensor_versions(v)) for k, v in live_state.items()}
         state_before = {k: copy_value(v) for k, v in live_state.items()}
-        optim.param_groups = copies
+        with self._swap_lock:
+            optim.param_groups = copies
+            self._runs += 1
         ran = False
         try:
             yield
             ran = True
         finally:
-            optim.param_groups = self.loop_groups  # a list given meanwhile, or originals
+            with self._swap_lock:
+                self._runs -= 1
+                optim.param_groups = self.loop_groups  # a list given meanwhile, or originals
             state_after = optimizer_wide_entries(optim)
             for key in state_after.keys() | state_before.keys():
                 if key in state_before:
@@ -181,6 +190,15 @@ class StepWideState:
                             and untouched(*live_versions[key], state_after[key]))
                     and not same_value(state_before.get(key, _MISSING),
                                        state_after.get(key, _MISSING))})
+
+    def set_loop_groups(self, groups: list[dict]) -> None:
+        """The loop's new group list (``opt.param_groups = ...``): the inner
+        optimizer's at once, or, while a run holds copies there, when it ends (a
+        run on the scheduler thread must step its copies, not the loop's dicts)."""
+        with self._swap_lock:
+            self.loop_groups = groups
+            if self._runs == 0:
+                self._optim.param_groups = groups
 
     @contextmanager
     def run_and_forget(self) -> Iterator[None]:

@@ -9,4 +9,4 @@ os.environ["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
 # The tests' models are small: their optimizer steps are chunked as finely as a large
 # model's would be (see optim.step_chunk_min_elements), so that the chunked step stays
 # covered; test_schedules checks the default.
-os.environ.setdefault("FGPSDP_STEP_CHUNK_MIN_ELEMENTS", "1")
+os.environ["FGPSDP_STEP_CHUNK_MIN_ELEMENTS"] = "1"

@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import threading
 import time
 from typing import Any, Optional
 
@@ -1351,4 +1352,104 @@ def inner_steps_per_step(rank: int, world_size: int, schedule: str,
         opt.zero_grad()
     model.synchronize()
     return {"calls": calls, "buckets": len(model.buckets),
+            "params": [p.detach().clone() for p in model.module.parameters()]}
+
+
+class _ForwardingOptimizer:
+    """A trainer's wrapper that forwards what it lacks to the optimizer it wraps."""
+
+    def __init__(self, optimizer):
+        self._optimizer = optimizer
+
+    def __getattr__(self, name):
+        return getattr(self._optimizer, name)
+
+
+class _SubclassingOptimizer:
+    """Lightning's LightningOptimizer: the wrapped optimizer's __dict__ copied, its
+    class taken as a base, and what is still missing forwarded."""
+
+    def __init__(self, optimizer):
+        self.__dict__ = {k: v for k, v in optimizer.__dict__.items() if k != "step"}
+        self.__class__ = type("Lightning" + type(optimizer).__name__,
+                              (type(self), type(optimizer)), {})
+        self._optimizer = optimizer
+
+    def __getattr__(self, name):
+        return getattr(self._optimizer, name)
+
+
+def optimizer_surface_as_trainers_read_it(rank: int, world_size: int) -> dict:
+    """What trainer libraries read of an optimizer, of a ShardedOptimizer and of torch's
+    AdamW side by side: HF's Trainer and accelerate call opt.train() where hasattr()
+    finds it; Lightning's wrapper reads param_groups and repr through its class;
+    pickle and copy.deepcopy give copies whose param_groups and repr work."""
+    import pickle
+    ours, opt, ref, ref_opt = _adamw_beside_torch_ddp(MLP(), "two_stage")
+    x, y = make_batch("mlp", 0, 0, rank)
+    for model, o in ((ours, opt), (ref, ref_opt)):
+        loss_fn("mlp", model(x), y).backward()
+        o.step()
+        o.zero_grad()
+    out = {}
+    for side, o in (("ours", opt), ("torch", ref_opt)):
+        read = {"probe": [hasattr(o, "train"), hasattr(o, "eval")]}
+        for wrap in (_ForwardingOptimizer, _SubclassingOptimizer):
+            wrapped = wrap(o)
+            read[wrap.__name__] = [len(wrapped.param_groups), wrapped.param_groups[0]["lr"],
+                                   "lr: 0.01" in repr(wrapped)]
+        for name, made in (("pickled", lambda o=o: pickle.loads(pickle.dumps(o))),
+                           ("deepcopied", lambda o=o: copy.deepcopy(o))):
+            try:
+                copied = made()
+                read[name] = [len(copied.param_groups), copied.param_groups[0]["lr"],
+                              repr(copied) == repr(o)]
+            except Exception as error:  # noqa: BLE001 - what a copy raises is the result
+                read[name] = f"{type(error).__name__}: {error}"
+        out[side] = read
+    return out
+
+
+class GatedStepCountingSGD(StepCountingSGD):
+    """StepCountingSGD whose first step on the scheduler thread (a two_stage
+    speculative one) in each training step waits, inside its run on copies of the
+    groups, until the loop has done what it does after backward (``gate``)."""
+
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, lr)
+        self.inside, self.loop_done = threading.Event(), threading.Event()
+
+    def step(self, closure=None):
+        if threading.current_thread() is not threading.main_thread() \
+                and not self.inside.is_set():
+            self.inside.set()
+            self.loop_done.wait(10.0)
+        return super().step(closure)
+
+
+def param_groups_replaced_during_a_speculative_step(rank: int, world_size: int,
+                                                    replace: bool) -> dict:
+    """opt.param_groups given new dicts of the same values right after backward, while
+    a speculative step runs on copies of the groups (an optimizer counting in its
+    groups: the copies' counts must be the ones kept). Before, the new list went into
+    the inner optimizer at once, the running step counted in the loop's dicts, and
+    the ranks' counts could differ."""
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(MLP(), bucket_cap_mb=0.0001, schedule="two_stage",
+                                        overlap_plan="layout")
+    opt = fgp.ShardedOptimizer(model, GatedStepCountingSGD, lr=0.05)
+    gated = opt.optim
+    for step in range(3):
+        gated.inside.clear()
+        gated.loop_done.clear()
+        x, y = make_batch("mlp", step, 0, rank)
+        loss_fn("mlp", model(x), y).backward()
+        assert gated.inside.wait(10.0), "no speculative step ran (two_stage stopped speculating)"
+        if replace:
+            opt.param_groups = [dict(g) for g in opt.param_groups]
+        gated.loop_done.set()
+        opt.step()
+        opt.zero_grad()
+    model.synchronize()
+    return {"k": [g["k"] for g in opt.param_groups],
             "params": [p.detach().clone() for p in model.module.parameters()]}

@@ -12,6 +12,7 @@ from .dist_harness import call_many, run_distributed
 from .scenarios import (functional_call_substitutes_viewing_parameters,
                         functional_calls_through_the_wrapper, global_optimizer_hook_calls,
                         groups_holding_objects, inner_steps_per_step,
+                        param_groups_replaced_during_a_speculative_step,
                         norms_after_clip_grad_value, skip_on_inf_norm,
                         train_eval_modes, train_many, train_with_inf_gradient,
                         validation_under_inference_mode_first)
@@ -265,4 +266,14 @@ def test_a_small_model_is_stepped_in_one_inner_step_by_default():
         assert merged["calls"] == [1, 1, 1], (rank, merged["calls"])
         assert chunked["calls"] == [chunked["buckets"]] * 3, (rank, chunked["calls"])
         for a, b in zip(merged["params"], chunked["params"]):
+            assert torch.equal(a, b), rank
+
+
+def test_param_groups_given_during_a_speculative_step_count_the_step_once():
+    calls = [(param_groups_replaced_during_a_speculative_step, True),
+             (param_groups_replaced_during_a_speculative_step, False)]
+    for rank, per_call in enumerate(run_distributed(2, call_many, calls, timeout_s=120)):
+        replaced, kept = per_call[calls[0]], per_call[calls[1]]
+        assert replaced["k"] == kept["k"] == [3], (rank, replaced["k"])
+        for a, b in zip(replaced["params"], kept["params"]):
             assert torch.equal(a, b), rank

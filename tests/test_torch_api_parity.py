@@ -701,3 +701,15 @@ def test_parameters_read_before_our_clip_say_nothing(how):
     # Before, the count warned that torch's clip would clip nothing (said at the
     # read; now at the step, only if no clip of ours ran).
     assert run_distributed(2, parameters_counted_before_our_clip, how) == [[], []]
+
+
+def test_what_trainers_read_of_the_optimizer_reads_as_on_torchs():
+    """hasattr(opt, "train") (HF's Trainer and accelerate call it only where found),
+    param_groups and repr through Lightning-style wrappers, pickle and deepcopy copies:
+    as on torch's AdamW (before: opt.train() raised for AdamW, and the wrappers and
+    copies raised KeyError on param_groups)."""
+    from .scenarios import optimizer_surface_as_trainers_read_it
+    for rank, res in enumerate(run_distributed(2, optimizer_surface_as_trainers_read_it)):
+        assert res["ours"] == res["torch"], rank
+        assert res["ours"]["probe"] == [False, False]
+        assert res["ours"]["_SubclassingOptimizer"] == [1, 0.01, True]

@@ -1241,7 +1241,8 @@ _MAX_STEP_CHUNKS = 16
 def step_chunk_min_elements() -> int:
     """The fewest elements of a rank's slices per inner step of the forward-ordered
     step (see ShardedOptimizer._step_chunk_count): ``FGPSDP_STEP_CHUNK_MIN_ELEMENTS``,
-    2**18 by default (1 chunks every model as finely as _MAX_STEP_CHUNKS allows)."""
+    2**18 by default (with 1, every model is chunked as finely as _MAX_STEP_CHUNKS
+    allows, as before 2026-12-05)."""
     value = int(os.environ.get("FGPSDP_STEP_CHUNK_MIN_ELEMENTS", str(1 << 18)))
     if value < 1:
         raise ValueError(f"FGPSDP_STEP_CHUNK_MIN_ELEMENTS must be >= 1, got {value}")

@@ -334,10 +334,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.compiler.disable
     def _train(self) -> None:
+        """The inner optimizer's ``train()`` (schedule-free's), on every rank: a
+        collective that rewrites this rank's slices and all-gathers every bucket."""
         self._rewrite_slices("train")
 
     @torch.compiler.disable
     def _eval(self) -> None:
+        """The inner optimizer's ``eval()`` (schedule-free's), on every rank: a
+        collective that rewrites this rank's slices and all-gathers every bucket."""
         self._rewrite_slices("eval")
 
     def _inner_method(self, name: str) -> Callable[[], None]:
@@ -387,7 +391,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         step_wide_state.py. This list stays the loop's meanwhile.)"""
         wide = self._built_step_wide_state()
         if wide is None:  # torch.optim.Optimizer.__init__'s own list, or a copy's
-            return self.__dict__["param_groups"]
+            try:
+                return self.__dict__["param_groups"]
+            except KeyError:  # not built (hasattr() and repr() expect this error)
+                raise AttributeError("param_groups") from None
         return wide.loop_groups
 
     @param_groups.setter

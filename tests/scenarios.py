@@ -1439,17 +1439,20 @@ def param_groups_replaced_during_a_speculative_step(rank: int, world_size: int,
                                         overlap_plan="layout")
     opt = fgp.ShardedOptimizer(model, GatedStepCountingSGD, lr=0.05)
     gated = opt.optim
+    counts = []  # group["k"] after each step
     for step in range(3):
         gated.inside.clear()
         gated.loop_done.clear()
         x, y = make_batch("mlp", step, 0, rank)
         loss_fn("mlp", model(x), y).backward()
-        assert gated.inside.wait(10.0), "no speculative step ran (two_stage stopped speculating)"
+        if model.scheduler.stopped_because is not None:
+            break  # no speculative step to wait for (a count went wrong: see counts)
+        assert gated.inside.wait(10.0), "no speculative step ran"
         if replace:
             opt.param_groups = [dict(g) for g in opt.param_groups]
         gated.loop_done.set()
         opt.step()
+        counts.append([g["k"] for g in opt.param_groups])
         opt.zero_grad()
     model.synchronize()
-    return {"k": [g["k"] for g in opt.param_groups],
-            "params": [p.detach().clone() for p in model.module.parameters()]}
+    return {"k": counts, "params": [p.detach().clone() for p in model.module.parameters()]}

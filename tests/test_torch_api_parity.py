@@ -713,3 +713,10 @@ def test_what_trainers_read_of_the_optimizer_reads_as_on_torchs():
         assert res["ours"] == res["torch"], rank
         assert res["ours"]["probe"] == [False, False]
         assert res["ours"]["_SubclassingOptimizer"] == [1, 0.01, True]
+
+
+def test_an_unbuilt_optimizer_has_no_param_groups_rather_than_a_key_error():
+    """hasattr() and a traceback's repr() of an optimizer whose construction failed."""
+    import fgpsdp_runtime as fgp
+    unbuilt = fgp.ShardedOptimizer.__new__(fgp.ShardedOptimizer)
+    assert not hasattr(unbuilt, "param_groups")

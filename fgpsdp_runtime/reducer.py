@@ -141,6 +141,10 @@ class GradientReducer:
         # after D's step, and zero them before D's next backward: no warning.)
         self._stepped_since_zeroed = False
         self._added_after_step = False
+        # A gradient of this rank's reached the reducer since the last step: a round
+        # launched by a step alone (opt.step() twice on one backward's gradients)
+        # adds zeros, nothing to warn of.
+        self._gradient_since_step = False
         self._report_accumulation = False  # said at the end of the step (end_step)
         self._warned_accumulating_across_step = False
 
@@ -236,6 +240,7 @@ class GradientReducer:
             # Every parameter had its gradient in this backward already.
             raise RuntimeError(self._second_gradient_message(index))
         self._grads_in_backward = True
+        self._gradient_since_step = True
         b, span = self.slot[index]
         param.grad = None  # the reducer holds it until the bucket is packed
         self._used_flags[index] = 1
@@ -431,6 +436,7 @@ class GradientReducer:
                     self._held[b].append((span, param.grad))
                     param.grad = None
                     self._used_flags[index] = 1
+                    self._gradient_since_step = True
                 else:
                     zero_spans.append(span)
                 self._seen[index] = True
@@ -453,7 +459,7 @@ class GradientReducer:
             received = torch.empty(storage.grad_shard.numel(), dtype=send.dtype,
                                    device=send.device)
             if storage.grad_shard_valid:
-                self._added_after_step |= self._stepped_since_zeroed
+                self._added_after_step |= self._stepped_since_zeroed and self._gradient_since_step
                 land = storage.grad_shard.add_
             else:
                 land = storage.grad_shard.copy_
@@ -512,6 +518,7 @@ class GradientReducer:
         self._report_accumulation = self._added_after_step
         self._stepped_since_zeroed |= stepped_gradients
         self._added_after_step = False
+        self._gradient_since_step = False
 
     def report_accumulation(self) -> None:
         """At the very end of a step (a warning raised as an error leaves it whole)."""

@@ -855,7 +855,7 @@ def loop_warnings(rank: int, world_size: int, optimizer: str = "sharded",
             "inner module": model.module.zero_grad,
             "submodule": model.module.net.zero_grad,
             "param.grad = None": param_grads_to_none,
-            "before backward": opt.zero_grad}[zero_through]
+            "before backward": opt.zero_grad, "after a second step": opt.zero_grad}[zero_through]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(3):
@@ -870,6 +870,8 @@ def loop_warnings(rank: int, world_size: int, optimizer: str = "sharded",
                 continue
             loss_fn("mlp", model(x), y).backward()
             opt.step()
+            if zero_through == "after a second step":
+                opt.step()  # the same gradients again, as torch's optimizer would
             zero()
     model.synchronize()
     messages = [str(w.message) for w in caught]

@@ -217,6 +217,7 @@ def test_rank_without_backward_does_not_hang():
     ("sharded", "submodule", 1, 0),  # cannot reach them: adding to them is warned of once
     ("sharded", "param.grad = None", 1, 0),  # nor can this
     ("sharded", "before backward", 0, 0),  # gradients added after a step, zeroed unstepped
+    ("sharded", "after a second step", 0, 0),  # a step twice adds nothing (it warned)
     ("torch", "optimizer", 0, 1),  # param.grad stays None: torch.optim would not train
 ])
 def test_loops_that_would_not_train_as_written_are_warned_once(optimizer, zero_through,

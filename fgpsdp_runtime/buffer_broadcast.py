@@ -1,8 +1,8 @@
 """One rank's buffers (and, at construction, frozen parameters) copied into every
 rank's tensors in place, one flat broadcast per device and dtype (rank 0's, or under
-``model.join()`` the last rank to join); and the context
-the forward's broadcast runs in, which leaves the buffers' version counters as
-they were (autograd may have saved one for backward)."""
+``model.join()`` the last rank to join); and the context the forward's broadcast runs
+in, which leaves the buffers' version counters as they were (autograd may have saved
+one for backward)."""
 from __future__ import annotations
 
 import contextlib

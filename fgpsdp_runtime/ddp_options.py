@@ -157,6 +157,8 @@ def checked_arguments(module: nn.Module, *, schedule: str,
                       speculation_memory_mb: Optional[float], bucket_cap_mb: Optional[float],
                       bucket_cap_mb_list: Optional[Sequence[float]],
                       device_ids: Optional[Sequence[Any]]) -> CheckedArguments:
+    """The constructor's own keywords checked (see CheckedArguments); warns, at the
+    wrapper's caller, of a speculation budget the plan will not use."""
     problems = []
     try:
         bucket_caps = bucket_caps_bytes(bucket_cap_mb_list)

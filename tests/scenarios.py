@@ -1415,7 +1415,7 @@ def optimizer_surface_as_trainers_read_it(rank: int, world_size: int) -> dict:
 class GatedStepCountingSGD(StepCountingSGD):
     """StepCountingSGD whose first step on the scheduler thread (a two_stage
     speculative one) in each training step waits, inside its run on copies of the
-    groups, until the loop has done what it does after backward (``gate``)."""
+    groups, until the loop has done what it does after backward (``loop_done``)."""
 
     def __init__(self, params, lr=0.05):
         super().__init__(params, lr)

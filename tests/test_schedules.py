@@ -12,8 +12,8 @@ from .dist_harness import call_many, run_distributed
 from .scenarios import (functional_call_substitutes_viewing_parameters,
                         functional_calls_through_the_wrapper, global_optimizer_hook_calls,
                         groups_holding_objects, inner_steps_per_step,
-                        param_groups_replaced_during_a_speculative_step,
-                        norms_after_clip_grad_value, skip_on_inf_norm,
+                        norms_after_clip_grad_value,
+                        param_groups_replaced_during_a_speculative_step, skip_on_inf_norm,
                         train_eval_modes, train_many, train_with_inf_gradient,
                         validation_under_inference_mode_first)
 from .test_equivalence import REDUCED_MORE_THAN_ONCE_PER_STEP, SCENARIOS, TOL

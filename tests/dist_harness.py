@@ -185,17 +185,11 @@ def regroup_without_a_backend(rank: int, world_size: int, store_path: str) -> No
     """In a rank: replace the harness's gloo group with one made as many launch
     scripts make theirs, ``init_process_group()`` with no backend (torch then takes
     gloo for CPU tensors; ``dist.get_backend()`` says "undefined"). With a GPU torch
-    makes NCCL only: tests of this skip there (``skip_with_a_gpu``).
-
-    Through a rendezvous at a new TCP address, as torchrun's ``env://`` is, not a store
-    passed in: with ``store=dist.FileStore(...)`` a ``dist.new_group()`` made right after
-    failed now and then (2-7% of runs on CI's two cores) in gloo's connectFullMesh,
-    "Connection closed by peer". ``store_path`` is unused (kept for the callers)."""
+    makes NCCL only: tests of this skip there (``skip_with_a_gpu``)."""
     import torch.distributed as dist
-    address = [f"tcp://127.0.0.1:{_free_port()}" if rank == 0 else None]
-    dist.broadcast_object_list(address, src=0)  # over the harness's group, still up
     dist.destroy_process_group()
-    dist.init_process_group(init_method=address[0], rank=rank, world_size=world_size)
+    dist.init_process_group(store=dist.FileStore(store_path, world_size), rank=rank,
+                            world_size=world_size)
 
 
 def skip_with_a_gpu(test):

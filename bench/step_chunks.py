@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import fgpsdp_runtime as fgp
-from fgpsdp_runtime.optim import step_chunk_min_elements
+from fgpsdp_runtime.step_chunks import step_chunk_min_elements
 
 
 def main() -> None:

@@ -20,13 +20,11 @@ updates land in place in the model's storage (slice_pieces.py builds them
 and hands them their gradients). This is exact for
 element-wise optimizers (SGD, Adam, AdamW, RMSprop, Adagrad, ...); those whose
 update depends on a parameter's shape (LBFGS, Adafactor, SparseAdam) are
-refused.
+refused (optimizer_kinds.py).
 """
 from __future__ import annotations
 
-import inspect
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -36,47 +34,19 @@ from . import optim_checkpoint
 from .collective_watch import warn_if_the_others_are_late
 from .ddp import DistributedDataParallel
 from .ops import multi_tensor_sq_norm
-from .module_guards import plain_named_parameters
+from .optimizer_kinds import refuse_unsliceable
+from .param_group_args import read_param_groups
 from .profiling import nvtx_range
 from .slice_pieces import SlicePieces
 from .slice_state import SliceState
 from .speculation import (SliceBackup, compile_session_active, hyperparameters,
                           no_compile_session_begins, same_hyperparameters,
                           wait_out_compile_session)
+from .step_chunks import split_evenly, step_chunk_count, step_chunk_min_elements
 from .step_wide_state import StepWideState
 from .uneven_inputs import AnnouncedCall, UnevenInputs
 from .user_warnings import user_code_line, warn_at_user_code
 from .validation import settings_agree_or_raise
-
-# Optimizers whose update is not element-wise: slicing would change the result.
-# Matched by lower-case class name, so that the layer-wise ones of other
-# libraries (apex FusedLAMB, timm's Lamb and Lars, D-Adaptation, Prodigy,
-# Shampoo) are caught too: on slices they would train, silently otherwise.
-_NOT_ELEMENTWISE = {
-    "lbfgs", "sparseadam",  # a closure; sparse gradients
-    "adafactor", "muon", "shampoo", "distributedshampoo", "soap",  # a matrix's shape
-    "lamb", "fusedlamb", "lars", "fusedlars", "novograd", "fusednovograd",  # per-tensor norms
-    "prodigy", "dadaptadam", "dadaptsgd", "dadaptadagrad", "dadaptlion",  # whole-model sums
-    "came", "adammini",  # factored second moments; a learning rate per block of a matrix
-}
-# Parts of lower-case class names: block-wise quantized state (bitsandbytes' Adam8bit,
-# AdamW8bit, PagedAdamW8bit, Lion8bit; torchao's AdamW8bit, AdamW4bit: one scale per
-# block of a tensor's elements, and 32-bit state below a tensor size, so slices would
-# change both) and GaLore's low-rank projections of each matrix.
-_NOT_ELEMENTWISE_PARTS = ("8bit", "4bit", "galore")
-# Second-order ones differentiate the gradients (Hessian-vector products through
-# backward(create_graph=True)): the reduced slices carry no graph. timm's loops ask
-# an optimizer's ``is_second_order``; Adahessian implementations without it by name.
-_SECOND_ORDER = {"adahessian"}
-
-
-def _is_second_order(optimizer_class: type) -> bool:
-    if optimizer_class.__name__.lower() in _SECOND_ORDER:
-        return True
-    flag = inspect.getattr_static(optimizer_class, "is_second_order", False)
-    # A property (timm's Adahessian: always True) cannot be read without an instance.
-    return flag is True or isinstance(flag, property)
-
 
 def _float_text(value: Any) -> str:
     try:
@@ -112,24 +82,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         problem: Optional[Exception] = None
         groups = None
         try:
-            if not (isinstance(optimizer_class, type)
-                    and issubclass(optimizer_class, torch.optim.Optimizer)):
-                raise TypeError("optimizer_class must be a torch.optim.Optimizer subclass "
-                                f"(for example torch.optim.AdamW), got {optimizer_class!r}")
-            name = getattr(optimizer_class, "__name__", "").lower()
-            if name in _NOT_ELEMENTWISE or any(part in name for part in _NOT_ELEMENTWISE_PARTS):
-                raise TypeError(f"{optimizer_class.__name__} is not element-wise (its update reads "
-                                "a whole tensor's shape or norm, or all parameters, or blocks of "
-                                "quantized state, or it needs a closure or sparse gradients); it "
-                                "cannot run on flat slices")
-            if _is_second_order(optimizer_class):
-                raise TypeError(f"{optimizer_class.__name__} is a second-order optimizer: it "
-                                "differentiates the gradients (backward(create_graph=True), "
-                                "Hessian-vector products), and the reduced gradients in "
-                                "this rank's slices carry no graph; it cannot run here")
+            refuse_unsliceable(optimizer_class)  # see optimizer_kinds.py
             if max_grad_norm is not None and not (max_grad_norm > 0):
                 raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
-            groups = self._normalise_groups(param_groups)
+            given = read_param_groups(model, param_groups)
+            groups = given.groups
+            # For full_state_dict(): torch.optim's numbering (see param_group_args.py).
+            self._default_groups = given.default
+            self._numbered_params = given.numbered_params
+            self._numbered_names = given.numbered_names
             self._step_chunk_min_elements = step_chunk_min_elements()
             if defaults.get("differentiable") or any(g.get("differentiable") for g in groups):
                 raise ValueError("differentiable=True is not supported: the inner optimizer "
@@ -190,71 +151,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         model.attach_optimizer(self)
 
     # -- construction helpers ------------------------------------------------
-
-    def _normalise_groups(self, param_groups) -> list[dict[str, Any]]:
-        # _numbered_params: every group's parameters as torch.optim would
-        # number them in a state dict (frozen ones included), for
-        # full_state_dict(); by default those of AdamW(model.parameters()).
-        named_trainable = self.model.named_trainable_parameters()
-        trainable = [p for _, p in named_trainable]
-        self._default_groups = param_groups is None
-        if param_groups is None:
-            self._numbered_params = [[p for _, p in plain_named_parameters(self.model.module)]]
-            self._numbered_names = [None]
-            return [{"params": trainable}]
-        if isinstance(param_groups, dict):
-            param_groups = [param_groups]
-        param_groups = list(param_groups)
-        if param_groups and isinstance(param_groups[0], (torch.Tensor, tuple)):
-            param_groups = [{"params": param_groups}]  # parameters, as torch.optim takes them
-        groups, seen = [], set()
-        self._numbered_params = []
-        self._numbered_names: list[Optional[list[str]]] = []  # "param_names", as torch's
-        for i, group in enumerate(param_groups):
-            if not isinstance(group, dict) or "params" not in group:
-                raise TypeError(f"param_groups[{i}] must be a dict with a 'params' entry")
-            params = group["params"]
-            params = [params] if isinstance(params, torch.Tensor) else list(params)
-            # Named parameters, (name, parameter) pairs as torch.optim accepts them.
-            names = [p[0] for p in params if isinstance(p, tuple)]
-            if names:
-                if len(names) != len(params) or not all(len(p) == 2 for p in params):
-                    raise ValueError(f"param_groups[{i}]: give every parameter with a name "
-                                     "((name, parameter) pairs) or none")
-                params = [p[1] for p in params]
-            if i > 0 and bool(names) != (self._numbered_names[0] is not None):
-                raise ValueError("fgpsdp: all optimizer param groups should be with/without "
-                                 "names (as torch.optim requires)")
-            self._numbered_params.append(params)
-            self._numbered_names.append(names or None)
-            kept = []
-            for p in params:
-                if id(p) in seen:
-                    raise ValueError(f"param_groups[{i}]: a parameter appears in two groups")
-                seen.add(id(p))
-                if self.model.param_index(p) is None:
-                    if isinstance(p, torch.nn.Parameter) and not p.requires_grad:
-                        continue  # frozen: never stepped, as with torch.optim
-                    raise ValueError(f"param_groups[{i}]: a tensor of shape {tuple(p.shape)} "
-                                     "is not a trainable parameter of the wrapped module (was "
-                                     "it frozen when the module was wrapped?)")
-                kept.append(p)
-            groups.append({**{k: v for k, v in group.items() if k != "param_names"},
-                           "params": kept})
-        # (Not those frozen since wrapping: they get no gradient, nothing to step.)
-        left_out = [name for name, p in named_trainable if id(p) not in seen and p.requires_grad]
-        if left_out:
-            # Under torch DDP a second torch.optim optimizer over these would train
-            # them; here it sees no gradient (found by an audit: silently untrained).
-            shown = ", ".join(repr(n) for n in left_out[:3]) + (", ..." if len(left_out) > 3 else "")
-            warn_at_user_code(
-                f"fgpsdp: {len(left_out)} trainable parameter(s) of the wrapped module are in "
-                f"no param group of this ShardedOptimizer ({shown}): their gradients are "
-                "reduced and they are never stepped. A torch.optim optimizer over them would "
-                "not train them either: the reduced gradients live in this rank's bucket "
-                "slices, never in param.grad. Put them in a param group here (lr=0 holds them "
-                "still), or freeze them (requires_grad_(False))")
-        return groups
 
     def _placeholder(self, params) -> torch.Tensor:
         candidates = list(params) + [p for _, p in self.model.named_trainable_parameters()]
@@ -597,10 +493,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             # is on the wire while later slices are stepped. The inner
             # optimizers are element-wise, so one step per bucket equals one
             # step over all of them; each inner step walks every parameter, so
-            # a model with many buckets is stepped in at most _MAX_STEP_CHUNKS
+            # a model with many buckets is stepped in at most MAX_STEP_CHUNKS
             # runs of consecutive buckets, and a small one in fewer (see
-            # step_chunk_count). The other schedules step once.
-            chunks = _split_evenly(to_step, self._step_chunk_count(to_step)) \
+            # step_chunks.py). The other schedules step once.
+            chunks = split_evenly(to_step, self._step_chunk_count(to_step)) \
                 if model.gathers_overlap_forward else [to_step]
             model.begin_param_exchange()
             committed = len(speculated) > len(rolled_back)
@@ -620,18 +516,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._finish_step(stepped=finite, would_commit=would_commit)
 
     def _step_chunk_count(self, buckets: Sequence[int]) -> int:
-        """How many inner steps the forward-ordered step takes: one per
-        ``FGPSDP_STEP_CHUNK_MIN_ELEMENTS`` elements of a rank's slices, between 1
-        and _MAX_STEP_CHUNKS. Each inner step costs a fixed few hundred
-        microseconds of Python (torch's step, the group copies) whatever its size,
-        while chunking only lets the first all-gathers start before the later
-        slices are stepped: on a small model the calls cost more than that buys
-        (a 5-bucket MLP of 115k parameters, 2 CPU ranks, next_forward: the whole
-        step in 0.84-0.87x the time in one inner step instead of five,
-        docs/benchmarks/2026-12-05-step-chunks-cpu.md). The same on every rank: the
-        shard sizes are."""
+        """How many inner steps the forward-ordered step takes (see step_chunks.py)."""
         elements = sum(self.model.buckets[b].layout.shard_numel for b in buckets)
-        return max(1, min(_MAX_STEP_CHUNKS, elements // self._step_chunk_min_elements))
+        return step_chunk_count(elements, self._step_chunk_min_elements)
 
     def _step_chunks(self) -> None:
         """Step and send what is left of this step, chunk by chunk (see
@@ -1238,27 +1125,3 @@ class _UnfinishedStep:
     # What the first call stepped with (speculation.hyperparameters), taken when it raised.
     hyperparameters: Any = None
     save_warned: bool = False  # a save of the module said it holds part of this step
-
-
-# The forward-ordered step (see _step) runs the inner optimizer at most this
-# many times per step.
-_MAX_STEP_CHUNKS = 16
-
-
-def step_chunk_min_elements() -> int:
-    """The fewest elements of a rank's slices per inner step of the forward-ordered
-    step (see ShardedOptimizer._step_chunk_count): ``FGPSDP_STEP_CHUNK_MIN_ELEMENTS``,
-    2**18 by default (with 1, every model is chunked as finely as _MAX_STEP_CHUNKS
-    allows, as before 2026-12-05)."""
-    value = int(os.environ.get("FGPSDP_STEP_CHUNK_MIN_ELEMENTS", str(1 << 18)))
-    if value < 1:
-        raise ValueError(f"FGPSDP_STEP_CHUNK_MIN_ELEMENTS must be >= 1, got {value}")
-    return value
-
-
-def _split_evenly(items: Sequence[int], parts: int) -> list[list[int]]:
-    """Consecutive runs of ``items``, at most ``parts`` of them, sizes differing by <= 1."""
-    n = len(items)
-    parts = max(1, min(parts, n))
-    bounds = [n * i // parts for i in range(parts + 1)]
-    return [list(items[lo:hi]) for lo, hi in zip(bounds, bounds[1:]) if lo < hi]

@@ -7,6 +7,6 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ["PYTHONPATH"] = ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")
 # The tests' models are small: their optimizer steps are chunked as finely as a large
-# model's would be (see optim.step_chunk_min_elements), so that the chunked step stays
+# model's would be (see step_chunks.py), so that the chunked step stays
 # covered; test_schedules checks the default.
 os.environ["FGPSDP_STEP_CHUNK_MIN_ELEMENTS"] = "1"

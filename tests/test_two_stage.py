@@ -197,14 +197,14 @@ def test_synchronize_between_backward_and_step_sees_the_old_parameters(two_ranks
 
 
 def test_forward_ordered_step_runs_the_inner_optimizer_a_bounded_number_of_times():
-    from fgpsdp_runtime.optim import _MAX_STEP_CHUNKS, _split_evenly
+    from fgpsdp_runtime.step_chunks import MAX_STEP_CHUNKS, split_evenly
     order = list(range(40, 0, -1))
-    chunks = _split_evenly(order, _MAX_STEP_CHUNKS)
-    assert len(chunks) == _MAX_STEP_CHUNKS
+    chunks = split_evenly(order, MAX_STEP_CHUNKS)
+    assert len(chunks) == MAX_STEP_CHUNKS
     assert [b for chunk in chunks for b in chunk] == order  # consecutive, in order
     assert max(map(len, chunks)) - min(map(len, chunks)) <= 1
-    assert _split_evenly([3, 2, 1], _MAX_STEP_CHUNKS) == [[3], [2], [1]]
-    assert _split_evenly([], _MAX_STEP_CHUNKS) == []
+    assert split_evenly([3, 2, 1], MAX_STEP_CHUNKS) == [[3], [2], [1]]
+    assert split_evenly([], MAX_STEP_CHUNKS) == []
 
 
 @pytest.mark.parametrize("schedule,via", LOAD_CASES)

@@ -1,0 +1,62 @@
+"""Which inner optimizers may run on this rank's flat bucket slices.
+
+The slices of one parameter lie in several ranks' shards, each a 1-D view. An
+element-wise update (SGD, Adam, AdamW, RMSprop, Adagrad, ...) gives the same
+values on them as on the whole tensor; one that reads a tensor's shape or norm,
+all parameters, or blocks of quantized state would train differently, silently.
+Such optimizers are refused by name at construction, before any slice is made.
+"""
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+# Optimizers whose update is not element-wise: slicing would change the result.
+# Matched by lower-case class name, so that the layer-wise ones of other
+# libraries (apex FusedLAMB, timm's Lamb and Lars, D-Adaptation, Prodigy,
+# Shampoo) are caught too: on slices they would train, silently otherwise.
+_NOT_ELEMENTWISE = {
+    "lbfgs", "sparseadam",  # a closure; sparse gradients
+    "adafactor", "muon", "shampoo", "distributedshampoo", "soap",  # a matrix's shape
+    "lamb", "fusedlamb", "lars", "fusedlars", "novograd", "fusednovograd",  # per-tensor norms
+    "prodigy", "dadaptadam", "dadaptsgd", "dadaptadagrad", "dadaptlion",  # whole-model sums
+    "came", "adammini",  # factored second moments; a learning rate per block of a matrix
+}
+# Parts of lower-case class names: block-wise quantized state (bitsandbytes' Adam8bit,
+# AdamW8bit, PagedAdamW8bit, Lion8bit; torchao's AdamW8bit, AdamW4bit: one scale per
+# block of a tensor's elements, and 32-bit state below a tensor size, so slices would
+# change both) and GaLore's low-rank projections of each matrix.
+_NOT_ELEMENTWISE_PARTS = ("8bit", "4bit", "galore")
+# Second-order ones differentiate the gradients (Hessian-vector products through
+# backward(create_graph=True)): the reduced slices carry no graph. timm's loops ask
+# an optimizer's ``is_second_order``; Adahessian implementations without it by name.
+_SECOND_ORDER = {"adahessian"}
+
+
+def _is_second_order(optimizer_class: type) -> bool:
+    if optimizer_class.__name__.lower() in _SECOND_ORDER:
+        return True
+    flag = inspect.getattr_static(optimizer_class, "is_second_order", False)
+    # A property (timm's Adahessian: always True) cannot be read without an instance.
+    return flag is True or isinstance(flag, property)
+
+
+def refuse_unsliceable(optimizer_class: object) -> None:
+    """TypeError unless ``optimizer_class`` is a torch.optim.Optimizer subclass whose
+    update may run on flat slices."""
+    if not (isinstance(optimizer_class, type)
+            and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError("optimizer_class must be a torch.optim.Optimizer subclass "
+                        f"(for example torch.optim.AdamW), got {optimizer_class!r}")
+    name = getattr(optimizer_class, "__name__", "").lower()
+    if name in _NOT_ELEMENTWISE or any(part in name for part in _NOT_ELEMENTWISE_PARTS):
+        raise TypeError(f"{optimizer_class.__name__} is not element-wise (its update reads "
+                        "a whole tensor's shape or norm, or all parameters, or blocks of "
+                        "quantized state, or it needs a closure or sparse gradients); it "
+                        "cannot run on flat slices")
+    if _is_second_order(optimizer_class):
+        raise TypeError(f"{optimizer_class.__name__} is a second-order optimizer: it "
+                        "differentiates the gradients (backward(create_graph=True), "
+                        "Hessian-vector products), and the reduced gradients in "
+                        "this rank's slices carry no graph; it cannot run here")

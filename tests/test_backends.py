@@ -17,10 +17,12 @@ def _backends(rank: int, world_size: int, store_path: str) -> dict:
                     backend_of(None, torch.device("cuda")))}
     regroup_without_a_backend(rank, world_size, store_path)
     # Connected lazily: the test asks the group's backends and runs nothing on it.
-    # gloo's connectFullMesh in a new_group() right after init_process_group() fails
-    # now and then under load, "Connection closed by peer" (torch 2.13; also with plain
-    # torch, init_process_group("gloo") then new_group([0, 1]): 1 run in 80 with both
-    # cores busy), and failed this test in 2 of about 8 CI runs.
+    # Connected at once, the rank whose new_group() returned first could tear down and
+    # exit while gloo's connectFullMesh in the other still waited to read the pair's
+    # handshake: "Connection closed by peer" (torch 2.13, under load; plain torch too,
+    # new_group() then exit with no collective between: 2 runs in 600 with both cores
+    # busy). It failed this test in 2 of about 8 CI runs. (The wrapper's own groups are
+    # followed by a collective on every rank: 0 failures in about 1,900 wraps there.)
     os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
     try:
         sub = dist.new_group([0, 1])  # inherits it

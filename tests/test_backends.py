@@ -22,7 +22,8 @@ def _backends(rank: int, world_size: int, store_path: str) -> dict:
     # handshake: "Connection closed by peer" (torch 2.13, under load; plain torch too,
     # new_group() then exit with no collective between: 2 runs in 600 with both cores
     # busy). It failed this test in 2 of about 8 CI runs. (The wrapper's own groups are
-    # followed by a collective on every rank: 0 failures in about 1,900 wraps there.)
+    # followed by its broadcast of rank 0's state, a collective, unless init_sync=False:
+    # 0 failures in about 1,900 wraps and steps.)
     os.environ["TORCH_GLOO_LAZY_INIT"] = "1"
     try:
         sub = dist.new_group([0, 1])  # inherits it

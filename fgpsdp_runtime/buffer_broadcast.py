@@ -12,6 +12,8 @@ from typing import Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .group_collectives import hold_past_gloo_worker
+
 
 @functools.lru_cache(maxsize=None)
 def version_keeper_takes_tuples() -> bool:
@@ -44,11 +46,14 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int,
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.device, t.dtype), []).append(t)
+    flats = []
     for members in groups.values():
         flat = torch.cat([t.detach().reshape(-1) for t in members])
         dist.broadcast(flat, src=src, group=group)
+        flats.append(flat)
         offset = 0
         for t in members:
             n = t.numel()
             t.detach().copy_(flat[offset:offset + n].view_as(t))
             offset += n
+    hold_past_gloo_worker("buffer broadcast", *flats)  # see group_collectives.py

@@ -31,6 +31,26 @@ reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.red
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+# [Note: tensors a finished gloo collective still holds]
+# gloo runs a collective (all_reduce, broadcast) on a worker thread of its own,
+# which drops its references to the collective's tensors only after the caller's
+# wait has returned. Where the caller's Python tensor is gone by then, freeing it
+# takes the GIL on that thread; and before torch 2.8 destroy_process_group() joins
+# that thread while holding the GIL, so the two wait for each other: a job that
+# destroys its group right after such a collective hangs at its end (seen on
+# torch 2.4.1: a rank of tests/test_shared_memory.py in 2 of 6 runs of the file,
+# gdb showing the main thread in ~ProcessGroupGloo and a gloo thread freeing a
+# finished all-reduce's tensor). So each call site of the runtime's own blocking
+# collectives on CPU tensors keeps its latest tensors alive until its next call.
+_held_past_gloo_worker: dict[str, tuple[torch.Tensor, ...]] = {}
+
+
+def hold_past_gloo_worker(site: str, *tensors: torch.Tensor) -> None:
+    """Keep ``tensors`` (a finished collective's, called from ``site``) alive until
+    that site's next call: see the note above. CUDA tensors are not held."""
+    _held_past_gloo_worker[site] = tuple(t for t in tensors if t.device.type == "cpu")
+
+
 # Per link-worker thread: one reusable buffer per purpose. A worker runs one
 # collective at a time, and these buffers never outlive the call, so reusing
 # them is safe; allocating them per call made every worker thread's heap hold

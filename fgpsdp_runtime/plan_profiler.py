@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .backends import objects_on
+from .group_collectives import hold_past_gloo_worker
 from .plan import BucketProfile, LinkModel, OverlapPlan, profile_plan
 
 # The link whose time bounds the exchange: the rail between nodes, or the one group.
@@ -222,6 +223,7 @@ class PlanProfiler:
         for b, s in self.local_forward_wait_s.items():
             slowest[b] = s
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=model.process_group)
+        hold_past_gloo_worker("forward waits", slowest)  # see group_collectives.py
         return {b: s for b, s in enumerate(slowest.tolist()) if s > 0.0}
 
     def plan_from(self, spans, ready: dict[int, list[float]], backward: list[float],

@@ -68,6 +68,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .group_collectives import hold_past_gloo_worker
 from .rank_order_sum import sum_in_rank_order
 from .shm_barrier import (RegionBarrier, area_bytes, group_timeout_s, native_barrier_wanted,
                           open_region_barrier)
@@ -351,6 +352,7 @@ class SharedMemoryCollectives:
             ok = torch.tensor([0 if region is None else 2 if barrier is not None else 1],
                               dtype=torch.int32)
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
+            hold_past_gloo_worker("shared-memory mapping", name, ok)  # see group_collectives.py
         except BaseException as error:
             if barrier is not None:
                 barrier.close()

@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 
 from .backends import objects_on
+from .group_collectives import hold_past_gloo_worker
 from .step_wide_state import copy_value
 from .user_warnings import warn_at_user_code
 
@@ -313,6 +314,7 @@ class UnevenInputs:
                                  device=self._device)
         if model.world_size > 1:
             dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=model.process_group)
+            hold_past_gloo_worker("join's end", candidate)  # see group_collectives.py
         self.active_ranks = (int(candidate.item()),)
         if model.broadcast_buffers:
             model._broadcast_buffers()
@@ -338,6 +340,7 @@ class UnevenInputs:
     def _all_reduce(self, packet: torch.Tensor) -> None:
         if self.model.world_size > 1:
             dist.all_reduce(packet, op=dist.ReduceOp.SUM, group=self.model.process_group)
+            hold_past_gloo_worker("join's calls", packet)  # see group_collectives.py
 
     @property
     def _device(self) -> torch.device:

@@ -134,3 +134,43 @@ def test_a_wrapper_freed_as_the_interpreter_ends_says_nothing():
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.returncode == 0 and "trained" in proc.stdout, proc.stdout
     assert "Exception ignored" not in proc.stdout, proc.stdout
+
+
+def _what_a_gloo_worker_may_still_hold(rank: int, world_size: int) -> dict:
+    import weakref
+
+    import torch.nn as nn
+
+    import fgpsdp_runtime as fgp
+    from fgpsdp_runtime import group_collectives
+
+    torch.manual_seed(0)
+    # Buffers (a broadcast at each forward) and 2 ranks of one node (shared memory,
+    # whose region is agreed on by a broadcast and an all-reduce).
+    model = fgp.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1, max_grad_norm=1.0)
+    model(torch.randn(8, 4)).sum().backward()
+    opt.step()
+    flag = torch.ones(3)
+    model.all_reduce_sum(flag)
+    dropped = weakref.ref(flag)
+    del flag
+    model.synchronize()
+    return {"kept": dropped() is not None,
+            "held": {site: len(tensors)
+                     for site, tensors in group_collectives._held_past_gloo_worker.items()}}
+
+
+def test_the_tensors_of_finished_gloo_collectives_outlive_the_callers_references():
+    """See [Note: tensors a finished gloo collective still holds]: before torch 2.8 a
+    gloo thread freeing a collective's last tensor reference needs the GIL, which
+    destroy_process_group() holds while it joins that thread (a hang at a job's end
+    on torch 2.4.1). The runtime keeps its own collectives' tensors until the next
+    call from the same place."""
+    from .dist_harness import run_distributed
+    for result in run_distributed(2, _what_a_gloo_worker_may_still_hold):
+        assert result["kept"]
+        held = result["held"]
+        assert held.get("wrapper all-reduce") == 1
+        assert held.get("shared-memory mapping") == 2
+        assert held.get("buffer broadcast", 0) >= 1

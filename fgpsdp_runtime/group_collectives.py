@@ -35,13 +35,15 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 # gloo runs a collective (all_reduce, broadcast) on a worker thread of its own,
 # which drops its references to the collective's tensors only after the caller's
 # wait has returned. Where the caller's Python tensor is gone by then, freeing it
-# takes the GIL on that thread; and before torch 2.8 destroy_process_group() joins
-# that thread while holding the GIL, so the two wait for each other: a job that
-# destroys its group right after such a collective hangs at its end (seen on
-# torch 2.4.1: a rank of tests/test_shared_memory.py in 2 of 6 runs of the file,
-# gdb showing the main thread in ~ProcessGroupGloo and a gloo thread freeing a
-# finished all-reduce's tensor). So each call site of the runtime's own blocking
-# collectives on CPU tensors keeps its latest tensors alive until its next call.
+# takes the GIL on that thread; and in older torch destroy_process_group() joins
+# that thread while holding the GIL (torch releases it there since its pull
+# request 154976, 2025), so the two wait for each other: a job that destroys its
+# group right after such a collective hangs at its end (seen on torch 2.4.1: a
+# rank of tests/test_shared_memory.py in 2 of 6 runs of the file, gdb showing the
+# main thread in ~ProcessGroupGloo and a gloo thread freeing a finished
+# all-reduce's tensor; not seen on 2.13 or 2.14). So each call site of the
+# runtime's own blocking collectives on CPU tensors keeps its latest tensors alive
+# until its next call.
 _held_past_gloo_worker: dict[str, tuple[torch.Tensor, ...]] = {}
 
 

@@ -162,8 +162,8 @@ def _what_a_gloo_worker_may_still_hold(rank: int, world_size: int) -> dict:
 
 
 def test_the_tensors_of_finished_gloo_collectives_outlive_the_callers_references():
-    """See [Note: tensors a finished gloo collective still holds]: before torch 2.8 a
-    gloo thread freeing a collective's last tensor reference needs the GIL, which
+    """See [Note: tensors a finished gloo collective still holds]: a gloo thread
+    freeing a collective's last tensor reference needs the GIL, which older torch's
     destroy_process_group() holds while it joins that thread (a hang at a job's end
     on torch 2.4.1). The runtime keeps its own collectives' tensors until the next
     call from the same place."""

@@ -1003,10 +1003,11 @@ class DistributedDataParallel(nn.Module):
         if buckets:
             warnings.warn(
                 f"fgpsdp: a DistributedDataParallel was freed before the all-gathers of its "
-                f"last step landed in bucket(s) {buckets} (they failed: a peer gone or the "
+                f"last step (or, between backward and opt.step(), of two_stage's speculative "
+                f"updates) landed in bucket(s) {buckets} (they failed: a peer gone or the "
                 "process group destroyed under them; or did not end within the bound of its "
                 "teardown; or never started: a plan with a small lookahead): its module "
-                "holds the values before that step there, on some elements. Save after "
+                "holds the values before that update there, on some elements. Save after "
                 "model.synchronize() on every rank, or keep the last completed step's "
                 "checkpoint", RuntimeWarning, stacklevel=2)
         scheduler = self.__dict__.get("scheduler")

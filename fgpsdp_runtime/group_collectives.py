@@ -3,6 +3,8 @@
 Knows nothing of links or buckets: the exchanges (comm.py) call these on a
 link worker's thread. ``start_*`` returns the function that finishes a call
 where the call is point-to-point messages still in flight, else None.
+``hold_past_gloo_worker`` keeps the tensors of the runtime's other gloo
+collectives alive past gloo's thread (see the note at it).
 
 [Note: collectives on gloo]
 On gloo both collectives of CPU tensors are point-to-point messages in

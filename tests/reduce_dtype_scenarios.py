@@ -32,10 +32,31 @@ def _reduce_in(dtype: torch.dtype):
     return hook
 
 
+def _scaled_then_reduced_in(dtype: torch.dtype):
+    """A torch DDP comm hook that rounds as fgpsdp's ``reduce_dtype`` does: each rank's
+    bucket times 1/N in its own dtype, cast to ``dtype``, the ranks' values added left
+    to right in float32 and rounded once to ``dtype``, cast back."""
+    def hook(state, bucket):
+        world_size = dist.get_world_size()
+        buffer = bucket.buffer()
+        wire = (buffer * (1.0 / world_size)).to(dtype)
+        parts = [torch.empty_like(wire) for _ in range(world_size)]
+        dist.all_gather(parts, wire)
+        total = parts[0].float()
+        for part in parts[1:]:
+            total.add_(part)
+        buffer.copy_(total.to(dtype))
+        done = torch.futures.Future()
+        done.set_result(buffer)
+        return done
+    return hook
+
+
 def reduced_side_by_side(rank: int, world_size: int, case: dict) -> dict:
     """case: ``reduce_dtype`` and ``param_dtype`` (names of torch dtypes),
     ``schedule``, ``plan`` (two_stage's overlap_plan, "layout" unless given),
-    ``local_size`` (hierarchical) and ``accumulate``: micro-batches
+    ``local_size`` (hierarchical), ``hook`` ("scaled first": torch DDP's hook rounds as
+    fgpsdp does, see _scaled_then_reduced_in) and ``accumulate``: micro-batches
     per step ("no_sync": all but the last under no_sync(); "synced": every one
     reduced)."""
     reduce_dtype = getattr(torch, case["reduce_dtype"])
@@ -51,7 +72,8 @@ def reduced_side_by_side(rank: int, world_size: int, case: dict) -> dict:
     ours = fgp.DistributedDataParallel(base, schedule=schedule, bucket_cap_mb=0.0001,
                                        reduce_dtype=reduce_dtype, **kw)
     ref = nn.parallel.DistributedDataParallel(reference)
-    ref.register_comm_hook(None, _reduce_in(reduce_dtype))
+    hook = _scaled_then_reduced_in if case.get("hook") == "scaled first" else _reduce_in
+    ref.register_comm_hook(None, hook(reduce_dtype))
     opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2, max_grad_norm=case.get("clip"))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for step in range(5):

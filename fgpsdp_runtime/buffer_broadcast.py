@@ -40,12 +40,22 @@ def versions_kept(tensors: Sequence[torch.Tensor]) -> contextlib.AbstractContext
     return stack
 
 
+# A tensor this large is broadcast in place, on its own: a copy into the flat one
+# would cost a copy each way, and be held past gloo's thread (see below).
+_IN_PLACE_BYTES = 1 << 20
+
+
 def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int,
                         group: Optional[dist.ProcessGroup]) -> None:
-    """Broadcast many small tensors as one flat tensor per (device, dtype)."""
+    """Broadcast many small tensors as one flat tensor per (device, dtype); large
+    contiguous ones in place. The same calls on every rank: the models agree."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
-        groups.setdefault((t.device, t.dtype), []).append(t)
+        if t.is_contiguous() and t.numel() * t.element_size() >= _IN_PLACE_BYTES:
+            # The module's own tensor: alive past gloo's thread without a hold.
+            dist.broadcast(t.detach(), src=src, group=group)
+        else:
+            groups.setdefault((t.device, t.dtype), []).append(t)
     flats = []
     for members in groups.values():
         flat = torch.cat([t.detach().reshape(-1) for t in members])
@@ -56,4 +66,5 @@ def broadcast_coalesced(tensors: Sequence[torch.Tensor], src: int,
             n = t.numel()
             t.detach().copy_(flat[offset:offset + n].view_as(t))
             offset += n
-    hold_past_gloo_worker("buffer broadcast", *flats)  # see group_collectives.py
+    # The flats of small tensors only (under _IN_PLACE_BYTES each): see group_collectives.py.
+    hold_past_gloo_worker("buffer broadcast", *flats)

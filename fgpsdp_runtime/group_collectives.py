@@ -38,14 +38,17 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 # which drops its references to the collective's tensors only after the caller's
 # wait has returned. Where the caller's Python tensor is gone by then, freeing it
 # takes the GIL on that thread; and in older torch destroy_process_group() joins
-# that thread while holding the GIL (torch releases it there since its pull
-# request 154976, 2025), so the two wait for each other: a job that destroys its
-# group right after such a collective hangs at its end (seen on torch 2.4.1: a
-# rank of tests/test_shared_memory.py in 2 of 6 runs of the file, gdb showing the
-# main thread in ~ProcessGroupGloo and a gloo thread freeing a finished
-# all-reduce's tensor; not seen on 2.13 or 2.14). So each call site of the
-# runtime's own blocking collectives on CPU tensors keeps its latest tensors alive
-# until its next call.
+# that thread while holding the GIL (torch releases it there since its pull request
+# 154976, 2025), so the two wait for each other: a job that destroys its group right
+# after such a collective hangs at its end (seen on torch 2.4.1:
+# tests/test_shared_memory.py hung so in 5 of 9 runs of the file, gdb showing the
+# main thread in ~ProcessGroupGloo and a gloo thread freeing a finished all-reduce's
+# tensor; not seen on 2.13 or 2.14; see the README). So each call site of the
+# runtime's own blocking tensor collectives on CPU tensors keeps its latest tensors
+# alive until its next call (large tensors of the module's are broadcast in place
+# instead: buffer_broadcast.py). Left out: the tensors torch's object collectives
+# make inside (all_gather_object: the set-up checks, full_state_dict()'s metadata),
+# and CUDA tensors on a gloo group.
 _held_past_gloo_worker: dict[str, tuple[torch.Tensor, ...]] = {}
 
 

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from .backends import objects_on
 from .buckets import span_as_param, to_bucket_order
-from .group_collectives import all_gather_single
+from .group_collectives import all_gather_single, hold_past_gloo_worker
 from .step_wide_state import copy_value, optimizer_wide_entries
 
 if TYPE_CHECKING:  # imported for annotations only: optim imports this module
@@ -137,6 +137,9 @@ def full_state_dict(opt: ShardedOptimizer, rank0_only: bool) -> dict[str, Any]:
             if world > 1:
                 out = torch.empty(world * layout.shard_numel, dtype=dtype, device=storage.device)
                 all_gather_single(out, mine, group=group)
+                # Kept past gloo's thread (a save, then destroy_process_group()): one
+                # bucket's state entry, until the next save. See group_collectives.py.
+                hold_past_gloo_worker("optimizer state gather", mine, out)
                 whole = out.view(world, layout.shard_numel)[rank_of_slice.to(out.device)].reshape(-1)
             else:
                 whole = mine

@@ -352,7 +352,8 @@ class SharedMemoryCollectives:
             ok = torch.tensor([0 if region is None else 2 if barrier is not None else 1],
                               dtype=torch.int32)
             dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
-            hold_past_gloo_worker("shared-memory mapping", name, ok)  # see group_collectives.py
+            # (One key per link: the two links map their regions on their own threads.)
+            hold_past_gloo_worker(f"shared-memory mapping {self.name}", name, ok)  # see group_collectives.py
         except BaseException as error:
             if barrier is not None:
                 barrier.close()

@@ -145,20 +145,26 @@ def _what_a_gloo_worker_may_still_hold(rank: int, world_size: int) -> dict:
     from fgpsdp_runtime import group_collectives
 
     torch.manual_seed(0)
-    # Buffers (a broadcast at each forward) and 2 ranks of one node (shared memory,
-    # whose region is agreed on by a broadcast and an all-reduce).
-    model = fgp.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
-    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1, max_grad_norm=1.0)
-    model(torch.randn(8, 4)).sum().backward()
+    # Buffers (a broadcast at each forward), a frozen 1 MiB weight (broadcast at
+    # construction, in place: not copied, not held), and 2 ranks of one node
+    # (shared memory, whose regions are agreed on by a broadcast and an all-reduce).
+    frozen = nn.Linear(512, 512, bias=False).requires_grad_(False)
+    model = fgp.DistributedDataParallel(
+        nn.Sequential(frozen, nn.Linear(512, 4), nn.BatchNorm1d(4)))
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=0.1, max_grad_norm=1.0)
+    model(torch.randn(8, 512)).sum().backward()
     opt.step()
     flag = torch.ones(3)
     model.all_reduce_sum(flag)
     dropped = weakref.ref(flag)
     del flag
+    opt.full_state_dict()
     model.synchronize()
+    held = group_collectives._held_past_gloo_worker
     return {"kept": dropped() is not None,
-            "held": {site: len(tensors)
-                     for site, tensors in group_collectives._held_past_gloo_worker.items()}}
+            "held": {site: len(tensors) for site, tensors in held.items()},
+            "bytes": {site: sum(t.numel() * t.element_size() for t in tensors)
+                      for site, tensors in held.items()}}
 
 
 def test_the_tensors_of_finished_gloo_collectives_outlive_the_callers_references():
@@ -172,5 +178,8 @@ def test_the_tensors_of_finished_gloo_collectives_outlive_the_callers_references
         assert result["kept"]
         held = result["held"]
         assert held.get("wrapper all-reduce") == 1
-        assert held.get("shared-memory mapping") == 2
+        mappings = [site for site in held if site.startswith("shared-memory mapping")]
+        assert len(mappings) == 2 and all(held[site] == 2 for site in mappings), held
         assert held.get("buffer broadcast", 0) >= 1
+        assert result["bytes"]["buffer broadcast"] < 4096  # the BatchNorm's, not the frozen
+        assert held.get("optimizer state gather") == 2

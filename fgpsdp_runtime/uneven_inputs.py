@@ -187,7 +187,7 @@ class UnevenInputs:
                                                                      dtype=torch.float64)
         packet[1 + _N_CALLS + _ARG_SLOTS + self.model.rank] = 1.0
         packet = packet.to(self._device)
-        self._all_reduce(packet)
+        self.model.all_reduce_sum(packet)
         packet = packet.cpu()  # read in one copy from the device
         active = int(round(float(packet[0])))
         if int(round(float(packet[1 + int(call)]))) != active:
@@ -245,7 +245,7 @@ class UnevenInputs:
         last_to_join = True
         while True:
             packet = self._empty_packet(self._device)
-            self._all_reduce(packet)
+            self.model.all_reduce_sum(packet)
             packet = packet.cpu()  # read in one copy from the device
             active = int(round(float(packet[0])))
             if active == 0:
@@ -336,11 +336,6 @@ class UnevenInputs:
         """[active count, one slot per call, the call's arguments in pieces, one slot per rank]."""
         return torch.zeros(1 + _N_CALLS + _ARG_SLOTS + self.model.world_size,
                            dtype=torch.float64, device=device)
-
-    def _all_reduce(self, packet: torch.Tensor) -> None:
-        if self.model.world_size > 1:
-            dist.all_reduce(packet, op=dist.ReduceOp.SUM, group=self.model.process_group)
-            hold_past_gloo_worker("join's calls", packet)  # see group_collectives.py
 
     @property
     def _device(self) -> torch.device:

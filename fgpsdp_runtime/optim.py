@@ -846,9 +846,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return self._full_state_dict(rank0_only, init_state)
 
     def _full_state_dict(self, rank0_only: bool, init_state: bool) -> dict[str, Any]:
-        if self.model._uneven_inputs is not None:
-            self.model._uneven_inputs.notify(AnnouncedCall.FULL_STATE, float(rank0_only),
-                                             float(init_state))
+        keep_on = 0 if rank0_only else None  # (None: every rank)
+        uneven = self.model._uneven_inputs
+        if uneven is not None:
+            uneven.notify(AnnouncedCall.FULL_STATE, float(rank0_only), float(init_state))
+            if rank0_only:
+                keep_on = uneven.rank0_only_keeper()
+                if keep_on != 0 and not uneven.joined:
+                    warn_at_user_code(
+                        f"fgpsdp: opt.full_state_dict(rank0_only=True) under model.join() "
+                        f"after rank 0 has joined: the dict is kept on rank {keep_on}, the "
+                        f"lowest active rank, and the others get {{}} (a joined rank's loop "
+                        f"has ended, so nothing would receive it on rank 0): save where the "
+                        f"dict is not empty, or after the join")
         created = []
         if init_state:
             # A template for an in-place load (torch.distributed.checkpoint's dcp.load
@@ -859,7 +869,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             created = optim_checkpoint.create_missing_state(self)
         try:
             self._run_state_dict_pre_hooks()
-            full = optim_checkpoint.full_state_dict(self, rank0_only)
+            full = optim_checkpoint.full_state_dict(self, keep_on)
         finally:
             for key in created:
                 self.optim.state.pop(key, None)

@@ -99,8 +99,9 @@ def _same_scalar(a: Any, b: Any) -> bool:
     return type(a) is type(b) and a == b
 
 
-def full_state_dict(opt: ShardedOptimizer, rank0_only: bool) -> dict[str, Any]:
-    """torch.optim's state dict for the whole model, on every rank (or on rank 0 only)."""
+def full_state_dict(opt: ShardedOptimizer, keep_on: Optional[int]) -> dict[str, Any]:
+    """torch.optim's state dict for the whole model, on every rank (``keep_on`` None) or
+    on group rank ``keep_on`` only (the others return {})."""
     model = opt.model
     group = model.process_group
     world = model.world_size
@@ -112,7 +113,7 @@ def full_state_dict(opt: ShardedOptimizer, rank0_only: bool) -> dict[str, Any]:
     else:
         gathered = [local]
     merged = _merge_metadata(gathered)
-    keep = not rank0_only or model.rank == 0
+    keep = keep_on is None or model.rank == keep_on
     params = [p for _, p in model.named_trainable_parameters()]
 
     per_element: dict[int, dict[str, torch.Tensor]] = {}

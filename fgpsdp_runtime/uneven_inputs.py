@@ -176,6 +176,13 @@ class UnevenInputs:
         """The group rank buffers come from: the highest active one (torch DDP's choice)."""
         return max(self.active_ranks)
 
+    def rank0_only_keeper(self) -> int:
+        """The group rank a ``full_state_dict(rank0_only=True)`` is kept on: rank 0,
+        or, once it has joined, the lowest active rank (a joined rank's loop has
+        ended: a dict kept there would reach no save). The same on every rank: each
+        learnt the active ranks from the call's announcement."""
+        return 0 if 0 in self.active_ranks else min(self.active_ranks)
+
     def notify(self, call: AnnouncedCall, *args: float) -> None:
         """An active rank announces ``call``: before its first collective, on every active rank."""
         if self.joined:

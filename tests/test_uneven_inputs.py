@@ -25,6 +25,7 @@ LEFT_AT_JOIN = [(3, 3), (3, 5), (4, 5)]
 LEFT_AT_JOIN_CALLS = [(scen.no_sync_left_at_the_join, system, counts)
                       for counts in LEFT_AT_JOIN
                       for system in ("torch", "serial", "next_forward", "two_stage")]
+RANK0_ONLY_SAVE = (scen.join_then_save, "two_stage", True)
 BACKWARD_SKIPPED = [(scen.backward_skipped_on_rank1, (4, 4), False),
                     (scen.backward_skipped_on_rank1, (4, 4), True),
                     (scen.backward_skipped_on_rank1, (5, 4), True)]
@@ -37,7 +38,8 @@ def _by_case(per_rank, names, fn=scen.train_case):
 @pytest.fixture(scope="module")
 def two_ranks():
     calls = [(scen.train_case, name) for name in TWO] + [(scen.join_then_save, "two_stage"),
-                                                        (scen.join_then_save, "next_forward")]
+                                                        (scen.join_then_save, "next_forward"),
+                                                        RANK0_ONLY_SAVE]
     calls += ERROR_CALLS + REFUSALS_CAUGHT + BACKWARD_SKIPPED + LEFT_AT_JOIN_CALLS
     calls += [MISALIGNED_NO_SYNC]
     return run_calls(2, calls, timeout_s=300)
@@ -47,7 +49,7 @@ def two_ranks():
 def three_ranks():
     calls = [(scen.train_case, name) for name in THREE] + [(scen.tensor_lr_through_join,),
                                                           (scen.step_counters_through_join,)]
-    calls += LOADS + TWO_WRAPPERS
+    calls += LOADS + TWO_WRAPPERS + [RANK0_ONLY_SAVE]
     return run_calls(3, calls, timeout_s=300)
 
 
@@ -94,6 +96,23 @@ def test_the_active_ranks_synchronize_and_save_while_one_is_joined(two_ranks, sc
     rank0, rank1 = two_ranks[(scen.join_then_save, schedule)]
     assert rank1["saved_steps"] == [4]  # the full optimizer state, every slice at step 4
     assert (rank0["params"] == rank1["params"]).all()
+
+
+def test_a_rank0_only_save_while_rank_0_is_joined_is_kept_on_the_lowest_active_rank(
+        two_ranks, three_ranks):
+    # Rank 0 has joined: it can hand the dict to no loop. Before, every rank
+    # dropped it and a loop's save wrote nothing, silently.
+    for results in (two_ranks[RANK0_ONLY_SAVE], three_ranks[RANK0_ONLY_SAVE]):
+        keeper = results[1]
+        assert keeper["saved_steps"] == [4] and keeper["kept_the_whole"]
+        for res in results[1:]:
+            assert len(res["warnings"]) == 1, res["warnings"]
+            assert "kept on rank 1" in res["warnings"][0]
+        assert results[0]["warnings"] == []  # the joined rank's loop has ended
+    rank2 = three_ranks[RANK0_ONLY_SAVE][2]
+    assert rank2["saved_steps"] is None and not rank2["kept_the_whole"]  # got {}
+    assert all((r["params"] == two_ranks[RANK0_ONLY_SAVE][0]["params"]).all()
+               for r in two_ranks[RANK0_ONLY_SAVE])
 
 
 @pytest.mark.parametrize("name", THREE)

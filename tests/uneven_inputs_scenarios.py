@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import warnings
 from typing import Any
 
 import torch
@@ -153,27 +154,42 @@ def train_case(rank: int, world_size: int, name: str) -> dict[str, Any]:
     return train_uneven(rank, world_size, CASES[name])
 
 
-def join_then_save(rank: int, world_size: int, schedule: str) -> dict[str, Any]:
+def join_then_save(rank: int, world_size: int, schedule: str,
+                   rank0_only: bool = False) -> dict[str, Any]:
     """Rank 0 runs out first; the others save a full optimizer checkpoint and the
-    model (synchronize between backward and step) while it is joined."""
+    model (synchronize between backward and step) while it is joined. With
+    ``rank0_only`` they also save the whole dict, for comparison."""
     torch.manual_seed(5)
     ours = fgp.DistributedDataParallel(MODELS["mlp"](), schedule=schedule,
                                        overlap_plan="layout")
     opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
-    saved = None
-    with ours.join():
-        for step in range(2 if rank == 0 else 4):
-            x, y = make_batch("mlp", step, 0, rank)
-            loss_fn("mlp", ours(x), y).backward()
-            ours.synchronize()  # between backward and step: undoes speculative steps
-            opt.step()
-            opt.zero_grad()
-            if step == 3:
-                saved = opt.full_state_dict()
+    saved = whole = None
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with ours.join():
+            for step in range(2 if rank == 0 else 4):
+                x, y = make_batch("mlp", step, 0, rank)
+                loss_fn("mlp", ours(x), y).backward()
+                ours.synchronize()  # between backward and step: undoes speculative steps
+                opt.step()
+                opt.zero_grad()
+                if step == 3:
+                    saved = opt.full_state_dict(rank0_only=rank0_only)
+                    if rank0_only:
+                        whole = opt.full_state_dict()
     ours.synchronize()
-    return {"saved_steps": None if saved is None else
+    return {"saved_steps": None if not saved else
             sorted({int(s["step"]) for s in saved["state"].values()}),
+            "kept_the_whole": bool(saved) and whole is not None and _same_state(saved, whole),
+            "warnings": [str(w.message) for w in caught if "fgpsdp" in str(w.message)],
             "params": torch.cat([p.detach().reshape(-1) for p in ours.module.parameters()])}
+
+
+def _same_state(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    if a["param_groups"] != b["param_groups"] or a["state"].keys() != b["state"].keys():
+        return False
+    return all(x.keys() == y.keys() and all(torch.equal(x[k], y[k]) for k in x)
+               for x, y in zip(a["state"].values(), b["state"].values()))
 
 
 def _error_of(fn, *args) -> dict[str, str]:

@@ -46,9 +46,10 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 # tensor; not seen on 2.13 or 2.14; see the README). So each call site of the
 # runtime's own blocking tensor collectives on CPU tensors keeps its latest tensors
 # alive until its next call (large tensors of the module's are broadcast in place
-# instead: buffer_broadcast.py). Left out: the tensors torch's object collectives
-# make inside (all_gather_object: the set-up checks, full_state_dict()'s metadata),
-# and CUDA tensors on a gloo group.
+# instead: buffer_broadcast.py), and so do the runtime's object collectives
+# (object_collectives.py: the set-up checks, full_state_dict()'s metadata), which
+# on gloo pickle into tensors of their own rather than torch's. Left out: CUDA
+# tensors on a gloo group.
 _held_past_gloo_worker: dict[str, tuple[torch.Tensor, ...]] = {}
 
 

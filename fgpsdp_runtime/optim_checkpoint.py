@@ -35,11 +35,11 @@ import warnings
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from .backends import objects_on
 from .buckets import span_as_param, to_bucket_order
 from .group_collectives import all_gather_single, hold_past_gloo_worker
+from .object_collectives import all_gather_objects
 from .step_wide_state import copy_value, optimizer_wide_entries
 
 if TYPE_CHECKING:  # imported for annotations only: optim imports this module
@@ -106,12 +106,8 @@ def full_state_dict(opt: ShardedOptimizer, keep_on: Optional[int]) -> dict[str, 
     group = model.process_group
     world = model.world_size
     local = {"slice_index": model.slice_index, "params": _local_metadata(opt)}
-    gathered: list = [None] * world
-    if world > 1:
-        with objects_on(model.device):  # (a checkpoint thread's current GPU is cuda:0)
-            dist.all_gather_object(gathered, local, group=group)
-    else:
-        gathered = [local]
+    with objects_on(model.device):  # (a checkpoint thread's current GPU is cuda:0)
+        gathered = all_gather_objects(local, group, "optimizer state metadata")
     merged = _merge_metadata(gathered)
     keep = keep_on is None or model.rank == keep_on
     params = [p for _, p in model.named_trainable_parameters()]

@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from .backends import objects_on
 from .group_collectives import hold_past_gloo_worker
+from .object_collectives import broadcast_object
 from .plan import BucketProfile, LinkModel, OverlapPlan, profile_plan
 
 # The link whose time bounds the exchange: the rail between nodes, or the one group.
@@ -172,19 +173,17 @@ class PlanProfiler:
                 warnings.warn(f"fgpsdp: no profile plan ({error!r}); keeping {model.plan}",
                               RuntimeWarning)
                 decision = model.plan.to_json()
-        box = [decision]
-        if model.world_size > 1:
-            with objects_on(model.device):
-                dist.broadcast_object_list(box, src=model._authoritative_rank(),
-                                           group=model.process_group)
-        if box[0] == _EXTEND:  # every rank alike: the decision was broadcast
+        with objects_on(model.device):
+            decision = broadcast_object(decision, model.authoritative_rank,
+                                        model.process_group, "profile plan")
+        if decision == _EXTEND:  # every rank alike: the decision was broadcast
             self._extensions += 1
             self.steps = self.warmup_steps
             self._open_window()
             return
         self.done = True
         model.timeline.release()
-        model.install_overlap_plan(OverlapPlan.from_json(box[0]))
+        model.install_overlap_plan(OverlapPlan.from_json(decision))
 
     def _resolve_marks(self, ready_marks, backward_marks
                        ) -> tuple[dict[int, list[float]], list[float]]:

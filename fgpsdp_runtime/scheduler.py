@@ -72,10 +72,10 @@ import weakref
 from typing import TYPE_CHECKING, Optional
 
 import torch
-import torch.distributed as dist
 
 from . import shutdown
 from .backends import objects_on
+from .object_collectives import all_gather_objects
 from .plan import OverlapPlan
 from .thread_settings import ThreadSettings
 
@@ -266,11 +266,9 @@ class TwoStageScheduler:
                 data = None
             mine = (data, f"{type(error).__name__}: {error}")
         model = self.model
-        gathered: list = [mine]
-        if model.world_size > 1:
-            gathered = [None] * model.world_size
-            with objects_on(model.device):
-                dist.all_gather_object(gathered, mine, group=model.process_group)
+        with objects_on(model.device):
+            gathered = all_gather_objects(mine, model.process_group,
+                                          "speculative step failures")
         first = next(rank for rank, failure in enumerate(gathered) if failure is not None)
         where = "in a two_stage speculative step (the scheduler thread)"
         if error is None:

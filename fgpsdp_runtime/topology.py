@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from .backends import backend_of
+from .object_collectives import all_gather_objects
 
 
 @dataclass(frozen=True)
@@ -255,8 +256,7 @@ def hashed_group_names(group: Optional[dist.ProcessGroup]) -> Optional[GroupNami
     if group is None or dist.get_world_size(group) == dist.get_world_size():
         return None  # every rank of the job builds it: the counter agrees
     usable = hasattr(dist.distributed_c10d, "_process_group_name")  # private: another torch
-    views: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(views, (usable, _named_wrappers), group=group)
+    views = all_gather_objects((usable, _named_wrappers), group, "group naming")
     if not all(usable for usable, _ in views):
         return None
     _named_wrappers = max(count for _, count in views) + 1

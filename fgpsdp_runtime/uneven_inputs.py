@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from .backends import objects_on
 from .group_collectives import hold_past_gloo_worker
+from .object_collectives import broadcast_object
 from .step_wide_state import copy_value
 from .user_warnings import warn_at_user_code
 
@@ -385,13 +386,12 @@ def _take_args(packet: torch.Tensor, active: int) -> list[float]:
 def _share_hyperparameters(model: "DistributedDataParallel", optimizer, src: int) -> None:
     """Every param group's hyperparameters from group rank ``src`` to every rank (a collective)."""
     groups = optimizer.param_groups
-    box: list[Any] = [[{k: _on_the_host(v) for k, v in g.items() if k != "params"}
-                       for g in groups] if model.rank == src else None]
-    global_src = dist.get_global_rank(model.process_group, src)
+    mine = [{k: _on_the_host(v) for k, v in g.items() if k != "params"}
+            for g in groups] if model.rank == src else None
     with objects_on(model.device):
-        dist.broadcast_object_list(box, src=global_src, group=model.process_group)
+        shared = broadcast_object(mine, src, model.process_group, "join's hyperparameters")
     if model.rank != src:
-        for group, values in zip(groups, box[0]):
+        for group, values in zip(groups, shared):
             _update_in_place(group, values)
 
 

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .buckets import memory_dim_order
+from .object_collectives import all_gather_objects
 
 SUPPORTED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -234,14 +235,13 @@ def agree_or_raise(group: Optional[dist.ProcessGroup], problems: list[str],
     resolve alike, by name: the topology, from arguments and the environment, and
     the arguments that shape the collectives); raise the same error on every rank."""
     world = dist.get_world_size(group)
-    gathered: list = [None] * world
     # Out of inference mode: a wrapper built under it must fail on every rank
     # with the message below, and older torch (2.4) failed the gather itself on
     # that rank alone (its tensors are inference tensors), leaving the others
     # waiting for the process group's timeout.
     with torch.inference_mode(False):
-        dist.all_gather_object(gathered, (problems, description, settings, buffers or []),
-                               group=group)
+        gathered = all_gather_objects((problems, description, settings, buffers or []),
+                                      group, "set-up checks")
     messages = []
     for rank, (rank_problems, _, _, _) in enumerate(gathered):
         messages.extend(f"rank {rank}: {p}" for p in rank_problems)
@@ -282,8 +282,7 @@ def settings_agree_or_raise(group: Optional[dist.ProcessGroup], settings: dict[s
     world = dist.get_world_size(group)
     if world == 1:
         return
-    gathered: list = [None] * world
-    dist.all_gather_object(gathered, settings, group=group)
+    gathered = all_gather_objects(settings, group, "settings check")
     messages = [line for rank in range(1, world)
                 for line in setting_differences(gathered[0], gathered[rank], rank)]
     if messages:

@@ -183,3 +183,5 @@ def test_the_tensors_of_finished_gloo_collectives_outlive_the_callers_references
         assert held.get("buffer broadcast", 0) >= 1
         assert result["bytes"]["buffer broadcast"] < 4096  # the BatchNorm's, not the frozen
         assert held.get("optimizer state gather") == 2
+        # Object collectives (object_collectives.py): size, sizes, pickle, pickles.
+        assert held.get("set-up checks") == 6 and held.get("optimizer state metadata") == 6

@@ -27,8 +27,13 @@ from .backends import backend_of
 from .group_collectives import hold_past_gloo_worker
 
 
+# Named on every tensor: a loop's torch.set_default_device("cuda") must not move
+# the pickles (torch's name their device too).
+_CPU = torch.device("cpu")
+
+
 def _through_gloo(group: Optional[dist.ProcessGroup]) -> bool:
-    return backend_of(group, torch.device("cpu")) == "gloo"
+    return backend_of(group, _CPU) == "gloo"
 
 
 def _as_bytes(obj: Any) -> torch.Tensor:
@@ -53,13 +58,13 @@ def all_gather_objects(obj: Any, group: Optional[dist.ProcessGroup], site: str) 
     # tensors on that rank alone, leaving the others waiting.)
     with torch.inference_mode(False):
         mine = _as_bytes(obj)
-        size = torch.tensor([mine.numel()], dtype=torch.int64)
-        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+        size = torch.tensor([mine.numel()], dtype=torch.int64, device=_CPU)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=_CPU) for _ in range(world)]
         dist.all_gather(sizes, size, group=group)
         longest = max(int(s) for s in sizes)
-        padded = torch.zeros(longest, dtype=torch.uint8)
+        padded = torch.zeros(longest, dtype=torch.uint8, device=_CPU)
         padded[:mine.numel()] = mine
-        received = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+        received = [torch.empty(longest, dtype=torch.uint8, device=_CPU) for _ in range(world)]
         dist.all_gather(received, padded, group=group)
     hold_past_gloo_worker(site, size, *sizes, padded, *received)
     return [_from_bytes(data, int(n)) for data, n in zip(received, sizes)]
@@ -78,10 +83,10 @@ def broadcast_object(obj: Any, src: int, group: Optional[dist.ProcessGroup], sit
     sender = dist.get_rank(group) == src
     with torch.inference_mode(False):
         data = _as_bytes(obj) if sender else None
-        size = torch.tensor([data.numel() if sender else 0], dtype=torch.int64)
+        size = torch.tensor([data.numel() if sender else 0], dtype=torch.int64, device=_CPU)
         dist.broadcast(size, src=global_src, group=group)
         if not sender:
-            data = torch.empty(int(size), dtype=torch.uint8)
+            data = torch.empty(int(size), dtype=torch.uint8, device=_CPU)
         dist.broadcast(data, src=global_src, group=group)
     hold_past_gloo_worker(site, size, data)
     return obj if sender else _from_bytes(data, int(size))

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from . import optim_checkpoint
 from .collective_watch import warn_if_the_others_are_late
@@ -831,7 +832,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """The state dict a torch.optim optimizer over the whole model would hold.
 
         A collective: call it on every rank. Tensors are on the CPU. With
-        ``rank0_only`` the other ranks return ``{}`` (and hold no copy). It
+        ``rank0_only`` the other ranks return ``{}`` (and hold no copy; under
+        ``model.join()`` once rank 0 has joined, the lowest active rank keeps it). It
         loads into a ShardedOptimizer at any world size or bucket size, and
         into a torch optimizer built with the same param groups. With
         ``init_state`` the dict holds an entry for every parameter even before the
@@ -852,13 +854,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             uneven.notify(AnnouncedCall.FULL_STATE, float(rank0_only), float(init_state))
             if rank0_only:
                 keep_on = uneven.rank0_only_keeper()
-                if keep_on != 0 and not uneven.joined:
-                    warn_at_user_code(
-                        f"fgpsdp: opt.full_state_dict(rank0_only=True) under model.join() "
-                        f"after rank 0 has joined: the dict is kept on rank {keep_on}, the "
-                        f"lowest active rank, and the others get {{}} (a joined rank's loop "
-                        f"has ended, so nothing would receive it on rank 0): save where the "
-                        f"dict is not empty, or after the join")
         created = []
         if init_state:
             # A template for an in-place load (torch.distributed.checkpoint's dcp.load
@@ -873,8 +868,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
         finally:
             for key in created:
                 self.optim.state.pop(key, None)
+        if keep_on not in (None, 0) and not uneven.joined:
+            # (Said after the collectives: a warning raised as an error (-W error)
+            # must not leave the joined rank waiting in them.)
+            self._warn_kept_off_rank_0(keep_on)
         # (With rank0_only the other ranks hold nothing for a post-hook to edit.)
         return self._run_state_dict_post_hooks(full) if full else full
+
+    def _warn_kept_off_rank_0(self, keep_on: int) -> None:
+        group = self.model.process_group
+        first, keeper = (dist.get_global_rank(group, r) if group is not None else r
+                         for r in (0, keep_on))
+        warn_at_user_code(
+            f"fgpsdp: opt.full_state_dict(rank0_only=True) under model.join() after rank "
+            f"{first} has joined: the dict is kept on rank {keeper}, the lowest active "
+            f"rank, and the others get {{}} (a joined rank's loop has ended, so nothing "
+            f"would receive it there): save where the dict is not empty, or after the join")
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict()`` shard (this rank's), or a whole-model dict in

@@ -22,8 +22,12 @@ def _gather_and_broadcast(rank: int, world_size: int) -> dict:
     pair = dist.new_group([1, 2])
     sent = broadcast_object(("from", rank), 1, pair, "test broadcast") if rank > 0 else None
     whole = broadcast_object({"plan": rank}, 0, None, "test broadcast, whole group")
+    # Under a loop's default device (torch.set_default_device): still CPU tensors.
+    with torch.device("meta"):
+        under_meta = all_gather_objects(rank, None, "test gather, default device")
     held = group_collectives._held_past_gloo_worker
-    return {"same_as_torch": [o["rank"] == t["rank"] and o["text"] == t["text"]
+    return {"under_meta": under_meta,
+            "same_as_torch": [o["rank"] == t["rank"] and o["text"] == t["text"]
                               and torch.equal(o["tensor"], t["tensor"])
                               for o, t in zip(ours, theirs)],
             "ranks": [o["rank"] for o in ours], "sent": sent, "whole": whole,
@@ -36,6 +40,7 @@ def test_objects_are_gathered_and_broadcast_as_torchs_and_their_tensors_are_kept
         assert result["ranks"] == [0, 1, 2] and all(result["same_as_torch"])
         assert result["sent"] == (None if rank == 0 else ("from", 2))
         assert result["whole"] == {"plan": 0}
+        assert result["under_meta"] == [0, 1, 2]
         # The size, 3 gathered sizes, the padded pickle, 3 received ones.
         assert result["held"]["test gather"] == 8
         assert result["held"]["test broadcast, whole group"] == 2

@@ -8,12 +8,16 @@ reference: on torch before its fix (pull request 154976) a
 its set-up checks, ``full_state_dict()``'s metadata, the profile plan's broadcast
 and the join's hyperparameters; with no wrapper alive to run the runtime's own
 destroy hook first (a wrapping refused by the set-up checks, the error caught, the
-group destroyed), the hang was seen on torch 2.4.1 in 2 of 60 runs.
+group destroyed) it was seen on torch 2.4.1 (``bench/gloo_teardown_check.py``; the
+README gives the counts).
 
 On a group that runs CPU tensors on gloo these exchange the same things torch's
 do (each pickle's size, then the pickles padded to the longest), and keep the
-tensors until the call site's next call. On other groups (NCCL, which torch
-sends from the current GPU: ``backends.objects_on``) they are torch's.
+tensors until the call site's next call: per site, the world size + 1 pickles
+of the longest rank's size (the checkpoint metadata's grows with the parameter
+count). A site called from two threads at once keeps only the later call's. On
+other groups (NCCL, which torch sends from the current GPU:
+``backends.objects_on``) they are torch's.
 """
 from __future__ import annotations
 

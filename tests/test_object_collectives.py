@@ -65,8 +65,8 @@ def _wrapping_refused(rank: int, world_size: int) -> dict:
 
 def test_a_refused_wrapping_keeps_its_set_up_checks_tensors():
     # No wrapper is left to put the runtime's own steps before a destroy of the
-    # group: on torch 2.4.1 a destroy_process_group() right after the refusal hung
-    # in 2 of 60 runs, gloo's thread freeing the check's last tensor.
+    # group: on torch 2.4.1 a destroy_process_group() right after the refusal could
+    # hang, gloo's thread freeing the check's last tensor (bench/gloo_teardown_check.py).
     for result in run_distributed(2, _wrapping_refused):
         assert "model differs from rank 0" in result["error"]
         assert result["held"]["set-up checks"] == 6

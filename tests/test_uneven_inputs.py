@@ -26,6 +26,7 @@ LEFT_AT_JOIN_CALLS = [(scen.no_sync_left_at_the_join, system, counts)
                       for counts in LEFT_AT_JOIN
                       for system in ("torch", "serial", "next_forward", "two_stage")]
 RANK0_ONLY_SAVE = (scen.join_then_save, "two_stage", True)
+RANK0_ONLY_SAVE_TWO_JOINED = (scen.join_then_save, "next_forward", True, (0, 1))
 BACKWARD_SKIPPED = [(scen.backward_skipped_on_rank1, (4, 4), False),
                     (scen.backward_skipped_on_rank1, (4, 4), True),
                     (scen.backward_skipped_on_rank1, (5, 4), True)]
@@ -49,7 +50,7 @@ def two_ranks():
 def three_ranks():
     calls = [(scen.train_case, name) for name in THREE] + [(scen.tensor_lr_through_join,),
                                                           (scen.step_counters_through_join,)]
-    calls += LOADS + TWO_WRAPPERS + [RANK0_ONLY_SAVE]
+    calls += LOADS + TWO_WRAPPERS + [RANK0_ONLY_SAVE, RANK0_ONLY_SAVE_TWO_JOINED]
     return run_calls(3, calls, timeout_s=300)
 
 
@@ -113,6 +114,11 @@ def test_a_rank0_only_save_while_rank_0_is_joined_is_kept_on_the_lowest_active_r
     assert rank2["saved_steps"] is None and not rank2["kept_the_whole"]  # got {}
     assert all((r["params"] == two_ranks[RANK0_ONLY_SAVE][0]["params"]).all()
                for r in two_ranks[RANK0_ONLY_SAVE])
+    # Ranks 0 and 1 joined: rank 2, the only active one, keeps it.
+    rank0, rank1, rank2 = three_ranks[RANK0_ONLY_SAVE_TWO_JOINED]
+    assert rank2["saved_steps"] == [4] and rank2["kept_the_whole"]
+    assert len(rank2["warnings"]) == 1 and "kept on rank 2" in rank2["warnings"][0]
+    assert rank0["warnings"] == rank1["warnings"] == []
 
 
 @pytest.mark.parametrize("name", THREE)

@@ -155,10 +155,10 @@ def train_case(rank: int, world_size: int, name: str) -> dict[str, Any]:
 
 
 def join_then_save(rank: int, world_size: int, schedule: str,
-                   rank0_only: bool = False) -> dict[str, Any]:
-    """Rank 0 runs out first; the others save a full optimizer checkpoint and the
-    model (synchronize between backward and step) while it is joined. With
-    ``rank0_only`` they also save the whole dict, for comparison."""
+                   rank0_only: bool = False, early: tuple[int, ...] = (0,)) -> dict[str, Any]:
+    """The ranks in ``early`` run out first; the others save a full optimizer
+    checkpoint and the model (synchronize between backward and step) while those
+    are joined. With ``rank0_only`` they also save the whole dict, for comparison."""
     torch.manual_seed(5)
     ours = fgp.DistributedDataParallel(MODELS["mlp"](), schedule=schedule,
                                        overlap_plan="layout")
@@ -167,7 +167,7 @@ def join_then_save(rank: int, world_size: int, schedule: str,
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         with ours.join():
-            for step in range(2 if rank == 0 else 4):
+            for step in range(2 if rank in early else 4):
                 x, y = make_batch("mlp", step, 0, rank)
                 loss_fn("mlp", ours(x), y).backward()
                 ours.synchronize()  # between backward and step: undoes speculative steps

@@ -33,7 +33,7 @@ from .layout import (BucketLayout, ParamInfo, default_bucket_cap_mb, first_bucke
                      owned_numel, param_alignment_for, plan_buckets)
 from .forward_waits import ForwardParamWaiter, is_traced_by_dynamo
 from .gpu_setup import connect_nccl_groups, make_current_device
-from .group_collectives import hold_past_gloo_worker
+from .group_collectives import all_reduce_held
 from .param_gathers import ParamGathers
 from .module_guards import (hand_out_parameters_through_the_wrapper,
                             land_gathers_before_state_dicts, zero_grad_through_the_wrapper)
@@ -955,8 +955,7 @@ class DistributedDataParallel(nn.Module):
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         """Blocking sum of a small tensor (norms, flags) over the wrapper's group."""
         if self.world_size > 1:
-            dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.process_group)
-            hold_past_gloo_worker("wrapper all-reduce", tensor)  # see group_collectives.py
+            all_reduce_held(tensor, dist.ReduceOp.SUM, self.process_group, "wrapper all-reduce")
 
     # -- teardown -------------------------------------------------------------
 

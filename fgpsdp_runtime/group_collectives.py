@@ -59,6 +59,13 @@ def hold_past_gloo_worker(site: str, *tensors: torch.Tensor) -> None:
     _held_past_gloo_worker[site] = tuple(t for t in tensors if t.device.type == "cpu")
 
 
+def all_reduce_held(tensor: torch.Tensor, op: dist.ReduceOp,
+                    group: Optional[dist.ProcessGroup], site: str) -> None:
+    """A blocking all-reduce of a small tensor, held past gloo's thread (the note above)."""
+    dist.all_reduce(tensor, op=op, group=group)
+    hold_past_gloo_worker(site, tensor)
+
+
 # Per link-worker thread: one reusable buffer per purpose. A worker runs one
 # collective at a time, and these buffers never outlive the call, so reusing
 # them is safe; allocating them per call made every worker thread's heap hold

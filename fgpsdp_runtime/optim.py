@@ -877,8 +877,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _warn_kept_off_rank_0(self, keep_on: int) -> None:
         group = self.model.process_group
-        first, keeper = (dist.get_global_rank(group, r) if group is not None else r
-                         for r in (0, keep_on))
+        first, keeper = (dist.get_global_rank(group, r) for r in (0, keep_on))
         warn_at_user_code(
             f"fgpsdp: opt.full_state_dict(rank0_only=True) under model.join() after rank "
             f"{first} has joined: the dict is kept on rank {keeper}, the lowest active "

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .backends import objects_on
-from .group_collectives import hold_past_gloo_worker
+from .group_collectives import all_reduce_held
 from .object_collectives import broadcast_object
 from .plan import BucketProfile, LinkModel, OverlapPlan, profile_plan
 
@@ -221,8 +221,7 @@ class PlanProfiler:
         slowest = torch.zeros(n, dtype=torch.float64, device=model.device)
         for b, s in self.local_forward_wait_s.items():
             slowest[b] = s
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX, group=model.process_group)
-        hold_past_gloo_worker("forward waits", slowest)  # see group_collectives.py
+        all_reduce_held(slowest, dist.ReduceOp.MAX, model.process_group, "forward waits")
         return {b: s for b, s in enumerate(slowest.tolist()) if s > 0.0}
 
     def plan_from(self, spans, ready: dict[int, list[float]], backward: list[float],

@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 
 from .backends import objects_on
-from .group_collectives import hold_past_gloo_worker
+from .group_collectives import all_reduce_held
 from .object_collectives import broadcast_object
 from .step_wide_state import copy_value
 from .user_warnings import warn_at_user_code
@@ -321,8 +321,7 @@ class UnevenInputs:
         candidate = torch.tensor([model.rank if last_to_join else -1], dtype=torch.float64,
                                  device=self._device)
         if model.world_size > 1:
-            dist.all_reduce(candidate, op=dist.ReduceOp.MAX, group=model.process_group)
-            hold_past_gloo_worker("join's end", candidate)  # see group_collectives.py
+            all_reduce_held(candidate, dist.ReduceOp.MAX, model.process_group, "join's end")
         self.active_ranks = (int(candidate.item()),)
         if model.broadcast_buffers:
             model._broadcast_buffers()

@@ -25,6 +25,7 @@ refused (optimizer_kinds.py).
 from __future__ import annotations
 
 import math
+import operator
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -131,6 +132,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             slice_groups.append({**{k: v for k, v in group.items() if k != "params"},
                                  "params": pieces})
         self.optim = optimizer_class(slice_groups, **defaults)
+        # The tensors each group steps, as built: the loop may give groups new dicts
+        # but never other tensors (see _refuse_groups_over_other_tensors).
+        self._pieces_by_group = [tuple(g["params"]) for g in self.optim.param_groups]
         # Some state at construction comes from these alone, not from the groups
         # (Adagrad's initial_accumulator_value): see optim_checkpoint.
         self._inner_arguments = dict(defaults)
@@ -301,13 +305,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.__dict__["param_groups"] = groups
             return
         groups = list(groups)
-        current = self.param_groups
-
-        def same_tensors(new: Any, old: dict[str, Any]) -> bool:
-            params = new.get("params") if isinstance(new, dict) else None
-            return isinstance(params, (list, tuple)) and len(params) == len(old["params"]) \
-                and all(a is b for a, b in zip(params, old["params"]))
-        if len(groups) != len(current) or not all(map(same_tensors, groups, current)):
+        if self._groups_over_other_tensors(groups) is not None:
             # The tensors are this rank's slice pieces; groups cannot be added or
             # dropped after construction (see add_param_group).
             raise ValueError(
@@ -316,6 +314,32 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "are this rank's bucket slices, and groups cannot be added or removed after "
                 "construction; change a hyperparameter in the groups instead")
         wide.set_loop_groups(groups)
+
+    def _groups_over_other_tensors(self, groups: Sequence[Any]) -> Optional[str]:
+        """None when ``groups`` hold the tensors the optimizer was built with, group
+        for group and in order; else which group does not (or that the count differs)."""
+        built = self._pieces_by_group
+        if len(groups) != len(built):
+            return f"it has {len(groups)} groups, built with {len(built)}"
+        for i, (group, pieces) in enumerate(zip(groups, built)):
+            params = group.get("params") if isinstance(group, dict) else None
+            if not (isinstance(params, (list, tuple)) and len(params) == len(pieces)
+                    and all(map(operator.is_, params, pieces))):
+                return f"group {i}'s \"params\" are not the tensors it was built with"
+        return None
+
+    def _refuse_groups_over_other_tensors(self) -> None:
+        """Before a step: a group dict put in the list (``opt.param_groups[0] = {...}``)
+        or "params" replaced in one, over other tensors (the model's parameters, as a
+        torch.optim loop might write), would step tensors no bucket reads: the model
+        would silently stop training."""
+        problem = self._groups_over_other_tensors(self.param_groups)
+        if problem is not None:
+            raise ValueError(
+                f"fgpsdp: opt.param_groups was changed to hold other tensors ({problem}): "
+                "its tensors are this rank's bucket slices, and a step over others would "
+                "train nothing. Change hyperparameters in the groups, or give new dicts over "
+                "the same tensors (as [dict(g) for g in opt.param_groups] makes)")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         # torch.optim's would add whole parameters that no bucket slice backs:
@@ -409,6 +433,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         what unscale_ found. Called again after it raised part-way, it finishes
         that step (see _UnfinishedStep)."""
         # Before any collective: the loop did it everywhere.
+        self._refuse_groups_over_other_tensors()
         self._slice_pieces.check_they_view_their_buckets()
         self.model._param_places.refuse_substitutes()  # (likewise)
         if self._unfinished is not None:  # called again after it raised: no collective

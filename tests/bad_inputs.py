@@ -101,6 +101,28 @@ def param_groups_replaced_by_others(rank, world_size):
     opt.param_groups = [{"params": list(model.parameters()), "lr": 0.1}]
 
 
+def param_group_dict_over_other_tensors(rank, world_size):
+    """One group's dict replaced in the list, over the model's parameters: before,
+    the steps went over them (no gradient there) and nothing trained, silently."""
+    model = fgp.DistributedDataParallel(MLP())
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    opt.param_groups[0] = {**opt.param_groups[0], "params": list(model.parameters())}
+    model(torch.randn(4, 13)).sum().backward()
+    opt.step()
+
+
+def param_group_params_replaced(rank, world_size):
+    """"params" of a group replaced with fewer of its own tensors (two_stage's
+    speculative steps during backward already ran over them)."""
+    model = fgp.DistributedDataParallel(MLP(), schedule="two_stage", bucket_cap_mb=0.0001,
+                                       overlap_plan="layout")
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    group = opt.param_groups[0]
+    group["params"] = group["params"][1:]
+    model(torch.randn(4, 13)).sum().backward()
+    opt.step()
+
+
 def param_groups_dropped(rank, world_size):
     model = fgp.DistributedDataParallel(MLP())
     opt = fgp.ShardedOptimizer(model, torch.optim.SGD, param_groups=[

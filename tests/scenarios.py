@@ -690,6 +690,11 @@ def train_side_by_side(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
             # schedule must use these from now on, as torch's optimizer does.
             for o in (opt, ref_opt):
                 o.param_groups = [dict(g) for g in o.param_groups]
+        if step == cfg.get("param_group_item_replaced_at"):
+            # One group's dict replaced in the list, over the same tensors with another
+            # lr (opt.param_groups[0] = {...}): later steps must use it.
+            for o in (opt, ref_opt):
+                o.param_groups[0] = dict(o.param_groups[0], lr=o.param_groups[0]["lr"] / 2)
         if sched is not None:
             sched.step()
             ref_sched.step()

@@ -32,6 +32,11 @@ CASES = [
     (bad_inputs.differentiable_group, "ValueError", [r"differentiable=True is not supported"]),
     (bad_inputs.param_groups_replaced_by_others, "ValueError",
      [r"opt\.param_groups can be given new dicts only over the same tensors"]),
+    (bad_inputs.param_group_dict_over_other_tensors, "ValueError",
+     [r"opt\.param_groups was changed to hold other tensors \(group 0's \"params\" are not "
+      r"the tensors it was built with\)", r"would train nothing"]),
+    (bad_inputs.param_group_params_replaced, "ValueError",
+     [r"opt\.param_groups was changed to hold other tensors \(group 0's"]),
     (bad_inputs.param_groups_dropped, "ValueError",
      [r"groups cannot be added or removed after construction"]),
     (bad_inputs.layerwise_optimizer, "TypeError", [r"FusedLAMB is not element-wise"]),

@@ -58,6 +58,8 @@ SCENARIOS = {
     # ... and after opt.param_groups is given a new list of copies of its groups.
     "param_groups_replaced": {"lr_scheduler": True, "param_groups_replaced_at": 0},
     "param_groups_replaced_after_backward": {"param_groups_replaced_after_backward_at": 1},
+    # ... and one group's dict in the list, with another lr.
+    "param_group_item_replaced": {"lr_scheduler": True, "param_group_item_replaced_at": 1},
     "hyperparameters_after_backward": {"hyperparameters_after_backward": "before_clip"},
     "model_zero_grad": {"zero_grad_via": "model"},
     "zero_before_step": {"zero_before_step": "zeros", "bucket_cap_mb": 0.0001},

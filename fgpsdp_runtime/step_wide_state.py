@@ -4,9 +4,10 @@
 buckets under the forward-overlapped schedules, once per speculative bucket under
 ``two_stage``, again for a bucket rolled back. torch's optimizers keep all their
 state per parameter, so those runs add up to one step. Others also count steps in
-their param groups (schedule-free's ``group["k"]``) or in the optimizer's state under
-a key that is not a parameter (MADGRAD's ``state["k"]``): each run would count once
-more, and later steps would use the wrong count.
+their param groups (schedule-free's ``group["k"]``), in the optimizer's state under
+a key that is not a parameter (MADGRAD's ``state["k"]``), or in a plain number on
+the optimizer object itself (a subclass's ``self.n_steps += 1`` driving a warm-up):
+each run would count once more, and later steps would use the wrong count.
 
 So every run starts from the values the step started from and leaves them as they
 were; what a run wrote is kept aside and written when the step ends, if it stepped.
@@ -97,6 +98,18 @@ def copy_value(value: Any) -> Any:
     return value
 
 
+# The attribute types kept step-wide: plain numbers (a count, a running scale).
+SCALAR_ATTRIBUTE_TYPES = (int, float, bool)
+
+
+def scalar_attributes(optim: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer object's own attributes that hold plain numbers (``self.n_steps``;
+    torch's ``_opt_called`` flag too). Others (a module, a list) are the optimizer's
+    business, as in param groups."""
+    return {k: v for k, v in getattr(optim, "__dict__", {}).items()
+            if type(v) in SCALAR_ATTRIBUTE_TYPES}
+
+
 def optimizer_wide_entries(optim: torch.optim.Optimizer) -> dict[Any, Any]:
     """``optim.state`` entries not keyed by a parameter tensor (MADGRAD's "k")."""
     state = optim.state
@@ -120,6 +133,7 @@ class StepWideState:
         # {key: value}, and optimizer-wide state {key: value or _MISSING (removed)}.
         self._group_writes: list[dict[str, Any]] = []
         self._state_writes: dict[Any, Any] = {}
+        self._attribute_writes: dict[str, Any] = {}  # the optimizer object's numbers
         # Group entries a run has ever written: the optimizer's own state, not
         # hyperparameters of the loop's (model.join() must not restore them).
         self.written_group_keys: set[str] = set()
@@ -152,6 +166,7 @@ class StepWideState:
         live_state = optimizer_wide_entries(optim)
         live_versions = {k: (v, tensor_versions(v)) for k, v in live_state.items()}
         state_before = {k: copy_value(v) for k, v in live_state.items()}
+        attributes_before = scalar_attributes(optim)
         with self._swap_lock:
             optim.param_groups = copies
             self._runs += 1
@@ -169,6 +184,14 @@ class StepWideState:
                     optim.state[key] = state_before[key]
                 else:
                     del optim.state[key]
+            attributes_after = scalar_attributes(optim)
+            attributes_written = {
+                name: attributes_after.get(name, _MISSING)
+                for name in attributes_after.keys() | attributes_before.keys()
+                if not same_number(attributes_before.get(name, _MISSING),
+                                   attributes_after.get(name, _MISSING))}
+            for name in attributes_written:
+                set_or_delete_attribute(optim, name, attributes_before.get(name, _MISSING))
             if ran:
                 # (The identity test first: most entries are the objects they were.)
                 writes = [{k: copy_value(v) for k, v in after.items()
@@ -190,6 +213,7 @@ class StepWideState:
                             and untouched(*live_versions[key], state_after[key]))
                     and not same_value(state_before.get(key, _MISSING),
                                        state_after.get(key, _MISSING))})
+                self._attribute_writes.update(attributes_written)
 
     def set_loop_groups(self, groups: list[dict]) -> None:
         """The loop's new group list (``opt.param_groups = ...``): the inner
@@ -204,18 +228,18 @@ class StepWideState:
     def run_and_forget(self) -> Iterator[None]:
         """A run whose writes outside the pieces are dropped, whatever this step's
         runs have kept so far (a template's state made for a checkpoint load)."""
-        kept = self._group_writes, self._state_writes
-        self._group_writes, self._state_writes = [], {}
+        kept = self._group_writes, self._state_writes, self._attribute_writes
+        self._group_writes, self._state_writes, self._attribute_writes = [], {}, {}
         try:
             with self.run():
                 yield
         finally:
-            self._group_writes, self._state_writes = kept
+            self._group_writes, self._state_writes, self._attribute_writes = kept
 
     def discard(self) -> None:
         """The runs so far were undone without a step (two_stage's speculative steps
         cancelled by a forward or synchronize() between backward and step)."""
-        self._group_writes, self._state_writes = [], {}
+        self._group_writes, self._state_writes, self._attribute_writes = [], {}, {}
 
     def end_step(self, stepped: bool) -> None:
         """The step is over: keep what its runs wrote if it stepped."""
@@ -227,4 +251,19 @@ class StepWideState:
                     self._optim.state.pop(key, None)
                 else:
                     self._optim.state[key] = value
+            for name, value in self._attribute_writes.items():
+                set_or_delete_attribute(self._optim, name, value)
         self.discard()
+
+
+def same_number(u: Any, v: Any) -> bool:
+    """The same attribute value: same type and equal, NaN equal to NaN (a number
+    attribute that stays NaN is unchanged)."""
+    return type(u) is type(v) and (u is v or u == v or (u != u and v != v))
+
+
+def set_or_delete_attribute(obj: Any, name: str, value: Any) -> None:
+    if value is _MISSING:
+        obj.__dict__.pop(name, None)
+    else:
+        setattr(obj, name, value)

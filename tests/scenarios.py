@@ -259,6 +259,26 @@ class StepCountingSGD(torch.optim.Optimizer):
         self.state["steps"] += 1  # in place, as MADGRAD's
 
 
+class AttributeCountingSGD(torch.optim.Optimizer):
+    """Element-wise, counting its steps in plain numbers on the optimizer object, as
+    custom optimizers do: ``self.n_steps`` set at construction warms the learning
+    rate up, ``self.calls`` created at the first step scales it."""
+
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, {"lr": lr})
+        self.n_steps = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.n_steps += 1
+        self.calls = getattr(self, "calls", 0) + 1
+        scale = min(1.0, self.n_steps / 4) * (1.0 + 0.1 * self.calls)
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] * scale)
+
+
 class TrainEvalSGD(torch.optim.Optimizer):
     """Schedule-free's modes, element-wise: it trains at a point between the iterate
     and its average z, and evaluates at the average, so ``train()`` and ``eval()``
@@ -524,6 +544,8 @@ def wrapped_for(module: nn.Module, torch_ddp: bool, optimizer_class, lr: float,
 def optimizer_class_and_defaults(optimizer: str):
     if optimizer == "step_counters":
         return StepCountingSGD, {"lr": 0.05}
+    if optimizer == "attribute_counters":
+        return AttributeCountingSGD, {"lr": 0.05}
     if optimizer == "step_counters_with_gradients":
         return GroupsWithGradientsCountingSGD, {"lr": 0.05}
     if optimizer == "adamw_groups":

@@ -20,6 +20,8 @@ SCENARIOS = {
     "sgd_momentum": {"optimizer": "sgd_momentum"},
     # Counted once per step, not per chunk of buckets nor per speculative step.
     "step_counters": {"optimizer": "step_counters", "bucket_cap_mb": 0.0001},
+    # ... and in plain numbers on the optimizer object (self.n_steps += 1).
+    "attribute_counters": {"optimizer": "attribute_counters", "bucket_cap_mb": 0.0001},
     "clip_triggers": {"max_grad_norm": 0.05},
     # The step writes the gradient (momentum * buf added in place): a rolled-back
     # speculative step must be redone on the reduced gradient, not on that.

@@ -5,7 +5,7 @@ import torch
 
 from fgpsdp_runtime.step_wide_state import StepWideState
 
-from .scenarios import StepCountingSGD
+from .scenarios import AttributeCountingSGD, StepCountingSGD
 from .test_speculation import _CountingEqual
 
 
@@ -51,3 +51,38 @@ def test_entries_written_in_place_are_kept_once_per_step(monkeypatch):
         opt.step()
     wide.end_step(stepped=False)  # a skipped step (an overflow) counts nothing
     assert float(opt.param_groups[0]["t"]) == 2 and int(opt.state["steps"]) == 2
+
+
+def test_plain_numbers_on_the_optimizer_object_count_once_per_step():
+    """AttributeCountingSGD counts in ``self.n_steps`` (set at construction) and
+    ``self.calls`` (created by its first step): two runs of one step count once, a
+    skipped step and discarded runs count nothing, and the runs step with the count
+    the step started from."""
+    params = _params()
+    opt = AttributeCountingSGD(params)
+    wide = StepWideState(opt)
+    seen = []
+    for step in range(1, 3):
+        for _ in range(2):
+            with wide.run():
+                opt.step()
+                seen.append((opt.n_steps, opt.calls))
+            assert opt.n_steps == step - 1  # put back after each run
+        wide.end_step(stepped=True)
+        assert (opt.n_steps, opt.calls) == (step, step)
+    assert seen == [(1, 1), (1, 1), (2, 2), (2, 2)]
+    with wide.run():
+        opt.step()
+    wide.end_step(stepped=False)  # a skipped step (an overflow)
+    with wide.run():
+        opt.step()
+    wide.discard()  # speculative runs undone without a step
+    wide.end_step(stepped=True)
+    assert (opt.n_steps, opt.calls) == (2, 2)
+    fresh = AttributeCountingSGD(_params())
+    fresh_wide = StepWideState(fresh)
+    with fresh_wide.run():
+        fresh.step()
+    assert not hasattr(fresh, "calls")  # created by the run: gone until the step ends
+    fresh_wide.end_step(stepped=True)
+    assert fresh.calls == 1

@@ -225,7 +225,7 @@ def test_a_tensor_learning_rate_stays_the_loops_through_a_join(three_ranks):
 
 def test_step_counts_outside_the_parameters_agree_after_a_join(three_ranks):
     for rank, res in enumerate(three_ranks[(scen.step_counters_through_join,)]):
-        assert res == {"k": [5], "t": [5.0], "steps": 5, "meta": 5}, (rank, res)
+        assert res == {"k": [5], "t": [5.0], "steps": 5, "meta": 5, "n_steps": 5}, (rank, res)
 
 
 @pytest.mark.parametrize("counts", LEFT_AT_JOIN, ids=[f"{a}-{b}" for a, b in LEFT_AT_JOIN])

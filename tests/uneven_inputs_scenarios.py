@@ -352,13 +352,19 @@ def tensor_lr_through_join(rank: int, world_size: int) -> dict[str, Any]:
 
 def step_counters_through_join(rank: int, world_size: int) -> dict[str, Any]:
     """An optimizer that counts steps in its param groups and its state (schedule-free,
-    MADGRAD): rank 0 runs out after one step, the others after three, then every rank
-    trains two more. Before, the join's end wound rank 0's group counts back to its own
-    (1 where the others had 3). Returns every count after the run."""
+    MADGRAD), and in a number on itself: rank 0 runs out after one step, the others
+    after three, then every rank trains two more. Before, the join's end wound rank 0's
+    group counts back to its own (1 where the others had 3). Returns every count after
+    the run."""
     from .scenarios import StepCountingSGD
+
+    class AlsoOnItself(StepCountingSGD):
+        def step(self, closure=None):
+            self.n_steps = getattr(self, "n_steps", 0) + 1
+            return super().step(closure)
     torch.manual_seed(5)
     ours = fgp.DistributedDataParallel(MODELS["mlp"](), bucket_cap_mb=0.0001)
-    opt = fgp.ShardedOptimizer(ours, StepCountingSGD, lr=0.05)
+    opt = fgp.ShardedOptimizer(ours, AlsoOnItself, lr=0.05)
 
     with ours.join():
         for step in range(1 if rank == 0 else 3):
@@ -367,7 +373,8 @@ def step_counters_through_join(rank: int, world_size: int) -> dict[str, Any]:
         _plain_step(ours, opt, step, rank)
     return {"k": [g["k"] for g in opt.param_groups],
             "t": [float(g["t"]) for g in opt.param_groups],
-            "steps": int(opt.state["steps"]), "meta": opt.state["meta"]["n"]}
+            "steps": int(opt.state["steps"]), "meta": opt.state["meta"]["n"],
+            "n_steps": opt.optim.n_steps}
 
 
 def no_sync_left_at_the_join(rank: int, world_size: int, system: str,

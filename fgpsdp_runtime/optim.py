@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -314,6 +315,33 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "are this rank's bucket slices, and groups cannot be added or removed after "
                 "construction; change a hyperparameter in the groups instead")
         wide.set_loop_groups(groups)
+
+    @property
+    def state(self) -> defaultdict:
+        """The inner optimizer's per-tensor state, keyed by this rank's slice pieces
+        (see slice_state.py)."""
+        if self._built_step_wide_state() is None:  # as for param_groups
+            try:
+                return self.__dict__["state"]
+            except KeyError:
+                raise AttributeError("state") from None
+        return self.optim.state
+
+    @state.setter
+    def state(self, state: Any) -> None:
+        """``opt.state = defaultdict(dict)``, torch.optim's reset of every moment: the
+        inner optimizer's state is emptied and given the new entries (before, the
+        assignment replaced an attribute the steps never read)."""
+        if self._built_step_wide_state() is None:
+            self.__dict__["state"] = state
+            return
+        self._refuse_while_unfinished("state = ...")
+        self._refuse_speculative_state("state = ...")
+        current = self.optim.state
+        entries = dict(state)  # before clearing: it may be the state itself
+        current.refuse_model_params(entries)  # before anything changes
+        current.clear()
+        current.update(entries)
 
     def _groups_over_other_tensors(self, groups: Sequence[Any]) -> Optional[str]:
         """None when ``groups`` hold the tensors the optimizer was built with, group
@@ -956,10 +984,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """The inner optimizer's state, also as ``opt.state``, where a lookup of a model
         parameter inserts nothing (see slice_state.py)."""
         index = self.model.param_index  # not self: the state would hold its optimizer
-        previous = self.state if isinstance(getattr(self, "state", None), SliceState) else None
+        # The one a load replaced (torch's load_state_dict makes a new one): its
+        # warning is not given twice.
+        previous = self.__dict__.get("_slice_state")
         self.optim.state = SliceState(lambda key: index(key) is not None, self.optim.state,
                                       warned=previous is not None and previous.warned)
-        self.state = self.optim.state
+        self._slice_state = self.optim.state
+        self.__dict__.pop("state", None)  # torch.optim.Optimizer.__init__'s: see state
 
     def _load_shard(self, state_dict: dict[str, Any]) -> None:
         """A collective (every rank loads its own shard): a shard that does not fit on

@@ -7,7 +7,8 @@ torch.optim looks a model parameter up there (logging Adam's moments,
 resetting a re-initialised layer's state): torch's ``defaultdict`` would
 insert an empty entry for it, and the next ``state_dict()`` would fail on a
 key no param group holds. Such a lookup gets an empty dict that is not kept,
-and one warning.
+and one warning; so do ``get``, ``pop`` and ``in`` with a model parameter (None,
+the default, False), and writing or deleting its entry raises.
 """
 from __future__ import annotations
 
@@ -33,27 +34,64 @@ class SliceState(defaultdict):
     def __missing__(self, key):
         if not self._is_model_param(key):
             return super().__missing__(key)  # a piece: torch.optim fills it in
+        self._warn_once(stacklevel=3)
+        return {}
+
+    def _warn_once(self, stacklevel: int) -> None:
         if not self.warned:
             self.warned = True
             warnings.warn(
                 "fgpsdp: opt.state is keyed by this rank's slice pieces (the tensors in "
                 "opt.param_groups), not by the model's parameters, which have no entry; "
                 "opt.full_state_dict() holds every parameter's state in torch.optim's "
-                "format (a collective)", RuntimeWarning, stacklevel=2)
-        return {}
+                "format (a collective)", RuntimeWarning, stacklevel=stacklevel)
 
-    def __setitem__(self, key, value) -> None:
-        if self._is_model_param(key):
+    def _is_model_param_key(self, key) -> bool:
+        return isinstance(key, torch.Tensor) and self._is_model_param(key)
+
+    # A model parameter is never a key: these answer as for a missing key, and warn
+    # (a loop resetting a re-initialised layer by `opt.state.pop(p, None)` would
+    # otherwise reset nothing without a word).
+    def get(self, key, default=None):
+        if self._is_model_param_key(key):
+            self._warn_once(stacklevel=3)
+            return default
+        return super().get(key, default)
+
+    def pop(self, key, *default):
+        if self._is_model_param_key(key):
+            self._warn_once(stacklevel=3)
+            if default:
+                return default[0]
+        return super().pop(key, *default)
+
+    def __contains__(self, key) -> bool:
+        if self._is_model_param_key(key):
+            self._warn_once(stacklevel=3)
+            return False
+        return super().__contains__(key)
+
+    def refuse_model_params(self, keys) -> None:
+        """KeyError if any of ``keys`` is a model parameter."""
+        if any(self._is_model_param_key(key) for key in keys):
             # Kept, it would make the next state_dict() fail on a key no group holds.
             raise KeyError(
                 "fgpsdp: opt.state is keyed by this rank's slice pieces (the tensors in "
                 "opt.param_groups), not by the model's parameters: to reset a parameter's "
                 "state, reset the entries of its pieces")
+
+    def __setitem__(self, key, value) -> None:
+        self.refuse_model_params([key])
         if not isinstance(key, torch.Tensor):
             self.wide_keys.add(key)
         super().__setitem__(key, value)
 
+    def __delitem__(self, key) -> None:
+        self.refuse_model_params([key])
+        super().__delitem__(key)
+
     def setdefault(self, key, default=None):  # dict's would bypass __setitem__
+        self.refuse_model_params([key])
         if key not in self:
             self[key] = default
         return self[key]

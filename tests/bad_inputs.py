@@ -316,6 +316,15 @@ def save_between_backward_and_step(rank, world_size):
     opt.step()
 
 
+def optimizer_state_reset_between_backward_and_step(rank, world_size):
+    from collections import defaultdict
+    model = fgp.DistributedDataParallel(MLP(), bucket_cap_mb=0.0001, overlap_plan="layout")
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    model(torch.randn(4, 13)).sum().backward()
+    opt.state = defaultdict(dict)  # the speculative steps' undo would write it back
+    opt.step()
+
+
 def optimizer_state_dict_between_backward_and_step(rank, world_size):
     model = fgp.DistributedDataParallel(MLP(), bucket_cap_mb=0.0001, overlap_plan="layout")
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)

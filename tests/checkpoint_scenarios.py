@@ -14,7 +14,8 @@ from torch import nn
 
 import fgpsdp_runtime as fgp
 
-from .scenarios import MODELS, StepCountingSGD, loss_fn, make_batch, reference_clip_
+from .scenarios import (MODELS, StepCountingSGD, loss_fn, make_batch, reference_clip_,
+                        wrapped_for)
 
 
 class TemperatureNet(nn.Module):
@@ -259,6 +260,47 @@ def look_up_model_params_in_state(rank: int, world_size: int) -> dict[str, Any]:
             "warnings": [str(w.message) for w in caught],
             "state_keys": len(opt.state),
             "pieces": sum(len(g["params"]) for g in opt.param_groups)}
+
+
+def reset_state_the_torch_ways(rank: int, world_size: int) -> dict[str, Any]:
+    """Two AdamW steps, every moment reset by ``opt.state = defaultdict(dict)``, two more
+    steps, under torch DDP and fgpsdp (before, the assignment replaced an attribute no
+    step read: the moments went on). Then the lookups of a model parameter that
+    torch.optim loops write to reset one layer (``pop``, ``in`` then ``del``) and to
+    read its moments (``get``): on fgpsdp they warn once in all, ``del`` and an
+    assignment over a model parameter raise, and the state is left as it was."""
+    import warnings
+    from collections import defaultdict
+    params = {}
+    for system in ("torch", "fgpsdp"):
+        torch.manual_seed(0)
+        model, opt = wrapped_for(MODELS["mlp"](), system == "torch", torch.optim.AdamW, 1e-2)
+        for k in range(4):
+            if k == 2:
+                opt.state = defaultdict(dict)
+            x, y = make_batch("mlp", k, 0, rank)
+            loss_fn("mlp", model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        if system == "fgpsdp":
+            model.synchronize()
+        params[system] = [p.detach().clone() for p in model.module.parameters()]
+    weight = model.module.net[0].weight
+    entries = len(opt.state)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        answers = [opt.state.pop(weight, None), weight in opt.state, opt.state.get(weight)]
+    refused = []
+    for write in (lambda: opt.state.__delitem__(weight),
+                  lambda: setattr(opt, "state", {weight: {}})):
+        try:
+            write()
+            refused.append("nothing")
+        except KeyError as error:
+            refused.append(str(error))
+    return {"bitwise": all(map(torch.equal, params["torch"], params["fgpsdp"])),
+            "answers": answers, "warnings": [str(w.message) for w in caught],
+            "refused": refused, "entries": (entries, len(opt.state))}
 
 
 def _mlp_stepped_once(rank: int):

@@ -74,6 +74,9 @@ CASES = [
     (bad_inputs.save_between_backward_and_step, "RuntimeError",
      [r"state_dict\(\) or a copy of the module \(copy\.deepcopy, torch\.save\) between "
       r"backward and opt\.step\(\)"]),
+    (bad_inputs.optimizer_state_reset_between_backward_and_step, "RuntimeError",
+     [r"opt\.state = \.\.\. between backward and opt\.step\(\) would see two_stage's "
+      r"speculative updates"]),
     (bad_inputs.optimizer_state_dict_between_backward_and_step, "RuntimeError",
      [r"opt\.state_dict\(\) between backward and opt\.step\(\)"]),
     (bad_inputs.cast_after_wrapping, "RuntimeError",

@@ -159,6 +159,16 @@ def test_model_parameter_lookups_in_opt_state_keep_it_saveable():
         assert "reset the entries of its pieces" in res["assignment"]
 
 
+def test_opt_state_reset_by_assignment_and_model_parameter_lookups():
+    for res in run_distributed(2, checkpoint_scenarios.reset_state_the_torch_ways,
+                               timeout_s=120):
+        assert res["bitwise"]  # the reset reached the inner optimizer's moments
+        assert res["answers"] == [None, False, None]
+        assert len(res["warnings"]) == 1 and "opt.full_state_dict()" in res["warnings"][0]
+        assert all("reset the entries of its pieces" in r for r in res["refused"])
+        assert res["entries"][0] == res["entries"][1] > 0
+
+
 def test_state_dict_hooks_run_as_on_a_torch_optimizer():
     for res in run_distributed(2, checkpoint_scenarios.state_dict_hooks, timeout_s=120):
         assert res["calls"] == ["before save", "save"] * 2 + ["load", "loaded"] * 2

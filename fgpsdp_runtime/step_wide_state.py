@@ -98,13 +98,16 @@ def copy_value(value: Any) -> Any:
     return value
 
 
-# The attribute types kept step-wide: plain numbers (a count, a running scale).
-SCALAR_ATTRIBUTE_TYPES = (int, float, bool)
+# The attribute types kept step-wide: plain numbers (a count, a running scale). Not
+# bool: a flag is set once and read by later runs (``self.initialized = True`` after
+# filling every piece's state in the first run: put back, the next run of the same
+# step would fill them again, over what the first run stepped).
+SCALAR_ATTRIBUTE_TYPES = (int, float)
 
 
 def scalar_attributes(optim: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer object's own attributes that hold plain numbers (``self.n_steps``;
-    torch's ``_opt_called`` flag too). Others (a module, a list) are the optimizer's
+    """The optimizer object's own attributes that hold plain numbers
+    (``self.n_steps``), bool excluded. Others (a module, a list) are the optimizer's
     business, as in param groups."""
     return {k: v for k, v in getattr(optim, "__dict__", {}).items()
             if type(v) in SCALAR_ATTRIBUTE_TYPES}

@@ -262,7 +262,9 @@ class StepCountingSGD(torch.optim.Optimizer):
 class AttributeCountingSGD(torch.optim.Optimizer):
     """Element-wise, counting its steps in plain numbers on the optimizer object, as
     custom optimizers do: ``self.n_steps`` set at construction warms the learning
-    rate up, ``self.calls`` created at the first step scales it."""
+    rate up, ``self.calls`` created at the first step scales it. And a flag there: the
+    first step fills every parameter's velocity and sets ``self.ready`` (a later run
+    of the same step that found it unset would zero what an earlier one stepped)."""
 
     def __init__(self, params, lr=0.05):
         super().__init__(params, {"lr": lr})
@@ -270,13 +272,20 @@ class AttributeCountingSGD(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
+        if not getattr(self, "ready", False):
+            for group in self.param_groups:
+                for p in group["params"]:
+                    self.state[p]["velocity"] = torch.zeros_like(p)
+            self.ready = True
         self.n_steps += 1
         self.calls = getattr(self, "calls", 0) + 1
         scale = min(1.0, self.n_steps / 4) * (1.0 + 0.1 * self.calls)
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
-                    p.add_(p.grad, alpha=-group["lr"] * scale)
+                    velocity = self.state[p]["velocity"]
+                    velocity.mul_(0.5).add_(p.grad)
+                    p.add_(velocity, alpha=-group["lr"] * scale)
 
 
 class TrainEvalSGD(torch.optim.Optimizer):

@@ -57,7 +57,8 @@ def test_plain_numbers_on_the_optimizer_object_count_once_per_step():
     """AttributeCountingSGD counts in ``self.n_steps`` (set at construction) and
     ``self.calls`` (created by its first step): two runs of one step count once, a
     skipped step and discarded runs count nothing, and the runs step with the count
-    the step started from."""
+    the step started from. Its flag ``self.ready`` (a bool) stays as the first run
+    set it."""
     params = _params()
     opt = AttributeCountingSGD(params)
     wide = StepWideState(opt)
@@ -68,6 +69,7 @@ def test_plain_numbers_on_the_optimizer_object_count_once_per_step():
                 opt.step()
                 seen.append((opt.n_steps, opt.calls))
             assert opt.n_steps == step - 1  # put back after each run
+            assert opt.ready
         wide.end_step(stepped=True)
         assert (opt.n_steps, opt.calls) == (step, step)
     assert seen == [(1, 1), (1, 1), (2, 2), (2, 2)]

@@ -13,7 +13,10 @@ So every run starts from the values the step started from and leaves them as the
 were; what a run wrote is kept aside and written when the step ends, if it stepped.
 A run reads copies of the param group dicts, not the dicts themselves: a speculative
 run is on the scheduler thread while the training loop may set a learning rate in
-them, and putting back what the run wrote must not undo that.
+them, and putting back what the run wrote must not undo that. The numbers on the
+optimizer object get no copy (the run steps that object): one the loop sets there
+while a speculative run is on the scheduler thread counts as that run's write (the
+README says so; the loop reaches that object only through ``opt.optim``).
 """
 from __future__ import annotations
 

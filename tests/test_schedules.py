@@ -23,9 +23,9 @@ CASES = ("adamw_groups", "clip_triggers", "clip_triggers_nesterov", "clip_idle",
          "order_change", "hyperparameters_after_backward", "hyperparameters_after_clip",
          "model_zero_grad", "zero_before_step", "checkpointed", "checkpointed_reentrant",
          "checkpointed_reentrant_no_sync", "pre_hooks", "parent_reads", "channels_last",
-         "no_sync_forward_only", "step_counters", "attribute_counters", "betas_in_place_after_clip", "clip_value",
-         "clip_value_then_manual_clip", "param_groups_replaced",
-         "param_groups_replaced_after_backward")
+         "no_sync_forward_only", "step_counters", "attribute_counters",
+         "betas_in_place_after_clip", "clip_value", "clip_value_then_manual_clip",
+         "param_groups_replaced", "param_groups_replaced_after_backward")
 # Many small buckets, so that two_stage has stage-1 buckets to speculate on.
 SMALL_BUCKETS_MB = 0.0001
 

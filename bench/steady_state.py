@@ -11,7 +11,7 @@ baseline. It prints, per configuration, the first and last reading of rank 0 and
 growth per 1,000 steps between them; a leak shows as tensors, threads or descriptors
 that grow, or an RSS that keeps rising after the warm-up.
 
-    python bench/steady_state.py [--steps 1050] [--every 200] [--world-size 2]
+    python bench/steady_state.py [--steps 4050] [--every 1000] [--world-size 2]
                                  [--configs two_stage,next_forward,...]
 """
 from __future__ import annotations
@@ -134,19 +134,20 @@ def train(rank: int, world_size: int, cfg: dict, steps: int, every: int) -> dict
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=1050)
-    parser.add_argument("--every", type=int, default=200)
+    parser.add_argument("--steps", type=int, default=4050)
+    parser.add_argument("--every", type=int, default=1000)
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--configs", default=",".join(CONFIGS))
     args = parser.parse_args()
     from tests.dist_harness import run_distributed
     print(f"world size {args.world_size}, {args.steps} steps; rank 0's readings at step 50 "
           f"and every {args.every} steps after (RSS: each; the others: first / last). RSS "
-          "growth is taken over the second half (the allocator may grow once early), "
-          "tensor growth over the whole run; '(another rank differs)' flags a rank whose "
-          "tensors, threads or descriptors changed between its first and last reading")
+          "growth is taken between the last two readings (the allocator grows in steps "
+          "early on), tensor growth over the whole run; '(another rank differs)' flags a "
+          "rank whose tensors, threads or descriptors changed between its first and last "
+          "reading")
     print("| config | RSS MiB | tensors | threads py/native | fds | /dev/shm maps "
-          "| RSS KiB per 1k steps, 2nd half | tensors per 1k steps |")
+          "| RSS KiB per 1k steps, last interval | tensors per 1k steps |")
     print("|---|---|---|---|---|---|---|---|")
     for name in args.configs.split(","):
         per_rank = run_distributed(args.world_size, train, CONFIGS[name], args.steps,
@@ -154,14 +155,14 @@ def main() -> None:
         mine = per_rank[0]
         at = sorted(mine)
         first, last = mine[at[0]], mine[at[-1]]
-        middle_step = min(at, key=lambda s: abs(s - (at[0] + at[-1]) / 2))
-        middle = mine[middle_step]
+        before_last = at[-2]
 
         def pair(key: str) -> str:
             return f"{first[key]} / {last[key]}"
         others_flat = all(r[at[-1]][k] == r[at[0]][k] for r in per_rank[1:]
                           for k in ("tensors", "py_threads", "native_threads", "fds"))
-        rss_growth = (last["rss_kib"] - middle["rss_kib"]) * 1000 / max(1, at[-1] - middle_step)
+        rss_growth = ((last["rss_kib"] - mine[before_last]["rss_kib"]) * 1000
+                      / (at[-1] - before_last))
         tensor_growth = (last["tensors"] - first["tensors"]) * 1000 / (at[-1] - at[0])
         rss = "/".join(f"{mine[s]['rss_kib'] / 1024:.1f}" for s in at)
         print(f"| {name} | {rss} "

@@ -287,3 +287,23 @@ def test_encoder_forward_order_switch(bench_modules, monkeypatch):
         list(dict.fromkeys(expected))
     assert list(dict.fromkeys(modules_of(ready_order(built)))) != \
         list(dict.fromkeys(modules_of(reversed(layer_param_order(built)))))
+
+
+def test_steady_state_reads_every_rank_and_prints_a_row():
+    """bench/steady_state.py end to end, briefly: 2 ranks, 70 steps, readings at steps
+    50, 60 and 70 (the record runs 4,050)."""
+    import subprocess
+    out = subprocess.run(
+        [sys.executable, os.path.join(BENCH, "steady_state.py"), "--steps", "70", "--every",
+         "10", "--configs", "two_stage,torch_ddp"],
+        capture_output=True, text=True, timeout=300,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = {line.split("|")[1].strip(): line.split("|")[2:-1]
+            for line in out.stdout.splitlines() if line.startswith("| ") and "---" not in line}
+    assert set(rows) == {"config", "two_stage", "torch_ddp"}
+    for name in ("two_stage", "torch_ddp"):
+        rss, tensors = rows[name][0].strip(), rows[name][1].strip()
+        assert len(rss.split("/")) == 3 and all(float(v) > 0 for v in rss.split("/"))
+        first, last = (int(v) for v in tensors.split(" / "))
+        assert first > 0 and last > 0

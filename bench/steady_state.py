@@ -7,9 +7,10 @@ takes, on every rank, after a warm-up and then every ``--every`` steps (after
 ``model.synchronize()`` and a garbage-collector pass): the resident set size, the live
 torch tensors, the Python and native threads, the open file descriptors and the
 mappings of ``/dev/shm``. torch DDP with torch's AdamW runs the same loop as the
-baseline. It prints, per configuration, the first and last reading of rank 0 and the
-growth per 1,000 steps between them; a leak shows as tensors, threads or descriptors
-that grow, or an RSS that keeps rising after the warm-up.
+baseline. It prints, per configuration, rank 0's RSS at every reading, its other
+figures at the first and the last, and the growth per 1,000 steps (RSS over the last
+interval, tensors over the run); a leak shows as tensors, threads or descriptors that
+grow, or an RSS that keeps rising after the warm-up.
 
     python bench/steady_state.py [--steps 4050] [--every 1000] [--world-size 2]
                                  [--configs two_stage,next_forward,...]
@@ -139,6 +140,8 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--configs", default=",".join(CONFIGS))
     args = parser.parse_args()
+    if args.steps < 50 + 2 * args.every:
+        parser.error("--steps must leave room for three readings: 50 + 2 x --every at least")
     from tests.dist_harness import run_distributed
     print(f"world size {args.world_size}, {args.steps} steps; rank 0's readings at step 50 "
           f"and every {args.every} steps after (RSS: each; the others: first / last). RSS "

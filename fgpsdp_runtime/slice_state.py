@@ -32,7 +32,7 @@ class SliceState(defaultdict):
         self.wide_keys = {k for k in self if not isinstance(k, torch.Tensor)}
 
     def __missing__(self, key):
-        if not self._is_model_param(key):
+        if not self._is_model_param_key(key):
             return super().__missing__(key)  # a piece: torch.optim fills it in
         self._warn_once(stacklevel=3)
         return {}

@@ -116,6 +116,14 @@ def scalar_attributes(optim: torch.optim.Optimizer) -> dict[str, Any]:
             if type(v) in SCALAR_ATTRIBUTE_TYPES}
 
 
+def set_or_delete_attribute(obj: Any, name: str, value: Any) -> None:
+    """``setattr``, or, for _MISSING, remove the attribute (a run created it)."""
+    if value is _MISSING:
+        obj.__dict__.pop(name, None)
+    else:
+        setattr(obj, name, value)
+
+
 def optimizer_wide_entries(optim: torch.optim.Optimizer) -> dict[Any, Any]:
     """``optim.state`` entries not keyed by a parameter tensor (MADGRAD's "k")."""
     state = optim.state
@@ -191,11 +199,12 @@ class StepWideState:
                 else:
                     del optim.state[key]
             attributes_after = scalar_attributes(optim)
-            attributes_written = {
-                name: attributes_after.get(name, _MISSING)
-                for name in attributes_after.keys() | attributes_before.keys()
-                if not same_number(attributes_before.get(name, _MISSING),
-                                   attributes_after.get(name, _MISSING))}
+            attributes_written = {}
+            for name in attributes_after.keys() | attributes_before.keys():
+                old, new = (attributes_before.get(name, _MISSING),
+                            attributes_after.get(name, _MISSING))
+                if type(old) is not type(new) or not same_value(old, new):
+                    attributes_written[name] = new
             for name in attributes_written:
                 set_or_delete_attribute(optim, name, attributes_before.get(name, _MISSING))
             if ran:
@@ -261,15 +270,3 @@ class StepWideState:
                 set_or_delete_attribute(self._optim, name, value)
         self.discard()
 
-
-def same_number(u: Any, v: Any) -> bool:
-    """The same attribute value: same type and equal, NaN equal to NaN (a number
-    attribute that stays NaN is unchanged)."""
-    return type(u) is type(v) and (u is v or u == v or (u != u and v != v))
-
-
-def set_or_delete_attribute(obj: Any, name: str, value: Any) -> None:
-    if value is _MISSING:
-        obj.__dict__.pop(name, None)
-    else:
-        setattr(obj, name, value)

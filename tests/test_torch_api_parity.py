@@ -256,6 +256,84 @@ def test_torchs_clip_over_the_wrappers_parameters_between_backward_and_step_warn
         assert said["before_step_again"][0] == []  # once per wrapper
 
 
+def _lightnings_clip(opt, max_norm: float) -> torch.Tensor:
+    """PyTorch Lightning's gradient_clip_val (and mmengine's clip_grad): torch's clip
+    over the tensors of ``optimizer.param_groups``."""
+    return torch.nn.utils.clip_grad_norm_(
+        [p for group in opt.param_groups for p in group["params"]], max_norm)
+
+
+def clip_over_the_optimizers_groups(rank: int, world_size: int, schedule: str,
+                                    read_by: str) -> dict:
+    """A clip over the tensors of ``opt.param_groups`` (``read_by="loop"``, or
+    ``"step_pre_hook"``) and reads of the groups by our and torch's code, at points of
+    a loop: what is said at each (and the clip's norm), and what the groups are after a
+    load and through pickle."""
+    import pickle
+
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(
+        nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)),
+        **({"schedule": schedule, "bucket_cap_mb": 0.00005} if schedule else {}))
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))
+    said, norms = {}, {}
+    for when in ("after_step", "own_reads", "with_our_clip", "after_load", "again"):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model(x).square().mean().backward()
+            if when == "after_step":
+                opt.step()
+                norms[when] = float(_lightnings_clip(opt, 1e-3))
+            elif when == "own_reads":
+                # torch's, the step's copies, .get: not a clip of the loop's
+                opt.state_dict()
+                [dict(g) for g in opt.param_groups]
+                [g.get("params") for g in opt.param_groups]
+                opt.step()
+            else:
+                if when == "after_load":
+                    opt.load_state_dict(opt.state_dict())
+                hook = None
+                if read_by == "loop":
+                    norms[when] = float(_lightnings_clip(opt, 1e-3))
+                else:
+                    hook = opt.register_step_pre_hook(
+                        lambda o, args, kwargs: norms.__setitem__(
+                            when, float(_lightnings_clip(o, 1e-3))))
+                if when == "with_our_clip":
+                    opt.clip_grad_norm_(1e-3)
+                opt.step()
+                if hook is not None:
+                    hook.remove()
+            opt.zero_grad()
+        said[when] = [(str(w.message), os.path.basename(w.filename)) for w in caught
+                      if "opt.param_groups" in str(w.message)]
+    group = opt.param_groups[0]
+    return {"said": said, "norms": norms, "group_type": type(group).__name__,
+            "pickled_type": type(pickle.loads(pickle.dumps(group))).__name__,
+            "copied_type": type(copy.deepcopy(group)).__name__}
+
+
+@pytest.mark.parametrize("read_by", ["loop", "step_pre_hook"])
+@pytest.mark.parametrize("schedule", [None, "two_stage"], ids=["default", "two_stage"])
+def test_clip_over_the_optimizers_groups_between_backward_and_step_warns_once(schedule,
+                                                                              read_by):
+    # Before: silent (Lightning's gradient_clip_val clipped nothing, without a word).
+    for res in run_distributed(2, clip_over_the_optimizers_groups, schedule, read_by):
+        said = res["said"]
+        assert said["after_step"] == [] and said["own_reads"] == []
+        assert said["with_our_clip"] == []  # the loop clips with ours too
+        # After a load (torch's makes new group dicts): said once, at the loop's line.
+        assert len(said["after_load"]) == 1, said
+        assert "clips nothing" in said["after_load"][0][0]
+        assert said["after_load"][0][1] == os.path.basename(__file__)
+        assert res["norms"]["after_load"] == 0.0  # what torch's clip returned there
+        assert said["again"] == []  # once per optimizer
+        assert res["group_type"] == "GroupNotingParamsReads"
+        assert res["pickled_type"] == res["copied_type"] == "dict"
+
+
 class _Block(nn.Module):
     def __init__(self):
         super().__init__()

@@ -888,18 +888,6 @@ class DistributedDataParallel(nn.Module):
                 "nothing. Use opt.clip_grad_norm_(max_norm) or "
                 "ShardedOptimizer(..., max_grad_norm=...)")
 
-    def reduced_gradients_wait(self) -> bool:
-        """Between a synchronised backward and the step: this step's reduced gradients
-        wait in the buckets, and every param.grad is None (not inside a backward).
-        Reduce-scatters since the last step or zero_grad(), but not those that add to a
-        stepped gradient, which no step will use before a zero_grad(): a GAN's
-        discriminator after the generator's backward, whose loops then read it,
-        requires_grad_(True) itself."""
-        reducer = self.__dict__.get("reducer")
-        return reducer is not None and not in_backward() \
-            and any(reducer.reduce_scatters_since_reset) \
-            and not reducer.adds_to_stepped_gradients
-
     def _before_parameters_read(self) -> tuple[bool, bool]:
         """[Note: reading parameters through the wrapper]
         Right after opt.step() the next forward's all-gathers are still landing
@@ -922,7 +910,13 @@ class DistributedDataParallel(nn.Module):
         gathers = state.get("_gathers")
         if gathers is None or in_backward():
             return False, False  # (during construction, or a backward's hook)
-        warn = self.reduced_gradients_wait() \
+        # (Reduce-scatters since the last step or zero_grad(): reduced gradients wait.
+        # Not those that add to a stepped gradient, which no step will use before a
+        # zero_grad(): a GAN's discriminator after the generator's backward, whose
+        # loops then read it, requires_grad_(True) itself.)
+        reducer = state["reducer"]
+        warn = any(reducer.reduce_scatters_since_reset) \
+            and not reducer.adds_to_stepped_gradients \
             and not state.get("_warned_parameters_without_gradients")
         waiter = self._forward_waiter
         if not gathers.in_flight or (waiter is not None and waiter.in_forward):

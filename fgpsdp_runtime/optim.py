@@ -39,7 +39,6 @@ from .ddp import DistributedDataParallel
 from .ops import multi_tensor_sq_norm
 from .optimizer_kinds import refuse_unsliceable
 from .param_group_args import read_param_groups
-from .param_group_reads import GroupNotingParamsReads, noting_params_reads
 from .profiling import nvtx_range
 from .slice_pieces import SlicePieces
 from .slice_state import SliceState
@@ -131,10 +130,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 # placeholder that never gets a gradient, so the inner
                 # optimizer skips it.
                 pieces = [self._placeholder(group["params"])]
-            # (A read of its "params" by the loop between backward and step is
-            # noted: see param_group_reads.py.)
-            slice_groups.append(GroupNotingParamsReads(
-                {**{k: v for k, v in group.items() if k != "params"}, "params": pieces}, self))
+            slice_groups.append({**{k: v for k, v in group.items() if k != "params"},
+                                 "params": pieces})
         self.optim = optimizer_class(slice_groups, **defaults)
         # The tensors each group steps, as built: the loop may give groups new dicts
         # but never other tensors (see _refuse_groups_over_other_tensors).
@@ -446,40 +443,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        clipped = self._clip_called or self.max_grad_norm is not None
-        self.model.note_step_for_the_clip_warning(clipped=clipped)
-        self._note_step_for_the_params_read_warning(clipped)
+        self.model.note_step_for_the_clip_warning(
+            clipped=self._clip_called or self.max_grad_norm is not None)
         self.run_step()
         return loss
-
-    def params_reads_matter(self) -> bool:
-        """For the groups (GroupNotingParamsReads): a read of a group's tensors now,
-        by the loop, would most likely be a clip or an edit of gradients they do not
-        hold: the reduced gradients wait in the buckets for this step."""
-        state = self.__dict__
-        return "_step_wide_state" in state and not state.get("_warned_params_read") \
-            and self.model.reduced_gradients_wait()
-
-    def note_params_read(self) -> None:
-        self._params_read_before_step = True
-
-    def _note_step_for_the_params_read_warning(self, clipped: bool) -> None:
-        """At opt.step(): the loop read the tensors of opt.param_groups while this
-        step's gradients waited, and, unless ``clipped`` (a clip of ours ran, or
-        ``max_grad_norm``), that was most likely a clip over them (PyTorch Lightning's
-        gradient_clip_val), which clipped nothing. Said once."""
-        read, self._params_read_before_step = \
-            self.__dict__.get("_params_read_before_step", False), False
-        if read and not clipped and not self.__dict__.get("_warned_params_read"):
-            self._warned_params_read = True
-            warn_at_user_code(
-                "fgpsdp: the tensors of opt.param_groups were read between backward and "
-                "opt.step(): they are this rank's slices of the parameters, whose .grad is "
-                "None until the step assigns the reduced gradient, so a clip over them "
-                "(torch.nn.utils.clip_grad_norm_, as PyTorch Lightning's gradient_clip_val "
-                "and mmengine's clip_grad run it) clips nothing, and an edit of their "
-                "gradients changes nothing. Use opt.clip_grad_norm_(max_norm) or "
-                "ShardedOptimizer(..., max_grad_norm=...)")
 
     @torch.no_grad()
     def run_step(self, inf_found_by_scaler: bool = False) -> None:
@@ -979,7 +946,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._refuse_speculative_state("load_state_dict()")
         if self.model._uneven_inputs is not None:
             self.model._uneven_inputs.announce_load("opt.load_state_dict()")
-        groups_before = list(self.optim.param_groups)
         if {"state", "param_groups"} <= set(state_dict) and "shard" not in state_dict:
             optim_checkpoint.load_full_state_dict(self, self._run_load_pre_hooks(state_dict))
         else:
@@ -987,10 +953,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 state_dict = dict(state_dict, shard=self._run_load_pre_hooks(state_dict["shard"]))
             self._load_shard(state_dict)
         # torch's load_state_dict replaces the inner optimizer's group list and
-        # state: share the new ones, or lr schedulers would write to the old. Its
-        # new group dicts note the loop's reads as the built ones did.
-        self.optim.param_groups = noting_params_reads(self.optim.param_groups, self,
-                                                      unless_in=groups_before)
+        # state: share the new ones, or lr schedulers would write to the old.
         self._step_wide_state.set_loop_groups(self.optim.param_groups)
         self._share_state()
         for hook in list(self._optimizer_load_state_dict_post_hooks.values()):

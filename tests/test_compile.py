@@ -93,3 +93,35 @@ def test_a_compiled_training_step_does_not_trace_the_reducer_hooks(schedule):
         assert res["diff_to_ddp"] == 0.0, (rank, res)
         assert res["dynamo_warnings"] == [], (rank, res["dynamo_warnings"])
         assert not res["recompile_limit_hit"], rank
+
+
+def _groups_read_by_compiled_code_and_saved(rank: int, world_size: int) -> dict:
+    import io
+
+    from torch import nn
+    from torch.utils import _pytree as pytree
+
+    import fgpsdp_runtime as fgp
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(nn.Linear(4, 2))
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.25)
+    scaled = torch.compile(lambda t: t * opt.param_groups[0]["lr"], backend="eager")(
+        torch.ones(2))
+    buffer = io.BytesIO()
+    torch.save({"groups": opt.param_groups}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)["groups"]
+    piece = opt.param_groups[0]["params"][0]
+    return {"scaled": scaled.tolist(), "loaded_lr": loaded[0]["lr"],
+            "pytree_sees_the_pieces": any(leaf is piece
+                                          for leaf in pytree.tree_leaves(opt.param_groups))}
+
+
+def test_the_optimizers_groups_stay_plain_dicts_for_compiled_code_torch_load_and_pytree():
+    """opt.param_groups holds plain dicts. A dict subclass there (tried, to note the
+    loop's reads of group["params"]) broke dynamo's tracing of the optimizer
+    (InternalTorchDynamoError on opt.param_groups[0]["lr"]), torch.load with
+    weights_only=True of a saved group list, and pytree's walk into the groups."""
+    for res in run_distributed(2, _groups_read_by_compiled_code_and_saved):
+        assert res == {"scaled": [0.25, 0.25], "loaded_lr": 0.25,
+                       "pytree_sees_the_pieces": True}, res

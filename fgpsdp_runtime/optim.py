@@ -265,6 +265,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             model._uneven_inputs.announce_load(f"opt.{name}()", f"call opt.{name}() before "
                                                "the join context or after it")
         model.synchronize()
+        self._drop_consolidated()
         method()
         buckets = range(len(model.buckets))
         model.mark_params_changed(buckets)
@@ -337,6 +338,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return
         self._refuse_while_unfinished("state = ...")
         self._refuse_speculative_state("state = ...")
+        self._drop_consolidated()
         current = self.optim.state
         entries = dict(state)  # before clearing: it may be the state itself
         current.refuse_model_params(entries)  # before anything changes
@@ -462,6 +464,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         that step (see _UnfinishedStep)."""
         # Before any collective: the loop did it everywhere.
         self._refuse_groups_over_other_tensors()
+        self._drop_consolidated()
         self._slice_pieces.check_they_view_their_buckets()
         self.model._param_places.refuse_substitutes()  # (likewise)
         if self._unfinished is not None:  # called again after it raised: no collective
@@ -869,6 +872,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         with these buckets. ``full_state_dict()`` is torch.optim's format.
         """
         optim_checkpoint.refuse_torchs_checkpoint_helpers()
+        consolidated = self.__dict__.get("_consolidated")
+        if consolidated is not None:  # see consolidate_state_dict
+            return consolidated
         self._refuse_while_unfinished("state_dict()")
         self._refuse_speculative_state("state_dict()")
         self._run_state_dict_pre_hooks()
@@ -900,8 +906,37 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                          " (rank0_only=True keeps the result on rank 0 alone)"):
             return self._full_state_dict(rank0_only, init_state)
 
-    def _full_state_dict(self, rank0_only: bool, init_state: bool) -> dict[str, Any]:
-        keep_on = 0 if rank0_only else None  # (None: every rank)
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """torch's ZeroRedundancyOptimizer API, which trainers call before saving a
+        sharded optimizer from one rank (PyTorch Lightning's checkpoints): a collective
+        that gathers the whole state in torch.optim's format (``full_state_dict()``)
+        onto group rank ``to``, whose ``state_dict()`` then returns it, until the next
+        step or load. It loads on every rank, at any world size. The other ranks'
+        ``state_dict()`` stays their shard (torch's raises there)."""
+        world_size = self.model.world_size
+        if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < world_size:
+            raise ValueError(f"fgpsdp: consolidate_state_dict(to={to!r}): to is a rank of "
+                             f"the optimizer's group, 0 to {world_size - 1}")
+        if to != 0 and self.model._uneven_inputs is not None:
+            raise ValueError("fgpsdp: consolidate_state_dict(to=...) under model.join() "
+                             "consolidates on rank 0 only (or, once it has joined, on the "
+                             "lowest active rank, as full_state_dict(rank0_only=True))")
+        self._drop_consolidated()  # (an older one: not held twice)
+        self._refuse_while_unfinished("consolidate_state_dict()")
+        self._refuse_speculative_state("consolidate_state_dict()")
+        with warn_if_the_others_are_late("opt.consolidate_state_dict()",
+                                         world_size, user_code_line(), ""):
+            full = self._full_state_dict(True, False, keep_on_rank=to)
+        self._consolidated = full or None  # ({} on the other ranks)
+
+    def _drop_consolidated(self) -> None:
+        """The optimizer changes (a step, a load): a consolidated dict would be stale."""
+        self._consolidated = None
+
+    def _full_state_dict(self, rank0_only: bool, init_state: bool,
+                         keep_on_rank: int = 0) -> dict[str, Any]:
+        # (keep_on_rank: consolidate_state_dict's ``to``, 0 under model.join())
+        keep_on = keep_on_rank if rank0_only else None  # (None: every rank)
         uneven = self.model._uneven_inputs
         if uneven is not None:
             uneven.notify(AnnouncedCall.FULL_STATE, float(rank0_only), float(init_state))
@@ -921,7 +956,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         finally:
             for key in created:
                 self.optim.state.pop(key, None)
-        if keep_on not in (None, 0) and not uneven.joined:
+        if keep_on not in (None, 0) and uneven is not None and not uneven.joined:
             # (Said after the collectives: a warning raised as an error (-W error)
             # must not leave the joined rank waiting in them.)
             self._warn_kept_off_rank_0(keep_on)
@@ -946,6 +981,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._refuse_speculative_state("load_state_dict()")
         if self.model._uneven_inputs is not None:
             self.model._uneven_inputs.announce_load("opt.load_state_dict()")
+        self._drop_consolidated()
         if {"state", "param_groups"} <= set(state_dict) and "shard" not in state_dict:
             optim_checkpoint.load_full_state_dict(self, self._run_load_pre_hooks(state_dict))
         else:

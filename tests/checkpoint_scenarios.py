@@ -196,6 +196,30 @@ def train_and_save(rank: int, world_size: int, cfg: dict[str, Any], path: str) -
     return result
 
 
+def consolidate_and_save(rank: int, world_size: int, cfg: dict[str, Any], path: str,
+                         to: int) -> dict[str, Any]:
+    """Train side by side with torch DDP, then save as a trainer saves a sharded
+    optimizer from one rank (PyTorch Lightning's Strategy.optimizer_state, for torch's
+    ZeroRedundancyOptimizer): consolidate_state_dict(to) on every rank, state_dict() on
+    rank ``to`` into the file. What each rank's state_dict() was, then and after a step."""
+    ours, opt, ref, ref_opt = _build(rank, cfg)
+    _train(rank, cfg, ours, opt, ref, ref_opt, 0, 3)
+    full = opt.full_state_dict()
+    opt.consolidate_state_dict(to=to)
+    saved = opt.state_dict()
+    result: dict[str, Any] = {"shard": "shard" in saved}
+    if rank == to:
+        result["as_full_state_dict"] = compare_state_dicts(saved, full)["bitwise"]
+        result["to_torch"] = compare_state_dicts(saved, ref_opt.state_dict())
+        result["same_object_again"] = opt.state_dict() is saved
+        torch.save({"ours_module": ours.module.state_dict(), "ours_opt": saved,
+                    "torch_module": ref.module.state_dict(), "torch_opt": ref_opt.state_dict()},
+                   path)
+    _train(rank, cfg, ours, opt, ref, ref_opt, 3, 1)
+    result["shard_after_a_step"] = "shard" in opt.state_dict()
+    return result
+
+
 def train_and_save_many(rank: int, world_size: int, cfgs: dict[str, dict],
                         directory: str) -> dict[str, dict]:
     return {name: train_and_save(rank, world_size, cfg, f"{directory}/{name}.pt")
@@ -364,6 +388,16 @@ def shard_under_another_topology(rank: int, world_size: int) -> Optional[str]:
     _, resumed = build("flat")
     try:
         resumed.load_state_dict(shard)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def consolidate_to(rank: int, world_size: int, to: Any) -> Optional[str]:
+    """consolidate_state_dict(to=to) after a step: the error, if any."""
+    _, opt = _mlp_stepped_once(rank)
+    try:
+        opt.consolidate_state_dict(to=to)
     except ValueError as error:
         return str(error)
     return None

@@ -118,6 +118,34 @@ def test_rank0_only_leaves_the_other_ranks_empty(tmp_path):
     assert all(res["empty"] for res in results[1:])
 
 
+@pytest.mark.parametrize("to", [0, 2])
+def test_consolidate_state_dict_saves_as_for_torchs_zero_optimizer_and_resumes(tmp_path, to):
+    """A trainer saving a sharded optimizer from one rank (PyTorch Lightning's
+    checkpoints) calls consolidate_state_dict() on every rank, then state_dict() there:
+    the whole state, full_state_dict()'s; it resumes at another world size. Before, it saved rank 0's shard, which loads on rank 0 alone."""
+    cfg = {"model": "mlp", "optimizer": "adamw", "max_grad_norm": 0.5}
+    path = str(tmp_path / "consolidated.pt")
+    results = run_distributed(3, checkpoint_scenarios.consolidate_and_save, cfg, path, to)
+    for rank, res in enumerate(results):
+        assert res["shard"] == (rank != to), (rank, res)  # the others' stays their shard
+        assert res["shard_after_a_step"], (rank, res)  # the step dropped it
+    kept = results[to]
+    assert kept["as_full_state_dict"] and kept["same_object_again"], kept
+    to_torch = kept["to_torch"]  # (3 ranks: torch DDP sums in another order)
+    assert to_torch["same_groups"] and to_torch["same_layout"], to_torch
+    assert not to_torch["mismatched"] and to_torch["max_diff"] <= TOL, to_torch
+    for rank, res in enumerate(run_distributed(2, checkpoint_scenarios.resume, cfg, path,
+                                               "ours")):
+        assert res["round_trip"]["bitwise"], (rank, res["round_trip"])
+        assert res["param_diff"] <= TOL, (rank, res)
+
+
+def test_consolidate_state_dict_to_a_rank_outside_the_group_is_refused_on_every_rank():
+    for error in run_distributed(2, checkpoint_scenarios.consolidate_to, 2):
+        assert "consolidate_state_dict(to=2): to is a rank of the optimizer's group, 0 to 1" \
+            in error, error
+
+
 def test_full_state_dict_on_rank_0_alone_says_what_it_waits_for(monkeypatch):
     monkeypatch.setenv("FGPSDP_COLLECTIVE_WARN_S", "1")
     results = run_distributed(2, checkpoint_scenarios.full_state_dict_on_rank_0_alone,

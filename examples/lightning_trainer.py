@@ -1,26 +1,30 @@
 """fgpsdp under PyTorch Lightning's Trainer: a strategy of four lines.
 
     pip install lightning
-    python examples/lightning_trainer.py fgpsdp params.pt --steps 16
+    python examples/lightning_trainer.py fgpsdp params.pt --epochs 2
 
 ``FgpsdpStrategy`` is Lightning's ``DDPStrategy`` with fgpsdp's wrapper in place of
 torch's. Lightning wraps the model before it calls ``configure_optimizers()``, so
-the ShardedOptimizer is built there on ``self.trainer.strategy.model``. Two things
-differ from a torch DDP LightningModule:
+the ShardedOptimizer is built there on ``self.trainer.strategy.model``. What
+differs from a torch DDP LightningModule:
 
 - Clipping: Lightning's ``gradient_clip_val`` clips the tensors of
   ``optimizer.param_groups``, which here are this rank's slices without ``.grad``
   before the step: it would clip nothing. ``configure_gradient_clipping`` below
   calls ``optimizer.clip_grad_norm_`` instead (or build the optimizer with
-  ``max_grad_norm=``).
+  ``max_grad_norm=``), after the loss scaler's ``unscale_`` under float16 loss
+  scaling, which Lightning does not call for this optimizer.
+- Float16 loss scaling takes fgpsdp's scaler through Lightning's plugin
+  (``--precision 16-mixed-scaler``); torch's is refused at the step.
 - Checkpoints need nothing: Lightning saves a sharded optimizer by calling
   ``consolidate_state_dict()`` on every rank and ``state_dict()`` on rank 0 (as for
   torch's ZeroRedundancyOptimizer), which gives the whole optimizer state.
 
-The other arguments: ``torch`` runs the same with Lightning's torch DDP strategy;
+``torch`` in place of ``fgpsdp`` runs the same with Lightning's torch DDP strategy;
 ``--save CKPT`` saves a checkpoint after training and ``--resume CKPT`` resumes from
-one. Rank 0 writes the trained parameters to the output file.
-``examples/lightning_compare.py`` runs the comparisons in the README.
+one; ``--refit`` fits again with a new Trainer. Rank 0 writes the trained parameters
+to the output file. ``examples/lightning_compare.py`` runs the comparisons in the
+README.
 """
 from __future__ import annotations
 
@@ -31,6 +35,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 try:
     import lightning.pytorch as pl
+    from lightning.pytorch.plugins.precision import MixedPrecision
     from lightning.pytorch.strategies import DDPStrategy
 except ImportError as error:  # (not a dependency of fgpsdp_runtime)
     raise SystemExit(f"this example needs PyTorch Lightning (pip install lightning): {error}")
@@ -68,6 +73,11 @@ class Regression(pl.LightningModule):
                                     gradient_clip_algorithm=None):
         if self.system == "fgpsdp":
             if gradient_clip_val:
+                # Under float16 loss scaling, Lightning leaves the gradients scaled for
+                # this optimizer (it reads it as one that unscales itself): unscale first.
+                scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+                if scaler is not None:
+                    scaler.unscale_(optimizer)
                 optimizer.clip_grad_norm_(gradient_clip_val)  # every rank: a collective
         else:
             self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
@@ -81,34 +91,54 @@ class Regression(pl.LightningModule):
                        self.out)
 
 
+def make_trainer(args: argparse.Namespace) -> pl.Trainer:
+    strategy = (FgpsdpStrategy if args.system == "fgpsdp" else DDPStrategy)(
+        process_group_backend="gloo")
+    plugins, precision = [], args.precision
+    if precision == "16-mixed-scaler":  # float16 loss scaling: fgpsdp's scaler for fgpsdp
+        scaler = fgp.ShardedGradScaler("cpu") if args.system == "fgpsdp" \
+            else torch.amp.GradScaler("cpu")
+        plugins, precision = [MixedPrecision("16-mixed", "cpu", scaler=scaler)], None
+    return pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy,
+                      max_epochs=args.epochs, gradient_clip_val=CLIP,
+                      accumulate_grad_batches=args.accumulate, precision=precision,
+                      plugins=plugins, logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("system", choices=["fgpsdp", "torch"])
     parser.add_argument("out", help="where rank 0 writes the trained parameters")
-    parser.add_argument("--steps", type=int, default=16, help="optimizer steps in all")
+    parser.add_argument("--epochs", type=int, default=2,
+                        help="epochs in all (8 optimizer steps each)")
     parser.add_argument("--save", help="save a checkpoint here after training")
     parser.add_argument("--resume", help="resume from this checkpoint")
+    parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
+    parser.add_argument("--precision", default="32-true",
+                        choices=["32-true", "bf16-mixed", "16-mixed-scaler"])
+    parser.add_argument("--refit", action="store_true",
+                        help="fit again with a new Trainer (--epochs more)")
     parser.add_argument("--devices", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(123)
     x = torch.randn(64, 8, generator=g)
     y = (x.sum(1, keepdim=True) * 0.5).tanh() + 0.1 * torch.randn(64, 1, generator=g)
+    # shuffle=False: a resumed run sees the batches the uninterrupted one saw.
+    data = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False)
     pl.seed_everything(0, verbose=False)
     model = Regression(args.system)
     model.out = args.out
-    strategy = (FgpsdpStrategy if args.system == "fgpsdp" else DDPStrategy)(
-        process_group_backend="gloo")
-    trainer = pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy,
-                         max_steps=args.steps, gradient_clip_val=CLIP, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False,
-                         enable_model_summary=False)
-    # shuffle=False: a run resumed at an epoch's end sees the batches it would have.
-    trainer.fit(model, DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False),
-                ckpt_path=args.resume)
+    trainer = make_trainer(args)
+    trainer.fit(model, data, ckpt_path=args.resume)
+    if args.refit:
+        # The first Trainer's wrapper and optimizer hold the parameters while they
+        # live: a second wrapper of them is refused. Rebinding drops them.
+        trainer = make_trainer(args)
+        trainer.fit(model, data)
     if args.save:
         trainer.save_checkpoint(args.save)
-
 
 if __name__ == "__main__":
     main()

@@ -25,6 +25,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from .optim import ShardedOptimizer
+from .user_warnings import warn_at_user_code
 
 
 class ShardedGradScaler(torch.amp.GradScaler):
@@ -51,6 +52,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 "unscale_() has already been called on this optimizer since the last update().")
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
+        if optimizer.clipped_this_step():
+            self._warn_clip_before_unscale()
         # The reciprocal in float64, as torch takes it (float32 division can round otherwise).
         inv_scale = self._scale.double().reciprocal().float()
         found_inf = optimizer.unscale_gradients_(inv_scale)
@@ -80,6 +83,23 @@ class ShardedGradScaler(torch.amp.GradScaler):
             result = optimizer.step(*args, **kwargs)
         state["stage"] = OptState.STEPPED
         return result
+
+    def _warn_clip_before_unscale(self) -> None:
+        """A clip of this step ran on gradients still multiplied by the loss scale: it
+        clipped (or clamped) them as torch's does then, far more than meant. Said
+        once: PyTorch Lightning's MixedPrecision plugin skips unscale_ for this
+        optimizer (it reads _step_supports_amp_scaling as "unscales itself")."""
+        if self.__dict__.get("_warned_clip_before_unscale"):
+            return
+        self._warned_clip_before_unscale = True
+        warn_at_user_code(
+            "fgpsdp: opt.clip_grad_norm_ (or clip_grad_value_) ran before "
+            "scaler.unscale_(opt), on gradients still multiplied by the loss scale "
+            f"({self.get_scale():g}): it clipped them as if they were that much larger, "
+            "as torch's clip does then. Call scaler.unscale_(opt) before the clip (under "
+            "PyTorch Lightning's MixedPrecision plugin, which does not call it for this "
+            "optimizer: trainer.precision_plugin.scaler.unscale_(optimizer) in "
+            "configure_gradient_clipping)")
 
     @torch.compiler.disable
     def update(self, new_scale: Optional[Union[float, torch.Tensor]] = None) -> None:

@@ -408,6 +408,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._apply_clip(float(max_norm))
         return self._norm_tensor(total)
 
+    def clipped_this_step(self) -> bool:
+        """clip_grad_norm_ or clip_grad_value_ ran on this step's gradients."""
+        return self._clip_called
+
     @torch.compiler.disable
     @torch.no_grad()
     def clip_grad_value_(self, clip_value: float) -> None:

@@ -23,7 +23,9 @@ def scaled_side_by_side(rank: int, world_size: int, case: dict) -> dict:
     (CPU autocast, from a scale that overflows float16 in the first
     backwards); ``clip`` None, "optimizer" (``max_grad_norm``), "manual"
     (``scaler.unscale_`` then ``opt.clip_grad_norm_``, the AMP recipe) or "value"
-    (``scaler.unscale_`` then ``opt.clip_grad_value_``);
+    (``scaler.unscale_`` then ``opt.clip_grad_value_``) or "before_unscale" (the clip
+    first, on gradients still scaled, as PyTorch Lightning's MixedPrecision plugin
+    leaves it for this optimizer; torch DDP's clip too);
     ``rank0_overflows_at``: a step whose loss is inf on rank 0 only (the
     inf lands in some ranks' slices only); ``enabled``; ``loop_skips``: with
     clip "manual", the loop itself skips ``scaler.step`` when the norm is not
@@ -60,6 +62,9 @@ def scaled_side_by_side(rank: int, world_size: int, case: dict) -> dict:
             with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
                 out = model(x)
             sc.scale(nn.functional.mse_loss(out.float(), y) * overflow).backward()
+        if clip == "before_unscale":  # (the warning said at the step's unscale_)
+            norms.append(float(opt.clip_grad_norm_(1.0)))
+            ref_norms.append(reference_clip_(ref.parameters(), 1.0))
         if clip == "manual":
             scaler.unscale_(opt)
             norms.append(float(opt.clip_grad_norm_(1.0)))
@@ -69,7 +74,7 @@ def scaled_side_by_side(rank: int, world_size: int, case: dict) -> dict:
         ref_scaler.unscale_(ref_opt)
         if clip == "value":
             torch.nn.utils.clip_grad_value_(ref.parameters(), 0.5)
-        elif clip is not None:
+        elif clip not in (None, "before_unscale"):
             ref_norms.append(reference_clip_(ref.parameters(), 1.0))
         if case.get("eval_forward"):  # the step then measures the gradients again
             with torch.no_grad():

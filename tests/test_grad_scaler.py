@@ -38,6 +38,9 @@ CASES += [{"schedule": s, "precision": "autocast_float16", "clip": clip,
            "rank0_overflows_at": 5, "eval_forward": True}
           for s, clip in (("serial", "value"), ("two_stage", "value"), ("two_stage", "manual"))]
 DISABLED = {"schedule": "two_stage", "enabled": False}
+# The clip before unscale_, on both: the same steps, and one warning.
+BEFORE_UNSCALE = [{"schedule": s, "precision": "float32", "clip": "before_unscale"}
+                  for s in ("next_forward", "two_stage")]
 THREE_RANK_CASES = [{"schedule": s, "precision": "autocast_float16", "clip": "manual",
                      "rank0_overflows_at": 5} for s in ("next_forward", "two_stage")]
 
@@ -51,8 +54,8 @@ def _name(case):
 
 @pytest.fixture(scope="module")
 def two_ranks():
-    return run_distributed(2, grad_scaler_scenarios.scaled_many, CASES + [DISABLED],
-                           timeout_s=600)
+    return run_distributed(2, grad_scaler_scenarios.scaled_many,
+                           CASES + [DISABLED] + BEFORE_UNSCALE, timeout_s=600)
 
 
 @pytest.fixture(scope="module")
@@ -111,3 +114,19 @@ def test_disabled_scaler_steps_directly_and_keeps_speculation(two_ranks):
         assert res["diff_to_ddp"] == 0.0, rank
         assert res["scales"] == res["ref_scales"] == [1.0] * len(res["scales"]), rank
         assert res["commits"] > 0 and res["speculation_stopped"] is None, rank
+
+
+@pytest.mark.parametrize("index", range(len(BEFORE_UNSCALE)),
+                         ids=[_name(c) for c in BEFORE_UNSCALE])
+def test_a_clip_before_unscale_clips_the_scaled_gradients_as_torchs_and_warns_once(
+        two_ranks, index):
+    # Before: silent (Lightning's MixedPrecision plugin with fgp.ShardedGradScaler and
+    # opt.clip_grad_norm_ in configure_gradient_clipping clipped the scaled gradients).
+    for rank, per_rank in enumerate(two_ranks):
+        res = per_rank[len(CASES) + 1 + index]
+        assert res["diff_to_ddp"] == 0.0, (rank, res["diff_to_ddp"])
+        assert res["scales"] == res["ref_scales"], rank
+        assert res["norms"] == pytest.approx(res["ref_norms"], rel=1e-6), rank
+        assert min(res["norms"]) > 1e3  # the scaled gradients' norm: the clip bound
+        assert len(res["step_warnings"]) == 1, (rank, res["step_warnings"])
+        assert "ran before scaler.unscale_(opt)" in res["step_warnings"][0]

@@ -16,7 +16,9 @@ BENCH_ARGS ?=
 NVCC ?= nvcc
 CUDA_ARCH ?= sm_90
 
-.PHONY: demo test setup bench bench-setup cuda-check cuda-build-check clean
+LIGHTNING_VERSION ?= 2.6.6
+
+.PHONY: demo test setup bench bench-setup cuda-check cuda-build-check lightning-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +37,12 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=15 tests
+
+# PyTorch Lightning's Trainer running fgpsdp against its torch DDP
+# (examples/lightning_compare.py): fails if they differ by more than rounding.
+lightning-check: $(STAMP)
+	$(PY) -m pip install --quiet lightning==$(LIGHTNING_VERSION)
+	OMP_NUM_THREADS=1 $(PY) examples/lightning_compare.py --check
 
 $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet deepspeed matplotlib

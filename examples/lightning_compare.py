@@ -12,6 +12,7 @@ the optimizer's state, Adam's moments, would differ from the uninterrupted one).
 """
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -51,7 +52,15 @@ def max_diff(a: str, b: str) -> float:
     return max(float((pa[k] - pb[k]).abs().max()) for k in pa)
 
 
+# --check: what fgpsdp's runs may differ by (float32 rounding of the clip's norm).
+TOLERANCE = 1e-6
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--check", action="store_true",
+                        help=f"exit 1 if a pair with fgpsdp differs by more than {TOLERANCE:g}")
+    check = parser.parse_args().check
     with tempfile.TemporaryDirectory() as tmp:
         out = lambda system, name: os.path.join(tmp, f"{system}_{name}.pt")  # noqa: E731
         for name, extra in RUNS.items():
@@ -65,8 +74,14 @@ def main() -> None:
         rows.append(("(scale: torch DDP after epoch 1 against epoch 2)", out("torch", "epoch_1"),
                      out("torch", "plain")))
         print(f"\n{'pair':<52} max |param difference|")
+        failed = []
         for label, a, b in rows:
-            print(f"{label:<52} {max_diff(a, b):.3g}")
+            diff = max_diff(a, b)
+            print(f"{label:<52} {diff:.3g}")
+            if "fgpsdp" in label and not diff <= TOLERANCE:
+                failed.append(label)
+        if check and failed:
+            raise SystemExit(f"over {TOLERANCE:g}: {'; '.join(failed)}")
 
 
 if __name__ == "__main__":

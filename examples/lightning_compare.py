@@ -4,8 +4,8 @@
     pip install lightning
     python examples/lightning_compare.py
 
-Prints the largest parameter difference of each pair after 2 epochs (16 optimizer
-steps), clipping on every step: fgpsdp against torch DDP as they are, with gradient
+Prints the largest parameter difference of each pair after 2 epochs of 8 batches
+(16 optimizer steps, 8 with accumulation), clipping on every step: fgpsdp against torch DDP as they are, with gradient
 accumulation, bf16 autocast, float16 loss scaling, a second fit with a new Trainer,
 and resumed from a checkpoint saved after the first epoch (a resumed run that lost
 the optimizer's state, Adam's moments, would differ from the uninterrupted one).

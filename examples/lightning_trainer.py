@@ -53,9 +53,9 @@ class FgpsdpStrategy(DDPStrategy):
 
 
 class Regression(pl.LightningModule):
-    def __init__(self, system: str):
+    def __init__(self, system: str, out: str):
         super().__init__()
-        self.system = system
+        self.system, self.out = system, out  # out: where rank 0 saves the parameters
         self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(),
                                        torch.nn.Linear(32, 1))
 
@@ -111,7 +111,7 @@ def main() -> None:
     parser.add_argument("system", choices=["fgpsdp", "torch"])
     parser.add_argument("out", help="where rank 0 writes the trained parameters")
     parser.add_argument("--epochs", type=int, default=2,
-                        help="epochs in all (8 optimizer steps each)")
+                        help="epochs in all (8 batches each)")
     parser.add_argument("--save", help="save a checkpoint here after training")
     parser.add_argument("--resume", help="resume from this checkpoint")
     parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
@@ -128,8 +128,7 @@ def main() -> None:
     # shuffle=False: a resumed run sees the batches the uninterrupted one saw.
     data = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False)
     pl.seed_everything(0, verbose=False)
-    model = Regression(args.system)
-    model.out = args.out
+    model = Regression(args.system, args.out)
     trainer = make_trainer(args)
     trainer.fit(model, data, ckpt_path=args.resume)
     if args.refit:

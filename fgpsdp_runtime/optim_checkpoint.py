@@ -369,7 +369,9 @@ def shard_problem(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> Optional
                 f"{expected}: opt.state_dict() is one rank's shard (every rank saves and "
                 "loads its own); opt.full_state_dict(), called on every rank "
                 "(rank0_only=True keeps it on rank 0 alone), is the whole state and loads "
-                "at any world size")
+                "at any world size. A loop or trainer that saves rank 0's state_dict() "
+                "alone: call opt.consolidate_state_dict() on every rank first, as for "
+                "torch's ZeroRedundancyOptimizer, and rank 0's is the whole state")
     # The slice a rank owns follows the topology (topology.py): the same rank of
     # 2 nodes x 2 and of one node of 4 own other slices. (Shards saved before
     # the slice was recorded do not say.)

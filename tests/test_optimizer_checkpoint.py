@@ -221,6 +221,7 @@ def test_rank0s_shard_loaded_everywhere_is_refused_saying_what_works():
     assert errors[1].startswith("fgpsdp: optimizer shard saved by rank/world (0, 2), "
                                 "loading on (1, 2)"), errors[1]
     assert "opt.state_dict() is one rank's shard" in errors[1]
+    assert "call opt.consolidate_state_dict() on every rank first" in errors[1]
     assert "opt.full_state_dict(), called on every rank" in errors[1]
 
 

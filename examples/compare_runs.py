@@ -1,0 +1,72 @@
+"""What the framework comparisons share (lightning_compare.py, hf_trainer_compare.py):
+running a training command until it exits cleanly, and the table of parameter
+differences, with ``--check``'s verdict."""
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+from typing import Callable
+
+import torch
+
+TOLERANCE = 1e-6  # --check: what a pair with fgpsdp may differ by (the clip's rounding)
+
+
+def run(command: list[str], tries: int = 3, timeout_s: float = 300) -> None:
+    """torch DDP runs on CPU under these frameworks now and then abort at exit, after
+    training ("terminate called without an active exception", SIGABRT; also without
+    fgpsdp imported) or hang there: such a run is run again, and said so."""
+    for attempt in range(1, tries + 1):
+        try:
+            code = subprocess.run(command, timeout=timeout_s).returncode
+        except subprocess.TimeoutExpired:
+            code = f"a timeout ({timeout_s:g} s)"
+        if code == 0:
+            return
+        print(f"[compare] exit code {code} (try {attempt} of {tries}): "
+              + " ".join(command[1:]), flush=True)
+    raise SystemExit(f"failed {tries} times: {' '.join(command)}")
+
+
+def max_diff(a: str, b: str) -> float:
+    pa, pb = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+    return max(float((pa[k] - pb[k]).abs().max()) for k in pa)
+
+
+def print_table(rows: list[tuple[str, str, str]], check: bool) -> None:
+    """``rows``: (label, parameters file, parameters file). With ``check``, exits 1
+    when a pair whose label names fgpsdp differs by more than TOLERANCE."""
+    width = max(len(label) for label, _, _ in rows) + 2
+    print(f"\n{'pair':<{width}} max |param difference|")
+    failed = []
+    for label, a, b in rows:
+        diff = max_diff(a, b)
+        print(f"{label:<{width}} {diff:.3g}")
+        if "fgpsdp" in label and not diff <= TOLERANCE:
+            failed.append(label)
+    if check and failed:
+        raise SystemExit(f"over {TOLERANCE:g}: {'; '.join(failed)}")
+
+
+def parse_check(doc: str) -> bool:
+    """The comparison's command line: whether ``--check`` was given."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--check", action="store_true",
+                        help=f"exit 1 if a pair with fgpsdp differs by more than {TOLERANCE:g}")
+    return parser.parse_args().check
+
+
+def run_both(runs: dict[str, list[str]], command: Callable[[str, str, list[str]], list[str]],
+             directory: str) -> Callable[[str, str], str]:
+    """Runs each of ``runs`` ({name: the trainer's arguments}, where "{dir}" is
+    ``directory`` and "{system}" the system) on torch DDP, then on fgpsdp;
+    ``command(system, parameters file, arguments)`` is its command line. Returns
+    where a run left its parameters: ``out(system, name)``."""
+    def out(system: str, name: str) -> str:
+        return os.path.join(directory, f"{system}_{name}.pt")
+    for name, extra in runs.items():
+        for system in ("torch", "fgpsdp"):
+            arguments = [a.format(dir=directory, system=system) for a in extra]
+            run(command(system, out(system, name), arguments))
+    return out

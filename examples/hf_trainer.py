@@ -1,0 +1,130 @@
+"""fgpsdp under Hugging Face's transformers Trainer: a subclass of four methods.
+
+    pip install transformers accelerate
+    torchrun --standalone --nproc_per_node 2 examples/hf_trainer.py fgpsdp params.pt
+
+``FgpsdpTrainer`` lets the Trainer build its optimizer as usual (its class, its
+decay / no-decay groups, its arguments), then builds fgpsdp's wrapper and a
+ShardedOptimizer of that class over those groups. Three of its overrides are private
+methods of transformers (checked with 5.25.0):
+
+- ``_wrap_model``: the training model is fgpsdp's wrapper. It is not ``self.model``,
+  so the Trainer does not hand it to accelerate, which would wrap it in torch DDP.
+- ``_clip_grad_norm``: the Trainer's clip (accelerate's, over ``model.parameters()``)
+  would see no gradient here and clip nothing; ``opt.clip_grad_norm_`` clips the
+  reduced gradient, and its norm is the one the Trainer logs.
+- ``_save_optimizer_and_scheduler``: the Trainer saves ``optimizer.state_dict()`` from
+  rank 0 alone; ``consolidate_state_dict()`` on every rank first makes that the whole
+  state (torch's ZeroRedundancyOptimizer API), which every rank loads on resume.
+
+The wrapper is built in ``create_optimizer``, after the Trainer has moved the model to
+its device: on CPU ranks that device is ``cpu:0``, and ``.to("cpu:0")`` copies every
+parameter, which a wrapper built before would refuse at the first forward.
+
+``torch`` in place of ``fgpsdp`` runs the plain Trainer (accelerate's torch DDP).
+``examples/hf_trainer_compare.py`` runs the comparisons in the README.
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset
+
+try:
+    from transformers import Trainer, TrainingArguments, set_seed
+except ImportError as error:  # (not a dependency of fgpsdp_runtime)
+    raise SystemExit(f"this example needs transformers and accelerate "
+                     f"(pip install transformers accelerate): {error}")
+
+import fgpsdp_runtime as fgp
+
+CLIP = 0.05  # max_grad_norm: binds on every step of this model
+
+
+def sharded(optimizer) -> fgp.ShardedOptimizer:
+    """The ShardedOptimizer inside accelerate's AcceleratedOptimizer."""
+    while not isinstance(optimizer, fgp.ShardedOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+class FgpsdpTrainer(Trainer):
+    def create_optimizer(self, model=None):
+        if self.optimizer is None:
+            built = super().create_optimizer(model)  # the Trainer's class and groups
+            self.optimizer = fgp.ShardedOptimizer(fgp.DistributedDataParallel(self.model),
+                                                  type(built), param_groups=built.param_groups)
+        return self.optimizer
+
+    def _wrap_model(self, model, training=True, dataloader=None):
+        return sharded(self.optimizer).model if training else model
+
+    def _clip_grad_norm(self, model):
+        return sharded(self.optimizer).clip_grad_norm_(self.args.max_grad_norm)
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        sharded(self.optimizer).consolidate_state_dict(to=0)  # every rank: a collective
+        super()._save_optimizer_and_scheduler(output_dir)
+
+
+class Regression(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(),
+                                       torch.nn.Linear(32, 1))
+
+    def forward(self, x, y):
+        return {"loss": torch.nn.functional.mse_loss(self.net(x), y)}
+
+
+class Samples(Dataset):
+    def __init__(self):
+        g = torch.Generator().manual_seed(123)
+        self.x = torch.randn(64, 8, generator=g)
+        self.y = (self.x.sum(1, keepdim=True) * 0.5).tanh() + 0.1 * torch.randn(64, 1, generator=g)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return {"x": self.x[i], "y": self.y[i]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("system", choices=["fgpsdp", "torch"])
+    parser.add_argument("out", help="where rank 0 writes the trained parameters")
+    parser.add_argument("--steps", type=int, default=16, help="optimizer steps in all")
+    parser.add_argument("--accumulate", type=int, default=1,
+                        help="gradient_accumulation_steps")
+    parser.add_argument("--output-dir", default="hf_trainer_output",
+                        help="the Trainer's output_dir (its checkpoints)")
+    parser.add_argument("--save-steps", type=int, default=0,
+                        help="save a checkpoint every this many steps (0: never)")
+    parser.add_argument("--resume", help="resume from this checkpoint directory")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    training = TrainingArguments(
+        output_dir=args.output_dir, use_cpu=True, ddp_backend="gloo", max_grad_norm=CLIP,
+        learning_rate=1e-2, weight_decay=0.01, optim="adamw_torch", max_steps=args.steps,
+        per_device_train_batch_size=4, gradient_accumulation_steps=args.accumulate,
+        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 1,
+        logging_steps=4, report_to="none", seed=0, disable_tqdm=True,
+        remove_unused_columns=False)
+    set_seed(0)
+    module = Regression()
+    trainer = (FgpsdpTrainer if args.system == "fgpsdp" else Trainer)(
+        model=module, args=training, train_dataset=Samples())
+    trainer.train(resume_from_checkpoint=args.resume)
+    if args.system == "fgpsdp":
+        trainer.model_wrapped.synchronize()  # the last step's all-gathers landed
+    if dist.get_rank() == 0:
+        torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, args.out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -122,7 +122,8 @@ def test_rank0_only_leaves_the_other_ranks_empty(tmp_path):
 def test_consolidate_state_dict_saves_as_for_torchs_zero_optimizer_and_resumes(tmp_path, to):
     """A trainer saving a sharded optimizer from one rank (PyTorch Lightning's
     checkpoints) calls consolidate_state_dict() on every rank, then state_dict() there:
-    the whole state, full_state_dict()'s; it resumes at another world size. Before, it saved rank 0's shard, which loads on rank 0 alone."""
+    the whole state, full_state_dict()'s; it resumes at another world size. Before, it
+    saved rank 0's shard, which loads on rank 0 alone."""
     cfg = {"model": "mlp", "optimizer": "adamw", "max_grad_norm": 0.5}
     path = str(tmp_path / "consolidated.pt")
     results = run_distributed(3, checkpoint_scenarios.consolidate_and_save, cfg, path, to)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import subprocess
 from typing import Callable
 
@@ -13,15 +14,22 @@ import torch
 TOLERANCE = 1e-6  # --check: what a pair with fgpsdp may differ by (the clip's rounding)
 
 
-def run(command: list[str], tries: int = 3, timeout_s: float = 300) -> None:
+def run(command: list[str], tries: int = 3, timeout_s: float = 120) -> None:
     """torch DDP runs on CPU under these frameworks now and then abort at exit, after
     training ("terminate called without an active exception", SIGABRT; also without
     fgpsdp imported) or hang there: such a run is run again, and said so."""
     for attempt in range(1, tries + 1):
+        # (Its own process group: a timeout stops the ranks it launched too.)
+        process = subprocess.Popen(command, start_new_session=True)
         try:
-            code = subprocess.run(command, timeout=timeout_s).returncode
+            code = process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
             code = f"a timeout ({timeout_s:g} s)"
+        except BaseException:  # Ctrl-C does not reach a process group of its own
+            os.killpg(process.pid, signal.SIGKILL)
+            raise
         if code == 0:
             return
         print(f"[compare] exit code {code} (try {attempt} of {tries}): "

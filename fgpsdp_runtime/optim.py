@@ -151,6 +151,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # reducer.reduce_scatters_launched when this step's were finished: see
         # _forget_stale_measurements.
         self._finished_at: Optional[int] = None
+        # consolidate_state_dict's dict, in a holder: a wrapper that copies this
+        # optimizer's __dict__ (older Lightning's) shares the holder, so a step drops
+        # the dict for both.
+        self._consolidated: list[Optional[dict[str, Any]]] = [None]
+        # reducer.reduce_scatters_launched at this round's last clip (see clipped_this_step).
+        self._clipped_at: Optional[int] = None
         # A step whose inner optimizer raised part-way (see _UnfinishedStep).
         self._unfinished: Optional[_UnfinishedStep] = None
         self._reset_step_measurements()
@@ -209,6 +215,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # a coefficient the traced clip never wrote.
     @torch.compiler.disable
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self._clipped_at = None
         self.model.zero_grad(set_to_none=set_to_none)
         for group in self.optim.param_groups:
             for piece in group["params"]:
@@ -406,11 +413,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "is non-finite, so it cannot be clipped. To disable this error and scale the "
                 "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
         self._apply_clip(float(max_norm))
+        self._clipped_at = self.model.reducer.reduce_scatters_launched
         return self._norm_tensor(total)
 
     def clipped_this_step(self) -> bool:
-        """clip_grad_norm_ or clip_grad_value_ ran on this step's gradients."""
-        return self._clip_called
+        """clip_grad_norm_ or clip_grad_value_ ran on the gradients the step will take:
+        no step, opt.zero_grad() or new reduce-scatter (a backward) since. (Not
+        _clip_called: a forward between the clip and the step, an evaluation, starts
+        the step's measurements again, while the clip has scaled the gradients.)"""
+        at = self.__dict__.get("_clipped_at")
+        return at is not None and at == self.model.reducer.reduce_scatters_launched
 
     @torch.compiler.disable
     @torch.no_grad()
@@ -432,6 +444,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if changed.item() > 0:
             self._values_clipped = True
             self._clipped_norm = None
+        self._clipped_at = self.model.reducer.reduce_scatters_launched
 
     @torch.compiler.disable  # see the note at zero_grad
     @torch.no_grad()
@@ -851,6 +864,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # warning, and no speculation in that step). The slices hold those zeros only.
         fed = self._globally_used is None or any(self._globally_used)
         self._reset_step_measurements()
+        self._clipped_at = None
         self.model.reducer.end_step(stepped_gradients=fed and stepped)
         if not fed:
             for storage in self.model.buckets:
@@ -876,11 +890,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         with these buckets. ``full_state_dict()`` is torch.optim's format.
         """
         optim_checkpoint.refuse_torchs_checkpoint_helpers()
-        consolidated = self.__dict__.get("_consolidated")
-        if consolidated is not None:  # see consolidate_state_dict
-            return consolidated
         self._refuse_while_unfinished("state_dict()")
         self._refuse_speculative_state("state_dict()")
+        consolidated = self._consolidated[0]
+        if consolidated is not None:  # see consolidate_state_dict
+            return self._with_groups_now(consolidated)
         self._run_state_dict_pre_hooks()
         # The hooks registered on this optimizer see a torch.optim state dict: here
         # the inner optimizer's, over this rank's slices.
@@ -930,16 +944,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._refuse_speculative_state("consolidate_state_dict()")
         with warn_if_the_others_are_late("opt.consolidate_state_dict()",
                                          world_size, user_code_line(), ""):
-            full = self._full_state_dict(True, False, keep_on_rank=to)
-        self._consolidated = full or None  # ({} on the other ranks)
+            full = self._full_state_dict(True, False, keep_on_rank=to,
+                                         call="opt.consolidate_state_dict()")
+        self._consolidated[0] = full or None  # ({} on the other ranks)
 
     def _drop_consolidated(self) -> None:
         """The optimizer changes (a step, a load): a consolidated dict would be stale."""
-        self._consolidated = None
+        self._consolidated[0] = None
 
-    def _full_state_dict(self, rank0_only: bool, init_state: bool,
-                         keep_on_rank: int = 0) -> dict[str, Any]:
-        # (keep_on_rank: consolidate_state_dict's ``to``, 0 under model.join())
+    def _with_groups_now(self, consolidated: dict[str, Any]) -> dict[str, Any]:
+        """A new dict: the consolidated state, and the groups' hyperparameters as they
+        are now (an lr scheduler may have stepped since), as torch's ZeRO builds its
+        groups at each state_dict()."""
+        groups = [{**saved, **{k: v for k, v in group.items() if k != "params"}}
+                  for saved, group in zip(consolidated["param_groups"], self.param_groups)]
+        return {**consolidated, "param_groups": groups}
+
+    def _full_state_dict(self, rank0_only: bool, init_state: bool, keep_on_rank: int = 0,
+                         call: str = "opt.full_state_dict(rank0_only=True)") -> dict[str, Any]:
+        # (keep_on_rank: consolidate_state_dict's ``to``, 0 under model.join(); call:
+        # what a warning names)
         keep_on = keep_on_rank if rank0_only else None  # (None: every rank)
         uneven = self.model._uneven_inputs
         if uneven is not None:
@@ -963,15 +987,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if keep_on not in (None, 0) and uneven is not None and not uneven.joined:
             # (Said after the collectives: a warning raised as an error (-W error)
             # must not leave the joined rank waiting in them.)
-            self._warn_kept_off_rank_0(keep_on)
+            self._warn_kept_off_rank_0(keep_on, call)
         # (With rank0_only the other ranks hold nothing for a post-hook to edit.)
         return self._run_state_dict_post_hooks(full) if full else full
 
-    def _warn_kept_off_rank_0(self, keep_on: int) -> None:
+    def _warn_kept_off_rank_0(self, keep_on: int, call: str) -> None:
         group = self.model.process_group
         first, keeper = (dist.get_global_rank(group, r) for r in (0, keep_on))
         warn_at_user_code(
-            f"fgpsdp: opt.full_state_dict(rank0_only=True) under model.join() after rank "
+            f"fgpsdp: {call} under model.join() after rank "
             f"{first} has joined: the dict is kept on rank {keeper}, the lowest active "
             f"rank, and the others get {{}} (a joined rank's loop has ended, so nothing "
             f"would receive it there): save where the dict is not empty, or after the join")

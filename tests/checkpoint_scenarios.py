@@ -211,7 +211,14 @@ def consolidate_and_save(rank: int, world_size: int, cfg: dict[str, Any], path: 
     if rank == to:
         result["as_full_state_dict"] = compare_state_dicts(saved, full)["bitwise"]
         result["to_torch"] = compare_state_dicts(saved, ref_opt.state_dict())
-        result["same_object_again"] = opt.state_dict() is saved
+        # An lr set since (a scheduler's step): the groups as they are now, in a new
+        # dict each time (as torch's ZeRO), the state as consolidated.
+        lr = opt.param_groups[0]["lr"]
+        opt.param_groups[0]["lr"] = 0.125
+        again = opt.state_dict()
+        opt.param_groups[0]["lr"] = lr
+        result["lr_now"] = again["param_groups"][0]["lr"]
+        result["new_dict_same_state"] = again is not saved and again["state"] is saved["state"]
         torch.save({"ours_module": ours.module.state_dict(), "ours_opt": saved,
                     "torch_module": ref.module.state_dict(), "torch_opt": ref_opt.state_dict()},
                    path)

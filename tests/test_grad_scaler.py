@@ -38,9 +38,12 @@ CASES += [{"schedule": s, "precision": "autocast_float16", "clip": clip,
            "rank0_overflows_at": 5, "eval_forward": True}
           for s, clip in (("serial", "value"), ("two_stage", "value"), ("two_stage", "manual"))]
 DISABLED = {"schedule": "two_stage", "enabled": False}
-# The clip before unscale_, on both: the same steps, and one warning.
-BEFORE_UNSCALE = [{"schedule": s, "precision": "float32", "clip": "before_unscale"}
-                  for s in ("next_forward", "two_stage")]
+# The clip before unscale_, on both: the same steps, and one warning (also with an
+# evaluation forward between the clip and the step, which measures again).
+BEFORE_UNSCALE = [{"schedule": s, "precision": "float32", "clip": "before_unscale",
+                   "eval_forward": evaluation}
+                  for s, evaluation in (("next_forward", False), ("two_stage", False),
+                                        ("two_stage", True))]
 THREE_RANK_CASES = [{"schedule": s, "precision": "autocast_float16", "clip": "manual",
                      "rank0_overflows_at": 5} for s in ("next_forward", "two_stage")]
 

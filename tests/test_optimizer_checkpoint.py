@@ -131,7 +131,8 @@ def test_consolidate_state_dict_saves_as_for_torchs_zero_optimizer_and_resumes(t
         assert res["shard"] == (rank != to), (rank, res)  # the others' stays their shard
         assert res["shard_after_a_step"], (rank, res)  # the step dropped it
     kept = results[to]
-    assert kept["as_full_state_dict"] and kept["same_object_again"], kept
+    assert kept["as_full_state_dict"], kept
+    assert kept["lr_now"] == 0.125 and kept["new_dict_same_state"], kept
     to_torch = kept["to_torch"]  # (3 ranks: torch DDP sums in another order)
     assert to_torch["same_groups"] and to_torch["same_layout"], to_torch
     assert not to_torch["mismatched"] and to_torch["max_diff"] <= TOL, to_torch

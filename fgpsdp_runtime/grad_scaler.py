@@ -86,9 +86,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
 
     def _warn_clip_before_unscale(self) -> None:
         """A clip of this step ran on gradients still multiplied by the loss scale: it
-        measured and clipped (or clamped) them as torch's does then. Said
-        once: PyTorch Lightning's MixedPrecision plugin skips unscale_ for this
-        optimizer (it reads _step_supports_amp_scaling as "unscales itself")."""
+        measured and clipped (or clamped) them as torch's does then. Said once:
+        PyTorch Lightning's MixedPrecision plugin skips unscale_ for this optimizer (it
+        reads _step_supports_amp_scaling as "unscales itself")."""
         if self.__dict__.get("_warned_clip_before_unscale"):
             return
         self._warned_clip_before_unscale = True
@@ -97,10 +97,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
             "scaler.unscale_(opt), on gradients still multiplied by the loss scale "
             f"({self.get_scale():g}): its norm and its bound were those of the scaled "
             "gradients, as torch's clip's are then. Call scaler.unscale_(opt) before the "
-            "clip (under "
-            "PyTorch Lightning's MixedPrecision plugin, which does not call it for this "
-            "optimizer: trainer.precision_plugin.scaler.unscale_(optimizer) in "
-            "configure_gradient_clipping)")
+            "clip (under PyTorch Lightning's MixedPrecision plugin, which does not call "
+            "it for this optimizer: trainer.precision_plugin.scaler.unscale_(optimizer) "
+            "in configure_gradient_clipping)")
 
     @torch.compiler.disable
     def update(self, new_scale: Optional[Union[float, torch.Tensor]] = None) -> None:

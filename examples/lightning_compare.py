@@ -6,7 +6,7 @@
 
 Prints the largest parameter difference of each pair after 2 epochs of 8 batches
 (16 optimizer steps, 8 with accumulation), clipping on every step: fgpsdp against
-torch DDP as they are, with gradient accumulation, bf16 autocast, float16 loss
+torch DDP as they are, with gradient accumulation, clipping by value, bf16 autocast, float16 loss
 scaling, a second fit with a new Trainer, and resumed from a checkpoint saved after
 the first epoch (a resumed run that lost the optimizer's state, Adam's moments, would
 differ from the uninterrupted one). ``--check`` exits 1 when a pair with fgpsdp
@@ -28,6 +28,7 @@ RUNS = {
     "accumulate": ["--accumulate", "2"],
     "bf16": ["--precision", "bf16-mixed"],
     "fp16_scaler": ["--precision", "16-mixed-scaler"],
+    "clip_by_value": ["--clip-algorithm", "value"],
     "refit": ["--refit"],
     "epoch_1": ["--epochs", "1", "--save", "{dir}/{system}.ckpt"],
     "resumed": ["--resume", "{dir}/{system}.ckpt"],

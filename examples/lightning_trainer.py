@@ -1,4 +1,4 @@
-"""fgpsdp under PyTorch Lightning's Trainer: a strategy of four lines.
+"""fgpsdp under PyTorch Lightning's Trainer: its DDP strategy with fgpsdp's wrapper.
 
     pip install lightning
     python examples/lightning_trainer.py fgpsdp params.pt --epochs 2
@@ -10,10 +10,12 @@ differs from a torch DDP LightningModule:
 
 - Clipping: Lightning's ``gradient_clip_val`` clips the tensors of
   ``optimizer.param_groups``, which here are this rank's slices without ``.grad``
-  before the step: it would clip nothing. ``configure_gradient_clipping`` below
-  calls ``optimizer.clip_grad_norm_`` instead (or build the optimizer with
-  ``max_grad_norm=``), after the loss scaler's ``unscale_`` under float16 loss
-  scaling, which Lightning does not call for this optimizer.
+  before the step: it would clip nothing. The strategy routes Lightning's clip to
+  the optimizer's own ``clip_grad_norm_`` (``clip_grad_value_`` for
+  ``gradient_clip_algorithm="value"``), after the loss scaler's ``unscale_`` under
+  float16 loss scaling, which Lightning does not call for this optimizer. A
+  LightningModule's ``configure_gradient_clipping`` that calls
+  ``self.clip_gradients`` goes the same way.
 - Float16 loss scaling takes fgpsdp's scaler through Lightning's plugin
   (``--precision 16-mixed-scaler``); torch's is refused at the step.
 - Checkpoints need nothing: Lightning saves a sharded optimizer by calling
@@ -37,6 +39,7 @@ try:
     import lightning.pytorch as pl
     from lightning.pytorch.plugins.precision import MixedPrecision
     from lightning.pytorch.strategies import DDPStrategy
+    from lightning.pytorch.utilities import GradClipAlgorithmType
 except ImportError as error:  # (not a dependency of fgpsdp_runtime)
     raise SystemExit(f"this example needs PyTorch Lightning (pip install lightning): {error}")
 
@@ -50,6 +53,38 @@ class FgpsdpStrategy(DDPStrategy):
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return fgp.DistributedDataParallel(model, **self._ddp_kwargs)
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        clip_sharded_optimizers(self.precision_plugin)
+
+
+def clip_sharded_optimizers(plugin) -> None:
+    """Route the precision plugin's clip (``gradient_clip_val``) to a ShardedOptimizer's own."""
+    lightning_clip = plugin.clip_gradients
+    if getattr(lightning_clip, "routes_sharded", False):
+        return  # a second fit of the same Trainer
+
+    def clip_gradients(optimizer, clip_val=0.0,
+                       gradient_clip_algorithm=GradClipAlgorithmType.NORM):
+        if not isinstance(optimizer, fgp.ShardedOptimizer):
+            lightning_clip(optimizer, clip_val, gradient_clip_algorithm)
+            return
+        if not clip_val or clip_val <= 0:
+            return
+        # Under float16 loss scaling Lightning leaves the gradients scaled for this
+        # optimizer (it reads it as one that unscales itself): unscale first.
+        scaler = getattr(plugin, "scaler", None)
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        # Every rank: a collective, as Lightning calls it.
+        if GradClipAlgorithmType(gradient_clip_algorithm) == GradClipAlgorithmType.VALUE:
+            optimizer.clip_grad_value_(clip_val)
+        else:
+            optimizer.clip_grad_norm_(clip_val)
+
+    clip_gradients.routes_sharded = True
+    plugin.clip_gradients = clip_gradients
 
 
 class Regression(pl.LightningModule):
@@ -68,19 +103,6 @@ class Regression(pl.LightningModule):
             return fgp.ShardedOptimizer(self.trainer.strategy.model, torch.optim.AdamW,
                                         lr=1e-2, weight_decay=0.01)
         return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
-
-    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
-                                    gradient_clip_algorithm=None):
-        if self.system == "fgpsdp":
-            if gradient_clip_val:
-                # Under float16 loss scaling, Lightning leaves the gradients scaled for
-                # this optimizer (it reads it as one that unscales itself): unscale first.
-                scaler = getattr(self.trainer.precision_plugin, "scaler", None)
-                if scaler is not None:
-                    scaler.unscale_(optimizer)
-                optimizer.clip_grad_norm_(gradient_clip_val)  # every rank: a collective
-        else:
-            self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def on_train_end(self):
         wrapper = self.trainer.strategy.model
@@ -101,6 +123,7 @@ def make_trainer(args: argparse.Namespace) -> pl.Trainer:
         plugins, precision = [MixedPrecision("16-mixed", "cpu", scaler=scaler)], None
     return pl.Trainer(accelerator="cpu", devices=args.devices, strategy=strategy,
                       max_epochs=args.epochs, gradient_clip_val=CLIP,
+                      gradient_clip_algorithm=args.clip_algorithm,
                       accumulate_grad_batches=args.accumulate, precision=precision,
                       plugins=plugins, logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False)
@@ -117,6 +140,8 @@ def main() -> None:
     parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     parser.add_argument("--precision", default="32-true",
                         choices=["32-true", "bf16-mixed", "16-mixed-scaler"])
+    parser.add_argument("--clip-algorithm", default="norm", choices=["norm", "value"],
+                        help="gradient_clip_algorithm")
     parser.add_argument("--refit", action="store_true",
                         help="fit again with a new Trainer (--epochs more)")
     parser.add_argument("--devices", type=int, default=2)

@@ -17,8 +17,9 @@ NVCC ?= nvcc
 CUDA_ARCH ?= sm_90
 
 LIGHTNING_VERSION ?= 2.6.6
+ACCELERATE_VERSION ?= 1.16.0
 
-.PHONY: demo test setup bench bench-setup cuda-check cuda-build-check lightning-check clean
+.PHONY: demo test setup bench bench-setup cuda-check cuda-build-check lightning-check accelerate-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -43,6 +44,12 @@ test: $(STAMP)
 lightning-check: $(STAMP)
 	$(PY) -m pip install --quiet lightning==$(LIGHTNING_VERSION)
 	OMP_NUM_THREADS=1 $(PY) examples/lightning_compare.py --check
+
+# A plain Hugging Face Accelerate loop with fgpsdp against accelerate's torch DDP
+# (examples/accelerate_compare.py): fails if they differ by more than rounding.
+accelerate-check: $(STAMP)
+	$(PY) -m pip install --quiet accelerate==$(ACCELERATE_VERSION)
+	OMP_NUM_THREADS=1 $(PY) examples/accelerate_compare.py --check
 
 $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet deepspeed matplotlib

@@ -1,4 +1,5 @@
-"""What the framework comparisons share (lightning_compare.py, hf_trainer_compare.py):
+"""What the framework comparisons share (lightning_compare.py, hf_trainer_compare.py,
+accelerate_compare.py):
 running a training command until it exits cleanly, and the table of parameter
 differences, with ``--check``'s verdict."""
 from __future__ import annotations
@@ -24,17 +25,50 @@ def run(command: list[str], tries: int = 3, timeout_s: float = 120) -> None:
         try:
             code = process.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+            _kill(process)
             code = f"a timeout ({timeout_s:g} s)"
         except BaseException:  # Ctrl-C does not reach a process group of its own
-            os.killpg(process.pid, signal.SIGKILL)
+            _kill(process)
             raise
         if code == 0:
             return
         print(f"[compare] exit code {code} (try {attempt} of {tries}): "
               + " ".join(command[1:]), flush=True)
     raise SystemExit(f"failed {tries} times: {' '.join(command)}")
+
+
+def _kill(process: subprocess.Popen) -> None:
+    """Kills the command's process group and every process it started: torchrun starts
+    each rank in a session of its own, which outlives the group (a hung rank then kept
+    running, and kept the pipe of a caller's ``| tail`` open)."""
+    started = _descendants(process.pid)
+    os.killpg(process.pid, signal.SIGKILL)
+    for pid in started:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    process.wait()
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below ``pid``, from /proc (none where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    # pid (comm) state ppid ...: comm may hold spaces and parentheses
+                    ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def max_diff(a: str, b: str) -> float:

@@ -63,7 +63,7 @@ def clip_sharded_optimizers(plugin) -> None:
     """Route the precision plugin's clip (``gradient_clip_val``) to a ShardedOptimizer's own."""
     lightning_clip = plugin.clip_gradients
     if getattr(lightning_clip, "routes_sharded", False):
-        return  # a second fit of the same Trainer
+        return  # setup runs again: a second fit, a validate or test of the same Trainer
 
     def clip_gradients(optimizer, clip_val=0.0,
                        gradient_clip_algorithm=GradClipAlgorithmType.NORM):

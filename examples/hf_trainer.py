@@ -27,6 +27,7 @@ parameter, which a wrapper built before would refuse at the first forward.
 from __future__ import annotations
 
 import argparse
+import gc
 
 import torch
 import torch.distributed as dist
@@ -123,6 +124,12 @@ def main() -> None:
     if dist.get_rank() == 0:
         torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, args.out)
     dist.barrier()
+    # What holds the gloo group goes first (torch DDP's models): freed at interpreter
+    # exit instead, after the group is destroyed, its destructor can hang, joining
+    # gloo's thread while holding the GIL that thread waits for (seen under accelerate).
+    trainer.accelerator.free_memory()
+    del trainer, module
+    gc.collect()
     dist.destroy_process_group()
 
 

@@ -31,6 +31,7 @@ README.
 from __future__ import annotations
 
 import argparse
+import gc
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
@@ -166,6 +167,9 @@ def main() -> None:
     # Lightning leaves the process group up: torch DDP's runs then aborted now and then
     # at exit ("terminate called without an active exception"), fgpsdp imported or not.
     # (Not seen since in the runs here; compare_runs.py still runs such a run again.)
+    # What holds the group goes first, as in accelerate_loop.py.
+    del trainer, model
+    gc.collect()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
 

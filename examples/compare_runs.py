@@ -1,5 +1,5 @@
 """What the framework comparisons share (lightning_compare.py, hf_trainer_compare.py,
-accelerate_compare.py):
+accelerate_compare.py, peft_compare.py):
 running a training command until it exits cleanly, and the table of parameter
 differences, with ``--check``'s verdict."""
 from __future__ import annotations
@@ -8,6 +8,7 @@ import argparse
 import os
 import signal
 import subprocess
+import sys
 from typing import Callable
 
 import torch
@@ -112,3 +113,12 @@ def run_both(runs: dict[str, list[str]], command: Callable[[str, str, list[str]]
             arguments = [a.format(dir=directory, system=system) for a in extra]
             run(command(system, out(system, name), arguments))
     return out
+
+
+def torchrun(script: str) -> Callable[[str, str, list[str]], list[str]]:
+    """For run_both: ``script system parameters-file arguments...`` on 2 CPU ranks
+    launched by torchrun."""
+    def command(system: str, params: str, args: list[str]) -> list[str]:
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node", "2", script, system, params, *args]
+    return command

@@ -13,10 +13,9 @@ with fgpsdp differs by more than 1e-6.
 from __future__ import annotations
 
 import os
-import sys
 import tempfile
 
-from compare_runs import parse_check, print_table, run_both
+from compare_runs import parse_check, print_table, run_both, torchrun
 
 TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_trainer.py")
 
@@ -30,15 +29,10 @@ RUNS = {
 }
 
 
-def torchrun(system: str, params: str, args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
-            "2", TRAINER, system, params, *args]
-
-
 def main() -> None:
     check = parse_check(__doc__)
     with tempfile.TemporaryDirectory() as tmp:
-        out = run_both(RUNS, torchrun, tmp)
+        out = run_both(RUNS, torchrun(TRAINER), tmp)
         rows = [(f"fgpsdp against torch DDP: {name}", out("fgpsdp", name), out("torch", name))
                 for name in ("plain", "accumulate", "resumed")]
         rows += [(f"{system} resumed against {system} uninterrupted",

@@ -6,7 +6,7 @@ examples/accelerate_loop.py, 2 CPU processes with gloo for each run (torchrun).
 
 Prints the largest parameter difference of each pair after 16 optimizer steps,
 clipping on every step: as they are, with gradient accumulation (2 batches a step),
-and resumed from the save_state at step 8 (a resumed run that lost the optimizer's
+with bf16 mixed precision, and resumed from the save_state at step 8 (a resumed run that lost the optimizer's
 state, Adam's moments, would differ from the uninterrupted one). ``--check`` exits 1
 when a pair with fgpsdp differs by more than 1e-6.
 """
@@ -23,6 +23,7 @@ LOOP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "accelerate_loop
 RUNS = {
     "plain": [],
     "accumulate": ["--accumulate", "2"],
+    "bf16": ["--mixed-precision", "bf16"],
     "saving": ["--save", "{dir}/{system}_state"],
     "resumed": ["--resume", "{dir}/{system}_state"],
 }
@@ -35,7 +36,7 @@ def main() -> None:
         # accelerate takes the gloo process group from torchrun's environment.)
         out = run_both(RUNS, torchrun(LOOP), tmp)
         rows = [(f"fgpsdp against torch DDP: {name}", out("fgpsdp", name), out("torch", name))
-                for name in ("plain", "accumulate", "resumed")]
+                for name in ("plain", "accumulate", "bf16", "resumed")]
         rows += [(f"{system} resumed against {system} uninterrupted",
                   out(system, "resumed"), out(system, "plain")) for system in ("fgpsdp", "torch")]
         print_table(rows, check)

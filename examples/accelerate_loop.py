@@ -12,6 +12,10 @@ What differs from accelerate's usual loop (checked with accelerate 1.16.0):
   dataloader and the lr scheduler as usual.
 - ``accelerator.accumulate(model)`` and ``accelerator.backward(loss)`` work as they
   are: accumulate enters the model's own ``no_sync()``, which is fgpsdp's.
+- Mixed precision (``Accelerator(mixed_precision="bf16")``): accelerate puts a
+  prepared model's forward under autocast; this one is not prepared, so the loop
+  enters ``accelerator.autocast()`` around the forward and the loss (without it the
+  run is float32, silently).
 - Clip with the ShardedOptimizer's ``clip_grad_norm_``: ``accelerator.clip_grad_norm_``
   over ``model.parameters()`` sees no gradient (they are sharded) and clips nothing.
 - ``accelerator.save_state`` saves ``optimizer.state_dict()`` from rank 0 alone:
@@ -27,6 +31,7 @@ What differs from accelerate's usual loop (checked with accelerate 1.16.0):
 from __future__ import annotations
 
 import argparse
+from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
@@ -68,12 +73,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16, help="optimizer steps in all")
     parser.add_argument("--accumulate", type=int, default=1,
                         help="gradient_accumulation_steps")
+    parser.add_argument("--mixed-precision", default="no", choices=["no", "bf16"])
     parser.add_argument("--save", help="save_state here after --save-at steps")
     parser.add_argument("--save-at", type=int, default=8)
     parser.add_argument("--resume", help="load_state from this directory first")
     args = parser.parse_args()
     torch.set_num_threads(1)
     accelerator = Accelerator(cpu=not torch.cuda.is_available(),
+                              mixed_precision=args.mixed_precision,
                               gradient_accumulation_steps=args.accumulate)
     set_seed(0)
     module = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
@@ -107,7 +114,11 @@ def main() -> None:
         for x, y in accelerator.skip_first_batches(loader, skip) if skip else loader:
             progress.batches += 1
             with accelerator.accumulate(model):  # fgpsdp's no_sync() between syncs
-                accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+                # A prepared model runs its forward under the mixed precision's autocast;
+                # this one is not prepared, so the loop enters it (a no-op without one).
+                with accelerator.autocast() if args.system == "fgpsdp" else nullcontext():
+                    loss = torch.nn.functional.mse_loss(model(x), y)
+                accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     if args.system == "fgpsdp":
                         sharded.clip_grad_norm_(CLIP)  # the reduced, sharded gradient

@@ -1,4 +1,4 @@
-"""fgpsdp under Hugging Face's transformers Trainer: a subclass of four methods.
+"""fgpsdp under Hugging Face's transformers Trainer: a subclass of five methods.
 
     pip install transformers accelerate
     torchrun --standalone --nproc_per_node 2 examples/hf_trainer.py fgpsdp params.pt
@@ -10,6 +10,9 @@ methods of transformers (checked with 5.25.0):
 
 - ``_wrap_model``: the training model is fgpsdp's wrapper. It is not ``self.model``,
   so the Trainer does not hand it to accelerate, which would wrap it in torch DDP.
+- ``autocast_smart_context_manager`` (public): with ``bf16=True`` the Trainer relies
+  on accelerate to cast the forward of the model it prepares, and it does not prepare
+  this one: without the override such a run trains in float32, silently.
 - ``_clip_grad_norm``: the Trainer's clip (accelerate's, over ``model.parameters()``)
   would see no gradient here and clip nothing; ``opt.clip_grad_norm_`` clips the
   reduced gradient, and its norm is the one the Trainer logs.
@@ -62,6 +65,11 @@ class FgpsdpTrainer(Trainer):
     def _wrap_model(self, model, training=True, dataloader=None):
         return sharded(self.optimizer).model if training else model
 
+    def autocast_smart_context_manager(self, cache_enabled=True):
+        # bf16=True / fp16=True: accelerate casts the forward of a model it prepared;
+        # the Trainer does not prepare a model _wrap_model wrapped, so cast here.
+        return self.accelerator.autocast()
+
     def _clip_grad_norm(self, model):
         return sharded(self.optimizer).clip_grad_norm_(self.args.max_grad_norm)
 
@@ -105,6 +113,7 @@ def main() -> None:
     parser.add_argument("--save-steps", type=int, default=0,
                         help="save a checkpoint every this many steps (0: never)")
     parser.add_argument("--resume", help="resume from this checkpoint directory")
+    parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
     args = parser.parse_args()
     torch.set_num_threads(1)
     training = TrainingArguments(
@@ -113,7 +122,7 @@ def main() -> None:
         per_device_train_batch_size=4, gradient_accumulation_steps=args.accumulate,
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 1,
         logging_steps=4, report_to="none", seed=0, disable_tqdm=True,
-        remove_unused_columns=False)
+        remove_unused_columns=False, bf16=args.bf16)
     set_seed(0)
     module = Regression()
     trainer = (FgpsdpTrainer if args.system == "fgpsdp" else Trainer)(

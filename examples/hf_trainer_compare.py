@@ -5,7 +5,8 @@ DDP): examples/hf_trainer.py, 2 CPU processes with gloo for each run (torchrun).
     python examples/hf_trainer_compare.py
 
 Prints the largest parameter difference of each pair after 16 optimizer steps,
-clipping on every step: as they are, with gradient accumulation, and resumed from
+clipping on every step: as they are, with gradient accumulation, with bf16 mixed
+precision, and resumed from
 the checkpoint saved at step 8 (a resumed run that lost the optimizer's state, Adam's
 moments, would differ from the uninterrupted one). ``--check`` exits 1 when a pair
 with fgpsdp differs by more than 1e-6.
@@ -23,6 +24,7 @@ TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_trainer.p
 RUNS = {
     "plain": ["--output-dir", "{dir}/{system}_plain"],
     "accumulate": ["--accumulate", "2", "--steps", "8", "--output-dir", "{dir}/{system}_acc"],
+    "bf16": ["--bf16", "--output-dir", "{dir}/{system}_bf16"],
     "saving": ["--save-steps", "8", "--output-dir", "{dir}/{system}_checkpoints"],
     "resumed": ["--resume", "{dir}/{system}_checkpoints/checkpoint-8",
                 "--output-dir", "{dir}/{system}_resumed"],
@@ -34,7 +36,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = run_both(RUNS, torchrun(TRAINER), tmp)
         rows = [(f"fgpsdp against torch DDP: {name}", out("fgpsdp", name), out("torch", name))
-                for name in ("plain", "accumulate", "resumed")]
+                for name in ("plain", "accumulate", "bf16", "resumed")]
         rows += [(f"{system} resumed against {system} uninterrupted",
                   out(system, "resumed"), out(system, "plain")) for system in ("fgpsdp", "torch")]
         print_table(rows, check)

@@ -25,6 +25,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from .optim import ShardedOptimizer
+from .optimizer_itself import itself
 from .user_warnings import warn_at_user_code
 
 
@@ -45,6 +46,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
             return super().unscale_(optimizer)
         if not self._enabled:
             return
+        # Keyed by the optimizer itself: Lightning unscales through its wrapper and
+        # steps the optimizer (see optimizer_itself.py).
+        optimizer = itself(optimizer)
         self._check_scale_growth_tracker("unscale_")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.UNSCALED:
@@ -68,6 +72,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
             return super().step(optimizer, *args, **kwargs)
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
+        optimizer = itself(optimizer)
         self._check_scale_growth_tracker("step")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:

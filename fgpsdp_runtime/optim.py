@@ -37,6 +37,7 @@ from . import optim_checkpoint
 from .collective_watch import warn_if_the_others_are_late
 from .ddp import DistributedDataParallel
 from .ops import multi_tensor_sq_norm
+from .optimizer_itself import on_itself, remember_itself
 from .optimizer_kinds import refuse_unsliceable
 from .param_group_args import read_param_groups
 from .profiling import nvtx_range
@@ -69,6 +70,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, model: DistributedDataParallel, optimizer_class: type, *,
                  param_groups: Optional[Sequence[dict[str, Any]]] = None,
                  max_grad_norm: Optional[float] = None, **defaults: Any):
+        remember_itself(self)  # see optimizer_itself.py
         # torch.compile(wrapper) gives an OptimizedModule around it; torch DDP's
         # loops build their optimizer on that one's parameters alike.
         model = getattr(model, "_orig_mod", model)
@@ -214,6 +216,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # kept speculative steps that clipping had to undo, as the undo decision read
     # a coefficient the traced clip never wrote.
     @torch.compiler.disable
+    @on_itself
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._clipped_at = None
         self.model.zero_grad(set_to_none=set_to_none)
@@ -242,12 +245,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return self._eval
 
     @torch.compiler.disable
+    @on_itself
     def _train(self) -> None:
         """The inner optimizer's ``train()`` (schedule-free's), on every rank: a
         collective that rewrites this rank's slices and all-gathers every bucket."""
         self._rewrite_slices("train")
 
     @torch.compiler.disable
+    @on_itself
     def _eval(self) -> None:
         """The inner optimizer's ``eval()`` (schedule-free's), on every rank: a
         collective that rewrites this rank's slices and all-gathers every bucket."""
@@ -293,6 +298,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return None
 
     @property
+    @on_itself
     def param_groups(self) -> list[dict[str, Any]]:
         """The inner optimizer's groups, the list it steps with: lr schedulers and
         loops edit what the step reads. A new list given here is the one it steps
@@ -308,6 +314,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return wide.loop_groups
 
     @param_groups.setter
+    @on_itself
     def param_groups(self, groups: list[dict[str, Any]]) -> None:
         wide = self._built_step_wide_state()
         if wide is None:
@@ -325,6 +332,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         wide.set_loop_groups(groups)
 
     @property
+    @on_itself
     def state(self) -> defaultdict:
         """The inner optimizer's per-tensor state, keyed by this rank's slice pieces
         (see slice_state.py)."""
@@ -336,6 +344,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return self.optim.state
 
     @state.setter
+    @on_itself
     def state(self, state: Any) -> None:
         """``opt.state = defaultdict(dict)``, torch.optim's reset of every moment: the
         inner optimizer's state is emptied and given the new entries (before, the
@@ -378,6 +387,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "train nothing. Change hyperparameters in the groups, or give new dicts over "
                 "the same tensors (as [dict(g) for g in opt.param_groups] makes)")
 
+    @on_itself
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         # torch.optim's would add whole parameters that no bucket slice backs:
         # they would never get a gradient, so never train.
@@ -389,6 +399,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     @torch.compiler.disable
+    @on_itself
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,
                         error_if_nonfinite: bool = False,
                         foreach: Optional[bool] = None) -> torch.Tensor:
@@ -416,6 +427,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._clipped_at = self.model.reducer.reduce_scatters_launched
         return self._norm_tensor(total)
 
+    @on_itself
     def clipped_this_step(self) -> bool:
         """clip_grad_norm_ or clip_grad_value_ ran on the gradients the step will take:
         no step, opt.zero_grad() or new reduce-scatter (a backward) since. (Not
@@ -426,6 +438,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.compiler.disable
     @torch.no_grad()
+    @on_itself
     def clip_grad_value_(self, clip_value: float) -> None:
         """Clamp the reduced gradient to [-clip_value, clip_value], as
         torch.nn.utils.clip_grad_value_ would on DDP's gradients. A collective."""
@@ -448,6 +461,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.compiler.disable  # see the note at zero_grad
     @torch.no_grad()
+    @on_itself
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         if "grad_scale" in self.__dict__ or "found_inf" in self.__dict__:
             # GradScaler sets them (grad_scale None after an explicit unscale_()).
@@ -468,6 +482,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return loss
 
     @torch.no_grad()
+    @on_itself
     def run_step(self, inf_found_by_scaler: bool = False) -> None:
         """step()'s work without torch's optimizer hooks: ShardedGradScaler runs it
         for a step that an inf skips (torch's scaler does not call step() then, so
@@ -760,6 +775,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         backup.restore(self.model.buckets[b].param_shard, self._slice_pieces.of_bucket[b],
                        self.optim.state)
 
+    @on_itself
     def unscale_gradients_(self, inv_scale: torch.Tensor) -> bool:
         """For ShardedGradScaler.unscale_: multiply every reduced slice by ``inv_scale``.
 
@@ -883,6 +899,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # -- checkpoints ----------------------------------------------------------
 
+    @on_itself
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of the optimizer state, with the layout it belongs to.
 
@@ -904,6 +921,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "layout": optim_checkpoint.shard_layout(self),
                 "params": optim_checkpoint.shard_params(self)}
 
+    @on_itself
     def full_state_dict(self, *, rank0_only: bool = False,
                         init_state: bool = False) -> dict[str, Any]:
         """The state dict a torch.optim optimizer over the whole model would hold.
@@ -924,6 +942,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                          " (rank0_only=True keeps the result on rank 0 alone)"):
             return self._full_state_dict(rank0_only, init_state)
 
+    @on_itself
     def consolidate_state_dict(self, to: int = 0) -> None:
         """torch's ZeroRedundancyOptimizer API, which trainers call before saving a
         sharded optimizer from one rank (PyTorch Lightning's checkpoints): a collective
@@ -1000,6 +1019,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             f"rank, and the others get {{}} (a joined rank's loop has ended, so nothing "
             f"would receive it there): save where the dict is not empty, or after the join")
 
+    @on_itself
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a ``state_dict()`` shard (this rank's), or a whole-model dict in
         torch.optim's format (``full_state_dict()``, or a torch optimizer's, as

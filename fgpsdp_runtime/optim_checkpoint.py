@@ -397,20 +397,21 @@ def shard_problem(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> Optional
 
 
 _TORCH_DCP_HELPERS = "torch.distributed.checkpoint.state_dict"
+_PACKAGE = __name__.rsplit(".", 1)[0] + "."
 
 
 def refuse_torchs_checkpoint_helpers() -> None:
-    """Called by ``ShardedOptimizer.state_dict()`` and ``load_state_dict()`` (directly:
-    the frame looked at is their caller's): refuse torch's
+    """Called by ``ShardedOptimizer.state_dict()`` and ``load_state_dict()``: refuse torch's
     ``get_state_dict`` / ``get_optimizer_state_dict`` / ``set_optimizer_state_dict``
     with what works instead. They map ``opt.param_groups``' tensors to the model's
     parameter names, and ours are this rank's slices: they failed with a bare
     ``KeyError: 'state'``. Every rank calls them, so every rank raises here."""
-    try:
-        caller = sys._getframe(2)  # the caller of state_dict() / load_state_dict()
-    except ValueError:  # called with no Python frame above (from C, at the top)
-        return
-    if caller.f_globals.get("__name__") == _TORCH_DCP_HELPERS:
+    # The first frame outside this package: the caller of state_dict() /
+    # load_state_dict(), whatever runs between (optimizer_itself.py's call).
+    caller = sys._getframe(1)
+    while caller is not None and caller.f_globals.get("__name__", "").startswith(_PACKAGE):
+        caller = caller.f_back
+    if caller is not None and caller.f_globals.get("__name__") == _TORCH_DCP_HELPERS:
         raise TypeError(
             "fgpsdp: torch.distributed.checkpoint.state_dict's helpers (get_state_dict, "
             "get_optimizer_state_dict, set_optimizer_state_dict, set_state_dict) do not know "

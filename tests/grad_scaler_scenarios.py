@@ -16,6 +16,20 @@ import fgpsdp_runtime as fgp
 from .scenarios import MLP, make_batch, reference_clip_
 
 
+class ClassMixingWrapper:
+    """PyTorch Lightning's LightningOptimizer (what ``self.optimizers()`` gives in manual
+    optimization): its class mixes the optimizer's in, so the optimizer's methods run
+    on it; it reads missing attributes from the optimizer and keeps what is written."""
+
+    def __init__(self, optimizer):
+        self._optimizer = optimizer
+        self.__class__ = type("Wrapping" + type(optimizer).__name__,
+                              (ClassMixingWrapper, type(optimizer)), {})
+
+    def __getattr__(self, name):
+        return getattr(self._optimizer, name)
+
+
 def scaled_side_by_side(rank: int, world_size: int, case: dict) -> dict:
     """Train both on the same data with a loss scale that overflows at first.
 
@@ -30,7 +44,10 @@ def scaled_side_by_side(rank: int, world_size: int, case: dict) -> dict:
     inf lands in some ranks' slices only); ``enabled``; ``loop_skips``: with
     clip "manual", the loop itself skips ``scaler.step`` when the norm is not
     finite (torch allows it: ``update()`` reads the flag ``unscale_`` noted);
-    ``eval_forward``: a no_grad forward (logging) between the clip and the step.
+    ``eval_forward``: a no_grad forward (logging) between the clip and the step;
+    ``through_a_wrapper``: the loop's unscale_, clip and zero_grad go through a
+    ClassMixingWrapper, and the step to the optimizer itself (as Lightning's manual
+    optimization does).
     """
     schedule = case["schedule"]
     clip = case.get("clip")
@@ -47,6 +64,7 @@ def scaled_side_by_side(rank: int, world_size: int, case: dict) -> dict:
     opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2,
                                max_grad_norm=1.0 if clip == "optimizer" else None)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    front = ClassMixingWrapper(opt) if case.get("through_a_wrapper") else opt
     scaler_kw = {"init_scale": 2.0 ** (20 if autocast else 16), "growth_interval": 2,
                  "enabled": case.get("enabled", True)}
     scaler = fgp.ShardedGradScaler("cpu", **scaler_kw)
@@ -66,8 +84,8 @@ def scaled_side_by_side(rank: int, world_size: int, case: dict) -> dict:
             norms.append(float(opt.clip_grad_norm_(1.0)))
             ref_norms.append(reference_clip_(ref.parameters(), 1.0))
         if clip == "manual":
-            scaler.unscale_(opt)
-            norms.append(float(opt.clip_grad_norm_(1.0)))
+            scaler.unscale_(front)
+            norms.append(float(front.clip_grad_norm_(1.0)))
         if clip == "value":  # clamps an overflow's inf: the step must still be skipped
             scaler.unscale_(opt)
             opt.clip_grad_value_(0.5)
@@ -92,7 +110,7 @@ def scaled_side_by_side(rank: int, world_size: int, case: dict) -> dict:
         ref_scaler.update()
         scales.append(scaler.get_scale())
         ref_scales.append(ref_scaler.get_scale())
-        opt.zero_grad(set_to_none=True)
+        front.zero_grad(set_to_none=True)
         ref_opt.zero_grad(set_to_none=True)
     ours.synchronize()
     diff = max(float((a.detach() - b.detach()).abs().max())
@@ -107,7 +125,8 @@ def scaled_side_by_side(rank: int, world_size: int, case: dict) -> dict:
             "rollbacks": ours.scheduler.rollbacks if ours.scheduler else 0,
             "commits": ours.scheduler.commits if ours.scheduler else 0,
             "speculation_stopped": ours.scheduler.stopped_because if ours.scheduler else None,
-            "scaler_state": scaler.state_dict(), "ref_scaler_state": ref_scaler.state_dict()}
+            "scaler_state": scaler.state_dict(), "ref_scaler_state": ref_scaler.state_dict(),
+            "written_on_the_wrapper": sorted(vars(front)) if front is not opt else None}
 
 
 def scaled_many(rank: int, world_size: int, cases: list[dict]) -> list[dict]:

@@ -44,6 +44,11 @@ BEFORE_UNSCALE = [{"schedule": s, "precision": "float32", "clip": "before_unscal
                    "eval_forward": evaluation}
                   for s, evaluation in (("next_forward", False), ("two_stage", False),
                                         ("two_stage", True))]
+# unscale_, the clip and zero_grad through a wrapper whose class mixes the optimizer's
+# in (Lightning's manual optimization), the step on the optimizer itself.
+THROUGH_A_WRAPPER = [{"schedule": s, "precision": "autocast_float16", "clip": "manual",
+                      "rank0_overflows_at": 5, "through_a_wrapper": True}
+                     for s in ("next_forward", "two_stage")]
 THREE_RANK_CASES = [{"schedule": s, "precision": "autocast_float16", "clip": "manual",
                      "rank0_overflows_at": 5} for s in ("next_forward", "two_stage")]
 
@@ -58,7 +63,8 @@ def _name(case):
 @pytest.fixture(scope="module")
 def two_ranks():
     return run_distributed(2, grad_scaler_scenarios.scaled_many,
-                           CASES + [DISABLED] + BEFORE_UNSCALE, timeout_s=600)
+                           CASES + [DISABLED] + BEFORE_UNSCALE + THROUGH_A_WRAPPER,
+                           timeout_s=600)
 
 
 @pytest.fixture(scope="module")
@@ -133,3 +139,16 @@ def test_a_clip_before_unscale_clips_the_scaled_gradients_as_torchs_and_warns_on
         assert min(res["norms"]) > 1e3  # the scaled gradients' norm: the clip bound
         assert len(res["step_warnings"]) == 1, (rank, res["step_warnings"])
         assert "ran before scaler.unscale_(opt)" in res["step_warnings"][0]
+
+
+@pytest.mark.parametrize("index", range(len(THROUGH_A_WRAPPER)),
+                         ids=[_name(c) for c in THROUGH_A_WRAPPER])
+def test_calls_through_a_wrapper_mixing_in_the_optimizers_class_act_on_the_optimizer(
+        two_ranks, index):
+    # Before: the methods ran on Lightning's LightningOptimizer, which kept what they
+    # wrote (the clip's and unscale_'s step-wide state), and the scaler keyed the
+    # unscale_ by the wrapper: the step on the optimizer unscaled again.
+    per_rank = [results[len(CASES) + 1 + len(BEFORE_UNSCALE) + index] for results in two_ranks]
+    for rank, res in enumerate(per_rank):
+        assert res["written_on_the_wrapper"] == ["_optimizer"], (rank, res["written_on_the_wrapper"])
+    _check(THROUGH_A_WRAPPER[index], per_rank, tolerance=0.0)

@@ -150,5 +150,6 @@ def test_calls_through_a_wrapper_mixing_in_the_optimizers_class_act_on_the_optim
     # unscale_ by the wrapper: the step on the optimizer unscaled again.
     per_rank = [results[len(CASES) + 1 + len(BEFORE_UNSCALE) + index] for results in two_ranks]
     for rank, res in enumerate(per_rank):
-        assert res["written_on_the_wrapper"] == ["_optimizer"], (rank, res["written_on_the_wrapper"])
+        written = res["written_on_the_wrapper"]
+        assert written == ["_optimizer"], (rank, written)
     _check(THROUGH_A_WRAPPER[index], per_rank, tolerance=0.0)

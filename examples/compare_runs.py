@@ -41,15 +41,29 @@ def run(command: list[str], tries: int = 3, timeout_s: float = 120) -> None:
 def _kill(process: subprocess.Popen) -> None:
     """Kills the command's process group and every process it started: torchrun starts
     each rank in a session of its own, which outlives the group (a hung rank then kept
-    running, and kept the pipe of a caller's ``| tail`` open)."""
-    started = _descendants(process.pid)
+    running, and kept the pipe of a caller's ``| tail`` open). Everything is stopped
+    first, the tree listed again until it holds nothing new, then killed: nothing
+    starts a process between the listing and the kill."""
+    os.killpg(process.pid, signal.SIGSTOP)
+    stopped: set[int] = set()
+    while True:
+        new = set(_descendants(process.pid)) - stopped
+        if not new:
+            break
+        for pid in new:
+            _signal(pid, signal.SIGSTOP)
+        stopped |= new
     os.killpg(process.pid, signal.SIGKILL)
-    for pid in started:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    for pid in stopped:
+        _signal(pid, signal.SIGKILL)
     process.wait()
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass  # gone already
 
 
 def _descendants(pid: int) -> list[int]:

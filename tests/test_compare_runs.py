@@ -16,7 +16,9 @@ import compare_runs  # noqa: E402
 # A rank that says where it is, then hangs (a torch DDP run hung so at exit).
 HANGING_RANK = """
 import os, sys, time
-open(os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.pid"), "w").write(str(os.getpid()))
+path = os.path.join(sys.argv[1], f"rank{os.environ['RANK']}.pid")
+open(path + ".tmp", "w").write(str(os.getpid()))
+os.replace(path + ".tmp", path)  # whole or absent
 time.sleep(600)
 """
 
@@ -39,7 +41,9 @@ def test_a_hung_torchrun_is_stopped_with_its_ranks_at_the_timeout(tmp_path):
     with pytest.raises(SystemExit, match="failed 1 times"):
         compare_runs.run(command, tries=1, timeout_s=20)
     assert time.monotonic() - started < 60
-    pids = [int((tmp_path / f"rank{r}.pid").read_text()) for r in range(2)]
+    files = [tmp_path / f"rank{r}.pid" for r in range(2)]
+    assert all(f.exists() for f in files), "the ranks had not started within the timeout"
+    pids = [int(f.read_text()) for f in files]
     deadline = time.monotonic() + 10  # (SIGKILL is delivered, not waited for)
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)

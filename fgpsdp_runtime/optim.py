@@ -461,8 +461,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.compiler.disable  # see the note at zero_grad
     @torch.no_grad()
-    @on_itself
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        # Not on_itself's: torch's GradScaler sets its attributes on the object it was
+        # given, which may be a wrapper (see optimizer_itself.py).
         if "grad_scale" in self.__dict__ or "found_inf" in self.__dict__:
             # GradScaler sets them (grad_scale None after an explicit unscale_()).
             # Every rank gets here (the scaler's steps are the same everywhere)
@@ -472,6 +473,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "gradients are not in param.grad, so it can neither unscale them nor see an "
                 "inf on another rank. Use fgpsdp_runtime.ShardedGradScaler, the same API "
                 "(scale, unscale_, step, update, state_dict).")
+        return self._step_with(closure)
+
+    @on_itself
+    def _step_with(self, closure: Optional[Callable[[], Any]]) -> Any:
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -197,15 +197,22 @@ def foreign_param_in_groups(rank, world_size):
                          param_groups=[{"params": [nn.Parameter(torch.zeros(3))]}])
 
 
-def grad_scaler_step(rank, world_size, unscale_first=False):
+def grad_scaler_step(rank, world_size, unscale_first=False, through_a_wrapper=False):
     model = fgp.DistributedDataParallel(MLP())
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    if through_a_wrapper:  # Lightning's LightningOptimizer: it sets its own attributes
+        from .grad_scaler_scenarios import ClassMixingWrapper
+        opt = ClassMixingWrapper(opt)
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(model(torch.randn(4, 13)).sum()).backward()
     if unscale_first:  # the AMP recipe with clipping
         scaler.unscale_(opt)
         opt.clip_grad_norm_(1.0)
     scaler.step(opt)
+
+
+def grad_scaler_step_through_a_wrapper(rank, world_size):
+    grad_scaler_step(rank, world_size, through_a_wrapper=True)
 
 
 def grad_scaler_unscale_then_step(rank, world_size):

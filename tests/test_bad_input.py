@@ -49,6 +49,8 @@ CASES = [
     (bad_inputs.foreign_param_in_groups, "ValueError", [r"not a trainable parameter"]),
     (bad_inputs.grad_scaler_step, "RuntimeError",
      [r"GradScaler cannot drive a ShardedOptimizer", r"fgpsdp_runtime\.ShardedGradScaler"]),
+    (bad_inputs.grad_scaler_step_through_a_wrapper, "RuntimeError",
+     [r"GradScaler cannot drive a ShardedOptimizer", r"fgpsdp_runtime\.ShardedGradScaler"]),
     (bad_inputs.grad_scaler_unscale_then_step, "RuntimeError",
      [r"GradScaler cannot drive a ShardedOptimizer", r"fgpsdp_runtime\.ShardedGradScaler"]),
     (bad_inputs.sharded_grad_scaler_fp16_params, "ValueError",

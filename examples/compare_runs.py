@@ -106,6 +106,17 @@ def print_table(rows: list[tuple[str, str, str]], check: bool) -> None:
         raise SystemExit(f"over {TOLERANCE:g}: {'; '.join(failed)}")
 
 
+def rows_against_torch(out: Callable[[str, str], str],
+                       names: list[str]) -> list[tuple[str, str, str]]:
+    """For print_table: fgpsdp against torch DDP in each run of ``names``, then each
+    system's "resumed" run against its "plain" one (an exact resume gives 0)."""
+    rows = [(f"fgpsdp against torch DDP: {name}", out("fgpsdp", name), out("torch", name))
+            for name in names]
+    rows += [(f"{system} resumed against {system} uninterrupted",
+              out(system, "resumed"), out(system, "plain")) for system in ("fgpsdp", "torch")]
+    return rows
+
+
 def parse_check(doc: str) -> bool:
     """The comparison's command line: whether ``--check`` was given."""
     parser = argparse.ArgumentParser(description=doc.split("\n")[0])

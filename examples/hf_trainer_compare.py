@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import tempfile
 
-from compare_runs import parse_check, print_table, run_both, torchrun
+from compare_runs import parse_check, print_table, rows_against_torch, run_both, torchrun
 
 TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "hf_trainer.py")
 
@@ -35,10 +35,7 @@ def main() -> None:
     check = parse_check(__doc__)
     with tempfile.TemporaryDirectory() as tmp:
         out = run_both(RUNS, torchrun(TRAINER), tmp)
-        rows = [(f"fgpsdp against torch DDP: {name}", out("fgpsdp", name), out("torch", name))
-                for name in ("plain", "accumulate", "bf16", "resumed")]
-        rows += [(f"{system} resumed against {system} uninterrupted",
-                  out(system, "resumed"), out(system, "plain")) for system in ("fgpsdp", "torch")]
+        rows = rows_against_torch(out, ["plain", "accumulate", "bf16", "resumed"])
         print_table(rows, check)
 
 

@@ -4,13 +4,13 @@
     pip install lightning
     python examples/lightning_compare.py
 
-Prints the largest parameter difference of each pair after 2 epochs of 8 batches
-(16 optimizer steps, 8 with accumulation), clipping on every step: fgpsdp against
-torch DDP as they are, with gradient accumulation, clipping by value, bf16 autocast, float16 loss
-scaling, a second fit with a new Trainer, and resumed from a checkpoint saved after
-the first epoch (a resumed run that lost the optimizer's state, Adam's moments, would
-differ from the uninterrupted one). ``--check`` exits 1 when a pair with fgpsdp
-differs by more than 1e-6.
+Prints the largest parameter difference of each pair after 2 epochs of 8 batches (16
+optimizer steps, 8 with accumulation), clipping on every step: fgpsdp against torch DDP
+as they are, with gradient accumulation, clipping by value, bf16 autocast, float16 loss
+scaling, a second fit with a new Trainer, and resumed from a checkpoint saved after the
+first epoch (a resumed run that lost the optimizer's state, Adam's moments, would differ
+from the uninterrupted one). ``--check`` exits 1 when a pair with fgpsdp differs by more
+than 1e-6.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import os
 import sys
 import tempfile
 
-from compare_runs import parse_check, print_table, run_both
+from compare_runs import parse_check, print_table, rows_against_torch, run_both
 
 TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lightning_trainer.py")
 
@@ -40,10 +40,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         out = run_both(RUNS, lambda system, params, args: [sys.executable, TRAINER, system,
                                                            params, *args], tmp)
-        rows = [(f"fgpsdp against torch DDP: {name}", out("fgpsdp", name), out("torch", name))
-                for name in RUNS if name != "epoch_1"]
-        rows += [(f"{system} resumed against {system} uninterrupted",
-                  out(system, "resumed"), out(system, "plain")) for system in ("fgpsdp", "torch")]
+        rows = rows_against_torch(out, [name for name in RUNS if name != "epoch_1"])
         rows.append(("(scale: torch DDP after epoch 1 against epoch 2)", out("torch", "epoch_1"),
                      out("torch", "plain")))
         print_table(rows, check)

@@ -39,11 +39,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q --durations=15 tests
 
-# PyTorch Lightning's Trainer running fgpsdp against its torch DDP
-# (examples/lightning_compare.py): fails if they differ by more than rounding.
+# PyTorch Lightning's Trainer, and a Fabric loop, running fgpsdp against Lightning's
+# torch DDP (examples/lightning_compare.py, fabric_compare.py): fails if they differ
+# by more than rounding.
 lightning-check: $(STAMP)
 	$(PY) -m pip install --quiet lightning==$(LIGHTNING_VERSION)
 	OMP_NUM_THREADS=1 $(PY) examples/lightning_compare.py --check
+	OMP_NUM_THREADS=1 $(PY) examples/fabric_compare.py --check
 
 # A plain Hugging Face Accelerate loop with fgpsdp against accelerate's torch DDP
 # (examples/accelerate_compare.py): fails if they differ by more than rounding.

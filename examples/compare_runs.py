@@ -1,5 +1,5 @@
 """What the framework comparisons share (lightning_compare.py, hf_trainer_compare.py,
-accelerate_compare.py, peft_compare.py):
+accelerate_compare.py, peft_compare.py, fabric_compare.py):
 running a training command until it exits cleanly, and the table of parameter
 differences, with ``--check``'s verdict."""
 from __future__ import annotations

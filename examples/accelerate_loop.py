@@ -43,6 +43,7 @@ except ImportError as error:  # (not a dependency of fgpsdp_runtime)
     raise SystemExit(f"this example needs accelerate (pip install accelerate): {error}")
 
 import fgpsdp_runtime as fgp
+from toy_regression import regression_dataset, regression_net
 
 CLIP = 0.05  # max_norm: binds on every step of this model
 
@@ -57,13 +58,6 @@ class Progress:
 
     def load_state_dict(self, state):
         self.steps, self.batches = state["steps"], state["batches"]
-
-
-def samples() -> torch.utils.data.TensorDataset:
-    g = torch.Generator().manual_seed(123)
-    x = torch.randn(64, 8, generator=g)
-    y = (x.sum(1, keepdim=True) * 0.5).tanh() + 0.1 * torch.randn(64, 1, generator=g)
-    return torch.utils.data.TensorDataset(x, y)
 
 
 def main() -> None:
@@ -83,9 +77,9 @@ def main() -> None:
                               mixed_precision=args.mixed_precision,
                               gradient_accumulation_steps=args.accumulate)
     set_seed(0)
-    module = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    module = regression_net()
     # (No shuffle: the data order of a resumed run is then the uninterrupted one's.)
-    loader = torch.utils.data.DataLoader(samples(), batch_size=4)
+    loader = torch.utils.data.DataLoader(regression_dataset(), batch_size=4)
     if args.system == "fgpsdp":
         # On the device before wrapping: a wrapper refuses parameters moved after it.
         model = fgp.DistributedDataParallel(module.to(accelerator.device))

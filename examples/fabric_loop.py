@@ -49,15 +49,9 @@ except ImportError as error:  # (not a dependency of fgpsdp_runtime)
     raise SystemExit(f"this example needs Lightning (pip install lightning): {error}")
 
 import fgpsdp_runtime as fgp
+from toy_regression import regression_dataset, regression_net
 
 CLIP = 0.05  # max_norm: binds on every step of this model
-
-
-def samples() -> torch.utils.data.TensorDataset:
-    g = torch.Generator().manual_seed(123)
-    x = torch.randn(64, 8, generator=g)
-    y = (x.sum(1, keepdim=True) * 0.5).tanh() + 0.1 * torch.randn(64, 1, generator=g)
-    return torch.utils.data.TensorDataset(x, y)
 
 
 def main() -> None:
@@ -75,10 +69,10 @@ def main() -> None:
     fabric = Fabric(accelerator="cpu", devices=2, strategy="ddp", precision=args.precision)
     fabric.launch()  # (under torchrun: joins its processes; alone: starts rank 1)
     fabric.seed_everything(0)
-    module = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(),
-                                 torch.nn.Linear(32, 1))
+    module = regression_net()
     # (No shuffle: the data order of a resumed run is then the uninterrupted one's.)
-    loader = fabric.setup_dataloaders(torch.utils.data.DataLoader(samples(), batch_size=4))
+    loader = fabric.setup_dataloaders(
+        torch.utils.data.DataLoader(regression_dataset(), batch_size=4))
     if args.system == "fgpsdp":
         # On the device before wrapping (a wrapper refuses parameters moved after it);
         # not through fabric.setup: Fabric's DDP strategy would wrap it in torch DDP.

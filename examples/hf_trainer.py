@@ -43,6 +43,7 @@ except ImportError as error:  # (not a dependency of fgpsdp_runtime)
                      f"(pip install transformers accelerate): {error}")
 
 import fgpsdp_runtime as fgp
+from toy_regression import regression_dataset, regression_net
 
 CLIP = 0.05  # max_grad_norm: binds on every step of this model
 
@@ -81,8 +82,7 @@ class FgpsdpTrainer(Trainer):
 class Regression(torch.nn.Module):
     def __init__(self):
         super().__init__()
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(),
-                                       torch.nn.Linear(32, 1))
+        self.net = regression_net()
 
     def forward(self, x, y):
         return {"loss": torch.nn.functional.mse_loss(self.net(x), y)}
@@ -90,9 +90,7 @@ class Regression(torch.nn.Module):
 
 class Samples(Dataset):
     def __init__(self):
-        g = torch.Generator().manual_seed(123)
-        self.x = torch.randn(64, 8, generator=g)
-        self.y = (self.x.sum(1, keepdim=True) * 0.5).tanh() + 0.1 * torch.randn(64, 1, generator=g)
+        self.x, self.y = regression_dataset().tensors
 
     def __len__(self) -> int:
         return len(self.x)

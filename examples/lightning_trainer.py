@@ -34,7 +34,7 @@ import argparse
 import gc
 
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader
 
 try:
     import lightning.pytorch as pl
@@ -45,6 +45,7 @@ except ImportError as error:  # (not a dependency of fgpsdp_runtime)
     raise SystemExit(f"this example needs PyTorch Lightning (pip install lightning): {error}")
 
 import fgpsdp_runtime as fgp
+from toy_regression import regression_dataset, regression_net
 
 CLIP = 0.05  # binds on every step of this model
 
@@ -92,8 +93,7 @@ class Regression(pl.LightningModule):
     def __init__(self, system: str, out: str):
         super().__init__()
         self.system, self.out = system, out  # out: where rank 0 saves the parameters
-        self.net = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(),
-                                       torch.nn.Linear(32, 1))
+        self.net = regression_net()
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -148,11 +148,8 @@ def main() -> None:
     parser.add_argument("--devices", type=int, default=2)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    g = torch.Generator().manual_seed(123)
-    x = torch.randn(64, 8, generator=g)
-    y = (x.sum(1, keepdim=True) * 0.5).tanh() + 0.1 * torch.randn(64, 1, generator=g)
     # shuffle=False: a resumed run sees the batches the uninterrupted one saw.
-    data = DataLoader(TensorDataset(x, y), batch_size=4, shuffle=False)
+    data = DataLoader(regression_dataset(), batch_size=4, shuffle=False)
     pl.seed_everything(0, verbose=False)
     model = Regression(args.system, args.out)
     trainer = make_trainer(args)

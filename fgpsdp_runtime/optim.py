@@ -38,6 +38,7 @@ from .collective_watch import warn_if_the_others_are_late
 from .ddp import DistributedDataParallel
 from .ops import multi_tensor_sq_norm
 from .optimizer_itself import on_itself, remember_itself
+from .optimizer_conversion import constructor_defaults, conversion_problem, param_groups_to_give
 from .optimizer_kinds import refuse_unsliceable
 from .param_group_args import read_param_groups
 from .profiling import nvtx_range
@@ -163,6 +164,45 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._unfinished: Optional[_UnfinishedStep] = None
         self._reset_step_measurements()
         model.attach_optimizer(self)
+
+    @classmethod
+    def from_optimizer(cls, model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
+                       *, max_grad_norm: Optional[float] = None) -> "ShardedOptimizer":
+        """A ShardedOptimizer of ``optimizer``'s class, param groups and
+        hyperparameters, for a torch.optim optimizer built over the wrapped module's
+        parameters (by a trainer or a framework: Lightning Fabric's
+        ``fabric.setup(model, optimizer)``), with its state, if it has stepped.
+
+        Use the result from then on: ``optimizer`` is left as it was, and steps
+        nothing (its parameters get no ``.grad``). Refused, on every rank, when
+        something would be lost silently: an lr scheduler built on ``optimizer``
+        (build it on the result), hooks registered on it, or a wrapper around
+        another optimizer (convert the one inside). Every rank must call it."""
+        model = getattr(model, "_orig_mod", model)
+        if isinstance(optimizer, cls):
+            if optimizer.model is not model:
+                raise ValueError("fgpsdp: this ShardedOptimizer was built on another wrapper")
+            return optimizer
+        problem = conversion_problem(optimizer)
+        stepped = problem is None and bool(optimizer.state)
+        if isinstance(model, DistributedDataParallel):
+            # A rank that raised alone would leave the others waiting in the
+            # constructor's collectives; one with state alone, in the load's.
+            settings_agree_or_raise(model.process_group, {
+                "optimizer to convert": "convertible" if problem is None
+                else f"{problem[0].__name__}: {problem[1]}",
+                "its state": "stepped" if stepped else "none"},
+                "cannot convert the optimizer")
+        if problem is not None:
+            raise problem[0](f"fgpsdp: {problem[1]}")
+        converted = cls(model, type(optimizer), param_groups=param_groups_to_give(optimizer),
+                        max_grad_norm=max_grad_norm,
+                        **constructor_defaults(type(optimizer), optimizer.defaults))
+        if stepped:
+            # torch.optim's format, numbered as the groups were given: each rank
+            # keeps its slices of it.
+            converted.load_state_dict(optimizer.state_dict())
+        return converted
 
     # -- construction helpers ------------------------------------------------
 

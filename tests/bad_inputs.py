@@ -659,3 +659,62 @@ def optimizer_groups_differ(rank, world_size):
     groups = [{"params": params}] if rank == 0 else [{"params": params[:2]},
                                                       {"params": params[2:]}]
     fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1, param_groups=groups)
+
+
+# ShardedOptimizer.from_optimizer: what a conversion would lose silently is refused,
+# on every rank, even where one rank alone has it.
+
+def _converting(rank, prepare_on):
+    """A torch AdamW over an MLP, ``prepare_on(rank, optimizer)`` run on it, then
+    converted once the MLP is wrapped."""
+    module = MLP()
+    optimizer = torch.optim.AdamW(module.parameters(), lr=1e-3)
+    prepare_on(rank, optimizer)
+    model = fgp.DistributedDataParallel(module)
+    fgp.ShardedOptimizer.from_optimizer(model, optimizer)
+
+
+def _scheduler(rank, optimizer):
+    optimizer.scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+
+
+def conversion_after_an_lr_scheduler(rank, world_size):
+    # The scheduler would set the lr of an optimizer that no longer steps anything.
+    _converting(rank, _scheduler)
+
+
+def conversion_after_an_lr_scheduler_on_one_rank(rank, world_size):
+    _converting(rank, lambda r, o: _scheduler(r, o) if r == 2 else None)
+
+
+def conversion_with_a_step_hook(rank, world_size):
+    # Its handle removes it from the dict of the optimizer given: not movable.
+    _converting(rank, lambda r, o: o.register_step_post_hook(lambda *args: None))
+
+
+def _one_step(optimizer):
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            p.grad = torch.ones_like(p)
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def conversion_stepped_on_one_rank(rank, world_size):
+    # The ranks with state would load it (collectives) while rank 0 trained on.
+    _converting(rank, lambda r, o: _one_step(o) if r == 1 else None)
+
+
+class _FrameworkOptimizer(torch.optim.Optimizer):
+    """A framework's wrapper around an optimizer (Fabric's, accelerate's) in brief."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self.__dict__.update({k: v for k, v in optimizer.__dict__.items()
+                              if k not in ("optimizer",)})
+
+
+def conversion_of_a_framework_wrapper(rank, world_size):
+    module = MLP()
+    wrapped = _FrameworkOptimizer(torch.optim.AdamW(module.parameters(), lr=1e-3))
+    fgp.ShardedOptimizer.from_optimizer(fgp.DistributedDataParallel(module), wrapped)

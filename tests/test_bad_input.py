@@ -169,6 +169,19 @@ CASES = [
      [r"rank 1: speculation_memory_mb must be a number >= 0 or None, got -1\.0"]),
     (bad_inputs.speculation_memory_differs, "ValueError",
      [r"rank 2: speculation_memory_mb=32, unlike rank 0's 64"]),
+    (bad_inputs.conversion_after_an_lr_scheduler, "ValueError",
+     [r"fgpsdp: an lr scheduler was built on this optimizer", r"Build the scheduler on the "
+      r"optimizer from_optimizer returns"]),
+    (bad_inputs.conversion_after_an_lr_scheduler_on_one_rank, "ValueError",
+     [r"cannot convert the optimizer", r"rank 2: optimizer to convert=ValueError: an lr "
+      r"scheduler was built on this optimizer.*, unlike rank 0's convertible"]),
+    (bad_inputs.conversion_with_a_step_hook, "ValueError",
+     [r"hooks registered on it \(step_post_hooks\): register them on the optimizer "
+      r"from_optimizer returns"]),
+    (bad_inputs.conversion_stepped_on_one_rank, "ValueError",
+     [r"rank 1: its state=stepped, unlike rank 0's none"]),
+    (bad_inputs.conversion_of_a_framework_wrapper, "TypeError",
+     [r"_FrameworkOptimizer wraps another optimizer \(AdamW\): convert that one"]),
 ]
 if hasattr(torch.optim, "Muon"):  # torch >= 2.9
     CASES.append((bad_inputs.muon_optimizer, "TypeError", [r"Muon is not element-wise"]))

@@ -4,8 +4,9 @@
     torchrun --standalone --nproc_per_node 2 examples/hf_trainer.py fgpsdp params.pt
 
 ``FgpsdpTrainer`` lets the Trainer build its optimizer as usual (its class, its
-decay / no-decay groups, its arguments), then builds fgpsdp's wrapper and a
-ShardedOptimizer of that class over those groups. Three of its overrides are private
+decay / no-decay groups, its arguments), then builds fgpsdp's wrapper and turns the
+optimizer into a ShardedOptimizer of that class over those groups
+(``ShardedOptimizer.from_optimizer``). Three of its overrides are private
 methods of transformers (checked with 5.25.0):
 
 - ``_wrap_model``: the training model is fgpsdp's wrapper. It is not ``self.model``,
@@ -59,8 +60,8 @@ class FgpsdpTrainer(Trainer):
     def create_optimizer(self, model=None):
         if self.optimizer is None:
             built = super().create_optimizer(model)  # the Trainer's class and groups
-            self.optimizer = fgp.ShardedOptimizer(fgp.DistributedDataParallel(self.model),
-                                                  type(built), param_groups=built.param_groups)
+            self.optimizer = fgp.ShardedOptimizer.from_optimizer(
+                fgp.DistributedDataParallel(self.model), built)
         return self.optimizer
 
     def _wrap_model(self, model, training=True, dataloader=None):

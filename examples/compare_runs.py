@@ -38,6 +38,18 @@ def run(command: list[str], tries: int = 3, timeout_s: float = 120) -> None:
     raise SystemExit(f"failed {tries} times: {' '.join(command)}")
 
 
+def refuses(command: list[str], message: str, timeout_s: float = 120) -> bool:
+    """Whether ``command`` fails, saying ``message`` (a refusal the comparisons check)."""
+    process = subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True)
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill(process)
+        return False
+    return process.returncode != 0 and message in output
+
+
 def _kill(process: subprocess.Popen) -> None:
     """Kills the command's process group and every process it started: torchrun starts
     each rank in a session of its own, which outlives the group (a hung rank then kept

@@ -10,14 +10,17 @@ clipping on every step and an lr schedule: as they are, with gradient accumulati
 value, with the model and the optimizer set up apart (fabric.setup_module, then
 fabric.setup_optimizers), and resumed from the fabric.save at step 8 (a resumed run
 that lost the optimizer's state, Adam's moments, would differ from the uninterrupted
-one). ``--check`` exits 1 when a pair with fgpsdp differs by more than 1e-6.
+one); and that fgpsdp's strategy refuses fabric.clip_gradients by norm where the
+optimizer steps part of the model. ``--check`` exits 1 when a pair with fgpsdp differs
+by more than 1e-6, or the refusal is missing.
 """
 from __future__ import annotations
 
 import os
 import tempfile
 
-from compare_runs import parse_check, print_table, rows_against_torch, run_both, torchrun
+from compare_runs import (parse_check, print_table, refuses, rows_against_torch, run_both,
+                          torchrun)
 
 LOOP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fabric_loop.py")
 
@@ -47,6 +50,15 @@ def main() -> None:
         rows.append(("torch fp16 against torch plain (float16 changes the result)",
                      out("torch", "fp16"), out("torch", "plain")))
         print_table(rows, check)
+        # Fabric's clip by norm measures the optimizer's parameters, the sharded clip
+        # every reduced gradient: refused where they differ.
+        refused = refuses(torchrun(LOOP)("fgpsdp", os.path.join(tmp, "part.pt"),
+                                          ["--optimize", "first-layer", "--steps", "1"]),
+                          "steps only some of the model's trainable parameters")
+        print(f"fgpsdp refuses fabric.clip_gradients by norm of an optimizer over the first "
+              f"layer alone: {'yes' if refused else 'NO'}")
+        if check and not refused:
+            raise SystemExit("fgpsdp's strategy did not refuse the clip")
 
 
 if __name__ == "__main__":

@@ -42,6 +42,9 @@ def main() -> None:
     parser.add_argument("--precision", default="32-true",
                         choices=["32-true", "bf16-mixed", "16-mixed"])
     parser.add_argument("--clip", default="norm", choices=["norm", "value"])
+    parser.add_argument("--optimize", default="all", choices=["all", "first-layer"],
+                        help="the parameters the optimizer steps (first-layer: fgpsdp's "
+                        "strategy refuses fabric.clip_gradients by norm)")
     parser.add_argument("--separate-setup", action="store_true",
                         help="fabric.setup_module, then fabric.setup_optimizers")
     parser.add_argument("--save", help="fabric.save here after --save-at steps")
@@ -64,13 +67,14 @@ def main() -> None:
     # (No shuffle: the data order of a resumed run is then the uninterrupted one's.)
     loader = fabric.setup_dataloaders(
         torch.utils.data.DataLoader(regression_dataset(), batch_size=4))
+    stepped = module if args.optimize == "all" else module[0]
     if args.separate_setup:
         model = fabric.setup_module(module)
         optimizer = fabric.setup_optimizers(
-            torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01))
+            torch.optim.AdamW(stepped.parameters(), lr=1e-2, weight_decay=0.01))
     else:
         model, optimizer = fabric.setup(
-            module, torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.01))
+            module, torch.optim.AdamW(stepped.parameters(), lr=1e-2, weight_decay=0.01))
     # On the optimizer Fabric returned (fgpsdp's strategy refuses one built before).
     schedule = torch.optim.lr_scheduler.StepLR(optimizer, step_size=4, gamma=0.5)
     progress = {"steps": 0, "batches": 0}
@@ -114,7 +118,7 @@ def main() -> None:
     fabric.barrier()
     # torch DDP on gloo may hang at interpreter exit (see accelerate_loop.py): everything
     # that holds the process group goes first.
-    del model, optimizer, schedule, state, loader, module
+    del model, optimizer, schedule, state, loader, module, stepped
     dist.destroy_process_group()
 
 

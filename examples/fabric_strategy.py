@@ -20,7 +20,11 @@ What it changes in Fabric's DDP strategy (``lightning.fabric.strategies.DDPStrat
 - ``fabric.clip_gradients(model, optimizer, max_norm=... | clip_val=...)`` clips the
   reduced, sharded gradient with the ShardedOptimizer's own clip (Fabric's goes over
   ``optimizer.param_groups``, this rank's slices, which hold no ``.grad``: by norm it
-  clipped nothing, silently).
+  clipped nothing, silently). Fabric's measures the norm of the optimizer's
+  parameters, the sharded clip of every trainable parameter of the model: a clip by
+  norm is refused where the optimizer leaves some out (freeze those instead).
+- One optimizer per model (the ShardedOptimizer's rule): give parts of a model their
+  own hyperparameters with param groups of one torch optimizer.
 - Float16 loss scaling: the precision plugin's torch ``GradScaler`` becomes a
   ``fgp.ShardedGradScaler`` with the same settings (torch's unscales ``param.grad``,
   which here holds nothing; the ShardedOptimizer refuses it).
@@ -72,6 +76,8 @@ class FgpsdpFabricStrategy(DDPStrategy):
         self._backward_sync_control = _NoSync()
         # The wrappers set up so far, for setup_optimizers after setup_module.
         self._wrappers: list[weakref.ref] = []
+        # The optimizers that leave some trainable parameters of their model out.
+        self._partial: weakref.WeakSet = weakref.WeakSet()
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -91,11 +97,18 @@ class FgpsdpFabricStrategy(DDPStrategy):
 
     def setup_module_and_optimizers(self, module, optimizers, scheduler=None):
         wrapper = self.setup_module(module)
-        return wrapper, [fgp.ShardedOptimizer.from_optimizer(wrapper, o)
-                         for o in optimizers], scheduler
+        return wrapper, [self._sharded(wrapper, o) for o in optimizers], scheduler
 
     def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> fgp.ShardedOptimizer:
-        return fgp.ShardedOptimizer.from_optimizer(self._wrapper_of(optimizer), optimizer)
+        return self._sharded(self._wrapper_of(optimizer), optimizer)
+
+    def _sharded(self, wrapper: fgp.DistributedDataParallel,
+                 optimizer: torch.optim.Optimizer) -> fgp.ShardedOptimizer:
+        sharded = fgp.ShardedOptimizer.from_optimizer(wrapper, optimizer)
+        given = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        if not all(id(p) in given for _, p in wrapper.named_trainable_parameters()):
+            self._partial.add(sharded)
+        return sharded
 
     def _wrapper_of(self, optimizer: torch.optim.Optimizer) -> fgp.DistributedDataParallel:
         if isinstance(optimizer, fgp.ShardedOptimizer):
@@ -111,6 +124,14 @@ class FgpsdpFabricStrategy(DDPStrategy):
 
     def clip_gradients_norm(self, module, optimizer, max_norm, norm_type=2.0,
                             error_if_nonfinite=True) -> torch.Tensor:
+        if optimizer in self._partial:
+            # Fabric's clip measures the norm over the optimizer's parameters; the
+            # sharded clip measures it over every reduced gradient of the model.
+            raise ValueError(
+                "fgpsdp: fabric.clip_gradients(max_norm=...) clips by the norm of the "
+                "optimizer's parameters, and this optimizer steps only some of the model's "
+                "trainable parameters, while the sharded clip measures them all: freeze "
+                "the others (requires_grad_(False)) before fabric.setup")
         self._unscale(optimizer)
         return optimizer.clip_grad_norm_(max_norm, norm_type,
                                          error_if_nonfinite=error_if_nonfinite)

@@ -170,11 +170,11 @@ CASES = [
     (bad_inputs.speculation_memory_differs, "ValueError",
      [r"rank 2: speculation_memory_mb=32, unlike rank 0's 64"]),
     (bad_inputs.conversion_after_an_lr_scheduler, "ValueError",
-     [r"fgpsdp: an lr scheduler was built on this optimizer", r"Build the scheduler on the "
-      r"optimizer from_optimizer returns"]),
+     [r"fgpsdp: an lr scheduler \(StepLR\) was built on this optimizer",
+      r"Build the scheduler on the optimizer from_optimizer returns"]),
     (bad_inputs.conversion_after_an_lr_scheduler_on_one_rank, "ValueError",
      [r"cannot convert the optimizer", r"rank 2: optimizer to convert=ValueError: an lr "
-      r"scheduler was built on this optimizer.*, unlike rank 0's convertible"]),
+      r"scheduler \(StepLR\) was built on this optimizer.*, unlike rank 0's convertible"]),
     (bad_inputs.conversion_with_a_step_hook, "ValueError",
      [r"hooks registered on it \(step_post_hooks\): register them on the optimizer "
       r"from_optimizer returns"]),

@@ -49,12 +49,40 @@ def test_constructor_defaults_are_the_arguments_the_constructor_takes():
     assert given["lr"] == 0.5 and "params" not in given
     if "decoupled_weight_decay" in adamw.defaults:  # torch >= 2.7: AdamW is an Adam
         assert "decoupled_weight_decay" not in given  # AdamW's constructor refuses it
+    # A subclass passing **kwargs on (HF's and timm's pattern): read with AdamW's.
+    assert constructor_defaults(KwargsAdamW, adamw.defaults) == given
+    KwargsAdamW([torch.nn.Parameter(torch.zeros(2))], **given)  # (found by an audit:
+    # every entry was given, and AdamW refused decoupled_weight_decay)
 
-    class TakesAnything(torch.optim.SGD):
+    class SelfDefaults(torch.optim.Optimizer):  # its defaults are its **kwargs
         def __init__(self, params, **kwargs):
-            super().__init__(params, lr=kwargs.get("lr", 0.1))
+            super().__init__(params, kwargs)
 
-    assert constructor_defaults(TakesAnything, {"lr": 1, "extra": 2}) == {"lr": 1, "extra": 2}
+    assert constructor_defaults(SelfDefaults, {"lr": 1, "extra": 2}) == {}
+
+
+class KwargsAdamW(torch.optim.AdamW):
+    def __init__(self, params, lr=1e-3, **kwargs):
+        super().__init__(params, lr=lr, **kwargs)
+
+
+class FusedAdamLike(torch.optim.Adam):
+    """apex's FusedAdam keeps adam_w_mode as an attribute, outside its defaults."""
+
+    def __init__(self, params, lr=1e-3, adam_w_mode=True, **kwargs):
+        super().__init__(params, lr=lr, **kwargs)
+        self.adam_w_mode = adam_w_mode
+
+
+class TimmLikeScheduler:
+    """timm's schedulers are not torch's: a step(), the optimizer, the bases."""
+
+    def __init__(self, optimizer):
+        self.optimizer = optimizer
+        self.base_values = [g["lr"] for g in optimizer.param_groups]
+
+    def step(self, epoch):
+        pass
 
 
 def test_param_groups_are_given_as_torch_optim_takes_them():
@@ -82,3 +110,39 @@ def test_a_plain_optimizer_converts_and_what_would_be_lost_is_named():
     assert conversion_problem(hooked) == (
         ValueError, "this optimizer has hooks registered on it (load_state_dict_post_hooks): "
         "register them on the optimizer from_optimizer returns instead")
+
+
+@pytest.mark.parametrize("make", [
+    lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt),  # leaves no mark on opt
+    TimmLikeScheduler,
+    lambda opt: torch.optim.lr_scheduler.StepLR(opt, 2),
+], ids=["ReduceLROnPlateau", "timm-like", "StepLR"])
+def test_every_kind_of_lr_scheduler_holding_the_optimizer_is_found(make):
+    """Found by an audit: a ReduceLROnPlateau built before fabric.setup went on
+    scheduling the old optimizer (0.233 from torch DDP), silently."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    scheduler = make(opt)
+    problem = conversion_problem(opt)
+    assert problem is not None and problem[0] is ValueError
+    assert f"an lr scheduler ({type(scheduler).__name__}) was built on this optimizer" \
+        in problem[1]
+
+
+def test_a_scheduler_dropped_is_still_refused_where_it_left_its_mark():
+    marked = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    torch.optim.lr_scheduler.StepLR(marked, 2)  # (dropped at once)
+    assert "an lr scheduler (one not found, which left its mark" in conversion_problem(marked)[1]
+    unmarked = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    torch.optim.lr_scheduler.ReduceLROnPlateau(unmarked)
+    assert conversion_problem(unmarked) is None  # nothing holds it: nothing to lose
+
+
+def test_settings_kept_outside_the_defaults_are_refused():
+    """Found by an audit: apex's FusedAdam with adam_w_mode=False was rebuilt with
+    True, its default (0.112 from torch DDP), silently."""
+    p = torch.nn.Parameter(torch.zeros(2))
+    assert conversion_problem(FusedAdamLike([p])) is None  # its default: nothing lost
+    problem = conversion_problem(FusedAdamLike([p], adam_w_mode=False, weight_decay=0.5))
+    assert problem[0] is ValueError
+    assert "FusedAdamLike keeps settings outside its defaults" in problem[1]
+    assert "adam_w_mode=False, built: True" in problem[1]

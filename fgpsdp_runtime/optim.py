@@ -171,19 +171,26 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """A ShardedOptimizer of ``optimizer``'s class, param groups and
         hyperparameters, for a torch.optim optimizer built over the wrapped module's
         parameters (by a trainer or a framework: Lightning Fabric's
-        ``fabric.setup(model, optimizer)``), with its state, if it has stepped.
+        ``fabric.setup(model, optimizer)``), with its state dict, if it has stepped
+        (not what it keeps elsewhere: a subclass's step count in an attribute).
 
         Use the result from then on: ``optimizer`` is left as it was, and steps
         nothing (its parameters get no ``.grad``). Refused, on every rank, when
-        something would be lost silently: an lr scheduler built on ``optimizer``
-        (build it on the result), hooks registered on it, or a wrapper around
-        another optimizer (convert the one inside). Every rank must call it."""
+        something would be lost silently: a live lr scheduler built on ``optimizer``
+        (build it on the result), hooks registered on it, constructor arguments it
+        keeps outside its defaults with other values than theirs, a wrapper around
+        another optimizer (convert the one inside), one sharded already, or state on
+        some ranks only. Every rank must call it (collectives)."""
         model = getattr(model, "_orig_mod", model)
         if isinstance(optimizer, cls):
             if optimizer.model is not model:
                 raise ValueError("fgpsdp: this ShardedOptimizer was built on another wrapper")
             return optimizer
-        problem = conversion_problem(optimizer)
+        try:
+            problem = conversion_problem(optimizer)
+        except Exception as error:  # noqa: BLE001 (said on every rank, below)
+            problem = (RuntimeError, "reading the optimizer raised "
+                                     f"{type(error).__name__}: {error}")
         stepped = problem is None and bool(optimizer.state)
         if isinstance(model, DistributedDataParallel):
             # A rank that raised alone would leave the others waiting in the

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import types
 from typing import Any, Optional
 
 import torch
@@ -57,43 +58,47 @@ def conversion_problem(optimizer: Any) -> Optional[tuple[type, str]]:
                             "from_optimizer returns instead")
     lost = settings_outside_defaults(optimizer)
     if lost:
+        name = type(optimizer).__name__
         return ValueError, (
-            f"{type(optimizer).__name__} keeps settings outside its defaults, which a "
-            f"{type(optimizer).__name__} built from its defaults and param groups would not "
-            "have (" + "; ".join(lost) + "): build the ShardedOptimizer with "
-            f"fgp.ShardedOptimizer(model, {type(optimizer).__name__}, param_groups=..., "
-            "...) and those arguments")
+            f"{name} was built with arguments it keeps outside its defaults ("
+            + "; ".join(lost) + "), which one built from its defaults and param groups "
+            f"would not have: build it as fgp.ShardedOptimizer(model, {name}, "
+            "param_groups=..., ...) with those arguments")
     return None
 
 
 def schedulers_holding(optimizer: torch.optim.Optimizer) -> list[str]:
-    """Type names of the lr schedulers whose ``optimizer`` is ``optimizer``.
+    """Type names of the live lr schedulers whose ``optimizer`` is ``optimizer``.
 
-    Found among the objects that refer to it: not every scheduler leaves a mark on
-    the optimizer (torch's ReduceLROnPlateau does not, timm's leave ``initial_lr``
-    in the groups, torch's other ones also wrap its ``step``)."""
+    Found among the objects that refer to it, since not every scheduler leaves a
+    mark on the optimizer (torch's ReduceLROnPlateau does not). A scheduler dropped
+    already schedules nothing: the marks one may leave (``initial_lr`` in the
+    groups, as after loading a checkpoint of a run that had one) are no refusal."""
+    gc.collect()  # a dropped scheduler in a reference cycle: gone on every rank alike
     found = []
     for referrer in gc.get_referrers(optimizer):
-        # Python < 3.11 hands out an instance's __dict__, later ones the instance.
+        # An instance, or its __dict__ (Python < 3.11, or once the dict was read:
+        # torch's LRScheduler.state_dict() reads self.__dict__).
         owners = ([o for o in gc.get_referrers(referrer)
                    if getattr(o, "__dict__", None) is referrer]
                   if isinstance(referrer, dict) else [referrer])
-        for owner in owners:
-            if getattr(owner, "optimizer", None) is optimizer and _is_scheduler(owner):
-                found.append(type(owner).__name__)
-    if not found and (getattr(optimizer.step, "_wrapped_by_lr_sched", False)
-                      or any("initial_lr" in group for group in optimizer.param_groups)):
-        found.append("one not found, which left its mark: initial_lr in the param groups "
-                     "or its wrapper on step")
+        found += [type(owner).__name__ for owner in owners if _schedules(owner, optimizer)]
     return sorted(set(found))
 
 
-def _is_scheduler(owner: Any) -> bool:
-    if isinstance(owner, _TORCH_SCHEDULERS):
-        return True
-    # Others (timm's, a loop's own): a step() and a schedule's position or bases.
-    return callable(getattr(owner, "step", None)) and any(
-        hasattr(owner, name) for name in ("last_epoch", "base_lrs", "base_values"))
+def _schedules(owner: Any, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``owner`` is an lr scheduler of ``optimizer``: torch's, or another's (a
+    ``step()`` and a schedule's position or bases: timm's, a loop's own)."""
+    attributes = getattr(owner, "__dict__", None)
+    if (not isinstance(attributes, dict) or attributes.get("optimizer") is not optimizer
+            or isinstance(owner, types.ModuleType)):  # (a script's global `optimizer`)
+        return False
+    try:  # (an object's properties may raise anything: not a scheduler, then)
+        return isinstance(owner, _TORCH_SCHEDULERS) or (
+            callable(getattr(owner, "step", None))
+            and any(hasattr(owner, name) for name in ("last_epoch", "base_lrs", "base_values")))
+    except Exception:  # noqa: BLE001
+        return False
 
 
 _TORCH_SCHEDULERS = tuple(getattr(torch.optim.lr_scheduler, name)
@@ -103,32 +108,21 @@ _SIMPLE = (bool, int, float, str, type(None))
 
 
 def settings_outside_defaults(optimizer: torch.optim.Optimizer) -> list[str]:
-    """"name: value" for the plain settings ``optimizer`` holds as attributes (apex's
-    FusedAdam its ``adam_w_mode``, a subclass a step count) that one of its class,
-    built from its defaults and its groups' entries, has not, or has other values of.
-    Empty where no such optimizer can be built here to compare with."""
-    base = {"defaults", "state", "param_groups", "_zero_grad_profile_name",
-            "_warned_capturable_if_run_uncaptured"}
-    given = {name: value for name, value in vars(optimizer).items()
-             if name not in base and not name.startswith("_optimizer_")
-             and _is_simple(value)}
-    if not given:
-        return []
-    first = next((p for g in optimizer.param_groups for p in g["params"]), None)
-    like = {} if first is None else {"device": first.device, "dtype": first.dtype}
-    try:
-        probe = type(optimizer)(
-            [{**{k: v for k, v in g.items() if k not in ("params", "param_names")},
-              "params": [torch.zeros(1, requires_grad=True, **like)]}
-             for g in optimizer.param_groups],
-            **constructor_defaults(type(optimizer), optimizer.defaults))
-    except Exception:  # noqa: BLE001 (a class that cannot be built so: nothing to compare)
-        return []
-    built = vars(probe)
-    return [f"{name}={value!r}, built: "
-            + (repr(built[name]) if name in built else "none")
-            for name, value in given.items()
-            if name not in built or built[name] != value]
+    """"name=value, default: ..." for each constructor argument of ``optimizer``'s
+    class that its ``defaults`` lack, which it holds as a plain attribute of the same
+    name with another value than the argument's default (apex's FusedAdam keeps
+    ``adam_w_mode`` so): one built from its defaults would get the default.
+
+    (Read from the constructor's signature, not from a second instance: a constructor
+    may register the instance somewhere, as DeepSpeed's CPU Adam does.)"""
+    found = []
+    for name, parameter in (constructor_parameters(type(optimizer)) or {}).items():
+        if name in optimizer.defaults or parameter.default is inspect.Parameter.empty:
+            continue
+        value = vars(optimizer).get(name, parameter.default)
+        if _is_simple(value) and value != parameter.default:
+            found.append(f"{name}={value!r}, default: {parameter.default!r}")
+    return found
 
 
 def _is_simple(value: Any) -> bool:
@@ -150,26 +144,38 @@ def param_groups_to_give(optimizer: torch.optim.Optimizer) -> list[dict[str, Any
     return groups
 
 
-def constructor_defaults(optimizer_class: type, defaults: dict[str, Any]) -> dict[str, Any]:
-    """The entries of ``defaults`` that ``optimizer_class``'s constructor takes.
-
-    ``defaults`` can hold more than its constructor's arguments (torch's AdamW is an
-    Adam with ``decoupled_weight_decay=True``, which AdamW's constructor does not
-    take); every group holds those entries anyway, so the groups keep them. A
-    constructor that takes ``**kwargs`` is read with those of the classes it
-    inherits, up to one that takes none (where its ``**kwargs`` go, as a rule)."""
-    accepted: set[str] = set()
+def constructor_parameters(optimizer_class: type) -> Optional[dict[str, inspect.Parameter]]:
+    """The named arguments ``optimizer_class``'s constructor takes: its own, and where
+    it takes ``**kwargs``, those of the classes it inherits, up to one that takes
+    none (where its ``**kwargs`` go, as a rule). None where it takes any (its
+    ``**kwargs`` reach torch.optim.Optimizer's ``defaults``), or one has no signature
+    to read."""
+    found: dict[str, inspect.Parameter] = {}
     for cls in optimizer_class.__mro__:
         if "__init__" not in vars(cls):
             continue
+        if cls is torch.optim.Optimizer:  # reached through **kwargs: its defaults
+            return None
         try:
             parameters = inspect.signature(vars(cls)["__init__"]).parameters
-        except (TypeError, ValueError):  # no signature to read: give them all
-            return dict(defaults)
-        accepted.update(name for name, p in parameters.items()
-                        if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD))
+        except (TypeError, ValueError):
+            return None
+        for name, p in parameters.items():
+            if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD) and name not in ("self", "params"):
+                found.setdefault(name, p)
         if not any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
-            break
-    else:  # every constructor up to object's takes **kwargs
+            return found
+    return None
+
+
+def constructor_defaults(optimizer_class: type, defaults: dict[str, Any]) -> dict[str, Any]:
+    """The entries of ``defaults`` that ``optimizer_class``'s constructor takes, to
+    build one like it: all of them where it takes any.
+
+    ``defaults`` can hold more than its constructor's arguments (torch's AdamW is an
+    Adam with ``decoupled_weight_decay=True``, which AdamW's constructor does not
+    take); every group holds those entries anyway, so the groups keep them."""
+    accepted = constructor_parameters(optimizer_class)
+    if accepted is None:
         return dict(defaults)
-    return {k: v for k, v in defaults.items() if k in accepted and k not in ("self", "params")}
+    return {k: v for k, v in defaults.items() if k in accepted}

@@ -718,3 +718,23 @@ def conversion_of_a_framework_wrapper(rank, world_size):
     module = MLP()
     wrapped = _FrameworkOptimizer(torch.optim.AdamW(module.parameters(), lr=1e-3))
     fgp.ShardedOptimizer.from_optimizer(fgp.DistributedDataParallel(module), wrapped)
+
+
+class _OptimizerWithAProperty(torch.optim.SGD):
+    """Reading its ``optimizer`` (as a framework's wrapper would hold one) raises."""
+
+    raises = False
+
+    @property
+    def optimizer(self):
+        if self.raises:
+            raise RuntimeError("not available on this rank")
+        return None
+
+
+def conversion_reading_raises_on_one_rank(rank, world_size):
+    # Found by a review: the error left the other ranks waiting in the agreement.
+    module = MLP()
+    optimizer = _OptimizerWithAProperty(module.parameters(), lr=0.1)
+    optimizer.raises = rank == 0
+    fgp.ShardedOptimizer.from_optimizer(fgp.DistributedDataParallel(module), optimizer)

@@ -180,6 +180,9 @@ CASES = [
       r"from_optimizer returns"]),
     (bad_inputs.conversion_stepped_on_one_rank, "ValueError",
      [r"rank 1: its state=stepped, unlike rank 0's none"]),
+    (bad_inputs.conversion_reading_raises_on_one_rank, "ValueError",
+     [r"rank 1: optimizer to convert=convertible, unlike rank 0's RuntimeError: reading the "
+      r"optimizer raised RuntimeError: not available on this rank"]),
     (bad_inputs.conversion_of_a_framework_wrapper, "TypeError",
      [r"_FrameworkOptimizer wraps another optimizer \(AdamW\): convert that one"]),
 ]

@@ -58,7 +58,15 @@ def test_constructor_defaults_are_the_arguments_the_constructor_takes():
         def __init__(self, params, **kwargs):
             super().__init__(params, kwargs)
 
-    assert constructor_defaults(SelfDefaults, {"lr": 1, "extra": 2}) == {}
+    # (Found by a review: none were given, and its step read self.defaults["lr"].)
+    assert constructor_defaults(SelfDefaults, {"lr": 1, "extra": 2}) == {"lr": 1, "extra": 2}
+
+    class FixedSGD(torch.optim.SGD):  # takes no hyperparameter
+        def __init__(self, params):
+            super().__init__(params, lr=0.1)
+
+    assert constructor_defaults(FixedSGD, torch.optim.SGD([adamw.param_groups[0]["params"][0]],
+                                                          lr=0.1).defaults) == {}
 
 
 class KwargsAdamW(torch.optim.AdamW):
@@ -79,7 +87,9 @@ class TimmLikeScheduler:
 
     def __init__(self, optimizer):
         self.optimizer = optimizer
-        self.base_values = [g["lr"] for g in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group.setdefault("initial_lr", group["lr"])
+        self.base_values = [g["initial_lr"] for g in optimizer.param_groups]
 
     def step(self, epoch):
         pass
@@ -103,8 +113,9 @@ def test_a_plain_optimizer_converts_and_what_would_be_lost_is_named():
     assert conversion_problem(torch.optim.Adam([p])) is None
     assert conversion_problem(object())[0] is TypeError
     scheduled = torch.optim.Adam([p])
-    torch.optim.lr_scheduler.LambdaLR(scheduled, lambda step: 1.0)
-    assert "lr scheduler" in conversion_problem(scheduled)[1]
+    scheduler = torch.optim.lr_scheduler.LambdaLR(scheduled, lambda step: 1.0)
+    assert "lr scheduler (LambdaLR)" in conversion_problem(scheduled)[1]
+    assert scheduler.optimizer is scheduled
     hooked = torch.optim.Adam([p])
     hooked.register_load_state_dict_post_hook(lambda opt: None)
     assert conversion_problem(hooked) == (
@@ -117,24 +128,59 @@ def test_a_plain_optimizer_converts_and_what_would_be_lost_is_named():
     TimmLikeScheduler,
     lambda opt: torch.optim.lr_scheduler.StepLR(opt, 2),
 ], ids=["ReduceLROnPlateau", "timm-like", "StepLR"])
-def test_every_kind_of_lr_scheduler_holding_the_optimizer_is_found(make):
+@pytest.mark.parametrize("state_dict_read", [False, True])
+def test_every_kind_of_live_lr_scheduler_holding_the_optimizer_is_found(make, state_dict_read):
     """Found by an audit: a ReduceLROnPlateau built before fabric.setup went on
-    scheduling the old optimizer (0.233 from torch DDP), silently."""
+    scheduling the old optimizer (0.233 from torch DDP), silently. Once its
+    state_dict() was read, torch's scheduler is referred to through its __dict__."""
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     scheduler = make(opt)
+    if state_dict_read and hasattr(scheduler, "state_dict"):
+        scheduler.state_dict()
     problem = conversion_problem(opt)
     assert problem is not None and problem[0] is ValueError
     assert f"an lr scheduler ({type(scheduler).__name__}) was built on this optimizer" \
         in problem[1]
+    # Dropped, it schedules nothing: its marks (initial_lr, its wrapper on step) are
+    # no refusal (found by a review: a checkpoint's groups carry initial_lr).
+    del scheduler
+    assert conversion_problem(opt) is None
 
 
-def test_a_scheduler_dropped_is_still_refused_where_it_left_its_mark():
-    marked = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
-    torch.optim.lr_scheduler.StepLR(marked, 2)  # (dropped at once)
-    assert "an lr scheduler (one not found, which left its mark" in conversion_problem(marked)[1]
-    unmarked = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
-    torch.optim.lr_scheduler.ReduceLROnPlateau(unmarked)
-    assert conversion_problem(unmarked) is None  # nothing holds it: nothing to lose
+def test_a_scheduler_in_a_reference_cycle_once_dropped_is_not_found():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    scheduler = torch.optim.lr_scheduler.ReduceLROnPlateau(opt)
+    scheduler.itself = scheduler  # freed by the collector alone, at its own time
+    del scheduler
+    assert conversion_problem(opt) is None
+
+
+def test_objects_referring_to_the_optimizer_are_read_without_their_properties():
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+
+    class Logger:  # found by a review: its property raised on one rank alone
+        def __init__(self, optimizer):
+            self.optimizer = optimizer
+
+        @property
+        def step(self):
+            raise RuntimeError("not now")
+
+        last_epoch = 0
+
+    logger = Logger(opt)
+    assert conversion_problem(opt) is None
+    assert logger.optimizer is opt
+
+
+def test_a_stepped_fused_optimizer_converts():
+    """Found by a review: torch's private flags set by a step read as settings lost."""
+    p = torch.nn.Parameter(torch.ones(4))
+    for cls in (torch.optim.SGD, torch.optim.Adagrad, torch.optim.Adam):
+        opt = cls([p], lr=0.1, fused=True)
+        p.grad = torch.ones(4)
+        opt.step()
+        assert conversion_problem(opt) is None, cls
 
 
 def test_settings_kept_outside_the_defaults_are_refused():
@@ -144,5 +190,5 @@ def test_settings_kept_outside_the_defaults_are_refused():
     assert conversion_problem(FusedAdamLike([p])) is None  # its default: nothing lost
     problem = conversion_problem(FusedAdamLike([p], adam_w_mode=False, weight_decay=0.5))
     assert problem[0] is ValueError
-    assert "FusedAdamLike keeps settings outside its defaults" in problem[1]
-    assert "adam_w_mode=False, built: True" in problem[1]
+    assert "FusedAdamLike was built with arguments it keeps outside its defaults " \
+        "(adam_w_mode=False, default: True)" in problem[1]

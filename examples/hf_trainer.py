@@ -4,13 +4,16 @@
     torchrun --standalone --nproc_per_node 2 examples/hf_trainer.py fgpsdp params.pt
 
 ``FgpsdpTrainer`` lets the Trainer build its optimizer as usual (its class, its
-decay / no-decay groups, its arguments), then builds fgpsdp's wrapper and turns the
+decay / no-decay groups, its arguments), or takes the one given in
+``Trainer(optimizers=(opt, None))``, then builds fgpsdp's wrapper and turns the
 optimizer into a ShardedOptimizer of that class over those groups
 (``ShardedOptimizer.from_optimizer``). Three of its overrides are private
 methods of transformers (checked with 5.25.0):
 
-- ``_wrap_model``: the training model is fgpsdp's wrapper. It is not ``self.model``,
-  so the Trainer does not hand it to accelerate, which would wrap it in torch DDP.
+- ``_wrap_model``: the training model is fgpsdp's wrapper, and so is the evaluation
+  model once the wrapper exists. It is not ``self.model``, so the Trainer does not hand
+  it to accelerate, which would wrap it in torch DDP for training, and move it to its
+  device for an evaluation (copying every parameter out of its bucket).
 - ``autocast_smart_context_manager`` (public): with ``bf16=True`` the Trainer relies
   on accelerate to cast the forward of the model it prepares, and it does not prepare
   this one: without the override such a run trains in float32, silently.
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -49,23 +53,30 @@ from toy_regression import regression_dataset, regression_net
 CLIP = 0.05  # max_grad_norm: binds on every step of this model
 
 
-def sharded(optimizer) -> fgp.ShardedOptimizer:
-    """The ShardedOptimizer inside accelerate's AcceleratedOptimizer."""
-    while not isinstance(optimizer, fgp.ShardedOptimizer):
-        optimizer = optimizer.optimizer
+def sharded(optimizer) -> Optional[fgp.ShardedOptimizer]:
+    """The ShardedOptimizer, or the one inside accelerate's AcceleratedOptimizer; None
+    before create_optimizer has built it."""
+    while optimizer is not None and not isinstance(optimizer, fgp.ShardedOptimizer):
+        optimizer = getattr(optimizer, "optimizer", None)
     return optimizer
 
 
 class FgpsdpTrainer(Trainer):
     def create_optimizer(self, model=None):
-        if self.optimizer is None:
-            built = super().create_optimizer(model)  # the Trainer's class and groups
+        # The Trainer's (its class and groups), or one given in Trainer(optimizers=...).
+        built = super().create_optimizer(model)
+        if sharded(built) is None:
             self.optimizer = fgp.ShardedOptimizer.from_optimizer(
                 fgp.DistributedDataParallel(self.model), built)
         return self.optimizer
 
     def _wrap_model(self, model, training=True, dataloader=None):
-        return sharded(self.optimizer).model if training else model
+        # Training, and evaluating once training has begun: the wrapper. Given the
+        # module, the evaluation loop would let accelerate move it to its device
+        # ("cpu:0" on CPU), copying every parameter out of its bucket. (Before
+        # training, the module is not wrapped yet.)
+        optimizer = sharded(self.optimizer)
+        return model if optimizer is None else optimizer.model
 
     def autocast_smart_context_manager(self, cache_enabled=True):
         # bf16=True / fp16=True: accelerate casts the forward of a model it prepared;
@@ -113,19 +124,36 @@ def main() -> None:
                         help="save a checkpoint every this many steps (0: never)")
     parser.add_argument("--resume", help="resume from this checkpoint directory")
     parser.add_argument("--bf16", action="store_true", help="bf16 mixed precision")
+    parser.add_argument("--eval-every", type=int, default=0,
+                        help="evaluate every this many steps (0: never)")
+    parser.add_argument("--lr-scheduler", default="linear",
+                        help="lr_scheduler_type (reduce_lr_on_plateau needs --eval-every)")
+    parser.add_argument("--optim", default="adamw_torch", help="the Trainer's optim=")
+    parser.add_argument("--given-optimizer", action="store_true",
+                        help="give the Trainer a torch AdamW: Trainer(optimizers=(opt, None))")
     args = parser.parse_args()
     torch.set_num_threads(1)
     training = TrainingArguments(
         output_dir=args.output_dir, use_cpu=True, ddp_backend="gloo", max_grad_norm=CLIP,
-        learning_rate=1e-2, weight_decay=0.01, optim="adamw_torch", max_steps=args.steps,
+        learning_rate=1e-2, weight_decay=0.01, optim=args.optim, max_steps=args.steps,
         per_device_train_batch_size=4, gradient_accumulation_steps=args.accumulate,
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 1,
         logging_steps=4, report_to="none", seed=0, disable_tqdm=True,
-        remove_unused_columns=False, bf16=args.bf16)
+        remove_unused_columns=False, bf16=args.bf16, lr_scheduler_type=args.lr_scheduler,
+        # (The plateau schedule halves the lr after each evaluation that did not improve
+        # the best loss tenfold: every one after the first, here.)
+        lr_scheduler_kwargs=({"patience": 0, "factor": 0.5, "threshold": 0.9}
+                             if args.lr_scheduler == "reduce_lr_on_plateau" else {}),
+        eval_strategy="steps" if args.eval_every else "no", eval_steps=args.eval_every or None,
+        metric_for_best_model="eval_loss" if args.eval_every else None,
+        label_names=["y"])  # (so that an evaluation computes the loss)
     set_seed(0)
     module = Regression()
+    given = ((torch.optim.AdamW(module.parameters(), lr=1e-2, weight_decay=0.01), None)
+             if args.given_optimizer else (None, None))
     trainer = (FgpsdpTrainer if args.system == "fgpsdp" else Trainer)(
-        model=module, args=training, train_dataset=Samples())
+        model=module, args=training, train_dataset=Samples(), optimizers=given,
+        eval_dataset=Samples() if args.eval_every else None)
     trainer.train(resume_from_checkpoint=args.resume)
     if args.system == "fgpsdp":
         trainer.model_wrapped.synchronize()  # the last step's all-gathers landed

@@ -6,8 +6,10 @@ DDP): examples/hf_trainer.py, 2 CPU processes with gloo for each run (torchrun).
 
 Prints the largest parameter difference of each pair after 16 optimizer steps,
 clipping on every step: as they are, with gradient accumulation, with bf16 mixed
-precision, and resumed from
-the checkpoint saved at step 8 (a resumed run that lost the optimizer's state, Adam's
+precision, evaluating every 4 steps (with the linear schedule, and with the plateau
+one, which the evaluations drive), with a torch AdamW given in
+Trainer(optimizers=...), with four other optim= choices, and resumed from the
+checkpoint saved at step 8 (a resumed run that lost the optimizer's state, Adam's
 moments, would differ from the uninterrupted one). ``--check`` exits 1 when a pair
 with fgpsdp differs by more than 1e-6.
 """
@@ -25,6 +27,12 @@ RUNS = {
     "plain": ["--output-dir", "{dir}/{system}_plain"],
     "accumulate": ["--accumulate", "2", "--steps", "8", "--output-dir", "{dir}/{system}_acc"],
     "bf16": ["--bf16", "--output-dir", "{dir}/{system}_bf16"],
+    "evaluating": ["--eval-every", "4", "--output-dir", "{dir}/{system}_eval"],
+    "plateau": ["--eval-every", "4", "--lr-scheduler", "reduce_lr_on_plateau",
+                "--output-dir", "{dir}/{system}_plateau"],
+    "given_optimizer": ["--given-optimizer", "--output-dir", "{dir}/{system}_given"],
+    **{f"optim={optim}": ["--optim", optim, "--output-dir", "{dir}/{system}_" + optim]
+       for optim in ("adamw_torch_fused", "sgd", "adagrad", "rmsprop")},
     "saving": ["--save-steps", "8", "--output-dir", "{dir}/{system}_checkpoints"],
     "resumed": ["--resume", "{dir}/{system}_checkpoints/checkpoint-8",
                 "--output-dir", "{dir}/{system}_resumed"],
@@ -35,7 +43,10 @@ def main() -> None:
     check = parse_check(__doc__)
     with tempfile.TemporaryDirectory() as tmp:
         out = run_both(RUNS, torchrun(TRAINER), tmp)
-        rows = rows_against_torch(out, ["plain", "accumulate", "bf16", "resumed"])
+        rows = rows_against_torch(out, ["plain", "accumulate", "bf16", "evaluating", "plateau",
+                                        "given_optimizer", "optim=adamw_torch_fused",
+                                        "optim=sgd", "optim=adagrad", "optim=rmsprop",
+                                        "resumed"])
         print_table(rows, check)
 
 

@@ -39,7 +39,7 @@ from .ddp import DistributedDataParallel
 from .ops import multi_tensor_sq_norm
 from .optimizer_itself import on_itself, remember_itself
 from .optimizer_conversion import constructor_defaults, conversion_problem, param_groups_to_give
-from .optimizer_kinds import refuse_unsliceable
+from .optimizer_kinds import refuse_unsliceable, refuse_unsliceable_settings
 from .param_group_args import read_param_groups
 from .profiling import nvtx_range
 from .slice_pieces import SlicePieces
@@ -136,6 +136,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             slice_groups.append({**{k: v for k, v in group.items() if k != "params"},
                                  "params": pieces})
         self.optim = optimizer_class(slice_groups, **defaults)
+        # (Every rank alike: the class and the groups agree, and so do the
+        # arguments of a loop that builds the same optimizer on every rank.)
+        refuse_unsliceable_settings(self.optim)
         # The tensors each group steps, as built: the loop may give groups new dicts
         # but never other tensors (see _refuse_groups_over_other_tensors).
         self._pieces_by_group = [tuple(g["params"]) for g in self.optim.param_groups]

@@ -16,6 +16,8 @@ from typing import Any, Optional
 
 import torch
 
+from .optimizer_kinds import refuse_unsliceable, refuse_unsliceable_settings
+
 # torch.optim.Optimizer's per-instance hook registries (their handles' remove() acts
 # on these dicts, so they cannot be moved to another optimizer).
 _HOOK_REGISTRIES = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks",
@@ -41,6 +43,13 @@ def conversion_problem(optimizer: Any) -> Optional[tuple[type, str]]:
         return TypeError, (f"{type(optimizer).__name__} shards its state already "
                            "(ZeroRedundancyOptimizer's kind): build the ShardedOptimizer "
                            "from the optimizer class it runs")
+    try:
+        # Before the other checks: a class that cannot run on slices says so itself
+        # (torch-optimi's StableAdamW also registers hooks on itself).
+        refuse_unsliceable(type(optimizer))
+        refuse_unsliceable_settings(optimizer)
+    except TypeError as error:
+        return TypeError, str(error)
     schedulers = schedulers_holding(optimizer)
     if schedulers:
         # It would go on setting the learning rate of the optimizer given, which no
@@ -51,7 +60,8 @@ def conversion_problem(optimizer: Any) -> Optional[tuple[type, str]]:
                             "from_optimizer returns (under Lightning Fabric: on the one "
                             "fabric.setup returns)")
     hooked = [name.strip("_").replace("optimizer_", "") for name in _HOOK_REGISTRIES
-              if getattr(optimizer, name, None)]
+              if any(not _registered_by_its_class(hook, optimizer)
+                     for hook in getattr(optimizer, name, {}).values())]
     if hooked:
         return ValueError, ("this optimizer has hooks registered on it ("
                             + ", ".join(hooked) + "): register them on the optimizer "
@@ -65,6 +75,20 @@ def conversion_problem(optimizer: Any) -> Optional[tuple[type, str]]:
             f"would not have: build it as fgp.ShardedOptimizer(model, {name}, "
             "param_groups=..., ...) with those arguments")
     return None
+
+
+def _registered_by_its_class(hook: Any, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``hook`` is one the optimizer's class registers on every instance
+    (torch-optimi's optimizers register a load_state_dict post-hook in their
+    constructor): one built from it registers it again, so nothing is lost. Told by
+    where the hook is defined: a method of the optimizer, or a function of a module
+    that defines its class or one of its bases (torch.optim's own excepted; a hook
+    of the loop's defined beside the class would pass for one)."""
+    if getattr(hook, "__self__", None) is optimizer:
+        return True
+    modules = {cls.__module__ for cls in type(optimizer).__mro__
+               if not cls.__module__.startswith(("torch.optim", "builtins"))}
+    return getattr(hook, "__module__", None) in modules
 
 
 def schedulers_holding(optimizer: torch.optim.Optimizer) -> list[str]:

@@ -22,12 +22,21 @@ _NOT_ELEMENTWISE = {
     "lamb", "fusedlamb", "lars", "fusedlars", "novograd", "fusednovograd",  # per-tensor norms
     "prodigy", "dadaptadam", "dadaptsgd", "dadaptadagrad", "dadaptlion",  # whole-model sums
     "came", "adammini",  # factored second moments; a learning rate per block of a matrix
+    "sm3",  # accumulators per row and column of a matrix
+    # A tensor's norm or RMS: GrokAdamW clips each tensor by its norm (and weighs
+    # its beta by the tensor's place in the group); torch-optimi's StableAdamW
+    # clips each tensor's update by its RMS.
+    "grokadamw", "stableadamw",
+    "lomo", "adalomo",  # built from the model, fused into its backward
 }
 # Parts of lower-case class names: block-wise quantized state (bitsandbytes' Adam8bit,
 # AdamW8bit, PagedAdamW8bit, Lion8bit; torchao's AdamW8bit, AdamW4bit: one scale per
 # block of a tensor's elements, and 32-bit state below a tensor size, so slices would
 # change both) and GaLore's low-rank projections of each matrix.
-_NOT_ELEMENTWISE_PARTS = ("8bit", "4bit", "galore")
+_NOT_ELEMENTWISE_PARTS = ("8bit", "4bit", "galore",
+                          # Ranger's gradient centralization subtracts each matrix's
+                          # mean over its rows, skipped on 1-D slices.
+                          "ranger")
 # Second-order ones differentiate the gradients (Hessian-vector products through
 # backward(create_graph=True)): the reduced slices carry no graph. timm's loops ask
 # an optimizer's ``is_second_order``; Adahessian implementations without it by name.
@@ -60,3 +69,15 @@ def refuse_unsliceable(optimizer_class: object) -> None:
                         "differentiates the gradients (backward(create_graph=True), "
                         "Hessian-vector products), and the reduced gradients in "
                         "this rank's slices carry no graph; it cannot run here")
+
+
+def refuse_unsliceable_settings(optimizer: torch.optim.Optimizer) -> None:
+    """TypeError where an optimizer of an accepted class was built with settings
+    that make it not element-wise: bitsandbytes' classes (``bnb.optim.AdamW``, which
+    transformers' ``optim="adamw_8bit"`` builds) quantize their state in blocks of a
+    tensor with ``optim_bits=8``."""
+    bits = getattr(getattr(optimizer, "args", None), "optim_bits", None)
+    if isinstance(bits, int) and bits < 32:
+        raise TypeError(f"{type(optimizer).__name__} was built with optim_bits={bits}: its "
+                        "state is quantized in blocks of a tensor's elements, which slices "
+                        "would change; it cannot run on flat slices (optim_bits=32 can)")

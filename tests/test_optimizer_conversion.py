@@ -1,6 +1,7 @@
 """ShardedOptimizer.from_optimizer: a torch.optim optimizer built over the module's
 parameters, converted once the module is wrapped, trains as that optimizer does
 under torch DDP (bitwise, 2 CPU ranks). Refusals: tests/test_bad_input.py."""
+import functools
 import inspect
 
 import pytest
@@ -192,3 +193,30 @@ def test_settings_kept_outside_the_defaults_are_refused():
     assert problem[0] is ValueError
     assert "FusedAdamLike was built with arguments it keeps outside its defaults " \
         "(adam_w_mode=False, default: True)" in problem[1]
+
+
+def _restore_state(optimizer):
+    """A hook an optimizer's class registers on every instance."""
+
+
+class RegistersItsOwnHook(torch.optim.AdamW):
+    """torch-optimi's optimizers register a load_state_dict post-hook in their
+    constructor: one built from the class registers it again."""
+
+    def __init__(self, params, lr=1e-3):
+        super().__init__(params, lr=lr)
+        self.register_load_state_dict_post_hook(_restore_state)
+        self.register_step_post_hook(self._after_step)
+
+    def _after_step(self, optimizer, args, kwargs):
+        pass
+
+
+def test_hooks_an_optimizers_class_registers_are_no_refusal():
+    """Found by an audit: torch-optimi's optimizers were refused for hooks the user
+    never registered."""
+    opt = RegistersItsOwnHook([torch.nn.Parameter(torch.zeros(2))])
+    assert conversion_problem(opt) is None
+    # One of the loop's (defined elsewhere than the class): its handle acts on opt.
+    opt.register_step_pre_hook(functools.partial(print, "a step"))
+    assert "hooks registered on it (step_pre_hooks)" in conversion_problem(opt)[1]

@@ -103,18 +103,26 @@ def schedulers_holding(optimizer: torch.optim.Optimizer) -> list[str]:
     for referrer in gc.get_referrers(optimizer):
         # An instance, or its __dict__ (Python < 3.11, or once the dict was read:
         # torch's LRScheduler.state_dict() reads self.__dict__).
-        owners = ([o for o in gc.get_referrers(referrer)
-                   if getattr(o, "__dict__", None) is referrer]
+        owners = ([o for o in gc.get_referrers(referrer) if _attributes(o) is referrer]
                   if isinstance(referrer, dict) else [referrer])
         found += [type(owner).__name__ for owner in owners if _schedules(owner, optimizer)]
     return sorted(set(found))
 
 
+def _attributes(owner: Any) -> Optional[dict]:
+    """``owner.__dict__``, or None (an object's ``__getattr__`` may raise anything)."""
+    try:
+        attributes = getattr(owner, "__dict__", None)
+    except Exception:  # noqa: BLE001
+        return None
+    return attributes if isinstance(attributes, dict) else None
+
+
 def _schedules(owner: Any, optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``owner`` is an lr scheduler of ``optimizer``: torch's, or another's (a
     ``step()`` and a schedule's position or bases: timm's, a loop's own)."""
-    attributes = getattr(owner, "__dict__", None)
-    if (not isinstance(attributes, dict) or attributes.get("optimizer") is not optimizer
+    attributes = _attributes(owner)
+    if (attributes is None or attributes.get("optimizer") is not optimizer
             or isinstance(owner, types.ModuleType)):  # (a script's global `optimizer`)
         return False
     try:  # (an object's properties may raise anything: not a scheduler, then)

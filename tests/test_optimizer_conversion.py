@@ -174,6 +174,24 @@ def test_objects_referring_to_the_optimizer_are_read_without_their_properties():
     assert logger.optimizer is opt
 
 
+class _Odd:
+    """Slots, and a __getattr__ that raises what getattr() does not catch."""
+
+    __slots__ = ("held",)
+
+    def __getattr__(self, name):
+        raise RuntimeError(f"not now: {name}")
+
+
+def test_objects_referring_to_a_dict_holding_the_optimizer_are_read_safely():
+    """Found by an audit (h183): such an object's __getattr__ raised out of the search."""
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    odd = _Odd()
+    odd.held = {"optimizer": opt}
+    assert conversion_problem(opt) is None
+    assert odd.held["optimizer"] is opt
+
+
 def test_a_stepped_fused_optimizer_converts():
     """Found by a review: torch's private flags set by a step read as settings lost."""
     p = torch.nn.Parameter(torch.ones(4))

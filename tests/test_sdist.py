@@ -31,6 +31,6 @@ def test_the_sdist_holds_every_source_and_header_of_the_extension(tmp_path):
     (archive,) = tmp_path.glob("*.tar.gz")
     with tarfile.open(archive) as packed:
         names = {name.split("/", 1)[1] for name in packed.getnames() if "/" in name}
-    needed = _files_under("csrc") | {"setup.py"}
+    needed = _files_under("csrc") | {"setup.py", "pyproject.toml"}
     assert any(name.endswith(".h") for name in needed)
     assert needed <= names, sorted(needed - names)

@@ -6,11 +6,13 @@
 
 Prints the largest parameter difference of each pair after 2 epochs of 8 batches (16
 optimizer steps, 8 with accumulation), clipping on every step: fgpsdp against torch DDP
-as they are, with gradient accumulation, clipping by value, bf16 autocast, float16 loss
-scaling, a second fit with a new Trainer, and resumed from a checkpoint saved after the
-first epoch (a resumed run that lost the optimizer's state, Adam's moments, would differ
-from the uninterrupted one). ``--check`` exits 1 when a pair with fgpsdp differs by more
-than 1e-6.
+as they are, with gradient accumulation, clipping by value, a torch optimizer returned
+by configure_optimizers (the strategy converts it), a StepLR stepped every 4 steps,
+bf16 autocast, float16 loss scaling, a second fit with a new Trainer, and resumed from
+a checkpoint saved after the first epoch (a resumed run that lost the optimizer's
+state, Adam's moments, would differ from the uninterrupted one); and that a torch
+optimizer returned with a scheduler is refused. ``--check`` exits 1 when a pair with fgpsdp differs by more than 1e-6, or the
+refusal is missing.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import os
 import sys
 import tempfile
 
-from compare_runs import parse_check, print_table, rows_against_torch, run_both
+from compare_runs import parse_check, print_table, refuses, rows_against_torch, run_both
 
 TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lightning_trainer.py")
 
@@ -29,6 +31,8 @@ RUNS = {
     "bf16": ["--precision", "bf16-mixed"],
     "fp16_scaler": ["--precision", "16-mixed-scaler"],
     "clip_by_value": ["--clip-algorithm", "value"],
+    "torch_optimizer": ["--torch-optimizer"],
+    "lr_scheduler": ["--scheduler"],
     "refit": ["--refit"],
     "epoch_1": ["--epochs", "1", "--save", "{dir}/{system}.ckpt"],
     "resumed": ["--resume", "{dir}/{system}.ckpt"],
@@ -44,6 +48,14 @@ def main() -> None:
         rows.append(("(scale: torch DDP after epoch 1 against epoch 2)", out("torch", "epoch_1"),
                      out("torch", "plain")))
         print_table(rows, check)
+        # A scheduler returned with a torch optimizer would schedule it alone.
+        refused = refuses([sys.executable, TRAINER, "fgpsdp", os.path.join(tmp, "no.pt"),
+                           "--torch-optimizer", "--scheduler", "--epochs", "1"],
+                          "Under Lightning, build the ShardedOptimizer in configure_optimizers")
+        print("fgpsdp refuses a torch optimizer returned with an lr scheduler: "
+              + ("yes" if refused else "NO"))
+        if check and not refused:
+            raise SystemExit("fgpsdp's strategy did not refuse the scheduler")
 
 
 if __name__ == "__main__":

@@ -5,8 +5,13 @@
 
 ``FgpsdpStrategy`` is Lightning's ``DDPStrategy`` with fgpsdp's wrapper in place of
 torch's. Lightning wraps the model before it calls ``configure_optimizers()``, so
-the ShardedOptimizer is built there on ``self.trainer.strategy.model``. What
-differs from a torch DDP LightningModule:
+the ShardedOptimizer can be built there on ``self.trainer.strategy.model``; a torch
+optimizer returned alone is converted into one by the strategy
+(``ShardedOptimizer.from_optimizer``). What differs from a torch DDP LightningModule:
+
+- lr schedulers returned with a torch optimizer were built on it: that is refused
+  (they would schedule it alone); build the ShardedOptimizer in
+  ``configure_optimizers`` and the schedulers on it.
 
 - Clipping: Lightning's ``gradient_clip_val`` clips the tensors of
   ``optimizer.param_groups``, which here are this rank's slices without ``.grad``
@@ -60,6 +65,22 @@ class FgpsdpStrategy(DDPStrategy):
         super().setup(trainer)
         clip_sharded_optimizers(self.precision_plugin)
 
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """A torch optimizer from ``configure_optimizers`` becomes a ShardedOptimizer
+        of its class and groups (one returned without lr schedulers: a scheduler
+        returned with it was built on it, and would schedule it alone)."""
+        super().setup_optimizers(trainer)
+        try:
+            self.optimizers = [fgp.ShardedOptimizer.from_optimizer(self.model, optimizer)
+                               for optimizer in self.optimizers]
+        except ValueError as error:  # (every rank alike: from_optimizer agrees first)
+            if "lr scheduler" not in str(error):
+                raise
+            raise ValueError(f"{error}. Under Lightning, build the ShardedOptimizer in "
+                             "configure_optimizers, fgp.ShardedOptimizer(self.trainer."
+                             "strategy.model, torch.optim.AdamW, ...), and its schedulers on "
+                             "it") from error
+
 
 def clip_sharded_optimizers(plugin) -> None:
     """Route the precision plugin's clip (``gradient_clip_val``) to a ShardedOptimizer's own."""
@@ -90,9 +111,12 @@ def clip_sharded_optimizers(plugin) -> None:
 
 
 class Regression(pl.LightningModule):
-    def __init__(self, system: str, out: str):
+    def __init__(self, system: str, out: str, torch_optimizer: bool = False,
+                 scheduler: bool = False):
         super().__init__()
         self.system, self.out = system, out  # out: where rank 0 saves the parameters
+        self.torch_optimizer = torch_optimizer  # fgpsdp: the strategy converts it
+        self.scheduler = scheduler  # a StepLR returned with the optimizer
         self.net = regression_net()
 
     def training_step(self, batch, batch_idx):
@@ -100,10 +124,17 @@ class Regression(pl.LightningModule):
         return torch.nn.functional.mse_loss(self.net(x), y)
 
     def configure_optimizers(self):
-        if self.system == "fgpsdp":
-            return fgp.ShardedOptimizer(self.trainer.strategy.model, torch.optim.AdamW,
-                                        lr=1e-2, weight_decay=0.01)
-        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+        if self.system == "fgpsdp" and not self.torch_optimizer:
+            optimizer = fgp.ShardedOptimizer(self.trainer.strategy.model, torch.optim.AdamW,
+                                             lr=1e-2, weight_decay=0.01)
+        else:
+            optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+        if not self.scheduler:
+            return optimizer
+        return {"optimizer": optimizer,
+                "lr_scheduler": {"interval": "step",  # halves the lr every 4 steps
+                                 "scheduler": torch.optim.lr_scheduler.StepLR(optimizer, 4,
+                                                                              gamma=0.5)}}
 
     def on_train_end(self):
         wrapper = self.trainer.strategy.model
@@ -146,12 +177,18 @@ def main() -> None:
     parser.add_argument("--refit", action="store_true",
                         help="fit again with a new Trainer (--epochs more)")
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--torch-optimizer", action="store_true",
+                        help="configure_optimizers returns a torch AdamW under fgpsdp too "
+                        "(the strategy converts it)")
+    parser.add_argument("--scheduler", action="store_true",
+                        help="configure_optimizers returns a StepLR too (stepped every 4 "
+                        "steps; refused with --torch-optimizer under fgpsdp)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     # shuffle=False: a resumed run sees the batches the uninterrupted one saw.
     data = DataLoader(regression_dataset(), batch_size=4, shuffle=False)
     pl.seed_everything(0, verbose=False)
-    model = Regression(args.system, args.out)
+    model = Regression(args.system, args.out, args.torch_optimizer, args.scheduler)
     trainer = make_trainer(args)
     trainer.fit(model, data, ckpt_path=args.resume)
     if args.refit:

@@ -70,6 +70,10 @@ class FgpsdpStrategy(DDPStrategy):
         of its class and groups (one returned without lr schedulers: a scheduler
         returned with it was built on it, and would schedule it alone)."""
         super().setup_optimizers(trainer)
+        if len(self.optimizers) > 1:  # (every rank alike)
+            raise ValueError("fgpsdp: one optimizer per model: return one from "
+                             "configure_optimizers, with a param group for each part of "
+                             "the model (manual optimization too)")
         try:
             self.optimizers = [fgp.ShardedOptimizer.from_optimizer(self.model, optimizer)
                                for optimizer in self.optimizers]

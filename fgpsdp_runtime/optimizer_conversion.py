@@ -59,13 +59,17 @@ def conversion_problem(optimizer: Any) -> Optional[tuple[type, str]]:
                             "ShardedOptimizer. Build the scheduler on the optimizer "
                             "from_optimizer returns (under Lightning Fabric: on the one "
                             "fabric.setup returns)")
+    # Every hook, the class's own too: which ones a constructor registered cannot be
+    # told from the loop's without building a second instance (see
+    # settings_outside_defaults), and one of the loop's would be dropped silently.
     hooked = [name.strip("_").replace("optimizer_", "") for name in _HOOK_REGISTRIES
-              if any(not _registered_by_its_class(hook, optimizer)
-                     for hook in getattr(optimizer, name, {}).values())]
+              if getattr(optimizer, name, None)]
     if hooked:
         return ValueError, ("this optimizer has hooks registered on it ("
                             + ", ".join(hooked) + "): register them on the optimizer "
-                            "from_optimizer returns instead")
+                            "from_optimizer returns instead (where its class registers "
+                            "them itself, build fgp.ShardedOptimizer(model, "
+                            f"{type(optimizer).__name__}, ...) directly)")
     lost = settings_outside_defaults(optimizer)
     if lost:
         name = type(optimizer).__name__
@@ -75,20 +79,6 @@ def conversion_problem(optimizer: Any) -> Optional[tuple[type, str]]:
             f"would not have: build it as fgp.ShardedOptimizer(model, {name}, "
             "param_groups=..., ...) with those arguments")
     return None
-
-
-def _registered_by_its_class(hook: Any, optimizer: torch.optim.Optimizer) -> bool:
-    """Whether ``hook`` is one the optimizer's class registers on every instance
-    (torch-optimi's optimizers register a load_state_dict post-hook in their
-    constructor): one built from it registers it again, so nothing is lost. Told by
-    where the hook is defined: a method of the optimizer, or a function of a module
-    that defines its class or one of its bases (torch.optim's own excepted; a hook
-    of the loop's defined beside the class would pass for one)."""
-    if getattr(hook, "__self__", None) is optimizer:
-        return True
-    modules = {cls.__module__ for cls in type(optimizer).__mro__
-               if not cls.__module__.startswith(("torch.optim", "builtins"))}
-    return getattr(hook, "__module__", None) in modules
 
 
 def schedulers_holding(optimizer: torch.optim.Optimizer) -> list[str]:

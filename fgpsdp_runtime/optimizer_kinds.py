@@ -28,15 +28,16 @@ _NOT_ELEMENTWISE = {
     # clips each tensor's update by its RMS.
     "grokadamw", "stableadamw",
     "lomo", "adalomo",  # built from the model, fused into its backward
+    # Per tensor: AdamP / SGDP project out each tensor's radial component, Nero and
+    # Fromage scale by each tensor's (or neuron's) norm, Ranger21 centralizes each
+    # matrix's gradient and clips by unit norms.
+    "adamp", "sgdp", "nero", "fromage", "ranger21",
 }
 # Parts of lower-case class names: block-wise quantized state (bitsandbytes' Adam8bit,
 # AdamW8bit, PagedAdamW8bit, Lion8bit; torchao's AdamW8bit, AdamW4bit: one scale per
 # block of a tensor's elements, and 32-bit state below a tensor size, so slices would
 # change both) and GaLore's low-rank projections of each matrix.
-_NOT_ELEMENTWISE_PARTS = ("8bit", "4bit", "galore",
-                          # Ranger's gradient centralization subtracts each matrix's
-                          # mean over its rows, skipped on 1-D slices.
-                          "ranger")
+_NOT_ELEMENTWISE_PARTS = ("8bit", "4bit", "galore")
 # Second-order ones differentiate the gradients (Hessian-vector products through
 # backward(create_graph=True)): the reduced slices carry no graph. timm's loops ask
 # an optimizer's ``is_second_order``; Adahessian implementations without it by name.
@@ -75,9 +76,17 @@ def refuse_unsliceable_settings(optimizer: torch.optim.Optimizer) -> None:
     """TypeError where an optimizer of an accepted class was built with settings
     that make it not element-wise: bitsandbytes' classes (``bnb.optim.AdamW``, which
     transformers' ``optim="adamw_8bit"`` builds) quantize their state in blocks of a
-    tensor with ``optim_bits=8``."""
+    tensor with ``optim_bits=8``; pytorch_optimizer's Ranger (and others) with
+    ``use_gc=True`` centralize each matrix's gradient (its mean over the rows, which
+    a 1-D slice has not: skipped there)."""
+    name = type(optimizer).__name__
     bits = getattr(getattr(optimizer, "args", None), "optim_bits", None)
     if isinstance(bits, int) and bits < 32:
-        raise TypeError(f"{type(optimizer).__name__} was built with optim_bits={bits}: its "
-                        "state is quantized in blocks of a tensor's elements, which slices "
-                        "would change; it cannot run on flat slices (optim_bits=32 can)")
+        raise TypeError(f"{name} was built with optim_bits={bits}: its state is quantized "
+                        "in blocks of a tensor's elements, which slices would change; it "
+                        "cannot run on flat slices (optim_bits=32 can)")
+    if getattr(optimizer, "use_gc", False) is True or any(
+            group.get("use_gc") is True for group in optimizer.param_groups):
+        raise TypeError(f"{name} was built with use_gc=True: gradient centralization "
+                        "subtracts each matrix's mean over its rows, which a flat slice "
+                        "has not; it cannot run on flat slices (use_gc=False can)")

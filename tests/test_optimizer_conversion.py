@@ -183,7 +183,7 @@ class _Odd:
 
 
 def test_objects_referring_to_a_dict_holding_the_optimizer_are_read_safely():
-    """Found by an audit (h183): such an object's __getattr__ raised out of the search."""
+    """Found by an audit: such an object's __getattr__ raised out of the search."""
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
     odd = _Odd()
     odd.held = {"optimizer": opt}
@@ -223,7 +223,7 @@ class RegistersItsOwnHook(torch.optim.AdamW):
 
 
 def test_every_hook_is_refused_and_the_message_says_what_to_do_with_a_classs_own():
-    """A review (h184) found the loop's hook defined beside its optimizer class dropped
+    """A review found the loop's hook defined beside its optimizer class dropped
     silently when hooks defined beside the class passed for the class's own."""
     opt = RegistersItsOwnHook([torch.nn.Parameter(torch.zeros(2))])
     problem = conversion_problem(opt)
@@ -245,7 +245,7 @@ class UsesGC(torch.optim.SGD):
 
 
 def test_which_optimizers_are_refused_as_not_element_wise():
-    """A review (h184) found jettify's Ranger, RangerQH and RangerVA element-wise
+    """A review found jettify's Ranger, RangerQH and RangerVA element-wise
     (RAdam / QHAdam with Lookahead: refused by a name part before), and AdamP, SGDP,
     Nero and Fromage not (1e-5 to 1.49 from the whole tensor's update on slices)."""
     from fgpsdp_runtime.optimizer_kinds import refuse_unsliceable, refuse_unsliceable_settings

@@ -50,6 +50,15 @@ def refuses(command: list[str], message: str, timeout_s: float = 120) -> bool:
     return process.returncode != 0 and message in output
 
 
+def check_refusal(what: str, command: list[str], message: str, check: bool) -> None:
+    """Prints whether fgpsdp refuses ``what`` (``command`` fails saying ``message``);
+    with ``check``, exits 1 where it does not."""
+    refused = refuses(command, message)
+    print(f"fgpsdp refuses {what}: {'yes' if refused else 'NO'}")
+    if check and not refused:
+        raise SystemExit(f"fgpsdp did not refuse {what}")
+
+
 def _kill(process: subprocess.Popen) -> None:
     """Kills the command's process group and every process it started: torchrun starts
     each rank in a session of its own, which outlives the group (a hung rank then kept

@@ -20,7 +20,7 @@ import os
 import sys
 import tempfile
 
-from compare_runs import parse_check, print_table, refuses, rows_against_torch, run_both
+from compare_runs import check_refusal, parse_check, print_table, rows_against_torch, run_both
 
 TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lightning_trainer.py")
 
@@ -49,13 +49,10 @@ def main() -> None:
                      out("torch", "plain")))
         print_table(rows, check)
         # A scheduler returned with a torch optimizer would schedule it alone.
-        refused = refuses([sys.executable, TRAINER, "fgpsdp", os.path.join(tmp, "no.pt"),
-                           "--torch-optimizer", "--scheduler", "--epochs", "1"],
-                          "Under Lightning, build the ShardedOptimizer in configure_optimizers")
-        print("fgpsdp refuses a torch optimizer returned with an lr scheduler: "
-              + ("yes" if refused else "NO"))
-        if check and not refused:
-            raise SystemExit("fgpsdp's strategy did not refuse the scheduler")
+        check_refusal("a torch optimizer returned with an lr scheduler",
+                      [sys.executable, TRAINER, "fgpsdp", os.path.join(tmp, "no.pt"),
+                       "--torch-optimizer", "--scheduler", "--epochs", "1"],
+                      "Under Lightning, build the ShardedOptimizer in configure_optimizers", check)
 
 
 if __name__ == "__main__":

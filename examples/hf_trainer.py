@@ -131,6 +131,8 @@ def main() -> None:
     parser.add_argument("--optim", default="adamw_torch", help="the Trainer's optim=")
     parser.add_argument("--given-optimizer", action="store_true",
                         help="give the Trainer a torch AdamW: Trainer(optimizers=(opt, None))")
+    parser.add_argument("--evaluate-first", action="store_true",
+                        help="trainer.evaluate() before trainer.train()")
     args = parser.parse_args()
     torch.set_num_threads(1)
     training = TrainingArguments(
@@ -153,12 +155,18 @@ def main() -> None:
              if args.given_optimizer else (None, None))
     trainer = (FgpsdpTrainer if args.system == "fgpsdp" else Trainer)(
         model=module, args=training, train_dataset=Samples(), optimizers=given,
-        eval_dataset=Samples() if args.eval_every else None)
+        eval_dataset=Samples() if args.eval_every or args.evaluate_first else None)
+    if args.evaluate_first:
+        trainer.evaluate()
     trainer.train(resume_from_checkpoint=args.resume)
     if args.system == "fgpsdp":
         trainer.model_wrapped.synchronize()  # the last step's all-gathers landed
     if dist.get_rank() == 0:
         torch.save({k: v.detach().clone() for k, v in module.state_dict().items()}, args.out)
+        # (The plain Trainer's is torch DDP, but not after an evaluate() before train().)
+        wrapped = type(trainer.model_wrapped)
+        print(f"[{args.system}] trained {wrapped.__module__}.{wrapped.__qualname__}",
+              flush=True)
     dist.barrier()
     # What holds the gloo group goes first (torch DDP's models): freed at interpreter
     # exit instead, after the group is destroyed, its destructor can hang, joining

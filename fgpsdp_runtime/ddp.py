@@ -36,7 +36,8 @@ from .gpu_setup import connect_nccl_groups, make_current_device
 from .group_collectives import all_reduce_held
 from .param_gathers import ParamGathers
 from .module_guards import (hand_out_parameters_through_the_wrapper,
-                            land_gathers_before_state_dicts, zero_grad_through_the_wrapper)
+                            land_gathers_before_state_dicts, land_gathers_on_attribute_reads,
+                            zero_grad_through_the_wrapper)
 from .param_guards import ParamPlaces, ParamVersions, storage_address
 from .plan import OverlapPlan, layout_plan, profiling_plan
 from .plan_profiler import PlanProfiler
@@ -335,6 +336,9 @@ class DistributedDataParallel(nn.Module):
             lifecycle.weak_call(self._read_through_module), module)
         self._zero_grad_guard = zero_grad_through_the_wrapper(
             lifecycle.weak_call(self.zero_grad), module)
+        self._attribute_read_guards = land_gathers_on_attribute_reads(
+            lifecycle.weak_call(self._land_for_an_attribute_read),
+            self._gathers.in_flight_table, module)
 
     # -- set-up --------------------------------------------------------------
 
@@ -872,6 +876,19 @@ class DistributedDataParallel(nn.Module):
         if warn:
             self._read_for_a_clip = True
 
+    def _land_for_an_attribute_read(self, param: torch.Tensor) -> None:
+        """``module.weight`` read while all-gathers are in flight (see
+        module_guards.land_gathers_on_attribute_reads): its bucket lands, outside a
+        forward, as a read through ``parameters()`` would land it. Not noted for the
+        warning about torch's clip, which reads ``parameters()``."""
+        waiter = self._forward_waiter
+        if waiter is not None and waiter.in_forward:
+            return  # (the forward's pre-hooks wait; the cheap test first)
+        land, _ = self._before_parameters_read()
+        if land:
+            for b in self._buckets_of_param.get(id(param), ()):
+                self.finish_param_all_gather(b, timed=True, by_the_loop=False)
+
     def note_step_for_the_clip_warning(self, clipped: bool) -> None:
         """At opt.step(): every parameter was read through the wrapper or its module
         since the reductions of this step began, and, unless ``clipped`` (a clip of
@@ -930,8 +947,9 @@ class DistributedDataParallel(nn.Module):
             if not state.get("_warned_parameters_while_gathers_queued"):
                 self._warned_parameters_while_gathers_queued = True
                 warn_at_user_code(
-                    "fgpsdp: model.parameters() read while all-gathers wait to start (a "
-                    "plan with a small lookahead): their values may be those before the "
+                    "fgpsdp: parameters read (through parameters(), or as a module's "
+                    "attributes) while all-gathers wait to start (a plan with a small "
+                    "lookahead): their values may be those before the "
                     "step; call model.synchronize() on every rank first")
             return False, warn
         return True, warn  # the reads land each parameter's bucket (_reading)
@@ -979,7 +997,8 @@ class DistributedDataParallel(nn.Module):
         waiter = self.__dict__.get("_forward_waiter")
         if waiter is not None:
             waiter.remove()
-        for guards in ("_save_load_guards", "_parameter_read_guards", "_zero_grad_guard"):
+        for guards in ("_save_load_guards", "_parameter_read_guards", "_zero_grad_guard",
+                       "_attribute_read_guards"):
             handles = self.__dict__.get(guards)
             if handles is not None:
                 handles.remove()

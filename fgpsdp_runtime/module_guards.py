@@ -21,6 +21,7 @@ The wrapper removes all of them when dropped.
 """
 from __future__ import annotations
 
+import copy
 import weakref
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -374,3 +375,70 @@ class ZeroingThroughTheWrapper(_ModuleGuard):
                 else:
                     param.grad.requires_grad_(False)
                 param.grad.zero_()
+
+
+def land_gathers_on_attribute_reads(land: Callable[[torch.Tensor], None],
+                                    in_flight: dict, module: nn.Module) -> "ParameterTables":
+    """Every submodule of ``module`` reads its parameters as attributes
+    (``module.weight``) through a ``_parameters`` table of ours, which hands each one
+    to ``land`` (the wrapper's, weakly) while all-gathers are in flight (``in_flight``,
+    the wrapper's table of them, is not empty): its all-gather lands first.
+
+    Right after ``opt.step()`` OpenCLIP clamps ``model.module.logit_scale`` in place,
+    and a loop may log ``model.module.head.weight.norm()``: under ``next_forward`` and
+    ``two_stage`` that reached the parameter while its all-gather was landing, a
+    mix of updated and old slices (a clamp was refused at the next forward, by the
+    version counter; one through ``.data`` was lost). ``nn.Module.__getattr__``
+    reads ``self.__dict__["_parameters"][name]``, so the table's ``__getitem__``
+    sees every such read; a forward's own reads cost one truth test of
+    ``in_flight`` each, and ``land`` does nothing inside a forward (its pre-hooks
+    wait), a backward, or between backward and step under ``two_stage``."""
+    tables = ParameterTables()
+    for sub in module.modules():
+        tables.install(sub, LandingParameters(sub.__dict__["_parameters"], land, in_flight))
+    return tables  # put back when the wrapper is dropped
+
+
+class LandingParameters(dict):
+    """A submodule's ``_parameters``: see ``land_gathers_on_attribute_reads``. The
+    same entries as the module's own table, in order; a copy or a pickle of it is a
+    plain ``dict`` (a copied module is not wrapped)."""
+
+    def __init__(self, entries: dict, land: Callable[[torch.Tensor], None], in_flight: dict):
+        super().__init__(entries)
+        self._land, self._in_flight = land, in_flight
+
+    def __getitem__(self, name: str):
+        param = dict.__getitem__(self, name)
+        if self._in_flight and param is not None and not is_traced_by_dynamo():
+            self._land(param)
+        return param
+
+    def __deepcopy__(self, memo: dict) -> dict:
+        copied: dict = {}
+        memo[id(self)] = copied
+        for name, param in dict.items(self):
+            copied[name] = copy.deepcopy(param, memo)
+        return copied
+
+    def __reduce__(self):
+        return dict, (dict(self),)
+
+
+class ParameterTables:
+    """The ``_parameters`` tables of ours on the submodules; ``remove()`` gives each
+    module a plain one again, with the entries it holds then (a parameter set or
+    deleted since is kept so), where the module still holds ours."""
+
+    def __init__(self):
+        self._installed: list[tuple[dict, LandingParameters]] = []
+
+    def install(self, module: nn.Module, table: LandingParameters) -> None:
+        module.__dict__["_parameters"] = table
+        self._installed.append((module.__dict__, table))
+
+    def remove(self) -> None:
+        for attributes, table in self._installed:
+            if attributes.get("_parameters") is table:
+                attributes["_parameters"] = dict(table)
+        self._installed.clear()

@@ -55,6 +55,12 @@ class ParamGathers:
     def in_flight(self) -> bool:
         return bool(self._in_flight)
 
+    @property
+    def in_flight_table(self) -> dict:
+        """The table of all-gathers in flight itself (the same object for this
+        object's life): a cheap truth test for the parameter reads of a forward."""
+        return self._in_flight
+
     def start(self, bucket: int, *, from_the_queue: bool = False) -> None:
         """Send this rank's updated slice of ``bucket``; receive everyone else's.
         ``from_the_queue``: a stage-2 all-gather, counted by the lookahead (stage 1's

@@ -176,8 +176,10 @@ def clamp_after_step(rank: int, world_size: int, schedule: str, synchronize_firs
                      via: str = "held", steps: int = 4) -> float:
     """WGAN's weight clipping (OpenCLIP clamps logit_scale alike): parameters written in
     place right after opt.step(), ``via`` a list of them taken before training
-    (``held``), ``model.module.parameters()`` read then (``module``) or each
-    submodule's (``submodules``). Largest parameter difference to torch DDP."""
+    (``held``), ``model.module.parameters()`` read then (``module``), each
+    submodule's (``submodules``), or each read as an attribute then, as OpenCLIP
+    reads ``model.module.logit_scale`` (``attributes``; ``attribute_data``: its
+    ``.data``). Largest parameter difference to torch DDP."""
     ours, opt, ref, ref_opt = _plain_side_by_side(rank, schedule)
     held = {id(m): list(m.module.parameters()) for m in (ours, ref)}
 
@@ -186,6 +188,10 @@ def clamp_after_step(rank: int, world_size: int, schedule: str, synchronize_firs
             return held[id(model)]
         if via == "module":
             return model.module.parameters()
+        if via in ("attributes", "attribute_data"):
+            read = [getattr(layer, name) for layer in model.module.net
+                    if isinstance(layer, nn.Linear) for name in ("weight", "bias")]
+            return read if via == "attributes" else [p.data for p in read]
         return [p for sub in model.module.children() for p in sub.parameters()]
     for step in range(steps):
         x, y = _batch(step, rank)

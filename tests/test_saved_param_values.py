@@ -28,7 +28,7 @@ CLAMPED = [(autograd_scenarios.clamp_after_step, schedule, schedule != "serial")
 # Through the parameters read right after the step, which land their all-gathers first.
 CLAMPED_THROUGH_READS = [(autograd_scenarios.clamp_after_step, schedule, False, via)
                          for schedule in ("next_forward", "two_stage")
-                         for via in ("module", "submodules")]
+                         for via in ("module", "submodules", "attributes", "attribute_data")]
 COPIES = [(autograd_scenarios.copies_and_direct_calls, schedule) for schedule in ("next_forward", "two_stage")]
 MODULE_ONLY = [(autograd_scenarios.train_through_module_only, schedule)
                for schedule in ("next_forward", "two_stage")]
@@ -89,9 +89,10 @@ def test_parameters_written_after_synchronize_train_like_torch_ddp(trained, case
                          ids=[f"{c[1]}-{c[3]}" for c in CLAMPED_THROUGH_READS])
 def test_parameters_read_and_written_right_after_the_step_train_like_torch_ddp(trained, case):
     """model.module.parameters() (or a submodule's) lands each parameter's all-gather
-    as it hands it out. Before 2026-12-04 only the wrapper's reads did: a clamp
-    through these raised at the next forward (or, through .data, was partly
-    overwritten)."""
+    as it hands it out, and so does a read as an attribute (``layer.weight``), as
+    OpenCLIP's clamp of ``model.module.logit_scale``. Before 2026-12-04 only the
+    wrapper's reads did, before 2026-12-06 not attribute reads: a clamp through these
+    raised at the next forward (or, through .data, was partly overwritten)."""
     assert trained[case] == [0.0, 0.0], trained[case]
 
 

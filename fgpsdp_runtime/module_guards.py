@@ -11,6 +11,9 @@ on every submodule of the wrapped module:
 - the parameters read through ``model.module.parameters()`` or a submodule's (an
   EMA teacher, a clamp) land each one's all-gather as it is handed out (a
   ``named_parameters`` instance attribute);
+- a parameter read as an attribute (``module.logit_scale``) lands its all-gather
+  first (a ``_parameters`` table of ours, whose lookups ``nn.Module.__getattr__``
+  makes);
 - and on the wrapped module itself, ``zero_grad()`` resets the reduced slices (a
   ``zero_grad`` instance attribute).
 

@@ -899,10 +899,10 @@ class DistributedDataParallel(nn.Module):
         if read and not clipped and not self.__dict__.get("_warned_parameters_without_gradients"):
             self._warned_parameters_without_gradients = True
             warn_at_user_code(
-                "fgpsdp: model.parameters() read between backward and opt.step(): each "
-                "param.grad is None there (the reduced gradients are in this rank's bucket "
-                "slices), so torch.nn.utils.clip_grad_norm_ over them returns 0 and clips "
-                "nothing. Use opt.clip_grad_norm_(max_norm) or "
+                "fgpsdp: model.parameters() (or model.module's) read between backward and "
+                "opt.step(): each param.grad is None there (the reduced gradients are in "
+                "this rank's bucket slices), so torch.nn.utils.clip_grad_norm_ over them "
+                "returns 0 and clips nothing. Use opt.clip_grad_norm_(max_norm) or "
                 "ShardedOptimizer(..., max_grad_norm=...)")
 
     def _before_parameters_read(self) -> tuple[bool, bool]:

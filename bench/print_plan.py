@@ -48,6 +48,11 @@ def main() -> None:
     parser.add_argument("--latency-ms", type=float, default=0.5)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()
+    if args.steps < 1:
+        parser.error("--steps must be at least 1")
+    if not 1 <= args.local_size <= args.world_size or args.world_size % args.local_size:
+        parser.error(f"--local-size must divide --world-size (got {args.local_size} and "
+                     f"{args.world_size})")
 
     cfg = CONFIGS[(args.workload, args.size)]
     torch.manual_seed(0)
@@ -97,7 +102,9 @@ def main() -> None:
     nodes = args.world_size // args.local_size
     # Each rail carries (nodes-1)/nodes of 1/local_size of a bucket per phase, and a
     # node's local_size rails share its one network link: (nodes-1)/nodes per node.
-    fraction = (nodes - 1) / nodes
+    # On one node the exchange is flat: each rank sends (world-1)/world of a bucket
+    # (before, 0 here: every bucket looked free to send, all but the last in stage 1).
+    fraction = (nodes - 1) / nodes if nodes > 1 else (args.world_size - 1) / args.world_size
     plan = profile_plan(profiles, backward_s, order, link=link, reduce_fraction=fraction)
     print("profile plan:", plan)
     print(plan.to_json())

@@ -39,7 +39,7 @@ from .module_guards import (hand_out_parameters_through_the_wrapper,
                             land_gathers_before_state_dicts, land_gathers_on_attribute_reads,
                             zero_grad_through_the_wrapper)
 from .param_guards import ParamPlaces, ParamVersions, storage_address
-from .plan import OverlapPlan, layout_plan, profiling_plan
+from .plan import OverlapPlan, checked_plan, layout_plan, profiling_plan
 from .plan_profiler import PlanProfiler
 from .scheduler import TwoStageScheduler
 from .profiling import nvtx_range
@@ -50,7 +50,7 @@ from .topology import (NodeLayout, TopologyArg, check_contiguous_nodes, create_l
 from .uneven_inputs import AnnouncedCall, UnevenInputs
 from .user_warnings import warn_at_user_code
 from .validation import (agree_or_raise, describe, describe_buffers, local_problems,
-                         shared_memory_problem)
+                         settings_agree_or_raise, shared_memory_problem)
 
 
 def _plan_setting(plan: Union[str, OverlapPlan]) -> Any:
@@ -61,7 +61,7 @@ def _plan_setting(plan: Union[str, OverlapPlan]) -> Any:
     try:
         return (tuple(int(b) for b in plan.stage1), tuple(int(b) for b in plan.stage2),
                 None if plan.lookahead is None else int(plan.lookahead))
-    except (TypeError, ValueError):
+    except (AttributeError, TypeError, ValueError):  # (not a plan: checked_plan says so)
         return repr(plan)
 
 
@@ -296,8 +296,7 @@ class DistributedDataParallel(nn.Module):
         self.plan_profiler: Optional[PlanProfiler] = None
         if schedule == "two_stage":
             if isinstance(overlap_plan, OverlapPlan):
-                _check_plan(overlap_plan, len(self._buckets))
-                initial = overlap_plan
+                initial = checked_plan(overlap_plan, len(self._buckets))
             elif overlap_plan == "auto":  # no speculation until the profile is done
                 initial = profiling_plan(len(self._buckets), self.forward_bucket_order)
             else:
@@ -338,7 +337,7 @@ class DistributedDataParallel(nn.Module):
             lifecycle.weak_call(self.zero_grad), module)
         self._attribute_read_guards = land_gathers_on_attribute_reads(
             lifecycle.weak_call(self._land_for_an_attribute_read),
-            self._gathers.in_flight_table, module)
+            self._gathers.in_flight_table, self._forward_waiter, module)
 
     # -- set-up --------------------------------------------------------------
 
@@ -721,12 +720,20 @@ class DistributedDataParallel(nn.Module):
         self._gathers.finish_all(self.plan_profiler if timed else None, by_the_loop=by_the_loop)
 
     def set_overlap_plan(self, plan: OverlapPlan) -> None:
-        """Replace the two-stage plan; between steps, with the same plan on every rank.
-        Under ``overlap_plan="auto"`` it ends the profile too: the plan set here is
-        kept, not replaced by the profile's."""
+        """Replace the two-stage plan; between steps, with the same plan on every rank
+        (a collective: the ranks' plans are compared, and a difference raises on every
+        rank; before, a plan set on one rank paired one bucket's all-gather with
+        another's, silently, where they were of one size). Under
+        ``overlap_plan="auto"`` it ends the profile too: the plan set here is kept,
+        not replaced by the profile's."""
         if self.scheduler is None:
             raise RuntimeError("set_overlap_plan: only the two_stage schedule has a plan")
-        _check_plan(plan, len(self._buckets))
+        if self._uneven_inputs is not None:
+            self._uneven_inputs.announce_load(
+                "set_overlap_plan()", "set the plan before the join context or after it")
+        settings_agree_or_raise(self.process_group, {"overlap_plan": _plan_setting(plan)},
+                                "set_overlap_plan: the ranks' plans differ")
+        plan = checked_plan(plan, len(self._buckets))
         if self.plan_profiler is not None:
             self.plan_profiler.stop()
         self.install_overlap_plan(plan)
@@ -1058,14 +1065,6 @@ class DistributedDataParallel(nn.Module):
         if exchange is not None:
             shutdown.stop_and_join(exchange.workers, max(0.0, deadline - time.monotonic()))
 
-
-
-def _check_plan(plan: OverlapPlan, n_buckets: int) -> None:
-    if sorted(plan.stage1 + plan.stage2) != list(range(n_buckets)):
-        raise ValueError(f"overlap plan must place each of the {n_buckets} buckets in exactly "
-                         f"one stage, got stage1={plan.stage1} stage2={plan.stage2}")
-    if plan.lookahead is not None and plan.lookahead < 1:
-        raise ValueError(f"overlap plan lookahead must be >= 1, got {plan.lookahead}")
 
 
 def _move_to(obj: Any, device: torch.device) -> Any:

@@ -176,6 +176,8 @@ class LandingGetstate(_ModuleGuard):
                 state = dict(state)
             for name in [k for k, v in state.items() if isinstance(v, _ModuleGuard)]:
                 del state[name]
+            if isinstance(state.get("_parameters"), LandingParameters):
+                state["_parameters"] = state["_parameters"].plain()
             _leave_our_hooks_out(state)
         return state
 
@@ -380,42 +382,67 @@ class ZeroingThroughTheWrapper(_ModuleGuard):
                 param.grad.zero_()
 
 
-def land_gathers_on_attribute_reads(land: Callable[[torch.Tensor], None],
-                                    in_flight: dict, module: nn.Module) -> "ParameterTables":
+def land_gathers_on_attribute_reads(land: Callable[[torch.Tensor], None], in_flight: dict,
+                                    waiter: Optional[object],
+                                    module: nn.Module) -> "ParameterTables":
     """Every submodule of ``module`` reads its parameters as attributes
     (``module.weight``) through a ``_parameters`` table of ours, which hands each one
     to ``land`` (the wrapper's, weakly) while all-gathers are in flight (``in_flight``,
-    the wrapper's table of them, is not empty): its all-gather lands first.
+    the wrapper's table of them, is not empty) outside a forward (``waiter``'s
+    ``in_forward``; its pre-hooks wait there): its all-gather lands first.
 
     Right after ``opt.step()`` OpenCLIP clamps ``model.module.logit_scale`` in place,
     and a loop may log ``model.module.head.weight.norm()``: under ``next_forward`` and
     ``two_stage`` that reached the parameter while its all-gather was landing, a
-    mix of updated and old slices (a clamp was refused at the next forward, by the
+    mix of updated and old slices (a clamp raised at the next forward, by the
     version counter; one through ``.data`` was lost). ``nn.Module.__getattr__``
     reads ``self.__dict__["_parameters"][name]``, so the table's ``__getitem__``
-    sees every such read; a forward's own reads cost one truth test of
-    ``in_flight`` each, and ``land`` does nothing inside a forward (its pre-hooks
-    wait), a backward, or between backward and step under ``two_stage``."""
+    sees every such read. A forward's own reads cost three tests each (``land``
+    would do nothing there; nor in a backward, or between backward and step under
+    ``two_stage``). Reads through ``_parameters.get()`` or ``.values()`` are not seen.
+    """
     tables = ParameterTables()
     for sub in module.modules():
-        tables.install(sub, LandingParameters(sub.__dict__["_parameters"], land, in_flight))
+        tables.install(sub, LandingParameters(sub.__dict__["_parameters"], land, in_flight,
+                                              waiter))
     return tables  # put back when the wrapper is dropped
 
 
 class LandingParameters(dict):
     """A submodule's ``_parameters``: see ``land_gathers_on_attribute_reads``. The
-    same entries as the module's own table, in order; a copy or a pickle of it is a
-    plain ``dict`` (a copied module is not wrapped)."""
+    same entries as the module's own table (``original``), in order. A copy or a
+    pickle of the module gets ``original`` with these entries (a copied module is
+    not wrapped; a shallow copy shares it with the module, as without the wrapper,
+    which hands it back when dropped); a copy of the table alone is a plain
+    ``dict``."""
 
-    def __init__(self, entries: dict, land: Callable[[torch.Tensor], None], in_flight: dict):
-        super().__init__(entries)
-        self._land, self._in_flight = land, in_flight
+    def __init__(self, original: dict, land: Callable[[torch.Tensor], None], in_flight: dict,
+                 waiter: Optional[object]):
+        super().__init__(original)
+        self._original = original
+        self._land, self._in_flight, self._waiter = land, in_flight, waiter
 
     def __getitem__(self, name: str):
         param = dict.__getitem__(self, name)
-        if self._in_flight and param is not None and not is_traced_by_dynamo():
+        # Dynamo's test first: while it traces this it is a constant, and a test of
+        # the in-flight table there would be guarded on (a compiled function that
+        # reads an attribute right after the step recompiled at every call).
+        if is_traced_by_dynamo() or not self._in_flight or param is None:
+            return param
+        waiter = self._waiter
+        if waiter is None or not waiter.in_forward:
             self._land(param)
         return param
+
+    def plain(self) -> dict:
+        """``original``, holding these entries now."""
+        original = self._original
+        if isinstance(original, LandingParameters):  # (a submodule two wrappers share)
+            original = original.plain()
+        if original is not self:
+            original.clear()
+            original.update(dict.items(self))
+        return original
 
     def __deepcopy__(self, memo: dict) -> dict:
         copied: dict = {}
@@ -430,8 +457,8 @@ class LandingParameters(dict):
 
 class ParameterTables:
     """The ``_parameters`` tables of ours on the submodules; ``remove()`` gives each
-    module a plain one again, with the entries it holds then (a parameter set or
-    deleted since is kept so), where the module still holds ours."""
+    module its own table back, with the entries ours holds then, where the module
+    still holds ours."""
 
     def __init__(self):
         self._installed: list[tuple[dict, LandingParameters]] = []
@@ -443,5 +470,9 @@ class ParameterTables:
     def remove(self) -> None:
         for attributes, table in self._installed:
             if attributes.get("_parameters") is table:
-                attributes["_parameters"] = dict(table)
+                # (Another wrapper's table, where two share a submodule: it stays.)
+                original = table._original
+                original.clear()
+                original.update(dict.items(table))
+                attributes["_parameters"] = original
         self._installed.clear()

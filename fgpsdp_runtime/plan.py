@@ -14,7 +14,9 @@ them; forward waits for each just before use.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
+import operator
 from dataclasses import asdict, dataclass, field
 from typing import Mapping, Optional, Sequence
 
@@ -75,6 +77,41 @@ class OverlapPlan:
     def __str__(self) -> str:
         return (f"OverlapPlan(source={self.source}, stage1={list(self.stage1)}, "
                 f"stage2={list(self.stage2)}, lookahead={self.lookahead})")
+
+
+def checked_plan(plan: object, n_buckets: int) -> OverlapPlan:
+    """``plan`` with plain ints (numpy's become ``int``, so that it still goes to
+    JSON), or the error that names what is wrong: each of the ``n_buckets``
+    buckets in exactly one stage, given as ints, and a lookahead of at least 1
+    (or None). Before, a float bucket index passed here and failed deep in the
+    step's all-gathers, and a stage given as a list failed on a concatenation."""
+    if not isinstance(plan, OverlapPlan):
+        raise TypeError(f"an overlap plan must be an fgp.OverlapPlan, got {type(plan).__name__}")
+
+    def indices(name: str, values: object) -> tuple[int, ...]:
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+            raise TypeError(f"overlap plan {name} must be a sequence of bucket indices, "
+                            f"got {values!r}")
+        return tuple(_plain_int(f"overlap plan {name}", v) for v in values)
+    stage1, stage2 = indices("stage1", plan.stage1), indices("stage2", plan.stage2)
+    if sorted(stage1 + stage2) != list(range(n_buckets)):
+        raise ValueError(f"overlap plan must place each of the {n_buckets} buckets in exactly "
+                         f"one stage, got stage1={list(stage1)} stage2={list(stage2)}")
+    lookahead = plan.lookahead
+    if lookahead is not None:
+        lookahead = _plain_int("overlap plan lookahead", lookahead)
+        if lookahead < 1:
+            raise ValueError(f"overlap plan lookahead must be >= 1, got {lookahead}")
+    return dataclasses.replace(plan, stage1=stage1, stage2=stage2, lookahead=lookahead)
+
+
+def _plain_int(what: str, value: object) -> int:
+    if not isinstance(value, bool):  # (an int to Python, never meant as one here)
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise TypeError(f"{what} must hold ints, got {value!r}")
 
 
 def profiling_plan(n_buckets: int, forward_order: Sequence[int]) -> OverlapPlan:

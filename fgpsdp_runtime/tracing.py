@@ -53,10 +53,12 @@ class Timeline:
         self._cuda_origin = None
         self._cuda_origin_device = None
         self._wanted = False  # the user's say: enable() / disable()
+        self._user_recorded = False  # the user enabled it since the last clear()
         self._holders = 0  # the runtime's own readers (the plan profiler), see hold()
 
     def enable(self) -> None:
         self._wanted = True
+        self._user_recorded = True
         self.enabled = True
 
     def disable(self) -> None:
@@ -65,17 +67,30 @@ class Timeline:
 
     def hold(self) -> None:
         """Record for the runtime's own use (the plan profiler's window), whatever
-        the user says meanwhile; release() hands the timeline back."""
-        self._holders += 1
+        the user says meanwhile; release() hands the timeline back. Every span is
+        kept while held: the profile reads its whole window (with a small
+        ``max_spans`` it fitted its link model to the last few spans, and planned
+        from that)."""
+        with self._lock:
+            self._holders += 1
+            if self._holders == 1:
+                self._limit_to(None)
         self.enabled = True
 
     def release(self) -> None:
-        """The last holder gone: as the user left it. Kept on, with its spans, if
-        the user enabled it (before or during the hold); else off and empty."""
-        self._holders -= 1
-        if self._holders == 0 and not self._wanted:
-            self.enabled = False
-            self.clear()
+        """The last holder gone: as the user left it. On, with its spans, if the
+        user wants it; off, with its spans, if the user enabled it since the last
+        ``clear()`` and disabled it since (during the hold); else off and empty.
+        Then ``max_spans`` holds again, dropping the oldest."""
+        with self._lock:
+            self._holders -= 1
+            if self._holders:
+                return
+            if not self._wanted:
+                self.enabled = False
+                if not self._user_recorded:
+                    self._empty()
+            self._limit_to(self._max_spans)
 
     @property
     def max_spans(self) -> Optional[int]:
@@ -83,20 +98,31 @@ class Timeline:
 
     @max_spans.setter
     def max_spans(self, value: Optional[int]) -> None:
-        if value is not None and (not isinstance(value, int) or value < 1):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
             raise ValueError(f"max_spans must be a positive int or None, got {value!r}")
         with self._lock:
             self._max_spans = value
-            for name in ("_spans", "_cuda_spans"):
-                kept = getattr(self, name)
-                self.dropped += max(0, len(kept) - (value or len(kept)))
-                setattr(self, name, collections.deque(kept, maxlen=value))
+            if not self._holders:  # (held: at release)
+                self._limit_to(value)
+
+    def _limit_to(self, limit: Optional[int]) -> None:
+        # Under _lock.
+        for name in ("_spans", "_cuda_spans"):
+            kept = getattr(self, name)
+            self.dropped += max(0, len(kept) - (limit or len(kept)))
+            setattr(self, name, collections.deque(kept, maxlen=limit))
 
     def clear(self) -> None:
         with self._lock:
-            self._spans.clear()
-            self._cuda_spans.clear()
-            self.dropped = 0
+            self._empty()
+            self._user_recorded = self._wanted
+
+    def _empty(self) -> None:
+        # Under _lock.
+        self._spans.clear()
+        self._cuda_spans.clear()
+        self.dropped = 0
 
     # -- recording -----------------------------------------------------------
 

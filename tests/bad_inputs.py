@@ -694,6 +694,26 @@ def init_sync_differs(rank, world_size):
     fgp.DistributedDataParallel(MLP(), init_sync=rank != 1)
 
 
+def overlap_plan_set_differently_on_one_rank(rank, world_size):
+    """Before, no check: rank 1's plan sent its buckets in another order than the
+    others', and where they were of one size each all-gather paired one bucket with
+    another, silently (the ranks 0.38 apart after 4 steps)."""
+    model = fgp.DistributedDataParallel(MLP(), schedule="two_stage", bucket_cap_mb=0.002,
+                                        overlap_plan="layout")
+    n = len(model.buckets)
+    stage1 = (1, 0) if rank == 1 else (0, 1)
+    model.set_overlap_plan(fgp.OverlapPlan(stage1=stage1, stage2=tuple(range(n - 1, 1, -1)),
+                                           lookahead=n))
+
+
+def overlap_plan_of_floats(rank, world_size):
+    """Before, accepted: the next step failed in its all-gathers."""
+    model = fgp.DistributedDataParallel(MLP(), schedule="two_stage", overlap_plan="layout")
+    n = len(model.buckets)
+    model.set_overlap_plan(fgp.OverlapPlan(stage1=(), stage2=tuple(float(b) for b in range(n)),
+                                           lookahead=n))
+
+
 def optimizer_argument_bad_on_one_rank(rank, world_size):
     """Refused on rank 1 alone: before, the others went on into their first collective."""
     model = fgp.DistributedDataParallel(MLP())

@@ -307,3 +307,17 @@ def test_steady_state_reads_every_rank_and_prints_a_row():
         assert len(rss.split("/")) == 3 and all(float(v) > 0 for v in rss.split("/"))
         first, last = (int(v) for v in tensors.split(" / "))
         assert first > 0 and last > 0
+
+
+@pytest.mark.parametrize("arguments, message", [
+    (["--steps", "0"], "--steps must be at least 1"),
+    (["--world-size", "3", "--local-size", "2"], "--local-size must divide --world-size"),
+    (["--world-size", "2", "--local-size", "0"], "--local-size must divide --world-size")])
+def test_print_plan_refuses_arguments_it_cannot_plan_for(arguments, message):
+    """Before: a NameError after the profile (--steps 0), a ZeroDivisionError after
+    it (--local-size 0, or above --world-size), or a plan for one node of 2 ranks
+    where 3 were asked for."""
+    import subprocess
+    done = subprocess.run([sys.executable, os.path.join(BENCH, "print_plan.py"), *arguments],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and message in done.stderr, done.stderr

@@ -125,3 +125,40 @@ def test_the_optimizers_groups_stay_plain_dicts_for_compiled_code_torch_load_and
     for res in run_distributed(2, _groups_read_by_compiled_code_and_saved):
         assert res == {"scaled": [0.25, 0.25], "loaded_lr": 0.25,
                        "pytree_sees_the_pieces": True}, res
+
+
+def test_a_compiled_read_of_a_parameter_attribute_is_not_guarded_on_the_gathers():
+    """A function compiled apart (a regulariser over ``model.module.fc.weight``)
+    reads parameters through the wrapper's ``_parameters`` tables, which land a
+    parameter's all-gather when some are in flight. Before, dynamo traced that test
+    and guarded on it: a call right after the step (all-gathers in flight) and one
+    after the forward (none) each recompiled, and in a loop it recompiled at every
+    call until dynamo's limit (the compile's own reads landed them)."""
+    from torch import nn
+
+    from fgpsdp_runtime.module_guards import LandingParameters
+    torch._dynamo.reset()
+    module = nn.Linear(2, 2)
+    in_flight: dict = {}
+    landed = []
+
+    def land(param):
+        landed.append(param)
+        in_flight.clear()
+    module.__dict__["_parameters"] = LandingParameters(module.__dict__["_parameters"], land,
+                                                       in_flight, None)
+    compiles = 0
+
+    def backend(graph, example_inputs):
+        nonlocal compiles
+        compiles += 1
+        return graph.forward
+    regulariser = torch.compile(lambda m: m.weight.square().sum() + m.bias.sum(),
+                                backend=backend)
+    for _ in range(4):
+        in_flight[0] = "an all-gather"  # right after a step
+        regulariser(module)
+        in_flight.clear()  # after the forward
+        regulariser(module)
+    assert compiles == 1
+    torch._dynamo.reset()

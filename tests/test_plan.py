@@ -359,3 +359,72 @@ def test_timeline_keeps_the_latest_spans_within_its_cap():
     assert timeline.spans() == [] and timeline.dropped == 0
     with pytest.raises(ValueError, match="max_spans"):
         timeline.max_spans = 0
+
+
+def test_checked_plan_names_what_is_wrong_and_keeps_plain_ints():
+    """Before, a float bucket index passed the plan's check and failed in the
+    step's all-gathers ("list indices must be integers"), numpy ints passed and
+    broke to_json(), a stage given as a list failed on a concatenation, and a
+    lookahead of 1.5 or True passed."""
+    import numpy as np
+    import pytest
+    from fgpsdp_runtime.plan import checked_plan
+    plan = checked_plan(OverlapPlan(stage1=[np.int64(0)], stage2=(np.int64(1), 2),
+                                    lookahead=np.int64(3)), 3)
+    assert plan.stage1 == (0,) and plan.stage2 == (1, 2) and plan.lookahead == 3
+    assert all(type(b) is int for b in plan.stage1 + plan.stage2 + (plan.lookahead,))
+    assert OverlapPlan.from_json(plan.to_json()) == plan
+    for bad, match in [(OverlapPlan(stage1=(0.0,), stage2=(1.0,), lookahead=2), "stage1 must hold ints"),
+                       (OverlapPlan(stage1=(True,), stage2=(0,), lookahead=2), "stage1 must hold ints"),
+                       (OverlapPlan(stage1=(), stage2="01", lookahead=2), "stage2 must be a sequence"),
+                       (OverlapPlan(stage1=(), stage2=(0, 1), lookahead=1.5), "lookahead must hold ints"),
+                       (OverlapPlan(stage1=(), stage2=(0, 1), lookahead=True), "lookahead must hold ints"),
+                       ({"stage1": (), "stage2": (0, 1)}, "must be an fgp.OverlapPlan")]:
+        with pytest.raises(TypeError, match=match):
+            checked_plan(bad, 2)
+    with pytest.raises(ValueError, match="exactly one stage"):
+        checked_plan(OverlapPlan(stage1=(0,), stage2=(0,), lookahead=2), 2)
+    with pytest.raises(ValueError, match="lookahead must be >= 1"):
+        checked_plan(OverlapPlan(stage1=(), stage2=(0, 1), lookahead=0), 2)
+    assert checked_plan(OverlapPlan(stage1=(), stage2=(0, 1), lookahead=None), 2).lookahead is None
+
+
+def test_a_held_timeline_keeps_every_span_and_the_users():
+    """The plan profiler holds the timeline for its window. Before, a small
+    max_spans left it the last few spans (it planned from a link model fitted to
+    them), and a user who had enabled the timeline and disabled it during the
+    window lost every span at the window's end."""
+    from fgpsdp_runtime.tracing import Timeline
+    timeline = Timeline(max_spans=2)
+    timeline.hold()
+    for i in range(5):
+        timeline.add("compute", f"step {i}", float(i), i + 0.5)
+    assert len(timeline.spans()) == 5 and timeline.dropped == 0
+    timeline.max_spans = 3  # (the user's, while held: applies at release)
+    assert len(timeline.spans()) == 5
+    timeline.release()  # never enabled by the user: off and empty
+    assert not timeline.enabled and timeline.spans() == [] and timeline.dropped == 0
+
+    timeline.enable()
+    timeline.add("compute", "mine", 0.0, 1.0)
+    timeline.hold()
+    timeline.disable()
+    assert timeline.enabled  # (held)
+    timeline.add("compute", "profile", 1.0, 2.0)
+    timeline.release()
+    assert not timeline.enabled
+    assert [name for _, name, *_ in timeline.spans()] == ["mine", "profile"]
+
+    timeline.clear()
+    timeline.hold()
+    timeline.add("compute", "profile", 1.0, 2.0)
+    timeline.release()  # disabled before the hold, cleared since: empty
+    assert timeline.spans() == []
+
+    timeline.enable()
+    timeline.hold()
+    for i in range(5):
+        timeline.add("compute", f"step {i}", float(i), i + 0.5)
+    timeline.release()  # the user's: on, within its cap again
+    assert timeline.enabled and [name for _, name, *_ in timeline.spans()] == \
+        ["step 2", "step 3", "step 4"] and timeline.dropped == 2

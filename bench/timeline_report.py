@@ -56,6 +56,13 @@ def from_first_forward(spans):
     return [sp for sp in spans if sp[3] > min(starts)] if starts else spans
 
 
+def traced_steps(spans) -> int:
+    """The optimizer steps a trace holds (at least 1), for a trace saved without
+    saying how many steps it covers."""
+    return max(1, sum(1 for l, n, _, _ in from_first_forward(spans)
+                      if l == "compute" and n == "optimizer step"))
+
+
 def breakdown(spans, steps: int) -> dict[str, float]:
     """Seconds per traced step: compute phases, waits, and each lane's busy time."""
     spans = from_first_forward(spans)
@@ -163,7 +170,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("traces", nargs="+")
-    parser.add_argument("--steps", type=int, default=1, help="steps in each trace")
+    parser.add_argument("--steps", type=int, default=None,
+                        help="steps in each trace (default: its optimizer steps, counted)")
     parser.add_argument("--png")
     parser.add_argument("--link-gaps", metavar="LANES",
                         help="comma-separated lanes of one link (flat-rs,flat-ag): print "
@@ -175,7 +183,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     traces = {os.path.basename(p): load_spans(p) for p in args.traces}
     for name, spans in traces.items():
         print(name)
-        for key, value in breakdown(spans, args.steps).items():
+        steps = args.steps if args.steps is not None else traced_steps(spans)
+        if args.steps is None:
+            print(f"  (per step, over the {steps} optimizer steps it holds)")
+        for key, value in breakdown(spans, steps).items():
             print(f"  {key:<34} {value:8.3f} s")
         if args.link_gaps:
             busy, window, gaps = link_idle_gaps(spans, set(args.link_gaps.split(",")))

@@ -237,6 +237,17 @@ def test_breakdown_counts_only_the_waits_inside_a_step(bench_modules):
     assert out["window_s"] == pytest.approx(3.8)
 
 
+def test_a_trace_counts_its_own_steps(bench_modules):
+    """Before, --steps defaulted to 1: a trace of several steps read as one long one."""
+    import timeline_report  # on the path while bench_modules is alive
+    step = [("compute", "forward", 0.0, 1.0), ("compute", "optimizer step", 2.0, 3.0)]
+    later = [(lane, name, start + 3, end + 3) for lane, name, start, end in step]
+    # (An optimizer step before the first forward is the step before the trace's.)
+    assert timeline_report.traced_steps([("compute", "optimizer step", -1.0, -0.5)]
+                                        + step + later) == 2
+    assert timeline_report.traced_steps([("compute", "forward", 0.0, 1.0)]) == 1
+
+
 def test_span_lines_list_the_chosen_lanes_from_the_first_span(bench_modules):
     import timeline_report  # on the path while bench_modules is alive
     spans = [("inter-rs", "RS b1", 10.5, 10.7), ("compute", "forward", 10.0, 10.4),

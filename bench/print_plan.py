@@ -44,7 +44,8 @@ def main() -> None:
     parser.add_argument("--local-size", type=int, default=2)
     parser.add_argument("--bucket-cap-mb", type=float, default=None,
                         help="default: fgpsdp's own (sized to the model)")
-    parser.add_argument("--rate-gbit", type=float, default=1.0, help="inter-node link rate")
+    parser.add_argument("--rate-gbit", type=float, default=1.0,
+                        help="inter-node link rate (on one node: its ranks' exchange)")
     parser.add_argument("--latency-ms", type=float, default=0.5)
     parser.add_argument("--steps", type=int, default=3)
     args = parser.parse_args()

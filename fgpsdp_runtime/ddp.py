@@ -335,9 +335,12 @@ class DistributedDataParallel(nn.Module):
             lifecycle.weak_call(self._read_through_module), module)
         self._zero_grad_guard = zero_grad_through_the_wrapper(
             lifecycle.weak_call(self.zero_grad), module)
-        self._attribute_read_guards = land_gathers_on_attribute_reads(
-            lifecycle.weak_call(self._land_for_an_attribute_read),
-            self._gathers.in_flight_table, self._forward_waiter, module)
+        # (Only where all-gathers land after the step: none is in flight between
+        # steps under the other schedules.)
+        self._attribute_read_guards = None if self._forward_waiter is None else \
+            land_gathers_on_attribute_reads(
+                lifecycle.weak_call(self._land_for_an_attribute_read),
+                self._gathers.in_flight_table, self._forward_waiter, module)
 
     # -- set-up --------------------------------------------------------------
 
@@ -720,10 +723,10 @@ class DistributedDataParallel(nn.Module):
         self._gathers.finish_all(self.plan_profiler if timed else None, by_the_loop=by_the_loop)
 
     def set_overlap_plan(self, plan: OverlapPlan) -> None:
-        """Replace the two-stage plan; between steps, with the same plan on every rank
-        (a collective: the ranks' plans are compared, and a difference raises on every
-        rank; before, a plan set on one rank paired one bucket's all-gather with
-        another's, silently, where they were of one size). Under
+        """Replace the two-stage plan; between steps, with the same plan on every rank:
+        a collective, which compares the ranks' checked plans (and whatever checking
+        found wrong) and raises on every rank where they differ, since plans that
+        differ pair one bucket's all-gather with another's. Under
         ``overlap_plan="auto"`` it ends the profile too: the plan set here is kept,
         not replaced by the profile's."""
         if self.scheduler is None:
@@ -731,9 +734,18 @@ class DistributedDataParallel(nn.Module):
         if self._uneven_inputs is not None:
             self._uneven_inputs.announce_load(
                 "set_overlap_plan()", "set the plan before the join context or after it")
-        settings_agree_or_raise(self.process_group, {"overlap_plan": _plan_setting(plan)},
-                                "set_overlap_plan: the ranks' plans differ")
-        plan = checked_plan(plan, len(self._buckets))
+        problem: Optional[Exception] = None
+        try:
+            plan = checked_plan(plan, len(self._buckets))
+        except (TypeError, ValueError) as error:
+            problem = error
+        settings_agree_or_raise(self.process_group, {
+            "overlap_plan": None if problem is not None else _plan_setting(plan),
+            "overlap plan problem": None if problem is None
+            else f"{type(problem).__name__}: {problem}"},
+            "set_overlap_plan: the ranks' plans differ")
+        if problem is not None:
+            raise problem
         if self.plan_profiler is not None:
             self.plan_profiler.stop()
         self.install_overlap_plan(plan)
@@ -884,13 +896,10 @@ class DistributedDataParallel(nn.Module):
             self._read_for_a_clip = True
 
     def _land_for_an_attribute_read(self, param: torch.Tensor) -> None:
-        """``module.weight`` read while all-gathers are in flight (see
-        module_guards.land_gathers_on_attribute_reads): its bucket lands, outside a
-        forward, as a read through ``parameters()`` would land it. Not noted for the
+        """``module.weight`` read outside a forward while all-gathers are in flight
+        (module_guards.land_gathers_on_attribute_reads tests both): its bucket lands
+        where a read through ``parameters()`` would land it. Not noted for the
         warning about torch's clip, which reads ``parameters()``."""
-        waiter = self._forward_waiter
-        if waiter is not None and waiter.in_forward:
-            return  # (the forward's pre-hooks wait; the cheap test first)
         land, _ = self._before_parameters_read()
         if land:
             for b in self._buckets_of_param.get(id(param), ()):

@@ -421,6 +421,7 @@ class LandingParameters(dict):
         super().__init__(original)
         self._original = original
         self._land, self._in_flight, self._waiter = land, in_flight, waiter
+        self.removed = False  # its wrapper dropped (see ParameterTables.remove)
 
     def __getitem__(self, name: str):
         param = dict.__getitem__(self, name)
@@ -435,14 +436,25 @@ class LandingParameters(dict):
         return param
 
     def plain(self) -> dict:
-        """``original``, holding these entries now."""
+        """The module's own table (no wrapper's), holding these entries now."""
+        return self._refill(self._innermost(lambda table: True))
+
+    def underneath(self) -> dict:
+        """The table to hand back when this one's wrapper is dropped: the one it
+        replaced, past those whose wrappers are gone (a submodule two wrappers
+        share, the first dropped first), holding these entries now."""
+        return self._refill(self._innermost(lambda table: table.removed))
+
+    def _innermost(self, skip) -> dict:
         original = self._original
-        if isinstance(original, LandingParameters):  # (a submodule two wrappers share)
-            original = original.plain()
-        if original is not self:
-            original.clear()
-            original.update(dict.items(self))
+        while isinstance(original, LandingParameters) and skip(original):
+            original = original._original
         return original
+
+    def _refill(self, table: dict) -> dict:
+        table.clear()
+        table.update(dict.items(self))
+        return table
 
     def __deepcopy__(self, memo: dict) -> dict:
         copied: dict = {}
@@ -469,10 +481,9 @@ class ParameterTables:
 
     def remove(self) -> None:
         for attributes, table in self._installed:
+            table.removed = True
             if attributes.get("_parameters") is table:
-                # (Another wrapper's table, where two share a submodule: it stays.)
-                original = table._original
-                original.clear()
-                original.update(dict.items(table))
-                attributes["_parameters"] = original
+                attributes["_parameters"] = table.underneath()
+            # (Else another wrapper's table replaced it, where two share a submodule:
+            # that one skips this one when it is dropped in turn.)
         self._installed.clear()

@@ -80,16 +80,18 @@ class OverlapPlan:
 
 
 def checked_plan(plan: object, n_buckets: int) -> OverlapPlan:
-    """``plan`` with plain ints (numpy's become ``int``, so that it still goes to
-    JSON), or the error that names what is wrong: each of the ``n_buckets``
-    buckets in exactly one stage, given as ints, and a lookahead of at least 1
-    (or None). Before, a float bucket index passed here and failed deep in the
-    step's all-gathers, and a stage given as a list failed on a concatenation."""
+    """``plan`` with plain ints and tuples (numpy's ints become ``int``, so that it
+    still goes to JSON), or the error that names what is wrong: each of the
+    ``n_buckets`` buckets in exactly one stage, as ints, and a lookahead of at
+    least 1 (or None). The scheduler indexes lists with them, so a float must not
+    get that far."""
     if not isinstance(plan, OverlapPlan):
         raise TypeError(f"an overlap plan must be an fgp.OverlapPlan, got {type(plan).__name__}")
 
     def indices(name: str, values: object) -> tuple[int, ...]:
-        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence):
+        # (An ordered collection: a list, a tuple, a numpy array; not a set.)
+        if isinstance(values, (str, bytes, Mapping, set, frozenset)) \
+                or not hasattr(values, "__len__") or not hasattr(values, "__iter__"):
             raise TypeError(f"overlap plan {name} must be a sequence of bucket indices, "
                             f"got {values!r}")
         return tuple(_plain_int(f"overlap plan {name}", v) for v in values)

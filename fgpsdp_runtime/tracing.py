@@ -53,24 +53,30 @@ class Timeline:
         self._cuda_origin = None
         self._cuda_origin_device = None
         self._wanted = False  # the user's say: enable() / disable()
-        self._user_recorded = False  # the user enabled it since the last clear()
+        # How many spans were the user's when it disabled the timeline (each lane
+        # kind: host, CUDA): a hold's release drops those recorded after. None
+        # while the user wants it.
+        self._users_end: Optional[tuple[int, int]] = (0, 0)
         self._holders = 0  # the runtime's own readers (the plan profiler), see hold()
 
     def enable(self) -> None:
-        self._wanted = True
-        self._user_recorded = True
+        with self._lock:
+            self._wanted = True
+            self._users_end = None
         self.enabled = True
 
     def disable(self) -> None:
-        self._wanted = False
+        with self._lock:
+            self._wanted = False
+            if self._users_end is None:
+                self._users_end = (len(self._spans), len(self._cuda_spans))
         self.enabled = self._holders > 0
 
     def hold(self) -> None:
         """Record for the runtime's own use (the plan profiler's window), whatever
         the user says meanwhile; release() hands the timeline back. Every span is
         kept while held: the profile reads its whole window (with a small
-        ``max_spans`` it fitted its link model to the last few spans, and planned
-        from that)."""
+        ``max_spans`` it would fit its link model to the last few spans)."""
         with self._lock:
             self._holders += 1
             if self._holders == 1:
@@ -78,18 +84,23 @@ class Timeline:
         self.enabled = True
 
     def release(self) -> None:
-        """The last holder gone: as the user left it. On, with its spans, if the
-        user wants it; off, with its spans, if the user enabled it since the last
-        ``clear()`` and disabled it since (during the hold); else off and empty.
-        Then ``max_spans`` holds again, dropping the oldest."""
+        """The last holder gone: as the user left it. On, with every span, if the
+        user wants it; else off, with the spans recorded while the user wanted it
+        (none if it never did since the last ``clear()``). Then ``max_spans`` holds
+        again, dropping the oldest."""
         with self._lock:
             self._holders -= 1
             if self._holders:
                 return
             if not self._wanted:
                 self.enabled = False
-                if not self._user_recorded:
-                    self._empty()
+                host, cuda = self._users_end
+                for name, kept in (("_spans", host), ("_cuda_spans", cuda)):
+                    spans = getattr(self, name)
+                    while len(spans) > kept:  # (unbounded while held: nothing dropped)
+                        spans.pop()
+                if not host and not cuda:
+                    self.dropped = 0
             self._limit_to(self._max_spans)
 
     @property
@@ -107,22 +118,25 @@ class Timeline:
                 self._limit_to(value)
 
     def _limit_to(self, limit: Optional[int]) -> None:
-        # Under _lock.
-        for name in ("_spans", "_cuda_spans"):
+        # Under _lock. The oldest go: so many fewer of the user's, if it disabled it.
+        ends = list(self._users_end) if self._users_end is not None else None
+        for i, name in enumerate(("_spans", "_cuda_spans")):
             kept = getattr(self, name)
-            self.dropped += max(0, len(kept) - (limit or len(kept)))
+            gone = max(0, len(kept) - (limit or len(kept)))
+            self.dropped += gone
             setattr(self, name, collections.deque(kept, maxlen=limit))
+            if ends is not None:
+                ends[i] = max(0, ends[i] - gone)
+        if ends is not None:
+            self._users_end = (ends[0], ends[1])
 
     def clear(self) -> None:
         with self._lock:
-            self._empty()
-            self._user_recorded = self._wanted
-
-    def _empty(self) -> None:
-        # Under _lock.
-        self._spans.clear()
-        self._cuda_spans.clear()
-        self.dropped = 0
+            self._spans.clear()
+            self._cuda_spans.clear()
+            self.dropped = 0
+            if self._users_end is not None:
+                self._users_end = (0, 0)
 
     # -- recording -----------------------------------------------------------
 

@@ -706,6 +706,16 @@ def overlap_plan_set_differently_on_one_rank(rank, world_size):
                                            lookahead=n))
 
 
+def overlap_plan_of_floats_on_one_rank(rank, world_size):
+    """Compared as ints, rank 0's floats agreed with the others' ints: rank 0 alone
+    raised, and the others ran the plan (0.54 apart in an audit's repro)."""
+    model = fgp.DistributedDataParallel(MLP(), schedule="two_stage", overlap_plan="layout")
+    n = len(model.buckets)
+    index = float if rank == 0 else int
+    model.set_overlap_plan(fgp.OverlapPlan(stage1=(), stage2=tuple(index(b) for b in range(n)),
+                                           lookahead=n))
+
+
 def overlap_plan_of_floats(rank, world_size):
     """Before, accepted: the next step failed in its all-gathers."""
     model = fgp.DistributedDataParallel(MLP(), schedule="two_stage", overlap_plan="layout")

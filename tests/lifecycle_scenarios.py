@@ -104,6 +104,32 @@ def dropped_wrapper_is_freed(rank: int, world_size: int, schedule: str) -> dict[
             "hooks_left": hooks}
 
 
+def shared_frozen_submodule_tables(rank: int, world_size: int) -> list[str]:
+    """Two live wrappers share a frozen feature extractor; the first is dropped
+    first. The extractor's ``_parameters`` table, after each drop: the second
+    wrapper's, then the extractor's own. Before, the first wrapper's table (of a
+    wrapper gone) came back for good. Also: a shallow copy taken while wrapped
+    shares the extractor's own table once both are dropped, as without them."""
+    shared = nn.Linear(4, 4).requires_grad_(False)
+    own = vars(shared)["_parameters"]
+    first = fgp.DistributedDataParallel(nn.Sequential(shared, nn.Linear(4, 2)),
+                                        schedule="next_forward")
+    second = fgp.DistributedDataParallel(nn.Sequential(shared, nn.Linear(4, 2)),
+                                         schedule="next_forward")
+    shallow = copy.copy(shared)
+    seen = []
+    del first
+    gc.collect()
+    seen.append("second's" if vars(shared)["_parameters"] is vars(second.module[0])[
+        "_parameters"] and type(vars(shared)["_parameters"]) is not dict else "other")
+    del second
+    gc.collect()
+    table = vars(shared)["_parameters"]
+    seen.append("own" if table is own and type(table) is dict else type(table).__name__)
+    seen.append("shared" if vars(shallow)["_parameters"] is table else "apart")
+    return seen
+
+
 def stand_in_freed(rank: int, world_size: int, schedule: str) -> dict[str, Any]:
     """Train, then make and drop a stand-in of the wrapper as torch.compile's
     ``nn_module_proxy`` makes one at a graph break (a new object of the class

@@ -68,6 +68,8 @@ CASES = [
      [r"rank 1: init_sync=False, unlike rank 0's True"]),
     (bad_inputs.overlap_plan_set_differently_on_one_rank, "ValueError",
      [r"set_overlap_plan: the ranks' plans differ", r"rank 1: overlap_plan"]),
+    (bad_inputs.overlap_plan_of_floats_on_one_rank, "ValueError",
+     [r"set_overlap_plan: the ranks' plans differ", r"rank 1: overlap plan problem"]),
     (bad_inputs.overlap_plan_of_floats, "TypeError",
      [r"overlap plan stage2 must hold ints, got 0\.0"]),
     (bad_inputs.optimizer_argument_bad_on_one_rank, "ValueError",

@@ -11,7 +11,8 @@ CALLS = ([(scen.wrap_again, s) for s in SCHEDULES]
          + [(scen.stand_in_freed, s) for s in SCHEDULES]
          + [(scen.step_after_scheduler_stopped,)]
          + [(scen.backward_raises, s, zero) for s in SCHEDULES for zero in (True, False)]
-         + [(scen.own_group_timeouts,)])
+         + [(scen.own_group_timeouts,)]
+         + [(scen.shared_frozen_submodule_tables,)])
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +29,11 @@ def test_a_module_wrapped_again_trains_as_torch_ddp(two_ranks, schedule):
         # frozen in the first wrapping, trained in the second
         assert res["frozen_moved"][0] == 0.0 and res["frozen_moved"][1] > 0, res
         assert res["diff_to_ddp"] == 0.0, res
+
+
+def test_a_submodule_two_wrappers_share_gets_its_own_table_back(two_ranks):
+    for seen in two_ranks[(scen.shared_frozen_submodule_tables,)]:
+        assert seen == ["second's", "own", "shared"], seen
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

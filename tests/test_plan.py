@@ -392,8 +392,8 @@ def test_checked_plan_names_what_is_wrong_and_keeps_plain_ints():
 def test_a_held_timeline_keeps_every_span_and_the_users():
     """The plan profiler holds the timeline for its window. Before, a small
     max_spans left it the last few spans (it planned from a link model fitted to
-    them), and a user who had enabled the timeline and disabled it during the
-    window lost every span at the window's end."""
+    them), and a user who had enabled the timeline and disabled it lost every span
+    at the window's end, or, disabled before, kept the profile's instead."""
     from fgpsdp_runtime.tracing import Timeline
     timeline = Timeline(max_spans=2)
     timeline.hold()
@@ -408,12 +408,30 @@ def test_a_held_timeline_keeps_every_span_and_the_users():
     timeline.enable()
     timeline.add("compute", "mine", 0.0, 1.0)
     timeline.hold()
+    timeline.add("compute", "mine, held", 1.0, 2.0)
     timeline.disable()
     assert timeline.enabled  # (held)
-    timeline.add("compute", "profile", 1.0, 2.0)
-    timeline.release()
+    timeline.add("compute", "profile", 2.0, 3.0)
+    timeline.release()  # off, with what was recorded while the user wanted it
     assert not timeline.enabled
-    assert [name for _, name, *_ in timeline.spans()] == ["mine", "profile"]
+    assert [name for _, name, *_ in timeline.spans()] == ["mine", "mine, held"]
+
+    timeline.clear()
+    timeline.max_spans = 3
+    timeline.enable()
+    for i in range(3):
+        timeline.add("compute", f"mine {i}", float(i), i + 0.5)
+    timeline.disable()  # before the hold
+    timeline.hold()
+    for i in range(4):
+        timeline.add("compute", f"profile {i}", float(i), i + 0.5)
+    timeline.release()  # the profile's spans go, not the user's under the cap
+    assert [name for _, name, *_ in timeline.spans()] == ["mine 0", "mine 1", "mine 2"]
+    timeline.max_spans = 2  # (the oldest go, so many fewer of the user's)
+    timeline.hold()
+    timeline.add("compute", "profile", 9.0, 9.5)
+    timeline.release()
+    assert [name for _, name, *_ in timeline.spans()] == ["mine 1", "mine 2"]
 
     timeline.clear()
     timeline.hold()
@@ -421,6 +439,8 @@ def test_a_held_timeline_keeps_every_span_and_the_users():
     timeline.release()  # disabled before the hold, cleared since: empty
     assert timeline.spans() == []
 
+    timeline.clear()
+    timeline.max_spans = 3
     timeline.enable()
     timeline.hold()
     for i in range(5):

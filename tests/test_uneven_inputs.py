@@ -16,7 +16,7 @@ THREE = [name for name in scen.CASES if name.startswith("3r-")]
 ERROR_CALLS = [(scen.train_case_throwing,), (scen.join_with_grad_scaler,)]
 REFUSALS_CAUGHT = [(scen.refusal_caught_under_join, what) for what in ("norm_type", "train")]
 MISALIGNED_NO_SYNC = (scen.no_sync_beside_a_synchronised_forward,)
-LOADS = [(scen.load_while_joined, what, load_at) for what in ("model", "full", "shard")
+LOADS = [(scen.load_while_joined, what, load_at) for what in ("model", "full", "shard", "plan")
          for load_at in (0, 2)]  # at 0 every rank is active: the load is fine
 TWO_WRAPPERS = [(scen.join_of_two_wrappers, how) for how in ("generic", "nested")]
 # (rank 0's micro-batches, rank 1's): even; rank 0 leaves one and joins first;

@@ -294,14 +294,16 @@ def _plain_step(model, opt, step: int, rank: int) -> None:
 
 def load_while_joined(rank: int, world_size: int, what: str, load_at: int) -> dict[str, str]:
     """Rank 0 runs one step, the others three; at step ``load_at`` the active ranks
-    rewind to a checkpoint of step 0. Before, a model or full optimizer load missed the
-    joined rank's slices (1e-2 off torch DDP, silently) and a shard reload aborted gloo."""
+    rewind to a checkpoint of step 0 (``what="plan"``: set the plan they run again,
+    under two_stage). Before, a model or full optimizer load missed the joined rank's
+    slices (1e-2 off torch DDP, silently) and a shard reload aborted gloo."""
     return _error_of(_load_while_joined, rank, what, load_at)
 
 
 def _load_while_joined(rank: int, what: str, load_at: int) -> None:
     torch.manual_seed(5)
-    ours = fgp.DistributedDataParallel(MODELS["mlp"](), schedule="serial")
+    ours = fgp.DistributedDataParallel(MODELS["mlp"](),
+                                       schedule="two_stage" if what == "plan" else "serial")
     opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
     saved = None
     with ours.join():
@@ -311,7 +313,9 @@ def _load_while_joined(rank: int, what: str, load_at: int) -> None:
                 saved = {"model": ours.module.state_dict(), "full": opt.full_state_dict(),
                          "shard": opt.state_dict()}
             if step == load_at:
-                if what == "model":
+                if what == "plan":
+                    ours.set_overlap_plan(ours.plan)
+                elif what == "model":
                     ours.module.load_state_dict(saved["model"])
                 else:
                     opt.load_state_dict(saved[what])

@@ -412,8 +412,8 @@ class LandingParameters(dict):
     """A submodule's ``_parameters``: see ``land_gathers_on_attribute_reads``. The
     same entries as the module's own table (``original``), in order. A copy or a
     pickle of the module gets ``original`` with these entries (a copied module is
-    not wrapped; a shallow copy shares it with the module, as without the wrapper,
-    which hands it back when dropped); a copy of the table alone is a plain
+    not wrapped; a shallow copy shares it with the module once the wrapper, dropped,
+    hands it back, as without the wrapper); a copy of the table alone is a plain
     ``dict``."""
 
     def __init__(self, original: dict, land: Callable[[torch.Tensor], None], in_flight: dict,

@@ -737,7 +737,7 @@ class DistributedDataParallel(nn.Module):
         problem: Optional[Exception] = None
         try:
             plan = checked_plan(plan, len(self._buckets))
-        except (TypeError, ValueError) as error:
+        except Exception as error:  # noqa: BLE001 - raised below, on every rank
             problem = error
         settings_agree_or_raise(self.process_group, {
             "overlap_plan": None if problem is not None else _plan_setting(plan),

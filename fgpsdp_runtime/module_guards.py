@@ -421,7 +421,6 @@ class LandingParameters(dict):
         super().__init__(original)
         self._original = original
         self._land, self._in_flight, self._waiter = land, in_flight, waiter
-        self.removed = False  # its wrapper dropped (see ParameterTables.remove)
 
     def __getitem__(self, name: str):
         param = dict.__getitem__(self, name)
@@ -437,24 +436,20 @@ class LandingParameters(dict):
 
     def plain(self) -> dict:
         """The module's own table (no wrapper's), holding these entries now."""
-        return self._refill(self._innermost(lambda table: True))
-
-    def underneath(self) -> dict:
-        """The table to hand back when this one's wrapper is dropped: the one it
-        replaced, past those whose wrappers are gone (a submodule two wrappers
-        share, the first dropped first), holding these entries now."""
-        return self._refill(self._innermost(lambda table: table.removed))
-
-    def _innermost(self, skip) -> dict:
         original = self._original
-        while isinstance(original, LandingParameters) and skip(original):
+        while isinstance(original, LandingParameters):  # (a submodule wrappers share)
             original = original._original
-        return original
+        return self._refill(original)
 
     def _refill(self, table: dict) -> dict:
         table.clear()
         table.update(dict.items(self))
         return table
+
+    def _let_go(self) -> None:
+        """Its wrapper dropped: hold nothing of the wrapper's (its waiter holds the
+        module, whose parameters are views of the wrapper's buckets)."""
+        self._land, self._in_flight, self._waiter = _land_nothing, {}, None
 
     def __deepcopy__(self, memo: dict) -> dict:
         copied: dict = {}
@@ -468,9 +463,10 @@ class LandingParameters(dict):
 
 
 class ParameterTables:
-    """The ``_parameters`` tables of ours on the submodules; ``remove()`` gives each
-    module its own table back, with the entries ours holds then, where the module
-    still holds ours."""
+    """The ``_parameters`` tables of ours on the submodules. ``remove()`` gives each
+    module the table ours replaced (its own, or another live wrapper's where two
+    share a submodule) with the entries ours holds then, and takes ours out of a
+    chain where a later wrapper's table covers it."""
 
     def __init__(self):
         self._installed: list[tuple[dict, LandingParameters]] = []
@@ -481,9 +477,20 @@ class ParameterTables:
 
     def remove(self) -> None:
         for attributes, table in self._installed:
-            table.removed = True
-            if attributes.get("_parameters") is table:
-                attributes["_parameters"] = table.underneath()
-            # (Else another wrapper's table replaced it, where two share a submodule:
-            # that one skips this one when it is dropped in turn.)
+            installed = attributes.get("_parameters")
+            if installed is table:
+                attributes["_parameters"] = table._refill(table._original)
+            else:
+                # Another wrapper's table replaced it, where two share a submodule:
+                # out of that chain, so that it keeps nothing of this wrapper alive.
+                above = installed
+                while isinstance(above, LandingParameters) and above._original is not table:
+                    above = above._original
+                if isinstance(above, LandingParameters):
+                    above._original = table._original
+            table._let_go()
         self._installed.clear()
+
+
+def _land_nothing(_param: torch.Tensor) -> None:
+    return None

@@ -53,23 +53,24 @@ class Timeline:
         self._cuda_origin = None
         self._cuda_origin_device = None
         self._wanted = False  # the user's say: enable() / disable()
-        # How many spans were the user's when it disabled the timeline (each lane
-        # kind: host, CUDA): a hold's release drops those recorded after. None
-        # while the user wants it.
-        self._users_end: Optional[tuple[int, int]] = (0, 0)
         self._holders = 0  # the runtime's own readers (the plan profiler), see hold()
+        # While held: where the spans recorded while the user did not want them
+        # begin and end, [host, CUDA, host end, CUDA end] (ends None while open),
+        # indices that hold still since nothing is dropped while held; release()
+        # drops those spans.
+        self._unwanted: list[list] = []
 
     def enable(self) -> None:
         with self._lock:
             self._wanted = True
-            self._users_end = None
+            self._close_unwanted()
         self.enabled = True
 
     def disable(self) -> None:
         with self._lock:
             self._wanted = False
-            if self._users_end is None:
-                self._users_end = (len(self._spans), len(self._cuda_spans))
+            if self._holders:
+                self._open_unwanted()
         self.enabled = self._holders > 0
 
     def hold(self) -> None:
@@ -81,27 +82,45 @@ class Timeline:
             self._holders += 1
             if self._holders == 1:
                 self._limit_to(None)
+                if not self._wanted:
+                    self._open_unwanted()
         self.enabled = True
 
     def release(self) -> None:
-        """The last holder gone: as the user left it. On, with every span, if the
-        user wants it; else off, with the spans recorded while the user wanted it
-        (none if it never did since the last ``clear()``). Then ``max_spans`` holds
-        again, dropping the oldest."""
+        """The last holder gone: as the user left it, with the spans recorded while
+        the user wanted it (none, if it never did since the last ``clear()``); on if
+        the user wants it, else off. Then ``max_spans`` holds again, dropping the
+        oldest."""
         with self._lock:
+            if not self._holders:  # (unbalanced: nothing to hand back)
+                return
             self._holders -= 1
             if self._holders:
                 return
-            if not self._wanted:
-                self.enabled = False
-                host, cuda = self._users_end
-                for name, kept in (("_spans", host), ("_cuda_spans", cuda)):
-                    spans = getattr(self, name)
-                    while len(spans) > kept:  # (unbounded while held: nothing dropped)
-                        spans.pop()
-                if not host and not cuda:
-                    self.dropped = 0
+            self._close_unwanted()
+            self._drop_unwanted()
+            self.enabled = self._wanted
             self._limit_to(self._max_spans)
+
+    def _open_unwanted(self) -> None:
+        # Under _lock.
+        if not self._unwanted or self._unwanted[-1][2] is not None:
+            self._unwanted.append([len(self._spans), len(self._cuda_spans), None, None])
+
+    def _close_unwanted(self) -> None:
+        # Under _lock.
+        if self._unwanted and self._unwanted[-1][2] is None:
+            self._unwanted[-1][2:] = [len(self._spans), len(self._cuda_spans)]
+
+    def _drop_unwanted(self) -> None:
+        # Under _lock, at the release: the deques are unbounded, the indices hold.
+        for kind, name in enumerate(("_spans", "_cuda_spans")):
+            ranges = [(r[kind], r[kind + 2]) for r in self._unwanted]
+            if ranges:
+                kept = [span for i, span in enumerate(getattr(self, name))
+                        if not any(start <= i < end for start, end in ranges)]
+                setattr(self, name, collections.deque(kept, maxlen=None))
+        self._unwanted = []
 
     @property
     def max_spans(self) -> Optional[int]:
@@ -118,25 +137,21 @@ class Timeline:
                 self._limit_to(value)
 
     def _limit_to(self, limit: Optional[int]) -> None:
-        # Under _lock. The oldest go: so many fewer of the user's, if it disabled it.
-        ends = list(self._users_end) if self._users_end is not None else None
-        for i, name in enumerate(("_spans", "_cuda_spans")):
+        # Under _lock. While held only to lift the cap: the unwanted ranges' indices
+        # must hold.
+        for name in ("_spans", "_cuda_spans"):
             kept = getattr(self, name)
-            gone = max(0, len(kept) - (limit or len(kept)))
-            self.dropped += gone
+            self.dropped += max(0, len(kept) - (limit or len(kept)))
             setattr(self, name, collections.deque(kept, maxlen=limit))
-            if ends is not None:
-                ends[i] = max(0, ends[i] - gone)
-        if ends is not None:
-            self._users_end = (ends[0], ends[1])
 
     def clear(self) -> None:
         with self._lock:
             self._spans.clear()
             self._cuda_spans.clear()
             self.dropped = 0
-            if self._users_end is not None:
-                self._users_end = (0, 0)
+            self._unwanted = []
+            if self._holders and not self._wanted:
+                self._open_unwanted()
 
     # -- recording -----------------------------------------------------------
 
@@ -208,6 +223,8 @@ class Timeline:
         end = torch.cuda.Event(enable_timing=True)
         end.record(stream)
         with self._lock:
+            if not self.enabled:  # (off since it began: a hold released meanwhile)
+                return
             if len(self._cuda_spans) == self._cuda_spans.maxlen:
                 self.dropped += 1
             self._cuda_spans.append((lane, name, start, end))

@@ -108,7 +108,8 @@ def shared_frozen_submodule_tables(rank: int, world_size: int) -> list[str]:
     """Two live wrappers share a frozen feature extractor; the first is dropped
     first. The extractor's ``_parameters`` table, after each drop: the second
     wrapper's, then the extractor's own. Before, the first wrapper's table (of a
-    wrapper gone) came back for good. Also: a shallow copy taken while wrapped
+    wrapper gone) came back for good, and until then it kept the first wrapper's
+    module alive. Also: a shallow copy taken while wrapped
     shares the extractor's own table once both are dropped, as without them."""
     shared = nn.Linear(4, 4).requires_grad_(False)
     own = vars(shared)["_parameters"]
@@ -117,11 +118,14 @@ def shared_frozen_submodule_tables(rank: int, world_size: int) -> list[str]:
     second = fgp.DistributedDataParallel(nn.Sequential(shared, nn.Linear(4, 2)),
                                          schedule="next_forward")
     shallow = copy.copy(shared)
+    first_module = weakref.ref(first.module)
     seen = []
     del first
     gc.collect()
     seen.append("second's" if vars(shared)["_parameters"] is vars(second.module[0])[
         "_parameters"] and type(vars(shared)["_parameters"]) is not dict else "other")
+    # (Its table, under the second's, held its waiter, which holds its module.)
+    seen.append("first freed" if first_module() is None else "first's module alive")
     del second
     gc.collect()
     table = vars(shared)["_parameters"]

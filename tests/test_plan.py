@@ -439,6 +439,28 @@ def test_a_held_timeline_keeps_every_span_and_the_users():
     timeline.release()  # disabled before the hold, cleared since: empty
     assert timeline.spans() == []
 
+    timeline.max_spans = None
+    timeline.enable()
+    timeline.add("compute", "U0", 0.0, 1.0)
+    timeline.disable()
+    timeline.hold()
+    timeline.add("compute", "P1", 1.0, 2.0)
+    timeline.enable()  # (during the hold: from here the user's again)
+    timeline.add("compute", "U2", 2.0, 3.0)
+    timeline.disable()
+    timeline.add("compute", "P3", 3.0, 4.0)
+    timeline.release()
+    assert [name for _, name, *_ in timeline.spans()] == ["U0", "U2"]
+    timeline.clear()
+    timeline.hold()
+    timeline.add("compute", "P0", 0.0, 1.0)
+    timeline.enable()
+    timeline.disable()
+    timeline.release()
+    assert timeline.spans() == []
+    timeline.release()  # (unbalanced: nothing happens)
+    assert not timeline.enabled
+
     timeline.clear()
     timeline.max_spans = 3
     timeline.enable()

@@ -346,10 +346,10 @@ def test_timeline_keeps_the_latest_spans_within_its_cap():
     timeline.enable()
     for i in range(8):
         timeline.add("compute", f"step {i}", float(i), i + 0.5)
-    assert [name for _, name, *_ in timeline.spans()] == [f"step {i}" for i in range(3, 8)]
+    assert _span_names(timeline) == [f"step {i}" for i in range(3, 8)]
     assert timeline.dropped == 3
     timeline.max_spans = 2
-    assert [name for _, name, *_ in timeline.spans()] == ["step 6", "step 7"]
+    assert _span_names(timeline) == ["step 6", "step 7"]
     assert timeline.dropped == 6
     timeline.max_spans = None
     for i in range(8, 20):
@@ -414,7 +414,7 @@ def test_a_held_timeline_keeps_every_span_and_the_users():
     timeline.add("compute", "profile", 2.0, 3.0)
     timeline.release()  # off, with what was recorded while the user wanted it
     assert not timeline.enabled
-    assert [name for _, name, *_ in timeline.spans()] == ["mine", "mine, held"]
+    assert _span_names(timeline) == ["mine", "mine, held"]
 
     timeline.clear()
     timeline.max_spans = 3
@@ -426,12 +426,12 @@ def test_a_held_timeline_keeps_every_span_and_the_users():
     for i in range(4):
         timeline.add("compute", f"profile {i}", float(i), i + 0.5)
     timeline.release()  # the profile's spans go, not the user's under the cap
-    assert [name for _, name, *_ in timeline.spans()] == ["mine 0", "mine 1", "mine 2"]
+    assert _span_names(timeline) == ["mine 0", "mine 1", "mine 2"]
     timeline.max_spans = 2  # (the oldest go, so many fewer of the user's)
     timeline.hold()
     timeline.add("compute", "profile", 9.0, 9.5)
     timeline.release()
-    assert [name for _, name, *_ in timeline.spans()] == ["mine 1", "mine 2"]
+    assert _span_names(timeline) == ["mine 1", "mine 2"]
 
     timeline.clear()
     timeline.hold()
@@ -450,7 +450,7 @@ def test_a_held_timeline_keeps_every_span_and_the_users():
     timeline.disable()
     timeline.add("compute", "P3", 3.0, 4.0)
     timeline.release()
-    assert [name for _, name, *_ in timeline.spans()] == ["U0", "U2"]
+    assert _span_names(timeline) == ["U0", "U2"]
     timeline.clear()
     timeline.hold()
     timeline.add("compute", "P0", 0.0, 1.0)
@@ -468,5 +468,9 @@ def test_a_held_timeline_keeps_every_span_and_the_users():
     for i in range(5):
         timeline.add("compute", f"step {i}", float(i), i + 0.5)
     timeline.release()  # the user's: on, within its cap again
-    assert timeline.enabled and [name for _, name, *_ in timeline.spans()] == \
+    assert timeline.enabled and _span_names(timeline) == \
         ["step 2", "step 3", "step 4"] and timeline.dropped == 2
+
+
+def _span_names(timeline) -> list[str]:
+    return [name for _, name, *_ in timeline.spans()]

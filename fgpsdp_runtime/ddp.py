@@ -26,9 +26,8 @@ from . import lifecycle, shutdown
 from .buckets import BucketStorage, layout_strides
 from .buffer_broadcast import broadcast_coalesced, versions_kept
 from .comm import CommStats, FlatExchange, HierarchicalExchange
-from .ddp_options import (buffer_sync, checked_arguments, ignored_names,
-                          ignored_trainable_problem, named_device, process_group_of,
-                          refuse_unsupported)
+from .ddp_options import (buffer_sync, checked_arguments, ignored_names, named_device,
+                          process_group_of, refuse_unsupported)
 from .layout import (BucketLayout, ParamInfo, default_bucket_cap_mb, first_bucket_cap_bytes,
                      owned_numel, param_alignment_for, plan_buckets)
 from .forward_waits import ForwardParamWaiter, is_traced_by_dynamo
@@ -37,7 +36,7 @@ from .group_collectives import all_reduce_held
 from .param_gathers import ParamGathers
 from .module_guards import (hand_out_parameters_through_the_wrapper,
                             land_gathers_before_state_dicts, land_gathers_on_attribute_reads,
-                            zero_grad_through_the_wrapper)
+                            plain_named_parameters, zero_grad_through_the_wrapper)
 from .param_guards import ParamPlaces, ParamVersions, storage_address
 from .plan import OverlapPlan, checked_plan, layout_plan, profiling_plan
 from .plan_profiler import PlanProfiler
@@ -157,15 +156,16 @@ class DistributedDataParallel(nn.Module):
         # The slice of every bucket this rank owns (not always its rank: see topology.py).
         self.slice_index = self.topology.slice_index(self.rank)
 
-        # Neither broadcast nor compared across ranks, as in torch DDP.
+        # Left alone as torch DDP leaves them: neither broadcast nor compared across
+        # ranks, nor reduced, nor in a bucket. Trainable ones (an expert-parallel
+        # model's experts) are the user's to reduce, if at all, and to step with an
+        # optimizer of their own.
         self._ignored_names = ignored_names(module)
         named = [(n, p) for n, p in module.named_parameters()  # tied ones appear once
-                 if n not in self._ignored_names or p.requires_grad]
+                 if n not in self._ignored_names]
         trainable = [(n, p) for n, p in named if p.requires_grad]
         problems = argument_problems + topology_problems + local_problems(module, trainable) \
             + lifecycle.wrapped_elsewhere(trainable)
-        ignored_trainable = ignored_trainable_problem(trainable, self._ignored_names)
-        problems += [ignored_trainable] if ignored_trainable else []
         if not problems:  # it bumps version counters: not those a live wrapper tracks
             shared = shared_memory_problem(trainable)
             problems += [shared] if shared is not None else []
@@ -201,8 +201,7 @@ class DistributedDataParallel(nn.Module):
         lifecycle.claim(trainable, self)
         lifecycle.finish_before_destroy(self)
         # Unfrozen later, they would never be reduced nor stepped: see _check_frozen.
-        self._frozen_at_wrap = [(n, p) for n, p in module.named_parameters()
-                                if not p.requires_grad]
+        self._frozen_at_wrap = [(n, p) for n, p in named if not p.requires_grad]
         self._param_index = {id(p): i for i, p in enumerate(self._params)}
         device = self._params[0].device if self._params else torch.device("cpu")
         self.device = device  # torch DDP's attribute
@@ -976,6 +975,12 @@ class DistributedDataParallel(nn.Module):
 
     def named_trainable_parameters(self) -> list[tuple[str, nn.Parameter]]:
         return list(zip(self._param_names, self._params))
+
+    def named_ignored_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """The trainable parameters named in ``_ddp_params_and_buffers_to_ignore``,
+        which no bucket holds (see ignored_params.py)."""
+        return [(n, p) for n, p in plain_named_parameters(self.module)
+                if n in self._ignored_names and p.requires_grad]
 
     # -- internals shared with the optimizer ----------------------------------
 

@@ -121,19 +121,6 @@ def ignored_names(module: torch.nn.Module) -> frozenset[str]:
     return frozenset(getattr(module, "_ddp_params_and_buffers_to_ignore", ()))
 
 
-def ignored_trainable_problem(trainable: Sequence[tuple[str, torch.nn.Parameter]],
-                              ignored: frozenset[str]) -> Optional[str]:
-    """Trainable parameters torch DDP would leave unreduced, training each rank's
-    copy on its own: a ShardedOptimizer steps only bucket slices."""
-    names = [n for n, _ in trainable if n in ignored]
-    if not names:
-        return None
-    return (f"trainable parameter(s) {', '.join(repr(n) for n in names[:4])} are in "
-            "_ddp_params_and_buffers_to_ignore: rank-local trainable parameters are not "
-            "supported (ignored buffers and frozen parameters are); train them outside the "
-            "wrapped module, or freeze them")
-
-
 @dataclass(frozen=True)
 class CheckedArguments:
     """The keywords whose values the wrapper checks itself, each invalid one

@@ -40,6 +40,7 @@ from .ops import multi_tensor_sq_norm
 from .optimizer_itself import on_itself, remember_itself
 from .optimizer_conversion import constructor_defaults, conversion_problem, param_groups_to_give
 from .optimizer_kinds import refuse_unsliceable, refuse_unsliceable_settings
+from .ignored_params import UnsteppedIgnoredParameters
 from .param_group_args import read_param_groups
 from .profiling import nvtx_range
 from .slice_pieces import SlicePieces
@@ -166,6 +167,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # A step whose inner optimizer raised part-way (see _UnfinishedStep).
         self._unfinished: Optional[_UnfinishedStep] = None
         self._reset_step_measurements()
+        self._unstepped_ignored = UnsteppedIgnoredParameters(model.named_ignored_parameters())
         model.attach_optimizer(self)
 
     @classmethod
@@ -534,6 +536,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.model.note_step_for_the_clip_warning(
             clipped=self._clip_called or self.max_grad_norm is not None)
         self.run_step()
+        self._unstepped_ignored.after_step()
         return loss
 
     @torch.no_grad()

@@ -32,6 +32,7 @@ def read_param_groups(model: Any, param_groups: Any) -> GroupsAsGiven:
     the wrapped module; warns of trainable parameters in no group."""
     named_trainable = model.named_trainable_parameters()
     trainable = [p for _, p in named_trainable]
+    ignored = {id(p): n for n, p in model.named_ignored_parameters()}
     if param_groups is None:
         return GroupsAsGiven(groups=[{"params": trainable}],
                              numbered_params=[[p for _, p in plain_named_parameters(model.module)]],
@@ -69,6 +70,13 @@ def read_param_groups(model: Any, param_groups: Any) -> GroupsAsGiven:
             if model.param_index(p) is None:
                 if isinstance(p, torch.nn.Parameter) and not p.requires_grad:
                     continue  # frozen: never stepped, as with torch.optim
+                if id(p) in ignored:
+                    raise ValueError(
+                        f"param_groups[{i}]: parameter {ignored[id(p)]!r} is named in "
+                        "_ddp_params_and_buffers_to_ignore: no bucket holds it, so a "
+                        "ShardedOptimizer cannot step it. Step it with an optimizer of its "
+                        "own (torch.optim.AdamW(those parameters)), and leave it out of "
+                        "this one's groups")
                 raise ValueError(f"param_groups[{i}]: a tensor of shape {tuple(p.shape)} "
                                  "is not a trainable parameter of the wrapped module (was "
                                  "it frozen when the module was wrapped?)")

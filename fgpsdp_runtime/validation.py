@@ -127,9 +127,10 @@ def local_problems(module: torch.nn.Module,
                             f"an expand(): strides {tuple(param.stride())}); make it "
                             "nn.Parameter(t.clone()) or keep the smaller tensor as the parameter")
             break
+    trainable_ids = {id(p) for _, p in trainable}  # (not those the wrapper leaves alone)
     for mod_name, mod in module.named_modules():
         if getattr(mod, "sparse", False) is True and any(
-                p.requires_grad for p in mod.parameters(recurse=False)):
+                id(p) in trainable_ids for p in mod.parameters(recurse=False)):
             problems.append(f"module '{mod_name or type(mod).__name__}' produces sparse "
                             "gradients (sparse=True); sparse gradients are not supported")
     return problems

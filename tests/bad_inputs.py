@@ -336,11 +336,21 @@ def no_parameters(rank, world_size):
     fgp.DistributedDataParallel(nn.Sequential(nn.ReLU(), nn.Flatten()))
 
 
-def trainable_parameter_ignored(rank, world_size):
+def ignored_parameter_in_groups(rank, world_size, converted=False):
+    # Left to the user (an expert's parameter): a torch optimizer of its own steps it.
     model = MLP()
     torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
         model, ["net.4.bias"])
-    fgp.DistributedDataParallel(model)
+    model = fgp.DistributedDataParallel(model)
+    if converted:  # the loop's torch DDP optimizer, over all of model.parameters()
+        fgp.ShardedOptimizer.from_optimizer(model, torch.optim.AdamW(model.parameters()))
+    else:
+        fgp.ShardedOptimizer(model, torch.optim.AdamW,
+                             param_groups=[{"params": list(model.module.parameters())}])
+
+
+def ignored_parameter_converted(rank, world_size):
+    ignored_parameter_in_groups(rank, world_size, converted=True)
 
 
 def other_models_optimizer_checkpoint(rank, world_size):

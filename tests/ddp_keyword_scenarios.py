@@ -5,6 +5,7 @@ Imported by the spawned ranks (module-level functions only).
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import torch
@@ -88,3 +89,96 @@ def train_with_keywords(rank: int, world_size: int, cfg: dict[str, Any]) -> dict
 def train_many_with_keywords(rank: int, world_size: int,
                              cfgs: dict[str, dict]) -> dict[str, dict]:
     return {name: train_with_keywords(rank, world_size, cfg) for name, cfg in cfgs.items()}
+
+
+class ExpertNet(nn.Module):
+    """Tutel-style expert parallelism in small: ``expert`` is rank-local (each rank
+    its own expert, started apart), named in torch's ignore list and trained by an
+    optimizer of its own; ``body`` and ``out`` are replicated."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(8, 16)
+        self.expert = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.body(x))
+        return self.out(h + torch.tanh(self.expert(h)))
+
+
+EXPERT_NAMES = ["expert.weight", "expert.bias"]
+
+
+def _expert_params(model: nn.Module) -> list[nn.Parameter]:
+    return [model.expert.weight, model.expert.bias]
+
+
+def rank_local_experts(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[str, Any]:
+    """Trainable parameters in ``_ddp_params_and_buffers_to_ignore`` beside torch DDP:
+    never broadcast nor reduced, each rank's stepped by a torch optimizer of its own;
+    the rest ends where torch DDP's does. ``cfg``: ``schedule``, ``max_norm`` (ours
+    by ``max_grad_norm``, torch DDP's by a clip over the wrapper's parameters; each
+    side's expert by a clip over its own)."""
+    torch.manual_seed(1234)
+    base = ExpertNet()
+    torch.manual_seed(99 + rank)  # every rank's expert its own
+    base.expert.reset_parameters()
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        base, EXPERT_NAMES)
+    expert_at_start = [p.detach().clone() for p in _expert_params(base)]
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    max_norm = cfg.get("max_norm")
+    ours = fgp.DistributedDataParallel(base, schedule=cfg["schedule"])
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2, max_grad_norm=max_norm)
+    expert_opt = torch.optim.AdamW(_expert_params(ours.module), lr=1e-2)
+    ref_shared = [p for n, p in ref.module.named_parameters() if n not in EXPERT_NAMES]
+    ref_opt = torch.optim.AdamW(ref_shared, lr=1e-2)
+    ref_expert_opt = torch.optim.AdamW(_expert_params(ref.module), lr=1e-2)
+    result = {"expert_kept_at_wrap": _equal(_expert_params(ours.module), expert_at_start),
+              "expert_grads_local": []}  # per step, how far from torch DDP's
+    step_experts = cfg.get("expert_optimizer", True)  # False: the user forgot it
+    caught = warnings.catch_warnings(record=True)
+    seen = caught.__enter__()
+    warnings.simplefilter("always")
+    for step in range(4):
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        y = torch.randn(6, 4, generator=torch.Generator().manual_seed(10 * step + rank + 5))
+        nn.functional.mse_loss(ours(x), y).backward()
+        nn.functional.mse_loss(ref(x), y).backward()
+        # Not reduced: each rank's gradient is its own (torch DDP's too).
+        result["expert_grads_local"].append(
+            _max_diff([p.grad for p in _expert_params(ours.module)],
+                      [p.grad for p in _expert_params(ref.module)]))
+        if max_norm is not None:
+            torch.nn.utils.clip_grad_norm_(ref_shared, max_norm)
+            torch.nn.utils.clip_grad_norm_(_expert_params(ours.module), max_norm)
+            torch.nn.utils.clip_grad_norm_(_expert_params(ref.module), max_norm)
+        opt.step()
+        if step_experts:
+            expert_opt.step()
+        ref_opt.step()
+        ref_expert_opt.step()
+        for o in (opt, expert_opt, ref_opt, ref_expert_opt):
+            o.zero_grad()
+    caught.__exit__(None, None, None)
+    result["warnings"] = [str(w.message) for w in seen if "fgpsdp" in str(w.message)]
+    # Numbered as AdamW(model.parameters()) numbers them, the experts with no state.
+    full = opt.full_state_dict()
+    result["full_numbering"] = (full["param_groups"][0]["params"], sorted(full["state"]))
+    ours.synchronize()
+    named_ours = dict(ours.module.named_parameters())
+    named_ref = dict(ref.module.named_parameters())
+    result["shared_diff"] = _max_diff([v for n, v in named_ours.items() if n not in EXPERT_NAMES],
+                                      [v for n, v in named_ref.items() if n not in EXPERT_NAMES])
+    result["expert_diff"] = _max_diff(_expert_params(ours.module), _expert_params(ref.module))
+    result["expert_moved"] = not _equal(_expert_params(ours.module), expert_at_start)
+    result["expert"] = [p.detach().clone() for p in _expert_params(ours.module)]
+    result["in_buckets"] = [n for n in EXPERT_NAMES
+                            if ours.param_index(named_ours[n]) is not None]
+    return result
+
+
+def rank_local_experts_many(rank: int, world_size: int,
+                            cfgs: dict[str, dict]) -> dict[str, dict]:
+    return {name: rank_local_experts(rank, world_size, cfg) for name, cfg in cfgs.items()}

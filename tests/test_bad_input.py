@@ -112,8 +112,11 @@ CASES = [
      [r"rank \d: the module has no parameter that requires a gradient"]),
     (bad_inputs.no_parameters, "ValueError",
      [r"rank \d: the module has no parameter that requires a gradient", r"unfreeze"]),
-    (bad_inputs.trainable_parameter_ignored, "ValueError",
-     [r"trainable parameter\(s\) 'net\.4\.bias' are in _ddp_params_and_buffers_to_ignore"]),
+    (bad_inputs.ignored_parameter_in_groups, "ValueError",
+     [r"parameter 'net\.4\.bias' is named in _ddp_params_and_buffers_to_ignore",
+      r"optimizer of its own"]),
+    (bad_inputs.ignored_parameter_converted, "ValueError",
+     [r"parameter 'net\.4\.bias' is named in _ddp_params_and_buffers_to_ignore"]),
     (bad_inputs.wrapped_twice, "ValueError",
      [r"parameter 'net\.0\.weight' is held by another fgpsdp DistributedDataParallel",
       r"Wrapping a module again: drop every reference to the old wrapper"]),
@@ -246,3 +249,14 @@ def test_a_speculation_budget_the_plan_ignores_is_warned_at_the_callers_line(set
             pytest.raises(RuntimeError, match=r"init_process_group\(\) first"):
         fgp.DistributedDataParallel(torch.nn.Linear(2, 2), speculation_memory_mb=64, **settings)
     assert [w.filename for w in caught if "speculation_memory_mb" in str(w.message)] == [__file__]
+
+
+def test_a_sparse_module_the_wrapper_leaves_alone_is_no_problem():
+    """A sparse embedding named in _ddp_params_and_buffers_to_ignore (a rank-local
+    expert table, stepped by the user's SparseAdam) has no bucket to break."""
+    from fgpsdp_runtime.validation import local_problems
+    module = torch.nn.Sequential(torch.nn.Embedding(10, 4, sparse=True), torch.nn.Linear(4, 2))
+    named = list(module.named_parameters())
+    assert local_problems(module, [(n, p) for n, p in named if not n.startswith("0.")]) == []
+    assert any("sparse gradients are not supported" in problem
+               for problem in local_problems(module, named))

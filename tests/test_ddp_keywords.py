@@ -67,6 +67,54 @@ def test_the_scenarios_can_tell_syncs_apart():
     assert rank1["defaults"]["own_params_kept"] == (False, False)
 
 
+SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
+EXPERT_CONFIGS = {**{s: {"schedule": s} for s in SCHEDULES},
+                  # Low enough that every step clips (the gradients' norm is ~1).
+                  **{f"{s}_clipped": {"schedule": s, "max_norm": 0.05} for s in SCHEDULES},
+                  "experts_never_stepped": {"schedule": "two_stage", "expert_optimizer": False}}
+
+
+@functools.lru_cache(maxsize=None)
+def expert_results():
+    return run_distributed(2, ddp_keyword_scenarios.rank_local_experts_many, EXPERT_CONFIGS)
+
+
+@pytest.mark.parametrize("name", [n for n in EXPERT_CONFIGS if n != "experts_never_stepped"])
+def test_trainable_parameters_torch_ddp_ignores_stay_rank_local(name):
+    """Expert parallelism (Tutel's way): trainable parameters named in
+    ``_ddp_params_and_buffers_to_ignore`` are left alone as torch DDP leaves them
+    (never broadcast, never reduced, no bucket), stepped by the user's own
+    optimizer; the wrapper's parameters end where torch DDP's do: bitwise on 2
+    ranks, within TOL when clipping (our norm is summed in float64)."""
+    per_rank = [res[name] for res in expert_results()]
+    for rank, res in enumerate(per_rank):
+        assert res["expert_kept_at_wrap"], (rank, "the expert was broadcast at construction")
+        assert res["in_buckets"] == [], (rank, res["in_buckets"])
+        tol = TOL if "max_norm" in EXPERT_CONFIGS[name] else 0.0
+        # Each rank's own: a reduced one would be far from torch DDP's.
+        assert max(res["expert_grads_local"]) <= tol, (rank, res["expert_grads_local"])
+        assert res["expert_moved"], (rank, "the expert was never stepped")
+        assert res["shared_diff"] <= tol, (rank, res["shared_diff"])
+        assert res["expert_diff"] <= tol, (rank, res["expert_diff"])
+        assert res["warnings"] == [], (rank, res["warnings"])
+        # As AdamW(model.parameters()) numbers them (experts 2 and 3, no state).
+        assert res["full_numbering"] == ([0, 1, 2, 3, 4, 5], [0, 1, 4, 5]), res["full_numbering"]
+    # Each rank trained its own expert: they end apart.
+    assert not all(torch.equal(a, b) for a, b in zip(per_rank[0]["expert"], per_rank[1]["expert"]))
+
+
+def test_ignored_trainable_parameters_left_unstepped_warn_once():
+    """A loop moved from torch DDP's one AdamW(model.parameters()) to a
+    ShardedOptimizer alone would leave the experts untrained: said once, at the
+    third step, on every rank."""
+    for rank, res in enumerate(expert_results()):
+        res = res["experts_never_stepped"]
+        assert not res["expert_moved"]
+        assert len(res["warnings"]) == 1, (rank, res["warnings"])
+        assert "'expert.weight', 'expert.bias'" in res["warnings"][0]
+        assert "have not changed in 3 steps" in res["warnings"][0]
+
+
 def test_bucket_cap_mb_list_sets_each_buckets_cap():
     assert results()[0]["bucket_cap_mb_list"]["n_buckets"] == 3
     # The largest entry, in whole bytes (419).

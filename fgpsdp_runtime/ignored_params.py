@@ -1,0 +1,48 @@
+"""Trainable parameters the wrapper leaves to the user: those named in torch's
+``_ddp_params_and_buffers_to_ignore`` (an expert-parallel model's experts, each rank's
+own). No bucket holds them, as torch DDP reduces none of them; the user reduces them,
+if at all, and steps them with an optimizer of their own.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .user_warnings import warn_at_user_code
+
+# The ShardedOptimizer steps after which parameters never written count as unstepped:
+# a few, as a loop's first steps may be skipped (a loss scaler's infs).
+STEPS_BEFORE_THE_CHECK = 3
+
+
+class UnsteppedIgnoredParameters:
+    """Warns once if, after ``STEPS_BEFORE_THE_CHECK`` of a ShardedOptimizer's
+    steps, an ignored trainable parameter holding a gradient was never written
+    since the optimizer was built. Under torch DDP one ``AdamW(model.parameters())``
+    stepped them; a loop moved to ``ShardedOptimizer(model, ...)`` would leave them
+    untrained, silently, without this. Written means its version counter moved: any
+    optimizer's in-place step moves it."""
+
+    def __init__(self, named: Sequence[tuple[str, torch.nn.Parameter]]):
+        self._watched = [(name, param, param._version) for name, param in named]
+        self._steps = 0
+
+    def after_step(self) -> None:
+        if not self._watched:
+            return
+        self._steps += 1
+        if self._steps < STEPS_BEFORE_THE_CHECK:
+            return
+        unstepped = [name for name, param, version in self._watched
+                     if param.grad is not None and param._version == version]
+        self._watched = []  # once
+        if unstepped:
+            shown = ", ".join(repr(n) for n in unstepped[:3]) + (", ..." if len(unstepped) > 3
+                                                                  else "")
+            warn_at_user_code(
+                f"fgpsdp: {len(unstepped)} trainable parameter(s) named in "
+                f"_ddp_params_and_buffers_to_ignore ({shown}) have gradients and have not "
+                f"changed in {self._steps} steps: no bucket holds them, so this "
+                "ShardedOptimizer does not step them. Step them with an optimizer of their "
+                "own (torch.optim.AdamW(those parameters)), as the wrapper leaves them to you")

@@ -913,12 +913,19 @@ class DistributedDataParallel(nn.Module):
         read, self._read_for_a_clip = self.__dict__.get("_read_for_a_clip", False), False
         if read and not clipped and not self.__dict__.get("_warned_parameters_without_gradients"):
             self._warned_parameters_without_gradients = True
+            # Those left to the user keep theirs, and a loop may walk the list only to
+            # pick them out (to all-reduce an expert's gradient over its group).
+            ignored = (" Only the parameters named in _ddp_params_and_buffers_to_ignore keep "
+                       "theirs (a clip over all of them would clip those alone). If this read "
+                       "only picked those out, list them before the loop, or reach them "
+                       "through their submodules (no warning then)"
+                       ) if self.named_ignored_parameters() else ""
             warn_at_user_code(
                 "fgpsdp: model.parameters() (or model.module's) read between backward and "
                 "opt.step(): each param.grad is None there (the reduced gradients are in "
                 "this rank's bucket slices), so torch.nn.utils.clip_grad_norm_ over them "
                 "returns 0 and clips nothing. Use opt.clip_grad_norm_(max_norm) or "
-                "ShardedOptimizer(..., max_grad_norm=...)")
+                "ShardedOptimizer(..., max_grad_norm=...)." + ignored)
 
     def _before_parameters_read(self) -> tuple[bool, bool]:
         """[Note: reading parameters through the wrapper]

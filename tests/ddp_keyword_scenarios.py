@@ -146,6 +146,8 @@ def rank_local_experts(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
         y = torch.randn(6, 4, generator=torch.Generator().manual_seed(10 * step + rank + 5))
         nn.functional.mse_loss(ours(x), y).backward()
         nn.functional.mse_loss(ref(x), y).backward()
+        if cfg.get("list_experts_late"):  # as a loop that then reduces them over its group
+            [p for n, p in ours.module.named_parameters() if n in EXPERT_NAMES]
         # Not reduced: each rank's gradient is its own (torch DDP's too).
         result["expert_grads_local"].append(
             _max_diff([p.grad for p in _expert_params(ours.module)],

@@ -46,3 +46,16 @@ class UnsteppedIgnoredParameters:
                 f"changed in {self._steps} steps: no bucket holds them, so this "
                 "ShardedOptimizer does not step them. Step them with an optimizer of their "
                 "own (torch.optim.AdamW(those parameters)), as the wrapper leaves them to you")
+
+
+
+def ignored_gradients(named: Sequence[tuple[str, torch.nn.Parameter]]) -> list[torch.Tensor]:
+    """The gradients a ShardedOptimizer's clip covers with ``clip_ignored_parameters``:
+    those of ``named`` that hold one (sparse ones too: a rank-local embedding table)."""
+    return [param.grad for _, param in named if param.grad is not None]
+
+
+def squares_of(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """What holds each gradient's elements once: a sparse one's coalesced values
+    (an uncoalesced index may repeat)."""
+    return [g.coalesce().values() if g.is_sparse else g for g in grads]

@@ -40,7 +40,7 @@ from .ops import multi_tensor_sq_norm
 from .optimizer_itself import on_itself, remember_itself
 from .optimizer_conversion import constructor_defaults, conversion_problem, param_groups_to_give
 from .optimizer_kinds import refuse_unsliceable, refuse_unsliceable_settings
-from .ignored_params import UnsteppedIgnoredParameters
+from .ignored_params import UnsteppedIgnoredParameters, ignored_gradients, squares_of
 from .param_group_args import read_param_groups
 from .profiling import nvtx_range
 from .slice_pieces import SlicePieces
@@ -71,7 +71,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: DistributedDataParallel, optimizer_class: type, *,
                  param_groups: Optional[Sequence[dict[str, Any]]] = None,
-                 max_grad_norm: Optional[float] = None, **defaults: Any):
+                 max_grad_norm: Optional[float] = None,
+                 clip_ignored_parameters: bool = False, **defaults: Any):
         remember_itself(self)  # see optimizer_itself.py
         # torch.compile(wrapper) gives an OptimizedModule around it; torch DDP's
         # loops build their optimizer on that one's parameters alike.
@@ -113,6 +114,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             + getattr(optimizer_class, "__qualname__", repr(optimizer_class)),
             # repr of a float: 1 and 1.0 agree, and nan equals nan (refused below).
             "max_grad_norm": _float_text(max_grad_norm),
+            "clip_ignored_parameters": bool(clip_ignored_parameters),
             "argument problem": None if problem is None
             else f"{type(problem).__name__}: {problem}",
             "param_groups (parameter indices per group)": None if groups is None else
@@ -121,6 +123,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if problem is not None:
             raise problem
         self.max_grad_norm = max_grad_norm
+        # The norm (max_grad_norm, clip_grad_norm_) also over the gradients of the
+        # parameters the wrapper leaves to the user (see ignored_params.py).
+        self.clip_ignored_parameters = bool(clip_ignored_parameters)
         self.skipped_steps = 0  # steps skipped because the gradient norm was inf/NaN
         self.last_step_skipped = False
 
@@ -172,7 +177,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @classmethod
     def from_optimizer(cls, model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
-                       *, max_grad_norm: Optional[float] = None) -> "ShardedOptimizer":
+                       *, max_grad_norm: Optional[float] = None,
+                       clip_ignored_parameters: bool = False) -> "ShardedOptimizer":
         """A ShardedOptimizer of ``optimizer``'s class, param groups and
         hyperparameters, for a torch.optim optimizer built over the wrapped module's
         parameters (by a trainer or a framework: Lightning Fabric's
@@ -209,6 +215,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise problem[0](f"fgpsdp: {problem[1]}")
         converted = cls(model, type(optimizer), param_groups=param_groups_to_give(optimizer),
                         max_grad_norm=max_grad_norm,
+                        clip_ignored_parameters=clip_ignored_parameters,
                         **constructor_defaults(type(optimizer), optimizer.defaults))
         if stepped:
             # torch.optim's format, numbered as the groups were given: each rank
@@ -1200,6 +1207,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 speculated[b][1] != model.reducer.reduce_scatters_since_reset[b]
             local += part if part is not None and not stale \
                 else multi_tensor_sq_norm([storage.grad_shard])
+        local += self._ignored_sq_norm()
         # The host-side figures in one CPU tensor and one copy: on CUDA a copy from
         # pageable memory (torch.tensor(..., device=cuda), .to(cuda)) waits for the
         # whole stream; from pinned memory it is queued behind the norms.
@@ -1274,9 +1282,29 @@ class ShardedOptimizer(torch.optim.Optimizer):
             # 0.4% off the coefficient); a scalar tensor is applied at the
             # kernel's compute precision, as g.mul_(coefficient) is (float32 for
             # bfloat16, float64 for float64). CUDA takes it as a scalar alike.
-            torch._foreach_mul_(shards, torch.tensor(coefficient, dtype=torch.float64))
+            scale = torch.tensor(coefficient, dtype=torch.float64)
+            ignored = self._ignored_grads()
+            torch._foreach_mul_(shards + [g for g in ignored if not g.is_sparse], scale)
+            for g in ignored:
+                if g.is_sparse:
+                    g.mul_(scale)
             self._applied_coefficient *= coefficient
             self._clipped_norm = None  # measured again when asked for
+
+    def _ignored_grads(self) -> list[torch.Tensor]:
+        """With ``clip_ignored_parameters``: this rank's gradients of the parameters
+        the wrapper leaves to the user, which the norm covers and the clip scales."""
+        if not self.clip_ignored_parameters:
+            return []
+        return ignored_gradients(self.model.named_ignored_parameters())
+
+    def _ignored_sq_norm(self) -> torch.Tensor:
+        """float64 [sum of squares, non-finite flag] of ``_ignored_grads()``, added to
+        this rank's figures after its slices': each rank's own are counted once."""
+        grads = self._ignored_grads()
+        if not grads:
+            return torch.zeros(2, dtype=torch.float64, device=self._device)
+        return multi_tensor_sq_norm(squares_of(grads)).to(self._device)
 
     def _valid_grad_shards(self) -> list[torch.Tensor]:
         """This rank's reduced gradient slices, bucket by bucket, but those holding no
@@ -1297,6 +1325,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             local = torch.zeros(2, dtype=torch.float64, device=self._device)
             for shard in self._valid_grad_shards():  # in bucket order, as the first total
                 local += multi_tensor_sq_norm([shard])
+            local += self._ignored_sq_norm()
             with self.model.timeline.span("compute", "norm all-reduce"):
                 self.model.all_reduce_sum(local)
             sq_sum, nonfinite = (float(v) for v in local.cpu())

@@ -627,6 +627,13 @@ def clipping_differs(rank, world_size):
                          max_grad_norm=1.0 if rank == 0 else None)
 
 
+def clipping_of_ignored_parameters_differs(rank, world_size):
+    # One rank's norm over its experts too would clip with another coefficient.
+    model = fgp.DistributedDataParallel(MLP())
+    fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3, max_grad_norm=1.0,
+                         clip_ignored_parameters=rank == 0)
+
+
 def schedule_invalid_on_one_rank(rank, world_size):
     # Before, rank 1 raised alone and the others waited for it at the model check.
     fgp.DistributedDataParallel(MLP(), schedule="two-stage" if rank == 1 else "two_stage")

@@ -5,6 +5,7 @@ Imported by the spawned ranks (module-level functions only).
 from __future__ import annotations
 
 import copy
+import math
 import warnings
 from typing import Any
 
@@ -119,7 +120,10 @@ def rank_local_experts(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
     never broadcast nor reduced, each rank's stepped by a torch optimizer of its own;
     the rest ends where torch DDP's does. ``cfg``: ``schedule``, ``max_norm`` (ours
     by ``max_grad_norm``, torch DDP's by a clip over the wrapper's parameters; each
-    side's expert by a clip over its own)."""
+    side's expert by a clip over its own); ``clip_ignored`` ("max_grad_norm" or
+    "call": ours with ``clip_ignored_parameters``, torch DDP's by one global norm
+    over its parameters and every rank's expert, as Megatron clips);
+    ``inf_at_step``: rank 1's expert gradient holds an inf then."""
     torch.manual_seed(1234)
     base = ExpertNet()
     torch.manual_seed(99 + rank)  # every rank's expert its own
@@ -129,14 +133,18 @@ def rank_local_experts(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
     expert_at_start = [p.detach().clone() for p in _expert_params(base)]
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     max_norm = cfg.get("max_norm")
+    clip_ignored = cfg.get("clip_ignored")
     ours = fgp.DistributedDataParallel(base, schedule=cfg["schedule"])
-    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2, max_grad_norm=max_norm)
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2,
+                               max_grad_norm=None if clip_ignored == "call" else max_norm,
+                               clip_ignored_parameters=clip_ignored is not None)
     expert_opt = torch.optim.AdamW(_expert_params(ours.module), lr=1e-2)
     ref_shared = [p for n, p in ref.module.named_parameters() if n not in EXPERT_NAMES]
     ref_opt = torch.optim.AdamW(ref_shared, lr=1e-2)
     ref_expert_opt = torch.optim.AdamW(_expert_params(ref.module), lr=1e-2)
     result = {"expert_kept_at_wrap": _equal(_expert_params(ours.module), expert_at_start),
-              "expert_grads_local": []}  # per step, how far from torch DDP's
+              "expert_grads_local": [],  # per step, how far from torch DDP's
+              "norms": [], "skipped": []}
     step_experts = cfg.get("expert_optimizer", True)  # False: the user forgot it
     caught = warnings.catch_warnings(record=True)
     seen = caught.__enter__()
@@ -152,15 +160,25 @@ def rank_local_experts(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
         result["expert_grads_local"].append(
             _max_diff([p.grad for p in _expert_params(ours.module)],
                       [p.grad for p in _expert_params(ref.module)]))
-        if max_norm is not None:
+        if step == cfg.get("inf_at_step") and rank == 1:
+            ours.module.expert.weight.grad[0, 0] = float("inf")
+            ref.module.expert.weight.grad[0, 0] = float("inf")
+        ref_total = None
+        if clip_ignored is not None:
+            ref_total = _global_clip(ref_shared, _expert_params(ref.module), max_norm)
+            ours_total = float(opt.clip_grad_norm_(max_norm)) if clip_ignored == "call" else None
+            result["norms"].append((ours_total, ref_total))
+        elif max_norm is not None:
             torch.nn.utils.clip_grad_norm_(ref_shared, max_norm)
             torch.nn.utils.clip_grad_norm_(_expert_params(ours.module), max_norm)
             torch.nn.utils.clip_grad_norm_(_expert_params(ref.module), max_norm)
         opt.step()
-        if step_experts:
+        result["skipped"].append(opt.last_step_skipped)
+        if step_experts and not opt.last_step_skipped:  # (an inf anywhere skips both)
             expert_opt.step()
-        ref_opt.step()
-        ref_expert_opt.step()
+        if ref_total is None or math.isfinite(ref_total):
+            ref_opt.step()
+            ref_expert_opt.step()
         for o in (opt, expert_opt, ref_opt, ref_expert_opt):
             o.zero_grad()
     caught.__exit__(None, None, None)
@@ -179,6 +197,22 @@ def rank_local_experts(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
     result["in_buckets"] = [n for n in EXPERT_NAMES
                             if ours.param_index(named_ours[n]) is not None]
     return result
+
+
+def _global_clip(shared: list[nn.Parameter], experts: list[nn.Parameter],
+                 max_norm: float) -> float:
+    """One norm over the replicated gradients and every rank's own expert's, in
+    float64, and torch's clip by it; the norm."""
+    shared_sq = sum(float(p.grad.double().pow(2).sum()) for p in shared)
+    expert_sq = torch.tensor(sum(float(p.grad.double().pow(2).sum()) for p in experts),
+                             dtype=torch.float64)
+    torch.distributed.all_reduce(expert_sq)
+    total = math.sqrt(shared_sq + float(expert_sq))
+    coefficient = max_norm / (total + 1e-6)
+    if math.isfinite(total) and coefficient < 1.0:
+        torch._foreach_mul_([p.grad for p in shared + experts],
+                            torch.tensor(coefficient, dtype=torch.float64))
+    return total
 
 
 def rank_local_experts_many(rank: int, world_size: int,

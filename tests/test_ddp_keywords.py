@@ -71,6 +71,14 @@ SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
 EXPERT_CONFIGS = {**{s: {"schedule": s} for s in SCHEDULES},
                   # Low enough that every step clips (the gradients' norm is ~1).
                   **{f"{s}_clipped": {"schedule": s, "max_norm": 0.05} for s in SCHEDULES},
+                  **{f"{s}_clip_ignored": {"schedule": s, "max_norm": 0.05,
+                                           "clip_ignored": "max_grad_norm"} for s in SCHEDULES},
+                  "two_stage_clip_ignored_by_call": {"schedule": "two_stage", "max_norm": 0.05,
+                                                     "clip_ignored": "call"},
+                  # No step clips: speculation commits, but at the inf.
+                  "two_stage_inf_in_one_expert": {"schedule": "two_stage", "max_norm": 1e6,
+                                                  "clip_ignored": "max_grad_norm",
+                                                  "inf_at_step": 2},
                   "experts_never_stepped": {"schedule": "two_stage", "expert_optimizer": False},
                   "experts_listed_late": {"schedule": "two_stage", "list_experts_late": True}}
 
@@ -80,7 +88,8 @@ def expert_results():
     return run_distributed(2, ddp_keyword_scenarios.rank_local_experts_many, EXPERT_CONFIGS)
 
 
-@pytest.mark.parametrize("name", [n for n in EXPERT_CONFIGS if n in SCHEDULES or "clipped" in n])
+@pytest.mark.parametrize("name", [n for n in EXPERT_CONFIGS
+                                  if n in SCHEDULES or "clip" in n or "inf" in n])
 def test_trainable_parameters_torch_ddp_ignores_stay_rank_local(name):
     """Expert parallelism (Tutel's way): trainable parameters named in
     ``_ddp_params_and_buffers_to_ignore`` are left alone as torch DDP leaves them
@@ -97,7 +106,8 @@ def test_trainable_parameters_torch_ddp_ignores_stay_rank_local(name):
         assert res["expert_moved"], (rank, "the expert was never stepped")
         assert res["shared_diff"] <= tol, (rank, res["shared_diff"])
         assert res["expert_diff"] <= tol, (rank, res["expert_diff"])
-        assert res["warnings"] == [], (rank, res["warnings"])
+        skips = ["fgpsdp: gradient norm is inf; step skipped (1 so far)"] if "inf" in name else []
+        assert res["warnings"] == skips, (rank, res["warnings"])
         # As AdamW(model.parameters()) numbers them (experts 2 and 3, no state).
         assert res["full_numbering"] == ([0, 1, 2, 3, 4, 5], [0, 1, 4, 5]), res["full_numbering"]
     # Each rank trained its own expert: they end apart.
@@ -154,3 +164,21 @@ def test_a_parameter_walk_between_backward_and_step_says_the_experts_keep_their_
         assert "clips nothing" in res["warnings"][0]
         assert "Only the parameters named in _ddp_params_and_buffers_to_ignore keep theirs" \
             in res["warnings"][0]
+
+
+@pytest.mark.parametrize("name", [n for n in EXPERT_CONFIGS if "clip_ignored" in n])
+def test_clip_ignored_parameters_clips_by_one_norm_over_every_ranks_experts(name):
+    """``clip_ignored_parameters=True``: the norm covers the replicated gradients and
+    every rank's own expert's, as Megatron's does, and the clip scales both
+    (checked above against that clip in float64: with the experts left out of our
+    norm, the experts' gradients there end 5e-4 from it); clip_grad_norm_ returns it."""
+    for rank, res in enumerate(expert_results()):
+        for ours, ref in res[name]["norms"]:
+            assert ref > 0.05, (rank, ref)  # every step clips
+            if ours is not None:
+                assert ours == pytest.approx(ref, rel=1e-6), (rank, ours, ref)
+
+
+def test_an_inf_in_one_ranks_expert_skips_the_step_on_every_rank():
+    for rank, res in enumerate(expert_results()):
+        assert res["two_stage_inf_in_one_expert"]["skipped"] == [False, False, True, False], rank

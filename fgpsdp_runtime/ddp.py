@@ -36,7 +36,8 @@ from .group_collectives import all_reduce_held
 from .param_gathers import ParamGathers
 from .module_guards import (hand_out_parameters_through_the_wrapper,
                             land_gathers_before_state_dicts, land_gathers_on_attribute_reads,
-                            plain_named_parameters, zero_grad_through_the_wrapper)
+                            plain_named_parameters, reset_gradients,
+                            zero_grad_through_the_wrapper)
 from .param_guards import ParamPlaces, ParamVersions, storage_address
 from .plan import OverlapPlan, checked_plan, layout_plan, profiling_plan
 from .plan_profiler import PlanProfiler
@@ -638,13 +639,24 @@ class DistributedDataParallel(nn.Module):
 
     @torch.compiler.disable  # see the note at ShardedOptimizer.zero_grad
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Reset the gradients: this rank's reduced slices and those no_sync() left.
+        """Reset the gradients: this rank's reduced slices and those no_sync() left,
+        and, as torch DDP's (nn.Module's) resets every parameter's, those of the
+        parameters no bucket holds (left to the user, or frozen with a gradient).
 
         The reduced gradient lives in the buckets, not in ``param.grad`` (None
         after a synchronised backward), so nn.Module's zero_grad would leave it
-        for the next backward to add to. ``ShardedOptimizer.zero_grad`` calls
-        this; loops may call either, as with torch DDP.
+        for the next backward to add to. Loops may call this or
+        ``ShardedOptimizer.zero_grad``, as with torch DDP.
         """
+        self.zero_reduced_gradients(set_to_none)
+        # (Before, an expert's gradient added up over the steps of a loop that
+        # zeroes through the model.)
+        reset_gradients([p for _, p in plain_named_parameters(self.module)
+                         if self.param_index(p) is None], set_to_none)
+
+    def zero_reduced_gradients(self, set_to_none: bool = True) -> None:
+        """``zero_grad()``'s part for the parameters the buckets hold: what
+        ``ShardedOptimizer.zero_grad`` resets (torch's resets its own parameters')."""
         self._drop_unfinished_step()
         if self._uneven_inputs is not None:
             self._uneven_inputs.notify(AnnouncedCall.ZERO_GRAD, float(set_to_none))

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import copy
 import weakref
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -369,17 +369,22 @@ class ZeroingThroughTheWrapper(_ModuleGuard):
         self._act(set_to_none)  # the reduced slices, and what no_sync() left
         # As nn.Module's, over the parameters as they are (no all-gather to land):
         # those the wrapper does not reduce (frozen ones a loop gave gradients).
-        for _, param in plain_named_parameters(module):
-            if param.grad is None:
-                continue
-            if set_to_none:
-                param.grad = None
+        reset_gradients([param for _, param in plain_named_parameters(module)], set_to_none)
+
+
+def reset_gradients(params: Sequence[torch.Tensor], set_to_none: bool) -> None:
+    """``param.grad`` reset as nn.Module.zero_grad resets it."""
+    for param in params:
+        if param.grad is None:
+            continue
+        if set_to_none:
+            param.grad = None
+        else:
+            if param.grad.grad_fn is not None:
+                param.grad.detach_()
             else:
-                if param.grad.grad_fn is not None:
-                    param.grad.detach_()
-                else:
-                    param.grad.requires_grad_(False)
-                param.grad.zero_()
+                param.grad.requires_grad_(False)
+            param.grad.zero_()
 
 
 def land_gathers_on_attribute_reads(land: Callable[[torch.Tensor], None], in_flight: dict,

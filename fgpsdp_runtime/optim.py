@@ -278,7 +278,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @on_itself
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._clipped_at = None
-        self.model.zero_grad(set_to_none=set_to_none)
+        self.model.zero_reduced_gradients(set_to_none=set_to_none)
         for group in self.optim.param_groups:
             for piece in group["params"]:
                 if set_to_none:

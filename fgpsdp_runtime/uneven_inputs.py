@@ -240,8 +240,11 @@ class UnevenInputs:
         # (a joined rank contributes zeros) but stay in param.grad for the first
         # step after the join, as under torch DDP, whose joined rank never touches
         # them: set aside here, put back when every rank has joined (a shadowed
-        # zero_grad() would have cleared them; before, they were dropped).
-        leftover = [(param, param.grad) for _, param in model.named_trainable_parameters()]
+        # zero_grad() would have cleared them; before, they were dropped). Those of
+        # the parameters left to the user too: clip_ignored_parameters would count
+        # a joined rank's last ones in every shadowed step's norm.
+        leftover = [(param, param.grad) for _, param in
+                    model.named_trainable_parameters() + model.named_ignored_parameters()]
         for param, _ in leftover:
             param.grad = None
         self._shadow_all()

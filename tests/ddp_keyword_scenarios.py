@@ -123,7 +123,9 @@ def rank_local_experts(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
     side's expert by a clip over its own); ``clip_ignored`` ("max_grad_norm" or
     "call": ours with ``clip_ignored_parameters``, torch DDP's by one global norm
     over its parameters and every rank's expert, as Megatron clips);
-    ``inf_at_step``: rank 1's expert gradient holds an inf then."""
+    ``inf_at_step``: rank 1's expert gradient holds an inf then; ``zero``: "model"
+    (the loop zeroes through the wrapper) or "optimizer_first" (the ShardedOptimizer's
+    zero_grad before the experts' step)."""
     torch.manual_seed(1234)
     base = ExpertNet()
     torch.manual_seed(99 + rank)  # every rank's expert its own
@@ -174,13 +176,22 @@ def rank_local_experts(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
             torch.nn.utils.clip_grad_norm_(_expert_params(ref.module), max_norm)
         opt.step()
         result["skipped"].append(opt.last_step_skipped)
+        zero_first = cfg.get("zero") == "optimizer_first"  # resets its own only, as torch's
+        if zero_first:
+            opt.zero_grad()
         if step_experts and not opt.last_step_skipped:  # (an inf anywhere skips both)
             expert_opt.step()
         if ref_total is None or math.isfinite(ref_total):
             ref_opt.step()
+            if zero_first:
+                ref_opt.zero_grad()
             ref_expert_opt.step()
-        for o in (opt, expert_opt, ref_opt, ref_expert_opt):
-            o.zero_grad()
+        if cfg.get("zero") == "model":  # every parameter's, as nn.Module's
+            ours.zero_grad()
+            ref.zero_grad()
+        else:
+            for o in (opt, expert_opt, ref_opt, ref_expert_opt):
+                o.zero_grad()
     caught.__exit__(None, None, None)
     result["warnings"] = [str(w.message) for w in seen if "fgpsdp" in str(w.message)]
     # Numbered as AdamW(model.parameters()) numbers them, the experts with no state.
@@ -218,3 +229,40 @@ def _global_clip(shared: list[nn.Parameter], experts: list[nn.Parameter],
 def rank_local_experts_many(rank: int, world_size: int,
                             cfgs: dict[str, dict]) -> dict[str, dict]:
     return {name: rank_local_experts(rank, world_size, cfg) for name, cfg in cfgs.items()}
+
+
+def experts_through_a_join(rank: int, world_size: int, use_join: bool) -> dict[str, Any]:
+    """Rank 0 steps 4 times, rank 1 twice, under ``model.join()``; or, without it,
+    rank 1 feeds zero gradients in its last two steps, which a joined rank stands
+    for. The loop zeroes before each backward, so a joined rank's last expert
+    gradients are still there: they must count for nothing in the norm."""
+    torch.manual_seed(1234)
+    base = ExpertNet()
+    torch.manual_seed(99 + rank)
+    base.expert.reset_parameters()
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        base, EXPERT_NAMES)
+    model = fgp.DistributedDataParallel(base, schedule="two_stage")
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2, clip_ignored_parameters=True)
+    expert_opt = torch.optim.AdamW(_expert_params(model.module), lr=1e-2)
+    steps = 4 if rank == 0 or not use_join else 2
+    norms = []
+    with model.join(enable=use_join):
+        for step in range(steps):
+            opt.zero_grad()
+            expert_opt.zero_grad()
+            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            y = torch.randn(6, 4, generator=torch.Generator().manual_seed(10 * step + rank + 5))
+            loss = nn.functional.mse_loss(model(x), y)
+            (loss * 0 if rank == 1 and step >= 2 else loss).backward()
+            norms.append(float(opt.clip_grad_norm_(0.05)))
+            opt.step()
+            expert_opt.step()
+    model.synchronize()
+    return {"norms": norms, "shared": [p.detach().clone() for n, p in
+                                       model.module.named_parameters() if n not in EXPERT_NAMES]}
+
+
+def experts_through_a_join_and_without(rank: int, world_size: int) -> dict[str, Any]:
+    return {"join": experts_through_a_join(rank, world_size, True),
+            "zeros": experts_through_a_join(rank, world_size, False)}

@@ -79,6 +79,10 @@ EXPERT_CONFIGS = {**{s: {"schedule": s} for s in SCHEDULES},
                   "two_stage_inf_in_one_expert": {"schedule": "two_stage", "max_norm": 1e6,
                                                   "clip_ignored": "max_grad_norm",
                                                   "inf_at_step": 2},
+                  # Before, model.zero_grad() left the experts' gradients to add up.
+                  "two_stage_zero_by_model": {"schedule": "two_stage", "zero": "model"},
+                  "two_stage_zero_by_optimizer_first": {"schedule": "two_stage",
+                                                        "zero": "optimizer_first"},
                   "experts_never_stepped": {"schedule": "two_stage", "expert_optimizer": False},
                   "experts_listed_late": {"schedule": "two_stage", "list_experts_late": True}}
 
@@ -89,7 +93,8 @@ def expert_results():
 
 
 @pytest.mark.parametrize("name", [n for n in EXPERT_CONFIGS
-                                  if n in SCHEDULES or "clip" in n or "inf" in n])
+                                  if n in SCHEDULES or "clip" in n or "inf" in n
+                                  or "zero" in n])
 def test_trainable_parameters_torch_ddp_ignores_stay_rank_local(name):
     """Expert parallelism (Tutel's way): trainable parameters named in
     ``_ddp_params_and_buffers_to_ignore`` are left alone as torch DDP leaves them
@@ -182,3 +187,12 @@ def test_clip_ignored_parameters_clips_by_one_norm_over_every_ranks_experts(name
 def test_an_inf_in_one_ranks_expert_skips_the_step_on_every_rank():
     for rank, res in enumerate(expert_results()):
         assert res["two_stage_inf_in_one_expert"]["skipped"] == [False, False, True, False], rank
+
+
+def test_a_joined_ranks_expert_gradients_count_for_nothing():
+    """Under model.join() with clip_ignored_parameters, a rank that ran out of data
+    adds nothing to the norm, as a rank feeding zero gradients would (before, its
+    last expert gradients entered every later step's norm: over-clipped)."""
+    rank0 = run_distributed(2, ddp_keyword_scenarios.experts_through_a_join_and_without)[0]
+    assert rank0["join"]["norms"] == rank0["zeros"]["norms"]
+    assert all(torch.equal(a, b) for a, b in zip(rank0["join"]["shared"], rank0["zeros"]["shared"]))

@@ -165,6 +165,10 @@ class DistributedDataParallel(nn.Module):
         named = [(n, p) for n, p in module.named_parameters()  # tied ones appear once
                  if n not in self._ignored_names]
         trainable = [(n, p) for n, p in named if p.requires_grad]
+        # Every rank or none (the loss scaler agrees on their infs only then: see
+        # ShardedGradScaler.update).
+        self.has_ignored_trainable_parameters = any(
+            p.requires_grad for n, p in module.named_parameters() if n in self._ignored_names)
         problems = argument_problems + topology_problems + local_problems(module, trainable) \
             + lifecycle.wrapped_elsewhere(trainable)
         if not problems:  # it bumps version counters: not those a live wrapper tracks
@@ -186,7 +190,9 @@ class DistributedDataParallel(nn.Module):
                     "bucket_cap_mb": bucket_cap_mb if bucket_caps is None else None,
                     "bucket_cap_mb_list": bucket_caps,
                     "buffer sync (at construction, at forward)": (
-                        self._buffer_sync.at_init, self._buffer_sync.at_forward)}
+                        self._buffer_sync.at_init, self._buffer_sync.at_forward),
+                    "trainable parameters in _ddp_params_and_buffers_to_ignore":
+                        self.has_ignored_trainable_parameters}
         # Buffers rank 0 broadcasts (at construction or at each forward) must match
         # in name, shape and dtype: the broadcast is one flat tensor per dtype.
         buffers_broadcast = ((init_sync and self._buffer_sync.at_init)

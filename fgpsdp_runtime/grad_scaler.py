@@ -51,6 +51,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
         optimizer = itself(optimizer)
         self._check_scale_growth_tracker("unscale_")
         state = self._per_optimizer_states[id(optimizer)]
+        self.__dict__.setdefault("_sharded_this_round", {})[id(optimizer)] = optimizer
+        if state["stage"] is OptState.READY and optimizer.clip_ignored_parameters:
+            self._warn_if_ignored_still_scaled(optimizer)
         if state["stage"] is OptState.UNSCALED:
             raise RuntimeError(
                 "unscale_() has already been called on this optimizer since the last update().")
@@ -106,8 +109,53 @@ class ShardedGradScaler(torch.amp.GradScaler):
             "it for this optimizer: trainer.precision_plugin.scaler.unscale_(optimizer) "
             "in configure_gradient_clipping)")
 
+    def _warn_if_ignored_still_scaled(self, optimizer: ShardedOptimizer) -> None:
+        """With ``clip_ignored_parameters`` the norm takes the gradients of the
+        parameters the wrapper leaves to the user as they are: still loss-scaled
+        unless their optimizer was unscaled first (its norm came out ~scale times too
+        large, the clip ~scale times too hard). Said once, on this rank: no optimizer
+        of this round is unscaled yet."""
+        if self.__dict__.get("_warned_ignored_scaled") or not optimizer._ignored_grads():
+            return
+        if any(state["stage"] is OptState.UNSCALED and key not in self._sharded_this_round
+               for key, state in self._per_optimizer_states.items()):
+            return
+        self._warned_ignored_scaled = True
+        warn_at_user_code(
+            "fgpsdp: clip_ignored_parameters: the gradients of the parameters named in "
+            "_ddp_params_and_buffers_to_ignore are still loss-scaled when the "
+            "ShardedOptimizer unscales: its norm would take them at the scale's size. Call "
+            "scaler.unscale_(their optimizer) before scaler.step(opt) (or "
+            "scaler.unscale_(opt))")
+
     @torch.compiler.disable
     def update(self, new_scale: Optional[Union[float, torch.Tensor]] = None) -> None:
         """torch's update, run as it is under torch.compile: the state it reads was
-        written by the eager unscale_ and step."""
+        written by the eager unscale_ and step. Where a ShardedOptimizer's wrapper
+        leaves trainable parameters to the user, the other optimizers' infs (their
+        optimizer's, found on this rank only) are first made every rank's: the
+        scales would part otherwise, and the next reduce-scatter would sum
+        gradients scaled apart (each rank unscaling its slices by its own)."""
+        sharded = self.__dict__.pop("_sharded_this_round", {})
+        if self._enabled and new_scale is None:
+            leaving = [opt for opt in sharded.values()
+                       if opt.model.has_ignored_trainable_parameters]
+            if leaving:
+                self._share_other_optimizers_infs(leaving[0], sharded)
         super().update(new_scale)
+
+    def _share_other_optimizers_infs(self, optimizer: ShardedOptimizer,
+                                     sharded: dict[int, ShardedOptimizer]) -> None:
+        """One all-reduce over ``optimizer``'s group (every rank gets here alike: each
+        stepped it, and the wrappers agree on leaving parameters to the user) of the
+        infs the other optimizers found, added to ``optimizer``'s flag."""
+        flag = torch.zeros(1, dtype=torch.float64, device=optimizer._device)
+        for key, state in self._per_optimizer_states.items():
+            if key not in sharded:
+                for found in state["found_inf_per_device"].values():
+                    flag += found.to(device=flag.device, dtype=torch.float64)
+        optimizer.model.all_reduce_sum(flag)
+        own = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+        for device, found in own.items():
+            own[device] = found + (flag > 0).to(device=device, dtype=found.dtype).reshape(
+                found.shape)

@@ -21,11 +21,14 @@ class UnsteppedIgnoredParameters:
     steps, an ignored trainable parameter holding a gradient was never written
     since the optimizer was built. Under torch DDP one ``AdamW(model.parameters())``
     stepped them; a loop moved to ``ShardedOptimizer(model, ...)`` would leave them
-    untrained, silently, without this. Written means its version counter moved: any
-    optimizer's in-place step moves it."""
+    untrained, silently, without this. Written means its version counter moved (an
+    optimizer's in-place step moves it) or its values' sum did (a fused step, or a
+    write through ``.data``, moves no version counter)."""
 
     def __init__(self, named: Sequence[tuple[str, torch.nn.Parameter]]):
-        self._watched = [(name, param, param._version) for name, param in named]
+        # The sums stay on the parameters' device until the check: no host sync here.
+        self._watched = [(name, param, param._version, _fingerprint(param))
+                         for name, param in named]
         self._steps = 0
 
     def after_step(self) -> None:
@@ -34,8 +37,9 @@ class UnsteppedIgnoredParameters:
         self._steps += 1
         if self._steps < STEPS_BEFORE_THE_CHECK:
             return
-        unstepped = [name for name, param, version in self._watched
-                     if param.grad is not None and param._version == version]
+        unstepped = [name for name, param, version, fingerprint in self._watched
+                     if param.grad is not None and param._version == version
+                     and torch.equal(_fingerprint(param), fingerprint)]
         self._watched = []  # once
         if unstepped:
             shown = ", ".join(repr(n) for n in unstepped[:3]) + (", ..." if len(unstepped) > 3
@@ -47,6 +51,14 @@ class UnsteppedIgnoredParameters:
                 "ShardedOptimizer does not step them. Step them with an optimizer of their "
                 "own (torch.optim.AdamW(those parameters)), as the wrapper leaves them to you")
 
+
+
+@torch.no_grad()
+def _fingerprint(param: torch.Tensor) -> torch.Tensor:
+    values = param.detach()
+    if values.is_complex():  # (left to the user, a parameter may be complex)
+        values = torch.view_as_real(values)
+    return values.sum(dtype=torch.float64)
 
 
 def ignored_gradients(named: Sequence[tuple[str, torch.nn.Parameter]]) -> list[torch.Tensor]:

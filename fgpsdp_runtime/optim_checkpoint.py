@@ -41,6 +41,7 @@ from .buckets import span_as_param, to_bucket_order
 from .group_collectives import all_gather_single, hold_past_gloo_worker
 from .object_collectives import all_gather_objects
 from .step_wide_state import copy_value, optimizer_wide_entries
+from .user_warnings import warn_at_user_code
 
 if TYPE_CHECKING:  # imported for annotations only: optim imports this module
     from .optim import ShardedOptimizer
@@ -215,12 +216,16 @@ def load_full_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> N
     # not this rank holds a piece of it: a rank raising alone would leave the
     # others to hang in the next collective.
     to_load = []  # (parameter index, saved entry, {key: per-element?})
+    ignored = {id(p): name for name, p in model.named_ignored_parameters()}
+    left_to_the_user = []
     for g, saved in enumerate(saved_groups):
         numbered = _numbering_for(opt, g, len(saved["params"]))
         stepped = []  # (saved index, its state's keys, its parameter)
         for saved_index, param in zip(saved["params"], numbered):
             index = model.param_index(param)
             entry = saved_state.get(saved_index)
+            if index is None and entry and id(param) in ignored:
+                left_to_the_user.append(ignored[id(param)])
             if index is None or not entry:
                 continue  # frozen, or never stepped (torch creates state at the first step)
             kinds = {key: _is_saved_per_element(key, value, param, saved_index)
@@ -228,6 +233,15 @@ def load_full_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> N
             stepped.append((saved_index, set(entry), param))
             to_load.append((index, entry, kinds))
         _check_no_entry_is_missing(opt, g, saved, stepped)
+    if left_to_the_user:
+        # A torch DDP checkpoint of one AdamW(model.parameters()): their moments would
+        # be dropped without a word.
+        warn_at_user_code(
+            f"fgpsdp: this state dict holds the state of {len(left_to_the_user)} "
+            "parameter(s) named in _ddp_params_and_buffers_to_ignore ("
+            + ", ".join(repr(n) for n in left_to_the_user[:3])
+            + (", ..." if len(left_to_the_user) > 3 else "") + "), which this "
+            "ShardedOptimizer does not step: not loaded. Load it into their own optimizer")
     inner_state: dict[int, dict[str, Any]] = {}
     for index, entry, kinds in to_load:
         for tensor, _, start, end in opt._slice_pieces.by_param.get(index, ()):

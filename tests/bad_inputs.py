@@ -349,6 +349,15 @@ def ignored_parameter_in_groups(rank, world_size, converted=False):
                              param_groups=[{"params": list(model.module.parameters())}])
 
 
+def ignored_trainable_on_one_rank(rank, world_size):
+    # The loss scaler shares the experts' infs only where every rank has some.
+    model = MLP()
+    torch.nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        model, ["net.4.bias"])
+    model.net[4].bias.requires_grad_(rank == 0)  # rank 0's alone trains it
+    fgp.DistributedDataParallel(model)
+
+
 def ignored_parameter_converted(rank, world_size):
     ignored_parameter_in_groups(rank, world_size, converted=True)
 

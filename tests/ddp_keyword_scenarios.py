@@ -136,14 +136,18 @@ def rank_local_experts(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     max_norm = cfg.get("max_norm")
     clip_ignored = cfg.get("clip_ignored")
-    ours = fgp.DistributedDataParallel(base, schedule=cfg["schedule"])
+    # two_stage: the layout plan and small buckets, so that stage 1 speculates.
+    speculate = {"overlap_plan": "layout", "bucket_cap_mb": 0.0001} \
+        if cfg["schedule"] == "two_stage" else {}
+    ours = fgp.DistributedDataParallel(base, schedule=cfg["schedule"], **speculate)
     opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2,
                                max_grad_norm=None if clip_ignored == "call" else max_norm,
                                clip_ignored_parameters=clip_ignored is not None)
-    expert_opt = torch.optim.AdamW(_expert_params(ours.module), lr=1e-2)
+    fused = {"fused": True} if cfg.get("expert_fused") else {}  # no version counter moves
+    expert_opt = torch.optim.AdamW(_expert_params(ours.module), lr=1e-2, **fused)
     ref_shared = [p for n, p in ref.module.named_parameters() if n not in EXPERT_NAMES]
     ref_opt = torch.optim.AdamW(ref_shared, lr=1e-2)
-    ref_expert_opt = torch.optim.AdamW(_expert_params(ref.module), lr=1e-2)
+    ref_expert_opt = torch.optim.AdamW(_expert_params(ref.module), lr=1e-2, **fused)
     result = {"expert_kept_at_wrap": _equal(_expert_params(ours.module), expert_at_start),
               "expert_grads_local": [],  # per step, how far from torch DDP's
               "norms": [], "skipped": []}
@@ -205,6 +209,8 @@ def rank_local_experts(rank: int, world_size: int, cfg: dict[str, Any]) -> dict[
     result["expert_diff"] = _max_diff(_expert_params(ours.module), _expert_params(ref.module))
     result["expert_moved"] = not _equal(_expert_params(ours.module), expert_at_start)
     result["expert"] = [p.detach().clone() for p in _expert_params(ours.module)]
+    scheduler = ours.scheduler
+    result["speculated"] = (scheduler.commits, scheduler.rollbacks) if scheduler else None
     result["in_buckets"] = [n for n in EXPERT_NAMES
                             if ours.param_index(named_ours[n]) is not None]
     return result
@@ -266,3 +272,75 @@ def experts_through_a_join(rank: int, world_size: int, use_join: bool) -> dict[s
 def experts_through_a_join_and_without(rank: int, world_size: int) -> dict[str, Any]:
     return {"join": experts_through_a_join(rank, world_size, True),
             "zeros": experts_through_a_join(rank, world_size, False)}
+
+
+def _expert_model(rank: int):
+    torch.manual_seed(1234)
+    base = ExpertNet()
+    torch.manual_seed(99 + rank)
+    base.expert.reset_parameters()
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        base, EXPERT_NAMES)
+    return base
+
+
+def experts_under_loss_scaling(rank: int, world_size: int, inf_on: tuple,
+                               clip_ignored: bool = False,
+                               unscale_experts_first: bool = True) -> dict[str, Any]:
+    """Loss scaling with the experts' optimizer on the same ShardedGradScaler, an inf
+    in the experts' gradients at step 1 on the ranks ``inf_on``: the scales every
+    rank ends each step with, the replicated parameters, the fgpsdp warnings. The
+    experts' lr is 0: whether their step is skipped on a rank changes nothing, so
+    the replicated parameters depend on the scales alone."""
+    model = fgp.DistributedDataParallel(_expert_model(rank), schedule="two_stage")
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2,
+                               max_grad_norm=0.05 if clip_ignored else None,
+                               clip_ignored_parameters=clip_ignored)
+    expert_opt = torch.optim.AdamW(_expert_params(model.module), lr=0.0)
+    scaler = fgp.ShardedGradScaler("cpu", init_scale=1024.0)
+    scales = []
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in range(4):
+            x = torch.randn(6, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+            y = torch.randn(6, 4, generator=torch.Generator().manual_seed(10 * step + rank + 5))
+            scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+            if step == 1 and rank in inf_on:
+                model.module.expert.weight.grad[0, 0] = float("inf")
+            if unscale_experts_first:
+                scaler.unscale_(expert_opt)
+            scaler.step(opt)
+            scaler.step(expert_opt)
+            scaler.update()
+            scales.append(float(scaler.get_scale()))
+            opt.zero_grad()
+            expert_opt.zero_grad()
+    model.synchronize()
+    return {"scales": scales,
+            "shared": [p.detach().clone() for n, p in model.module.named_parameters()
+                       if n not in EXPERT_NAMES],
+            "warnings": [str(w.message) for w in seen if "fgpsdp" in str(w.message)]}
+
+
+def experts_under_loss_scaling_cases(rank: int, world_size: int) -> dict[str, Any]:
+    return {"inf_on_rank_1": experts_under_loss_scaling(rank, world_size, (1,)),
+            "inf_on_both": experts_under_loss_scaling(rank, world_size, (0, 1)),
+            "clip_unscaled_first": experts_under_loss_scaling(rank, world_size, (), True),
+            "clip_still_scaled": experts_under_loss_scaling(rank, world_size, (), True,
+                                                            unscale_experts_first=False)}
+
+
+def torch_checkpoint_with_expert_state(rank: int, world_size: int) -> dict[str, Any]:
+    """A torch DDP loop's checkpoint of one ``AdamW(model.parameters())``, experts
+    included, loaded into the ShardedOptimizer: their state is not loaded, said."""
+    model = fgp.DistributedDataParallel(_expert_model(rank))
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    plain = _expert_model(rank)
+    torch_opt = torch.optim.AdamW(plain.parameters(), lr=1e-2)
+    plain(torch.randn(3, 8)).sum().backward()
+    torch_opt.step()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        opt.load_state_dict(torch_opt.state_dict())
+    return {"warnings": [str(w.message) for w in seen if "fgpsdp" in str(w.message)],
+            "loaded": sorted(opt.full_state_dict()["state"])}

@@ -115,6 +115,9 @@ CASES = [
     (bad_inputs.ignored_parameter_in_groups, "ValueError",
      [r"parameter 'net\.4\.bias' is named in _ddp_params_and_buffers_to_ignore",
       r"optimizer of its own"]),
+    (bad_inputs.ignored_trainable_on_one_rank, "ValueError",
+     [r"rank 1: trainable parameters in _ddp_params_and_buffers_to_ignore=False, unlike "
+      r"rank 0's True"]),
     (bad_inputs.ignored_parameter_converted, "ValueError",
      [r"parameter 'net\.4\.bias' is named in _ddp_params_and_buffers_to_ignore"]),
     (bad_inputs.wrapped_twice, "ValueError",

@@ -83,6 +83,7 @@ EXPERT_CONFIGS = {**{s: {"schedule": s} for s in SCHEDULES},
                   "two_stage_zero_by_model": {"schedule": "two_stage", "zero": "model"},
                   "two_stage_zero_by_optimizer_first": {"schedule": "two_stage",
                                                         "zero": "optimizer_first"},
+                  "two_stage_experts_fused": {"schedule": "two_stage", "expert_fused": True},
                   "experts_never_stepped": {"schedule": "two_stage", "expert_optimizer": False},
                   "experts_listed_late": {"schedule": "two_stage", "list_experts_late": True}}
 
@@ -94,7 +95,7 @@ def expert_results():
 
 @pytest.mark.parametrize("name", [n for n in EXPERT_CONFIGS
                                   if n in SCHEDULES or "clip" in n or "inf" in n
-                                  or "zero" in n])
+                                  or "zero" in n or "fused" in n])
 def test_trainable_parameters_torch_ddp_ignores_stay_rank_local(name):
     """Expert parallelism (Tutel's way): trainable parameters named in
     ``_ddp_params_and_buffers_to_ignore`` are left alone as torch DDP leaves them
@@ -115,6 +116,10 @@ def test_trainable_parameters_torch_ddp_ignores_stay_rank_local(name):
         assert res["warnings"] == skips, (rank, res["warnings"])
         # As AdamW(model.parameters()) numbers them (experts 2 and 3, no state).
         assert res["full_numbering"] == ([0, 1, 2, 3, 4, 5], [0, 1, 4, 5]), res["full_numbering"]
+        if name.startswith("two_stage"):  # stage 1 ran: committed, or rolled back
+            commits, rollbacks = res["speculated"]
+            assert (commits if "max_norm" not in EXPERT_CONFIGS[name] else rollbacks) > 0, res
+            assert commits > 0 or "inf" not in name, res  # (it commits but at the inf)
     # Each rank trained its own expert: they end apart.
     assert not all(torch.equal(a, b) for a, b in zip(per_rank[0]["expert"], per_rank[1]["expert"]))
 
@@ -196,3 +201,38 @@ def test_a_joined_ranks_expert_gradients_count_for_nothing():
     rank0 = run_distributed(2, ddp_keyword_scenarios.experts_through_a_join_and_without)[0]
     assert rank0["join"]["norms"] == rank0["zeros"]["norms"]
     assert all(torch.equal(a, b) for a, b in zip(rank0["join"]["shared"], rank0["zeros"]["shared"]))
+
+
+@functools.lru_cache(maxsize=None)
+def loss_scaling_results():
+    return run_distributed(2, ddp_keyword_scenarios.experts_under_loss_scaling_cases)
+
+
+def test_an_inf_in_one_ranks_experts_moves_every_ranks_loss_scale():
+    """torch's scaler backs off on the rank whose experts' optimizer found the inf
+    only; the scales then parted for good, and the next reduce-scatters summed
+    gradients scaled apart (each rank unscaling its slices by its own): the
+    replicated parameters went wrong, silently. Now every rank backs off, and the
+    run ends where one with the inf on every rank does."""
+    per_rank = loss_scaling_results()
+    assert per_rank[0]["inf_on_rank_1"]["scales"] == per_rank[1]["inf_on_rank_1"]["scales"]
+    assert per_rank[0]["inf_on_rank_1"]["scales"] == per_rank[0]["inf_on_both"]["scales"]
+    assert per_rank[0]["inf_on_both"]["scales"][1] == 512.0  # (the back-off)
+    for res in per_rank:
+        assert all(torch.equal(a, b) for a, b in zip(res["inf_on_rank_1"]["shared"],
+                                                     res["inf_on_both"]["shared"]))
+
+
+def test_clip_ignored_parameters_warns_of_expert_gradients_still_loss_scaled():
+    for res in loss_scaling_results():
+        assert res["clip_unscaled_first"]["warnings"] == []
+        said = res["clip_still_scaled"]["warnings"]
+        assert len(said) == 1 and "still loss-scaled" in said[0], said
+
+
+def test_a_torch_checkpoint_with_the_experts_state_says_it_is_not_loaded():
+    for res in run_distributed(2, ddp_keyword_scenarios.torch_checkpoint_with_expert_state):
+        assert res["loaded"] == [0, 1, 4, 5], res  # the rest is
+        assert len(res["warnings"]) == 1, res["warnings"]
+        assert "holds the state of 2 parameter(s) named in _ddp_params_and_buffers_to_ignore " \
+               "('expert.weight', 'expert.bias')" in res["warnings"][0]

@@ -32,6 +32,7 @@ from .layout import (BucketLayout, ParamInfo, default_bucket_cap_mb, first_bucke
                      owned_numel, param_alignment_for, plan_buckets)
 from .forward_waits import ForwardParamWaiter, is_traced_by_dynamo
 from .gpu_setup import connect_nccl_groups, make_current_device
+from .ignored_params import leave_to_the_user
 from .group_collectives import all_reduce_held
 from .param_gathers import ParamGathers
 from .module_guards import (hand_out_parameters_through_the_wrapper,
@@ -165,8 +166,8 @@ class DistributedDataParallel(nn.Module):
         named = [(n, p) for n, p in module.named_parameters()  # tied ones appear once
                  if n not in self._ignored_names]
         trainable = [(n, p) for n, p in named if p.requires_grad]
-        # Every rank or none (the loss scaler agrees on their infs only then: see
-        # ShardedGradScaler.update).
+        # Every rank or none (the loss scaler shares their optimizer's infs in a
+        # collective: see ShardedGradScaler.update).
         self.has_ignored_trainable_parameters = any(
             p.requires_grad for n, p in module.named_parameters() if n in self._ignored_names)
         problems = argument_problems + topology_problems + local_problems(module, trainable) \
@@ -206,6 +207,8 @@ class DistributedDataParallel(nn.Module):
         self._params = [p for _, p in trainable]
         self._param_names = [n for n, _ in trainable]
         lifecycle.claim(trainable, self)
+        leave_to_the_user([(n, p) for n, p in module.named_parameters()
+                           if n in self._ignored_names and p.requires_grad], self)
         lifecycle.finish_before_destroy(self)
         # Unfrozen later, they would never be reduced nor stepped: see _check_frozen.
         self._frozen_at_wrap = [(n, p) for n, p in named if not p.requires_grad]

@@ -25,6 +25,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from .optim import ShardedOptimizer
+from .ignored_params import wrapper_leaving_any_of
 from .optimizer_itself import itself
 from .user_warnings import warn_at_user_code
 
@@ -43,6 +44,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
     @torch.compiler.disable
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         if not isinstance(optimizer, ShardedOptimizer):
+            if self._enabled:
+                self._note_experts_optimizer(optimizer)
             return super().unscale_(optimizer)
         if not self._enabled:
             return
@@ -128,34 +131,41 @@ class ShardedGradScaler(torch.amp.GradScaler):
             "scaler.unscale_(their optimizer) before scaler.step(opt) (or "
             "scaler.unscale_(opt))")
 
+    def _note_experts_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """A torch optimizer over parameters a wrapper leaves to the user (experts):
+        the next update() shares the infs it found (see update)."""
+        wrapper = wrapper_leaving_any_of(optimizer)
+        if wrapper is not None:
+            self.__dict__.setdefault("_experts_this_round", wrapper)
+
     @torch.compiler.disable
     def update(self, new_scale: Optional[Union[float, torch.Tensor]] = None) -> None:
         """torch's update, run as it is under torch.compile: the state it reads was
-        written by the eager unscale_ and step. Where a ShardedOptimizer's wrapper
-        leaves trainable parameters to the user, the other optimizers' infs (their
-        optimizer's, found on this rank only) are first made every rank's: the
-        scales would part otherwise, and the next reduce-scatter would sum
-        gradients scaled apart (each rank unscaling its slices by its own)."""
-        sharded = self.__dict__.pop("_sharded_this_round", {})
-        if self._enabled and new_scale is None:
-            leaving = [opt for opt in sharded.values()
-                       if opt.model.has_ignored_trainable_parameters]
-            if leaving:
-                self._share_other_optimizers_infs(leaving[0], sharded)
+        written by the eager unscale_ and step. After an experts' optimizer was
+        unscaled (over parameters a wrapper leaves to the user), the infs found on
+        this rank alone are first made every rank's: the scales would part
+        otherwise, and the next reduce-scatter would sum gradients scaled apart (each
+        rank unscaling its slices by its own). A ShardedOptimizer's infs are every
+        rank's already."""
+        self.__dict__.pop("_sharded_this_round", None)
+        wrapper = self.__dict__.pop("_experts_this_round", None)
+        if wrapper is not None:
+            self._share_infs(wrapper, apply=new_scale is None)
         super().update(new_scale)
 
-    def _share_other_optimizers_infs(self, optimizer: ShardedOptimizer,
-                                     sharded: dict[int, ShardedOptimizer]) -> None:
-        """One all-reduce over ``optimizer``'s group (every rank gets here alike: each
-        stepped it, and the wrappers agree on leaving parameters to the user) of the
-        infs the other optimizers found, added to ``optimizer``'s flag."""
-        flag = torch.zeros(1, dtype=torch.float64, device=optimizer._device)
-        for key, state in self._per_optimizer_states.items():
-            if key not in sharded:
-                for found in state["found_inf_per_device"].values():
-                    flag += found.to(device=flag.device, dtype=torch.float64)
-        optimizer.model.all_reduce_sum(flag)
-        own = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        for device, found in own.items():
-            own[device] = found + (flag > 0).to(device=device, dtype=found.dtype).reshape(
-                found.shape)
+    def _share_infs(self, wrapper: Any, apply: bool) -> None:
+        """One all-reduce over ``wrapper``'s group of the infs this round's optimizers
+        found, added to one of their flags. Every rank gets here alike: each stepped
+        an experts' optimizer through this scaler (the wrappers agree that every rank
+        leaves some parameters to the user), whether it updates to a given scale
+        (``apply`` False: nothing to add, but the others wait in the collective) or
+        per optimizer (Lightning's and Accelerate's loops update after each step)."""
+        flags = [found for state in self._per_optimizer_states.values()
+                 for found in state["found_inf_per_device"].values()]
+        total = torch.zeros(1, dtype=torch.float64, device=wrapper.device)
+        for found in flags:
+            total += found.to(device=total.device, dtype=torch.float64)
+        wrapper.all_reduce_sum(total)
+        if apply and flags:
+            flags[0] += (total > 0).to(device=flags[0].device, dtype=flags[0].dtype).reshape(
+                flags[0].shape)

@@ -5,7 +5,8 @@ if at all, and steps them with an optimizer of their own.
 """
 from __future__ import annotations
 
-from typing import Sequence
+import weakref
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -38,8 +39,7 @@ class UnsteppedIgnoredParameters:
         if self._steps < STEPS_BEFORE_THE_CHECK:
             return
         unstepped = [name for name, param, version, fingerprint in self._watched
-                     if param.grad is not None and param._version == version
-                     and torch.equal(_fingerprint(param), fingerprint)]
+                     if param.grad is not None and _unchanged(param, version, fingerprint)]
         self._watched = []  # once
         if unstepped:
             shown = ", ".join(repr(n) for n in unstepped[:3]) + (", ..." if len(unstepped) > 3
@@ -51,6 +51,18 @@ class UnsteppedIgnoredParameters:
                 "ShardedOptimizer does not step them. Step them with an optimizer of their "
                 "own (torch.optim.AdamW(those parameters)), as the wrapper leaves them to you")
 
+
+def _unchanged(param: torch.Tensor, version: int, fingerprint: torch.Tensor) -> bool:
+    """Neither written in place nor of other values since the fingerprint; a
+    parameter moved to another device, or on no real device (meta), counts as
+    changed: a warning only where it surely holds."""
+    if param._version != version:
+        return False
+    try:
+        now = _fingerprint(param)
+        return now.device == fingerprint.device and torch.equal(now, fingerprint)
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 @torch.no_grad()
@@ -71,3 +83,32 @@ def squares_of(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """What holds each gradient's elements once: a sparse one's coalesced values
     (an uncoalesced index may repeat)."""
     return [g.coalesce().values() if g.is_sparse else g for g in grads]
+
+
+# id(parameter) -> (the parameter, the wrapper that leaves it to the user), both weakly:
+# how the loss scaler tells an experts' optimizer from another torch optimizer. By id,
+# as a tensor's == is elementwise (a WeakKeyDictionary compares keys with it).
+_LEFT_TO_THE_USER: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+
+
+def leave_to_the_user(named: Sequence[tuple[str, torch.nn.Parameter]], wrapper: Any) -> None:
+    for _, param in named:
+        key = id(param)
+        forget = lambda _ref, key=key: _LEFT_TO_THE_USER.pop(key, None)  # noqa: E731
+        _LEFT_TO_THE_USER[key] = (weakref.ref(param, forget), weakref.ref(wrapper))
+
+
+def wrapper_leaving_any_of(optimizer: torch.optim.Optimizer) -> Optional[Any]:
+    """The live wrapper that leaves one of ``optimizer``'s parameters to the user, if
+    any (the first found)."""
+    if not _LEFT_TO_THE_USER:
+        return None
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            entry = _LEFT_TO_THE_USER.get(id(param))
+            if entry is None or entry[0]() is not param:
+                continue
+            wrapper = entry[1]()
+            if wrapper is not None:
+                return wrapper
+    return None

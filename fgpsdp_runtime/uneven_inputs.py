@@ -303,8 +303,8 @@ class UnevenInputs:
         elif call is AnnouncedCall.ZERO_GRAD:
             if optimizer is not None:
                 optimizer.zero_grad(set_to_none=args[0] > 0.5)
-            else:
-                model.zero_grad(set_to_none=args[0] > 0.5)
+            else:  # (the buckets' part: a joined rank's own parameters stay as they are)
+                model.zero_reduced_gradients(set_to_none=args[0] > 0.5)
         elif call is AnnouncedCall.SYNCHRONIZE:
             model.synchronize()
         elif call is AnnouncedCall.FULL_STATE:

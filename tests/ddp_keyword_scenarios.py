@@ -285,13 +285,17 @@ def _expert_model(rank: int):
 
 
 def experts_under_loss_scaling(rank: int, world_size: int, inf_on: tuple,
-                               clip_ignored: bool = False,
-                               unscale_experts_first: bool = True) -> dict[str, Any]:
+                               clip_ignored: bool = False, unscale_experts_first: bool = True,
+                               update_each: str = "",
+                               new_scale_on_rank_0: bool = False) -> dict[str, Any]:
     """Loss scaling with the experts' optimizer on the same ShardedGradScaler, an inf
     in the experts' gradients at step 1 on the ranks ``inf_on``: the scales every
     rank ends each step with, the replicated parameters, the fgpsdp warnings. The
     experts' lr is 0: whether their step is skipped on a rank changes nothing, so
-    the replicated parameters depend on the scales alone."""
+    the replicated parameters depend on the scales alone. ``update_each``: "sharded"
+    or "experts" first, each step followed by its own update(), as Lightning's and
+    Accelerate's loops run them. ``new_scale_on_rank_0``: rank 0 updates to a scale
+    of its own at step 2 (before, that left the other ranks in the collective)."""
     model = fgp.DistributedDataParallel(_expert_model(rank), schedule="two_stage")
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2,
                                max_grad_norm=0.05 if clip_ignored else None,
@@ -307,11 +311,17 @@ def experts_under_loss_scaling(rank: int, world_size: int, inf_on: tuple,
             scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
             if step == 1 and rank in inf_on:
                 model.module.expert.weight.grad[0, 0] = float("inf")
-            if unscale_experts_first:
-                scaler.unscale_(expert_opt)
-            scaler.step(opt)
-            scaler.step(expert_opt)
-            scaler.update()
+            if update_each:
+                for o in ((opt, expert_opt) if update_each == "sharded" else (expert_opt, opt)):
+                    scaler.step(o)
+                    scaler.update()
+            else:
+                if unscale_experts_first:
+                    scaler.unscale_(expert_opt)
+                scaler.step(opt)
+                scaler.step(expert_opt)
+                own_scale = new_scale_on_rank_0 and rank == 0 and step == 2
+                scaler.update(2048.0 if own_scale else None)
             scales.append(float(scaler.get_scale()))
             opt.zero_grad()
             expert_opt.zero_grad()
@@ -325,6 +335,12 @@ def experts_under_loss_scaling(rank: int, world_size: int, inf_on: tuple,
 def experts_under_loss_scaling_cases(rank: int, world_size: int) -> dict[str, Any]:
     return {"inf_on_rank_1": experts_under_loss_scaling(rank, world_size, (1,)),
             "inf_on_both": experts_under_loss_scaling(rank, world_size, (0, 1)),
+            **{f"{case}_update_each_{first}_first": experts_under_loss_scaling(
+                rank, world_size, inf_on, update_each=first)
+               for case, inf_on in (("inf_on_rank_1", (1,)), ("inf_on_both", (0, 1)))
+               for first in ("sharded", "experts")},
+            "new_scale_on_rank_0": experts_under_loss_scaling(rank, world_size, (),
+                                                              new_scale_on_rank_0=True),
             "clip_unscaled_first": experts_under_loss_scaling(rank, world_size, (), True),
             "clip_still_scaled": experts_under_loss_scaling(rank, world_size, (), True,
                                                             unscale_experts_first=False)}

@@ -208,19 +208,21 @@ def loss_scaling_results():
     return run_distributed(2, ddp_keyword_scenarios.experts_under_loss_scaling_cases)
 
 
-def test_an_inf_in_one_ranks_experts_moves_every_ranks_loss_scale():
+@pytest.mark.parametrize("updates", ["", "_update_each_sharded_first",
+                                     "_update_each_experts_first"])
+def test_an_inf_in_one_ranks_experts_moves_every_ranks_loss_scale(updates):
     """torch's scaler backs off on the rank whose experts' optimizer found the inf
     only; the scales then parted for good, and the next reduce-scatters summed
     gradients scaled apart (each rank unscaling its slices by its own): the
     replicated parameters went wrong, silently. Now every rank backs off, and the
     run ends where one with the inf on every rank does."""
     per_rank = loss_scaling_results()
-    assert per_rank[0]["inf_on_rank_1"]["scales"] == per_rank[1]["inf_on_rank_1"]["scales"]
-    assert per_rank[0]["inf_on_rank_1"]["scales"] == per_rank[0]["inf_on_both"]["scales"]
-    assert per_rank[0]["inf_on_both"]["scales"][1] == 512.0  # (the back-off)
+    one, both = "inf_on_rank_1" + updates, "inf_on_both" + updates
+    assert per_rank[0][one]["scales"] == per_rank[1][one]["scales"]
+    assert per_rank[0][one]["scales"] == per_rank[0][both]["scales"]
+    assert per_rank[0][both]["scales"][1] == 512.0  # (the back-off)
     for res in per_rank:
-        assert all(torch.equal(a, b) for a, b in zip(res["inf_on_rank_1"]["shared"],
-                                                     res["inf_on_both"]["shared"]))
+        assert all(torch.equal(a, b) for a, b in zip(res[one]["shared"], res[both]["shared"]))
 
 
 def test_clip_ignored_parameters_warns_of_expert_gradients_still_loss_scaled():
@@ -236,3 +238,27 @@ def test_a_torch_checkpoint_with_the_experts_state_says_it_is_not_loaded():
         assert len(res["warnings"]) == 1, res["warnings"]
         assert "holds the state of 2 parameter(s) named in _ddp_params_and_buffers_to_ignore " \
                "('expert.weight', 'expert.bias')" in res["warnings"][0]
+
+
+def test_a_scale_given_to_one_ranks_update_does_not_hang_the_others():
+    """update() shares the experts' infs in a collective whether or not it is given
+    a scale (torch's would only let the scales differ, as the loop asked)."""
+    per_rank = loss_scaling_results()
+    assert per_rank[0]["new_scale_on_rank_0"]["scales"][2] == 2048.0
+    assert per_rank[1]["new_scale_on_rank_0"]["scales"][2] == 1024.0
+
+
+def test_a_parameter_counts_as_stepped_by_its_version_or_its_values():
+    """The never-stepped warning's test: a fused step or a write through .data
+    moves no version counter; a meta parameter cannot be read (no warning then)."""
+    from fgpsdp_runtime.ignored_params import _fingerprint, _unchanged
+    param = torch.nn.Parameter(torch.ones(3))
+    version, fingerprint = param._version, _fingerprint(param)
+    assert _unchanged(param, version, fingerprint)
+    param.data.add_(1.0)  # (no version counter moves)
+    assert param._version == version and not _unchanged(param, version, fingerprint)
+    with torch.no_grad():
+        param.mul_(1.0)  # the same values, its version moved
+    assert not _unchanged(param, version, _fingerprint(param))
+    meta = torch.nn.Parameter(torch.empty(3, device="meta"))
+    assert not _unchanged(meta, meta._version, _fingerprint(meta))

@@ -12,6 +12,18 @@ import torch
 
 from .user_warnings import warn_at_user_code
 
+def ignored_places(module: torch.nn.Module, names: frozenset
+                   ) -> list[tuple[str, torch.nn.Module, str]]:
+    """(name, owning module, its name there) of each parameter ``names`` holds, in
+    ``module.named_parameters()`` order (tied ones once); buffers are not wanted."""
+    places = []
+    for name, _ in module.named_parameters():
+        if name in names:
+            path, _, leaf = name.rpartition(".")
+            places.append((name, module.get_submodule(path), leaf))
+    return places
+
+
 # The ShardedOptimizer steps after which parameters never written count as unstepped:
 # a few, as a loop's first steps may be skipped (a loss scaler's infs).
 STEPS_BEFORE_THE_CHECK = 3

@@ -278,3 +278,20 @@ def torch_checkpoint_with_expert_state(rank: int, world_size: int) -> dict[str, 
         opt.load_state_dict(torch_opt.state_dict())
     return {"warnings": [str(w.message) for w in seen if "fgpsdp" in str(w.message)],
             "loaded": sorted(opt.full_state_dict()["state"])}
+
+
+def expert_replaced_after_wrapping(rank: int, world_size: int) -> dict[str, Any]:
+    """An expert given a new parameter after wrapping (the user's to do: torch DDP
+    never looks at it) is the one model.zero_grad() resets and the clip covers."""
+    model = fgp.DistributedDataParallel(_expert_model(rank))
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2, max_grad_norm=1e-3,
+                               clip_ignored_parameters=True)
+    model.module.expert.weight = nn.Parameter(torch.ones(16, 16))
+    model(torch.randn(3, 8)).sum().backward()
+    grad_before = model.module.expert.weight.grad.clone()
+    opt.step()  # clips: the new parameter's gradient too
+    clipped = float(model.module.expert.weight.grad.norm()) < 0.5 * float(grad_before.norm())
+    model.zero_grad()
+    return {"covered": [n for n, p in model.named_ignored_parameters()
+                        if p is model.module.expert.weight],
+            "clipped": clipped, "reset": model.module.expert.weight.grad is None}

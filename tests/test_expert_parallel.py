@@ -184,3 +184,8 @@ def test_a_parameter_counts_as_stepped_by_its_version_or_its_values():
     assert not _unchanged(param, version, _fingerprint(param))
     meta = torch.nn.Parameter(torch.empty(3, device="meta"))
     assert not _unchanged(meta, meta._version, _fingerprint(meta))
+
+
+def test_an_expert_given_a_new_parameter_after_wrapping_is_the_one_reset_and_clipped():
+    for res in run_distributed(2, expert_scenarios.expert_replaced_after_wrapping):
+        assert res == {"covered": ["expert.weight"], "clipped": True, "reset": True}, res

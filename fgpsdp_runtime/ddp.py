@@ -32,7 +32,7 @@ from .layout import (BucketLayout, ParamInfo, default_bucket_cap_mb, first_bucke
                      owned_numel, param_alignment_for, plan_buckets)
 from .forward_waits import ForwardParamWaiter, is_traced_by_dynamo
 from .gpu_setup import connect_nccl_groups, make_current_device
-from .ignored_params import ignored_places, leave_to_the_user
+from .ignored_params import ignored_places, note_wrapper_leaving_parameters, parameters_at
 from .group_collectives import all_reduce_held
 from .param_gathers import ParamGathers
 from .module_guards import (hand_out_parameters_through_the_wrapper,
@@ -165,8 +165,8 @@ class DistributedDataParallel(nn.Module):
         named = [(n, p) for n, p in module.named_parameters()  # tied ones appear once
                  if n not in self._ignored_names]
         trainable = [(n, p) for n, p in named if p.requires_grad]
-        # Every rank or none (the loss scaler shares their optimizer's infs in a
-        # collective: see ShardedGradScaler.update).
+        # Every rank or none (the loss scaler shares the infs in a collective while
+        # such a wrapper lives: see ShardedGradScaler.update).
         self.has_ignored_trainable_parameters = any(
             p.requires_grad for n, p in module.named_parameters() if n in self._ignored_names)
         problems = argument_problems + topology_problems + local_problems(module, trainable) \
@@ -206,8 +206,8 @@ class DistributedDataParallel(nn.Module):
         self._params = [p for _, p in trainable]
         self._param_names = [n for n, _ in trainable]
         lifecycle.claim(trainable, self)
-        leave_to_the_user([(n, p) for n, p in module.named_parameters()
-                           if n in self._ignored_names and p.requires_grad], self)
+        if self.has_ignored_trainable_parameters:  # (see ShardedGradScaler.update)
+            note_wrapper_leaving_parameters(self)
         lifecycle.finish_before_destroy(self)
         # Unfrozen later, they would never be reduced nor stepped: see _check_frozen.
         self._frozen_at_wrap = [(n, p) for n, p in named if not p.requires_grad]
@@ -215,9 +215,9 @@ class DistributedDataParallel(nn.Module):
         # Frozen ones, which zero_grad() resets as nn.Module's would: fixed from here,
         # as a parameter replaced or added later is refused.
         self._frozen_params = [p for _, p in self._frozen_at_wrap]
-        # Where each parameter left to the user lives (its module, its name there),
-        # read at each use: the user may replace one, and a walk of the whole module
-        # per zero_grad() took 0.8 ms on 1,000 parameters.
+        # Where each parameter left to the user lives (its module's path, its name
+        # there), looked up at each use: the user may replace one, or its module, and
+        # a walk of the whole module per zero_grad() took 0.8 ms on 1,000 parameters.
         self._ignored_places = ignored_places(module, self._ignored_names)
         device = self._params[0].device if self._params else torch.device("cpu")
         self.device = device  # torch DDP's attribute
@@ -1015,9 +1015,8 @@ class DistributedDataParallel(nn.Module):
         return [(n, p) for n, p in self._ignored_now() if p.requires_grad]
 
     def _ignored_now(self) -> list[tuple[str, nn.Parameter]]:
-        places = self.__dict__.get("_ignored_places", ())  # (during construction: none)
-        return [(name, owner._parameters[leaf]) for name, owner, leaf in places
-                if owner._parameters.get(leaf) is not None]
+        # (During construction: none yet.)
+        return parameters_at(self.module, self.__dict__.get("_ignored_places", ()))
 
     # -- internals shared with the optimizer ----------------------------------
 

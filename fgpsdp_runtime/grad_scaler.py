@@ -25,7 +25,7 @@ import torch
 from torch.amp.grad_scaler import OptState
 
 from .optim import ShardedOptimizer
-from .ignored_params import wrapper_leaving_any_of
+from .ignored_params import latest_wrapper_leaving_parameters
 from .optimizer_itself import itself
 from .user_warnings import warn_at_user_code
 
@@ -44,8 +44,6 @@ class ShardedGradScaler(torch.amp.GradScaler):
     @torch.compiler.disable
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         if not isinstance(optimizer, ShardedOptimizer):
-            if self._enabled:
-                self._note_experts_optimizer(optimizer)
             return super().unscale_(optimizer)
         if not self._enabled:
             return
@@ -131,35 +129,31 @@ class ShardedGradScaler(torch.amp.GradScaler):
             "scaler.unscale_(their optimizer) before scaler.step(opt) (or "
             "scaler.unscale_(opt))")
 
-    def _note_experts_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
-        """A torch optimizer over parameters a wrapper leaves to the user (experts):
-        the next update() shares the infs it found (see update)."""
-        wrapper = wrapper_leaving_any_of(optimizer)
-        if wrapper is not None:
-            self.__dict__.setdefault("_experts_this_round", wrapper)
-
     @torch.compiler.disable
     def update(self, new_scale: Optional[Union[float, torch.Tensor]] = None) -> None:
         """torch's update, run as it is under torch.compile: the state it reads was
-        written by the eager unscale_ and step. After an experts' optimizer was
-        unscaled (over parameters a wrapper leaves to the user), the infs found on
-        this rank alone are first made every rank's: the scales would part
-        otherwise, and the next reduce-scatter would sum gradients scaled apart (each
-        rank unscaling its slices by its own). A ShardedOptimizer's infs are every
+        written by the eager unscale_ and step. While a wrapper that leaves trainable
+        parameters to the user lives, the infs this round's optimizers found are
+        first made every rank's: an experts' optimizer finds its own on one rank
+        alone, and the scales would part otherwise, the next reduce-scatter summing
+        gradients scaled apart (each rank unscaling its slices by its own). At every
+        update(), on every rank: not only after the experts' optimizer was unscaled,
+        which a rank whose experts got no gradient skips, and a fused one never is
+        (torch checks its infs at its step). A ShardedOptimizer's infs are every
         rank's already."""
         self.__dict__.pop("_sharded_this_round", None)
-        wrapper = self.__dict__.pop("_experts_this_round", None)
-        if wrapper is not None:
+        wrapper = latest_wrapper_leaving_parameters()
+        if wrapper is not None and self._enabled:
             self._share_infs(wrapper, apply=new_scale is None)
         super().update(new_scale)
 
     def _share_infs(self, wrapper: Any, apply: bool) -> None:
         """One all-reduce over ``wrapper``'s group of the infs this round's optimizers
-        found, added to one of their flags. Every rank gets here alike: each stepped
-        an experts' optimizer through this scaler (the wrappers agree that every rank
-        leaves some parameters to the user), whether it updates to a given scale
-        (``apply`` False: nothing to add, but the others wait in the collective) or
-        per optimizer (Lightning's and Accelerate's loops update after each step)."""
+        found, added to one of their flags. Every rank gets here alike (the wrappers
+        agree that every rank leaves some parameters to the user), whether it updates
+        to a given scale (``apply`` False: nothing to add, but the others wait in the
+        collective) or per optimizer (Lightning's and Accelerate's loops update after
+        each step)."""
         flags = [found for state in self._per_optimizer_states.values()
                  for found in state["found_inf_per_device"].values()]
         total = torch.zeros(1, dtype=torch.float64, device=wrapper.device)

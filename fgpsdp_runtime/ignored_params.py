@@ -12,16 +12,28 @@ import torch
 
 from .user_warnings import warn_at_user_code
 
-def ignored_places(module: torch.nn.Module, names: frozenset
-                   ) -> list[tuple[str, torch.nn.Module, str]]:
-    """(name, owning module, its name there) of each parameter ``names`` holds, in
-    ``module.named_parameters()`` order (tied ones once); buffers are not wanted."""
-    places = []
-    for name, _ in module.named_parameters():
-        if name in names:
-            path, _, leaf = name.rpartition(".")
-            places.append((name, module.get_submodule(path), leaf))
-    return places
+
+def ignored_places(module: torch.nn.Module, names: frozenset) -> list[tuple[str, str, str]]:
+    """(name, its module's path, its name there) of each parameter ``names`` holds, in
+    ``module.named_parameters()`` order (tied ones once); buffers are not wanted.
+    The module and the parameter are looked up at each use: either may be replaced."""
+    return [(name, *name.rpartition(".")[::2]) for name, _ in module.named_parameters()
+            if name in names]
+
+
+def parameters_at(module: torch.nn.Module, places: Sequence[tuple[str, str, str]]
+                  ) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters at ``places`` now (a place no longer there is left out)."""
+    found = []
+    for name, path, leaf in places:
+        try:
+            owner = module.get_submodule(path)
+        except AttributeError:
+            continue
+        param = owner._parameters.get(leaf)  # (a plain read: see module_guards)
+        if param is not None:
+            found.append((name, param))
+    return found
 
 
 # The ShardedOptimizer steps after which parameters never written count as unstepped:
@@ -97,30 +109,18 @@ def squares_of(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     return [g.coalesce().values() if g.is_sparse else g for g in grads]
 
 
-# id(parameter) -> (the parameter, the wrapper that leaves it to the user), both weakly:
-# how the loss scaler tells an experts' optimizer from another torch optimizer. By id,
-# as a tensor's == is elementwise (a WeakKeyDictionary compares keys with it).
-_LEFT_TO_THE_USER: dict[int, tuple[weakref.ref, weakref.ref]] = {}
+# The live wrappers that leave trainable parameters to the user, in the order they were
+# built (every rank builds them alike, and they agree that every rank leaves some):
+# while one lives, every ShardedGradScaler.update() shares the infs, on every rank.
+_WRAPPERS_LEAVING_PARAMETERS: list[weakref.ref] = []
 
 
-def leave_to_the_user(named: Sequence[tuple[str, torch.nn.Parameter]], wrapper: Any) -> None:
-    for _, param in named:
-        key = id(param)
-        forget = lambda _ref, key=key: _LEFT_TO_THE_USER.pop(key, None)  # noqa: E731
-        _LEFT_TO_THE_USER[key] = (weakref.ref(param, forget), weakref.ref(wrapper))
+def note_wrapper_leaving_parameters(wrapper: Any) -> None:
+    _WRAPPERS_LEAVING_PARAMETERS.append(weakref.ref(wrapper))
 
 
-def wrapper_leaving_any_of(optimizer: torch.optim.Optimizer) -> Optional[Any]:
-    """The live wrapper that leaves one of ``optimizer``'s parameters to the user, if
-    any (the first found)."""
-    if not _LEFT_TO_THE_USER:
-        return None
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            entry = _LEFT_TO_THE_USER.get(id(param))
-            if entry is None or entry[0]() is not param:
-                continue
-            wrapper = entry[1]()
-            if wrapper is not None:
-                return wrapper
-    return None
+def latest_wrapper_leaving_parameters() -> Optional[Any]:
+    """The last built of the live wrappers that leave trainable parameters to the user."""
+    _WRAPPERS_LEAVING_PARAMETERS[:] = [ref for ref in _WRAPPERS_LEAVING_PARAMETERS
+                                       if ref() is not None]
+    return _WRAPPERS_LEAVING_PARAMETERS[-1]() if _WRAPPERS_LEAVING_PARAMETERS else None

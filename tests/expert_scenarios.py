@@ -204,8 +204,9 @@ def experts_through_a_join_and_without(rank: int, world_size: int) -> dict[str, 
 
 def experts_under_loss_scaling(rank: int, world_size: int, inf_on: tuple,
                                clip_ignored: bool = False, unscale_experts_first: bool = True,
-                               update_each: str = "",
-                               new_scale_on_rank_0: bool = False) -> dict[str, Any]:
+                               update_each: str = "", new_scale_on_rank_0: bool = False,
+                               fused_experts: bool = False,
+                               idle_on_rank_0: bool = False) -> dict[str, Any]:
     """Loss scaling with the experts' optimizer on the same ShardedGradScaler, an inf
     in the experts' gradients at step 1 on the ranks ``inf_on``: the scales every
     rank ends each step with, the replicated parameters, the fgpsdp warnings. The
@@ -213,12 +214,16 @@ def experts_under_loss_scaling(rank: int, world_size: int, inf_on: tuple,
     the replicated parameters depend on the scales alone. ``update_each``: "sharded"
     or "experts" first, each step followed by its own update(), as Lightning's and
     Accelerate's loops run them. ``new_scale_on_rank_0``: rank 0 updates to a scale
-    of its own at step 2 (before, that left the other ranks in the collective)."""
+    of its own at step 2 (before, that left the other ranks in the collective);
+    ``fused_experts``: their AdamW fused (torch's scaler never unscales it, it checks
+    its infs at its step); ``idle_on_rank_0``: rank 0's expert got no gradient at step
+    1, so that rank does not step their optimizer then (torch's scaler refuses one
+    with no gradient)."""
     model = fgp.DistributedDataParallel(_expert_model(rank), schedule="two_stage")
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2,
                                max_grad_norm=0.05 if clip_ignored else None,
                                clip_ignored_parameters=clip_ignored)
-    expert_opt = torch.optim.AdamW(_expert_params(model.module), lr=0.0)
+    expert_opt = torch.optim.AdamW(_expert_params(model.module), lr=0.0, fused=fused_experts)
     scaler = fgp.ShardedGradScaler("cpu", init_scale=1024.0)
     scales = []
     with warnings.catch_warnings(record=True) as seen:
@@ -229,15 +234,20 @@ def experts_under_loss_scaling(rank: int, world_size: int, inf_on: tuple,
             scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
             if step == 1 and rank in inf_on:
                 model.module.expert.weight.grad[0, 0] = float("inf")
+            idle = idle_on_rank_0 and rank == 0 and step == 1
+            if idle:
+                for p in _expert_params(model.module):
+                    p.grad = None
             if update_each:
                 for o in ((opt, expert_opt) if update_each == "sharded" else (expert_opt, opt)):
                     scaler.step(o)
                     scaler.update()
             else:
-                if unscale_experts_first:
+                if unscale_experts_first and not fused_experts and not idle:
                     scaler.unscale_(expert_opt)
                 scaler.step(opt)
-                scaler.step(expert_opt)
+                if not idle:
+                    scaler.step(expert_opt)
                 own_scale = new_scale_on_rank_0 and rank == 0 and step == 2
                 scaler.update(2048.0 if own_scale else None)
             scales.append(float(scaler.get_scale()))
@@ -259,6 +269,12 @@ def experts_under_loss_scaling_cases(rank: int, world_size: int) -> dict[str, An
                for first in ("sharded", "experts")},
             "new_scale_on_rank_0": experts_under_loss_scaling(rank, world_size, (),
                                                               new_scale_on_rank_0=True),
+            **{f"{case}_fused{each}": experts_under_loss_scaling(
+                rank, world_size, inf_on, fused_experts=True, update_each=first)
+               for case, inf_on in (("inf_on_rank_1", (1,)), ("inf_on_both", (0, 1)))
+               for each, first in (("", ""), ("_update_each", "sharded"))},
+            "inf_on_rank_1_idle_rank_0": experts_under_loss_scaling(rank, world_size, (1,),
+                                                                    idle_on_rank_0=True),
             "clip_unscaled_first": experts_under_loss_scaling(rank, world_size, (), True),
             "clip_still_scaled": experts_under_loss_scaling(rank, world_size, (), True,
                                                             unscale_experts_first=False)}
@@ -295,3 +311,18 @@ def expert_replaced_after_wrapping(rank: int, world_size: int) -> dict[str, Any]
     return {"covered": [n for n, p in model.named_ignored_parameters()
                         if p is model.module.expert.weight],
             "clipped": clipped, "reset": model.module.expert.weight.grad is None}
+
+
+def expert_module_replaced_after_wrapping(rank: int, world_size: int) -> dict[str, Any]:
+    """The expert submodule itself replaced after wrapping: model.zero_grad() and the
+    clip find the new one's parameters (looked up by path at each use)."""
+    model = fgp.DistributedDataParallel(_expert_model(rank))
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2, clip_ignored_parameters=True)
+    model.module.expert = nn.Linear(16, 16)
+    model(torch.randn(3, 8)).sum().backward()
+    covered = [n for n, p in model.named_ignored_parameters()
+               if any(p is q for q in _expert_params(model.module))]
+    opt.step()
+    model.zero_grad()
+    return {"covered": covered,
+            "reset": all(p.grad is None for p in _expert_params(model.module))}

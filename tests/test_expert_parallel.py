@@ -131,7 +131,8 @@ def loss_scaling_results():
 
 
 @pytest.mark.parametrize("updates", ["", "_update_each_sharded_first",
-                                     "_update_each_experts_first"])
+                                     "_update_each_experts_first", "_fused",
+                                     "_fused_update_each"])
 def test_an_inf_in_one_ranks_experts_moves_every_ranks_loss_scale(updates):
     """torch's scaler backs off on the rank whose experts' optimizer found the inf
     only; the scales then parted for good, and the next reduce-scatters summed
@@ -189,3 +190,17 @@ def test_a_parameter_counts_as_stepped_by_its_version_or_its_values():
 def test_an_expert_given_a_new_parameter_after_wrapping_is_the_one_reset_and_clipped():
     for res in run_distributed(2, expert_scenarios.expert_replaced_after_wrapping):
         assert res == {"covered": ["expert.weight"], "clipped": True, "reset": True}, res
+
+
+def test_a_rank_whose_experts_got_no_gradient_shares_the_infs_too():
+    """A rank that does not step the experts' optimizer in a round (their gradients
+    None there) still takes part in update()'s all-reduce: before, it went on alone,
+    and the others waited in it until the group's timeout."""
+    per_rank = loss_scaling_results()
+    scales = [res["inf_on_rank_1_idle_rank_0"]["scales"] for res in per_rank]
+    assert scales[0] == scales[1] and scales[0][1] == 512.0, scales
+
+
+def test_an_expert_module_replaced_after_wrapping_is_the_one_reset_and_clipped():
+    for res in run_distributed(2, expert_scenarios.expert_module_replaced_after_wrapping):
+        assert res == {"covered": ["expert.weight", "expert.bias"], "reset": True}, res

@@ -22,9 +22,11 @@ from __future__ import annotations
 from typing import Any, Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch.amp.grad_scaler import OptState
 
 from .optim import ShardedOptimizer
+from .group_collectives import all_reduce_held
 from .ignored_params import latest_wrapper_leaving_parameters
 from .optimizer_itself import itself
 from .user_warnings import warn_at_user_code
@@ -62,6 +64,11 @@ class ShardedGradScaler(torch.amp.GradScaler):
             raise RuntimeError("unscale_() is being called after step().")
         if optimizer.clipped_this_step():
             self._warn_clip_before_unscale()
+        wrapper = latest_wrapper_leaving_parameters()
+        if wrapper is not None:
+            # Here too (every rank unscales this optimizer, once per step): an update()
+            # after the experts' step (one per optimizer) may have moved one rank's.
+            self._take_the_smallest_scale(wrapper, None)
         # The reciprocal in float64, as torch takes it (float32 division can round otherwise).
         inv_scale = self._scale.double().reciprocal().float()
         found_inf = optimizer.unscale_gradients_(inv_scale)
@@ -130,36 +137,52 @@ class ShardedGradScaler(torch.amp.GradScaler):
             "scaler.unscale_(opt))")
 
     @torch.compiler.disable
+    def scale(self, outputs: Any) -> Any:
+        """torch's scale. While a wrapper that leaves trainable parameters to the user
+        lives, every rank first takes the smallest of the ranks' scales: an experts'
+        optimizer finds its infs on one rank alone, which backs off that rank's scale
+        alone, and the next reduce-scatter would sum gradients scaled apart (each
+        rank unscaling its slices by its own). Here, as every rank calls scale() once
+        per backward (each a collective of the wrapper's), not at update(), which a
+        loop may call a different number of times on each rank (once per optimizer
+        stepped, as Lightning's and Accelerate's do, one not stepped where its experts
+        got no gradient)."""
+        if self._enabled:
+            wrapper = latest_wrapper_leaving_parameters()
+            if wrapper is not None:
+                self._take_the_smallest_scale(wrapper, outputs)
+        return super().scale(outputs)
+
+    def _take_the_smallest_scale(self, wrapper: Any, outputs: Any) -> None:
+        if self._scale is None:  # (a first scale(): unscale_ comes after one)
+            first = _first_tensor(outputs)
+            if first is None:
+                return
+            self._lazy_init_scale_growth_tracker(first.device)
+        smallest = self._scale.detach().to(device=wrapper.device, dtype=torch.float64,
+                                           copy=True)
+        all_reduce_held(smallest, dist.ReduceOp.MIN, wrapper.process_group, "loss scale")
+        self._scale.copy_(smallest)
+
+    @torch.compiler.disable
     def update(self, new_scale: Optional[Union[float, torch.Tensor]] = None) -> None:
         """torch's update, run as it is under torch.compile: the state it reads was
-        written by the eager unscale_ and step. While a wrapper that leaves trainable
-        parameters to the user lives, the infs this round's optimizers found are
-        first made every rank's: an experts' optimizer finds its own on one rank
-        alone, and the scales would part otherwise, the next reduce-scatter summing
-        gradients scaled apart (each rank unscaling its slices by its own). At every
-        update(), on every rank: not only after the experts' optimizer was unscaled,
-        which a rank whose experts got no gradient skips, and a fused one never is
-        (torch checks its infs at its step). A ShardedOptimizer's infs are every
-        rank's already."""
+        written by the eager unscale_ and step."""
         self.__dict__.pop("_sharded_this_round", None)
-        wrapper = latest_wrapper_leaving_parameters()
-        if wrapper is not None and self._enabled:
-            self._share_infs(wrapper, apply=new_scale is None)
         super().update(new_scale)
 
-    def _share_infs(self, wrapper: Any, apply: bool) -> None:
-        """One all-reduce over ``wrapper``'s group of the infs this round's optimizers
-        found, added to one of their flags. Every rank gets here alike (the wrappers
-        agree that every rank leaves some parameters to the user), whether it updates
-        to a given scale (``apply`` False: nothing to add, but the others wait in the
-        collective) or per optimizer (Lightning's and Accelerate's loops update after
-        each step)."""
-        flags = [found for state in self._per_optimizer_states.values()
-                 for found in state["found_inf_per_device"].values()]
-        total = torch.zeros(1, dtype=torch.float64, device=wrapper.device)
-        for found in flags:
-            total += found.to(device=total.device, dtype=torch.float64)
-        wrapper.all_reduce_sum(total)
-        if apply and flags:
-            flags[0] += (total > 0).to(device=flags[0].device, dtype=flags[0].dtype).reshape(
-                flags[0].shape)
+
+def _first_tensor(outputs: Any) -> Optional[torch.Tensor]:
+    """The first tensor of what ``scale()`` takes (a tensor, or nested iterables)."""
+    if isinstance(outputs, torch.Tensor):
+        return outputs
+    if isinstance(outputs, (str, bytes)):
+        return None
+    try:
+        for item in outputs:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    except TypeError:
+        return None
+    return None

@@ -208,8 +208,8 @@ def experts_under_loss_scaling(rank: int, world_size: int, inf_on: tuple,
                                fused_experts: bool = False,
                                idle_on_rank_0: bool = False) -> dict[str, Any]:
     """Loss scaling with the experts' optimizer on the same ShardedGradScaler, an inf
-    in the experts' gradients at step 1 on the ranks ``inf_on``: the scales every
-    rank ends each step with, the replicated parameters, the fgpsdp warnings. The
+    in the experts' gradients at step 1 on the ranks ``inf_on``: the scale each
+    rank's backward ran with, step by step, the replicated parameters, the fgpsdp warnings. The
     experts' lr is 0: whether their step is skipped on a rank changes nothing, so
     the replicated parameters depend on the scales alone. ``update_each``: "sharded"
     or "experts" first, each step followed by its own update(), as Lightning's and
@@ -231,7 +231,9 @@ def experts_under_loss_scaling(rank: int, world_size: int, inf_on: tuple,
         for step in range(4):
             x = torch.randn(6, 8, generator=torch.Generator().manual_seed(10 * step + rank))
             y = torch.randn(6, 4, generator=torch.Generator().manual_seed(10 * step + rank + 5))
-            scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+            scaled = scaler.scale(nn.functional.mse_loss(model(x), y))
+            scales.append(float(scaler.get_scale()))  # the one this backward runs with
+            scaled.backward()
             if step == 1 and rank in inf_on:
                 model.module.expert.weight.grad[0, 0] = float("inf")
             idle = idle_on_rank_0 and rank == 0 and step == 1
@@ -240,6 +242,8 @@ def experts_under_loss_scaling(rank: int, world_size: int, inf_on: tuple,
                     p.grad = None
             if update_each:
                 for o in ((opt, expert_opt) if update_each == "sharded" else (expert_opt, opt)):
+                    if o is expert_opt and idle:
+                        continue  # (its step and its update: one update() fewer here)
                     scaler.step(o)
                     scaler.update()
             else:
@@ -250,7 +254,6 @@ def experts_under_loss_scaling(rank: int, world_size: int, inf_on: tuple,
                     scaler.step(expert_opt)
                 own_scale = new_scale_on_rank_0 and rank == 0 and step == 2
                 scaler.update(2048.0 if own_scale else None)
-            scales.append(float(scaler.get_scale()))
             opt.zero_grad()
             expert_opt.zero_grad()
     model.synchronize()
@@ -275,6 +278,8 @@ def experts_under_loss_scaling_cases(rank: int, world_size: int) -> dict[str, An
                for each, first in (("", ""), ("_update_each", "sharded"))},
             "inf_on_rank_1_idle_rank_0": experts_under_loss_scaling(rank, world_size, (1,),
                                                                     idle_on_rank_0=True),
+            "inf_on_rank_1_idle_rank_0_update_each": experts_under_loss_scaling(
+                rank, world_size, (1,), idle_on_rank_0=True, update_each="sharded"),
             "clip_unscaled_first": experts_under_loss_scaling(rank, world_size, (), True),
             "clip_still_scaled": experts_under_loss_scaling(rank, world_size, (), True,
                                                             unscale_experts_first=False)}

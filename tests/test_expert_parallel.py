@@ -137,13 +137,15 @@ def test_an_inf_in_one_ranks_experts_moves_every_ranks_loss_scale(updates):
     """torch's scaler backs off on the rank whose experts' optimizer found the inf
     only; the scales then parted for good, and the next reduce-scatters summed
     gradients scaled apart (each rank unscaling its slices by its own): the
-    replicated parameters went wrong, silently. Now every rank backs off, and the
-    run ends where one with the inf on every rank does."""
+    replicated parameters went wrong, silently. Now every rank's next backward runs
+    with the smallest scale, and the run ends where one with the inf on every rank
+    does: whether each step has its own update(), the experts' optimizer is fused,
+    or not."""
     per_rank = loss_scaling_results()
     one, both = "inf_on_rank_1" + updates, "inf_on_both" + updates
     assert per_rank[0][one]["scales"] == per_rank[1][one]["scales"]
     assert per_rank[0][one]["scales"] == per_rank[0][both]["scales"]
-    assert per_rank[0][both]["scales"][1] == 512.0  # (the back-off)
+    assert per_rank[0][both]["scales"][2] == 512.0  # (the back-off)
     for res in per_rank:
         assert all(torch.equal(a, b) for a, b in zip(res[one]["shared"], res[both]["shared"]))
 
@@ -163,12 +165,11 @@ def test_a_torch_checkpoint_with_the_experts_state_says_it_is_not_loaded():
                "('expert.weight', 'expert.bias')" in res["warnings"][0]
 
 
-def test_a_scale_given_to_one_ranks_update_does_not_hang_the_others():
-    """update() shares the experts' infs in a collective whether or not it is given
-    a scale (torch's would only let the scales differ, as the loop asked)."""
+def test_a_scale_given_to_one_ranks_update_gives_way_to_the_smallest():
+    """A rank updated to a scale of its own (2048) runs its next backward with the
+    smallest of the ranks' scales, as the others do."""
     per_rank = loss_scaling_results()
-    assert per_rank[0]["new_scale_on_rank_0"]["scales"][2] == 2048.0
-    assert per_rank[1]["new_scale_on_rank_0"]["scales"][2] == 1024.0
+    assert [res["new_scale_on_rank_0"]["scales"][3] for res in per_rank] == [1024.0, 1024.0]
 
 
 def test_a_parameter_counts_as_stepped_by_its_version_or_its_values():
@@ -192,13 +193,17 @@ def test_an_expert_given_a_new_parameter_after_wrapping_is_the_one_reset_and_cli
         assert res == {"covered": ["expert.weight"], "clipped": True, "reset": True}, res
 
 
-def test_a_rank_whose_experts_got_no_gradient_shares_the_infs_too():
+@pytest.mark.parametrize("case", ["inf_on_rank_1_idle_rank_0",
+                                  "inf_on_rank_1_idle_rank_0_update_each"])
+def test_a_rank_whose_experts_got_no_gradient_keeps_the_scales_together_too(case):
     """A rank that does not step the experts' optimizer in a round (their gradients
-    None there) still takes part in update()'s all-reduce: before, it went on alone,
-    and the others waited in it until the group's timeout."""
+    None there), even where that leaves it one update() fewer (each step with its
+    own): the scales are taken together at scale(), which every rank calls once per
+    backward. (Shared at update() after that optimizer's unscale_, this rank went on
+    while the others waited in the collective until the group's timeout.)"""
     per_rank = loss_scaling_results()
-    scales = [res["inf_on_rank_1_idle_rank_0"]["scales"] for res in per_rank]
-    assert scales[0] == scales[1] and scales[0][1] == 512.0, scales
+    scales = [res[case]["scales"] for res in per_rank]
+    assert scales[0] == scales[1] and scales[0][2] == 512.0, scales
 
 
 def test_an_expert_module_replaced_after_wrapping_is_the_one_reset_and_clipped():

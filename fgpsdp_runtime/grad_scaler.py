@@ -159,10 +159,19 @@ class ShardedGradScaler(torch.amp.GradScaler):
             if first is None:
                 return
             self._lazy_init_scale_growth_tracker(first.device)
-        smallest = self._scale.detach().to(device=wrapper.device, dtype=torch.float64,
-                                           copy=True)
+        own = self._scale
+        smallest = own.detach().to(device=wrapper.device, dtype=torch.float64, copy=True)
         all_reduce_held(smallest, dist.ReduceOp.MIN, wrapper.process_group, "loss scale")
-        self._scale.copy_(smallest)
+        smallest = smallest.to(device=own.device, dtype=own.dtype)
+        # A rank whose scale came down to the smallest backs off as the others did:
+        # its growth count starts again with theirs (else each grew alone, and the
+        # smallest undid it each time). No host sync: decided on the device.
+        self._growth_tracker = torch.where(smallest < own,
+                                           torch.zeros_like(self._growth_tracker),
+                                           self._growth_tracker)
+        # A new tensor, not written in place: autograd saved the old one for an
+        # output scaled before (two losses scaled for one backward).
+        self._scale = smallest
 
     @torch.compiler.disable
     def update(self, new_scale: Optional[Union[float, torch.Tensor]] = None) -> None:

@@ -111,7 +111,7 @@ def squares_of(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 # The live wrappers that leave trainable parameters to the user, in the order they were
 # built (every rank builds them alike, and they agree that every rank leaves some):
-# while one lives, every ShardedGradScaler.update() shares the infs, on every rank.
+# while one lives, ShardedGradScaler keeps every rank's loss scale the same.
 _WRAPPERS_LEAVING_PARAMETERS: list[weakref.ref] = []
 
 

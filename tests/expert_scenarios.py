@@ -205,11 +205,13 @@ def experts_through_a_join_and_without(rank: int, world_size: int) -> dict[str, 
 def experts_under_loss_scaling(rank: int, world_size: int, inf_on: tuple,
                                clip_ignored: bool = False, unscale_experts_first: bool = True,
                                update_each: str = "", new_scale_on_rank_0: bool = False,
-                               fused_experts: bool = False,
-                               idle_on_rank_0: bool = False) -> dict[str, Any]:
+                               fused_experts: bool = False, idle_on_rank_0: bool = False,
+                               growth_interval: int = 2000, steps: int = 4,
+                               two_losses: bool = False) -> dict[str, Any]:
     """Loss scaling with the experts' optimizer on the same ShardedGradScaler, an inf
     in the experts' gradients at step 1 on the ranks ``inf_on``: the scale each
-    rank's backward ran with, step by step, the replicated parameters, the fgpsdp warnings. The
+    rank's backward ran with, step by step, the replicated parameters, the fgpsdp
+    warnings (``two_losses``: two halves of the loss scaled apart for one backward). The
     experts' lr is 0: whether their step is skipped on a rank changes nothing, so
     the replicated parameters depend on the scales alone. ``update_each``: "sharded"
     or "experts" first, each step followed by its own update(), as Lightning's and
@@ -224,14 +226,16 @@ def experts_under_loss_scaling(rank: int, world_size: int, inf_on: tuple,
                                max_grad_norm=0.05 if clip_ignored else None,
                                clip_ignored_parameters=clip_ignored)
     expert_opt = torch.optim.AdamW(_expert_params(model.module), lr=0.0, fused=fused_experts)
-    scaler = fgp.ShardedGradScaler("cpu", init_scale=1024.0)
+    scaler = fgp.ShardedGradScaler("cpu", init_scale=1024.0, growth_interval=growth_interval)
     scales = []
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        for step in range(4):
+        for step in range(steps):
             x = torch.randn(6, 8, generator=torch.Generator().manual_seed(10 * step + rank))
             y = torch.randn(6, 4, generator=torch.Generator().manual_seed(10 * step + rank + 5))
-            scaled = scaler.scale(nn.functional.mse_loss(model(x), y))
+            loss = nn.functional.mse_loss(model(x), y)
+            scaled = scaler.scale(loss / 2) + scaler.scale(loss / 2) if two_losses \
+                else scaler.scale(loss)
             scales.append(float(scaler.get_scale()))  # the one this backward runs with
             scaled.backward()
             if step == 1 and rank in inf_on:
@@ -278,6 +282,10 @@ def experts_under_loss_scaling_cases(rank: int, world_size: int) -> dict[str, An
                for each, first in (("", ""), ("_update_each", "sharded"))},
             "inf_on_rank_1_idle_rank_0": experts_under_loss_scaling(rank, world_size, (1,),
                                                                     idle_on_rank_0=True),
+            **{f"{case}_growing": experts_under_loss_scaling(rank, world_size, inf_on,
+                                                             growth_interval=2, steps=7)
+               for case, inf_on in (("inf_on_rank_1", (1,)), ("inf_on_both", (0, 1)))},
+            "two_losses": experts_under_loss_scaling(rank, world_size, (), two_losses=True),
             "inf_on_rank_1_idle_rank_0_update_each": experts_under_loss_scaling(
                 rank, world_size, (1,), idle_on_rank_0=True, update_each="sharded"),
             "clip_unscaled_first": experts_under_loss_scaling(rank, world_size, (), True),

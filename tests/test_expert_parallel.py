@@ -132,7 +132,7 @@ def loss_scaling_results():
 
 @pytest.mark.parametrize("updates", ["", "_update_each_sharded_first",
                                      "_update_each_experts_first", "_fused",
-                                     "_fused_update_each"])
+                                     "_fused_update_each", "_growing"])
 def test_an_inf_in_one_ranks_experts_moves_every_ranks_loss_scale(updates):
     """torch's scaler backs off on the rank whose experts' optimizer found the inf
     only; the scales then parted for good, and the next reduce-scatters summed
@@ -209,3 +209,18 @@ def test_a_rank_whose_experts_got_no_gradient_keeps_the_scales_together_too(case
 def test_an_expert_module_replaced_after_wrapping_is_the_one_reset_and_clipped():
     for res in run_distributed(2, expert_scenarios.expert_module_replaced_after_wrapping):
         assert res == {"covered": ["expert.weight", "expert.bias"], "reset": True}, res
+
+
+def test_the_scale_grows_again_after_an_inf_on_one_rank():
+    """The rank whose scale came down to the others' starts its growth count again
+    with theirs: before, each rank grew alone, the smallest undid it, and the scale
+    never grew again."""
+    scales = loss_scaling_results()[0]["inf_on_rank_1_growing"]["scales"]
+    assert scales == [1024.0, 1024.0, 512.0, 512.0, 1024.0, 1024.0, 2048.0], scales
+
+
+def test_two_losses_scaled_for_one_backward():
+    """scale() called twice before one backward: the scale is a new tensor each time
+    the ranks agree on it (written in place, the first product's backward raised)."""
+    for res in loss_scaling_results():
+        assert res["two_losses"]["scales"] == [1024.0] * 4

@@ -160,18 +160,19 @@ class ShardedGradScaler(torch.amp.GradScaler):
                 return
             self._lazy_init_scale_growth_tracker(first.device)
         own = self._scale
-        smallest = own.detach().to(device=wrapper.device, dtype=torch.float64, copy=True)
-        all_reduce_held(smallest, dist.ReduceOp.MIN, wrapper.process_group, "loss scale")
-        smallest = smallest.to(device=own.device, dtype=own.dtype)
-        # A rank whose scale came down to the smallest backs off as the others did:
-        # its growth count starts again with theirs (else each grew alone, and the
-        # smallest undid it each time). No host sync: decided on the device.
-        self._growth_tracker = torch.where(smallest < own,
-                                           torch.zeros_like(self._growth_tracker),
-                                           self._growth_tracker)
+        # The smallest scale and the smallest growth count, in one all-reduce: a rank
+        # brought down to the others' scale starts its count again with theirs (else
+        # each grew alone, and the smallest undid it each time), and ranks updated to
+        # scales of their own keep growing together. On the device: no host sync.
+        pair = torch.stack([own.detach().to(torch.float64),
+                            self._growth_tracker.to(own.device, torch.float64)])
+        pair = pair.to(wrapper.device)
+        all_reduce_held(pair, dist.ReduceOp.MIN, wrapper.process_group, "loss scale")
+        pair = pair.to(own.device)
+        self._growth_tracker = pair[1].to(self._growth_tracker.dtype)
         # A new tensor, not written in place: autograd saved the old one for an
         # output scaled before (two losses scaled for one backward).
-        self._scale = smallest
+        self._scale = pair[0].to(own.dtype)
 
     @torch.compiler.disable
     def update(self, new_scale: Optional[Union[float, torch.Tensor]] = None) -> None:

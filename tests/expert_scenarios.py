@@ -204,7 +204,7 @@ def experts_through_a_join_and_without(rank: int, world_size: int) -> dict[str, 
 
 def experts_under_loss_scaling(rank: int, world_size: int, inf_on: tuple,
                                clip_ignored: bool = False, unscale_experts_first: bool = True,
-                               update_each: str = "", new_scale_on_rank_0: bool = False,
+                               update_each: str = "", new_scales: tuple = (),
                                fused_experts: bool = False, idle_on_rank_0: bool = False,
                                growth_interval: int = 2000, steps: int = 4,
                                two_losses: bool = False) -> dict[str, Any]:
@@ -215,8 +215,9 @@ def experts_under_loss_scaling(rank: int, world_size: int, inf_on: tuple,
     experts' lr is 0: whether their step is skipped on a rank changes nothing, so
     the replicated parameters depend on the scales alone. ``update_each``: "sharded"
     or "experts" first, each step followed by its own update(), as Lightning's and
-    Accelerate's loops run them. ``new_scale_on_rank_0``: rank 0 updates to a scale
-    of its own at step 2 (before, that left the other ranks in the collective);
+    Accelerate's loops run them. ``new_scales``: at step 2 each rank updates to its
+    entry (None: by its infs) (before, a scale given on one rank alone left the others
+    in the collective);
     ``fused_experts``: their AdamW fused (torch's scaler never unscales it, it checks
     its infs at its step); ``idle_on_rank_0``: rank 0's expert got no gradient at step
     1, so that rank does not step their optimizer then (torch's scaler refuses one
@@ -256,8 +257,7 @@ def experts_under_loss_scaling(rank: int, world_size: int, inf_on: tuple,
                 scaler.step(opt)
                 if not idle:
                     scaler.step(expert_opt)
-                own_scale = new_scale_on_rank_0 and rank == 0 and step == 2
-                scaler.update(2048.0 if own_scale else None)
+                scaler.update(new_scales[rank] if new_scales and step == 2 else None)
             opt.zero_grad()
             expert_opt.zero_grad()
     model.synchronize()
@@ -275,7 +275,10 @@ def experts_under_loss_scaling_cases(rank: int, world_size: int) -> dict[str, An
                for case, inf_on in (("inf_on_rank_1", (1,)), ("inf_on_both", (0, 1)))
                for first in ("sharded", "experts")},
             "new_scale_on_rank_0": experts_under_loss_scaling(rank, world_size, (),
-                                                              new_scale_on_rank_0=True),
+                                                              new_scales=(2048.0, None)),
+            "new_scales_apart": experts_under_loss_scaling(rank, world_size, (),
+                                                           new_scales=(128.0, 256.0),
+                                                           growth_interval=3, steps=10),
             **{f"{case}_fused{each}": experts_under_loss_scaling(
                 rank, world_size, inf_on, fused_experts=True, update_each=first)
                for case, inf_on in (("inf_on_rank_1", (1,)), ("inf_on_both", (0, 1)))

@@ -172,6 +172,15 @@ def test_a_scale_given_to_one_ranks_update_gives_way_to_the_smallest():
     assert [res["new_scale_on_rank_0"]["scales"][3] for res in per_rank] == [1024.0, 1024.0]
 
 
+def test_ranks_updated_to_scales_of_their_own_grow_together():
+    """The growth counts are taken together with the scales: before, the rank
+    brought down started its count again while the other kept its own, each grew
+    alone, and the smallest undid it: the scale stayed at 128."""
+    scales = [res["new_scales_apart"]["scales"] for res in loss_scaling_results()]
+    assert scales[0] == scales[1], scales
+    assert scales[0][3] == 128.0 and max(scales[0][3:]) > 128.0, scales
+
+
 def test_a_parameter_counts_as_stepped_by_its_version_or_its_values():
     """The never-stepped warning's test: a fused step or a write through .data
     moves no version counter; a meta parameter cannot be read (no warning then)."""

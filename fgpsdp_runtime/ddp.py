@@ -165,10 +165,13 @@ class DistributedDataParallel(nn.Module):
         named = [(n, p) for n, p in module.named_parameters()  # tied ones appear once
                  if n not in self._ignored_names]
         trainable = [(n, p) for n, p in named if p.requires_grad]
-        # Every rank or none (the loss scaler shares the infs in a collective while
-        # such a wrapper lives: see ShardedGradScaler.update).
-        self.has_ignored_trainable_parameters = any(
-            p.requires_grad for n, p in module.named_parameters() if n in self._ignored_names)
+        # Where each parameter left to the user lives (its module's path, its name
+        # there), looked up at each use: the user may replace one, or its module, and
+        # a walk of the whole module per zero_grad() took 0.8 ms on 1,000 parameters.
+        self._ignored_places = ignored_places(module, self._ignored_names)
+        # Every rank or none (the loss scaler agrees on the scale in a collective
+        # while such a wrapper lives: see ShardedGradScaler.scale).
+        self.has_ignored_trainable_parameters = bool(self.named_ignored_parameters())
         problems = argument_problems + topology_problems + local_problems(module, trainable) \
             + lifecycle.wrapped_elsewhere(trainable)
         if not problems:  # it bumps version counters: not those a live wrapper tracks
@@ -215,10 +218,6 @@ class DistributedDataParallel(nn.Module):
         # Frozen ones, which zero_grad() resets as nn.Module's would: fixed from here,
         # as a parameter replaced or added later is refused.
         self._frozen_params = [p for _, p in self._frozen_at_wrap]
-        # Where each parameter left to the user lives (its module's path, its name
-        # there), looked up at each use: the user may replace one, or its module, and
-        # a walk of the whole module per zero_grad() took 0.8 ms on 1,000 parameters.
-        self._ignored_places = ignored_places(module, self._ignored_names)
         device = self._params[0].device if self._params else torch.device("cpu")
         self.device = device  # torch DDP's attribute
         self._comm_stats = CommStats()
@@ -1015,8 +1014,7 @@ class DistributedDataParallel(nn.Module):
         return [(n, p) for n, p in self._ignored_now() if p.requires_grad]
 
     def _ignored_now(self) -> list[tuple[str, nn.Parameter]]:
-        # (During construction: none yet.)
-        return parameters_at(self.module, self.__dict__.get("_ignored_places", ()))
+        return parameters_at(self.module, self._ignored_places)
 
     # -- internals shared with the optimizer ----------------------------------
 

@@ -1207,7 +1207,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 speculated[b][1] != model.reducer.reduce_scatters_since_reset[b]
             local += part if part is not None and not stale \
                 else multi_tensor_sq_norm([storage.grad_shard])
-        local += self._ignored_sq_norm()
+        self._add_ignored_squares(local)
         # The host-side figures in one CPU tensor and one copy: on CUDA a copy from
         # pageable memory (torch.tensor(..., device=cuda), .to(cuda)) waits for the
         # whole stream; from pinned memory it is queued behind the norms.
@@ -1298,13 +1298,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return []
         return ignored_gradients(self.model.named_ignored_parameters())
 
-    def _ignored_sq_norm(self) -> torch.Tensor:
-        """float64 [sum of squares, non-finite flag] of ``_ignored_grads()``, added to
-        this rank's figures after its slices': each rank's own are counted once."""
+    def _add_ignored_squares(self, local: torch.Tensor) -> None:
+        """Adds to ``local`` (float64 [sum of squares, non-finite flag]) those of
+        ``_ignored_grads()``, after this rank's slices': each rank's own are counted
+        once. Nothing to do (no tensor made) without ``clip_ignored_parameters``."""
         grads = self._ignored_grads()
-        if not grads:
-            return torch.zeros(2, dtype=torch.float64, device=self._device)
-        return multi_tensor_sq_norm(squares_of(grads)).to(self._device)
+        if grads:
+            local += multi_tensor_sq_norm(squares_of(grads)).to(self._device)
 
     def _valid_grad_shards(self) -> list[torch.Tensor]:
         """This rank's reduced gradient slices, bucket by bucket, but those holding no
@@ -1325,7 +1325,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             local = torch.zeros(2, dtype=torch.float64, device=self._device)
             for shard in self._valid_grad_shards():  # in bucket order, as the first total
                 local += multi_tensor_sq_norm([shard])
-            local += self._ignored_sq_norm()
+            self._add_ignored_squares(local)
             with self.model.timeline.span("compute", "norm all-reduce"):
                 self.model.all_reduce_sum(local)
             sq_sum, nonfinite = (float(v) for v in local.cpu())

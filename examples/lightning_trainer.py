@@ -21,6 +21,11 @@ optimizer returned alone is converted into one by the strategy
   float16 loss scaling, which Lightning does not call for this optimizer. A
   LightningModule's ``configure_gradient_clipping`` that calls
   ``self.clip_gradients`` goes the same way.
+- ``DDPStrategy(ddp_comm_hook=...)``: torch's ``fp16_compress_hook`` and
+  ``bf16_compress_hook`` (also as ``ddp_comm_wrapper`` of ``allreduce_hook``) set the
+  dtype gradients travel in; other hooks are refused. Lightning registers the hook on
+  CUDA only, asserting a torch DDP wrapper there: the strategy registers it itself,
+  on any device (``--comm-hook``).
 - Float16 loss scaling takes fgpsdp's scaler through Lightning's plugin
   (``--precision 16-mixed-scaler``); torch's is refused at the step.
 - Checkpoints need nothing: Lightning saves a sharded optimizer by calling
@@ -39,10 +44,12 @@ import argparse
 import gc
 
 import torch
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import DataLoader
 
 try:
     import lightning.pytorch as pl
+    from lightning.pytorch.overrides.distributed import _register_ddp_comm_hook
     from lightning.pytorch.plugins.precision import MixedPrecision
     from lightning.pytorch.strategies import DDPStrategy
     from lightning.pytorch.utilities import GradClipAlgorithmType
@@ -55,11 +62,24 @@ from toy_regression import regression_dataset, regression_net
 CLIP = 0.05  # binds on every step of this model
 
 
+def register_comm_hook_on_any_device(strategy: DDPStrategy) -> None:
+    """Lightning's ``_register_ddp_hooks`` with its device test left out: Lightning
+    registers ``ddp_comm_hook`` on CUDA only (asserting a torch DDP wrapper there, an
+    AssertionError with fgpsdp's); fgpsdp takes torch's reduce-dtype hooks on any
+    device, and torch DDP its float16 ones on gloo too."""
+    _register_ddp_comm_hook(model=strategy.model, ddp_comm_state=strategy._ddp_comm_state,
+                            ddp_comm_hook=strategy._ddp_comm_hook,
+                            ddp_comm_wrapper=strategy._ddp_comm_wrapper)
+
+
 class FgpsdpStrategy(DDPStrategy):
     """Lightning's DDP strategy, with fgpsdp's wrapper in place of torch DDP's."""
 
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return fgp.DistributedDataParallel(model, **self._ddp_kwargs)
+
+    def _register_ddp_hooks(self) -> None:
+        register_comm_hook_on_any_device(self)
 
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
@@ -84,6 +104,14 @@ class FgpsdpStrategy(DDPStrategy):
                              "configure_optimizers, fgp.ShardedOptimizer(self.trainer."
                              "strategy.model, torch.optim.AdamW, ...), and its schedulers on "
                              "it") from error
+
+
+class TorchDDPStrategy(DDPStrategy):
+    """Lightning's torch DDP strategy, registering ``ddp_comm_hook`` on CPU too (for
+    the comparison)."""
+
+    def _register_ddp_hooks(self) -> None:
+        register_comm_hook_on_any_device(self)
 
 
 def clip_sharded_optimizers(plugin) -> None:
@@ -150,8 +178,9 @@ class Regression(pl.LightningModule):
 
 
 def make_trainer(args: argparse.Namespace) -> pl.Trainer:
-    strategy = (FgpsdpStrategy if args.system == "fgpsdp" else DDPStrategy)(
-        process_group_backend="gloo")
+    hook = None if args.comm_hook is None else getattr(default_hooks, args.comm_hook)
+    strategy = (FgpsdpStrategy if args.system == "fgpsdp" else TorchDDPStrategy)(
+        process_group_backend="gloo", ddp_comm_hook=hook)
     plugins, precision = [], args.precision
     if precision == "16-mixed-scaler":  # float16 loss scaling: fgpsdp's scaler for fgpsdp
         scaler = fgp.ShardedGradScaler("cpu") if args.system == "fgpsdp" \
@@ -181,6 +210,8 @@ def main() -> None:
     parser.add_argument("--refit", action="store_true",
                         help="fit again with a new Trainer (--epochs more)")
     parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--comm-hook", choices=["fp16_compress_hook"],
+                        help="DDPStrategy(ddp_comm_hook=...): torch's hook of that name")
     parser.add_argument("--torch-optimizer", action="store_true",
                         help="configure_optimizers returns a torch AdamW under fgpsdp too "
                         "(the strategy converts it)")

@@ -26,6 +26,7 @@ from . import lifecycle, shutdown
 from .buckets import BucketStorage, layout_strides
 from .buffer_broadcast import broadcast_coalesced, versions_kept
 from .comm import CommStats, FlatExchange, HierarchicalExchange
+from .comm_hooks import hook_reduction, hook_state_problem, reduce_dtype_problem
 from .ddp_options import (buffer_sync, checked_arguments, ignored_names, named_device,
                           process_group_of, refuse_unsupported)
 from .layout import (BucketLayout, ParamInfo, default_bucket_cap_mb, first_bucket_cap_bytes,
@@ -281,6 +282,8 @@ class DistributedDataParallel(nn.Module):
             {id(p): name for name, p in zip(self._param_names, self._params)})
         # Set inside ``with model.join():`` (see uneven_inputs.py).
         self._uneven_inputs: Optional[UnevenInputs] = None
+        # The torch DDP communication hook registered (see register_comm_hook).
+        self._comm_hook_name: Optional[str] = None
         if init_sync:  # else the user vouches that every rank starts alike, as with DDP
             self._broadcast_initial_state(named, with_buffers=self._buffer_sync.at_init)
 
@@ -643,13 +646,53 @@ class DistributedDataParallel(nn.Module):
         """torch DDP's: whether a forward broadcasts the buffers first."""
         return self.forward_sync_buffers and bool(self._synced_buffers())
 
-    # A torch DDP method with no meaning here: a clear error instead of
-    # nn.Module's "has no attribute", which reads like a version mismatch.
     def register_comm_hook(self, state: object, hook: Any) -> None:
-        raise NotImplementedError(
-            "fgpsdp: register_comm_hook() is not supported: gradients are reduce-scattered "
-            "bucket by bucket (inside a node, then across nodes), not all-reduced, so a torch "
-            "DDP communication hook has no all-reduce to replace")
+        """torch DDP's, for the hooks that choose the dtype gradients travel in:
+        torch's ``allreduce_hook``, ``fp16_compress_hook``, ``bf16_compress_hook``
+        and the fp16/bf16 compress wrappers of ``allreduce_hook`` set the reduce
+        dtype, as ``reduce_dtype=`` does; others are refused (see comm_hooks.py).
+
+        As torch asks: once, before the first backward, on every rank with the
+        same hook. A collective here (torch's is local): the ranks check that
+        they registered the same one, since a rank summing another dtype's bytes
+        would corrupt every gradient. State: None (the default group) or the
+        wrapper's process group, as torch's hooks read it."""
+        if self._uneven_inputs is not None:
+            self._uneven_inputs.refuse("fgpsdp: register_comm_hook() under model.join(): "
+                                       "register the hook before the join context")
+        problem: Optional[Exception] = None
+        reduction = None
+        try:
+            reduction = hook_reduction(hook)
+            if self._comm_hook_name is not None:
+                raise RuntimeError(
+                    f"fgpsdp: register_comm_hook can only be called once (as torch DDP's); "
+                    f"{self._comm_hook_name} is registered")
+            if self.reducer.reduce_scatters_launched or \
+                    any(b.send_buffer is not None for b in self._buckets):
+                raise RuntimeError("fgpsdp: register_comm_hook() after a backward has reduced "
+                                   "gradients: register the hook before the first backward, "
+                                   "as torch DDP asks")
+            text = hook_state_problem(state, self.process_group,
+                                      self.world_size == dist.get_world_size()) \
+                or reduce_dtype_problem(reduction, self.reduce_dtype,
+                                        [b.dtype for b in self._buckets])
+            if text is not None:
+                raise ValueError("fgpsdp: " + text)
+        except Exception as error:  # noqa: BLE001 - raised below, on every rank
+            problem = error
+        settings_agree_or_raise(self.process_group, {
+            "communication hook": None if reduction is None else reduction.name,
+            "communication hook problem": None if problem is None
+            else f"{type(problem).__name__}: {problem}"},
+            "register_comm_hook: the ranks' hooks differ")
+        if problem is not None:
+            raise problem
+        self._comm_hook_name = reduction.name
+        if reduction.reduce_dtype is not None:
+            self.reduce_dtype = reduction.reduce_dtype
+        for storage in self._buckets:
+            storage.reduce_dtype = reduction.reduce_dtype or storage.dtype
 
     @torch.compiler.disable  # see the note at ShardedOptimizer.zero_grad
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -2,6 +2,7 @@
 import warnings
 
 import torch
+import torch.distributed as dist
 import torch.utils.checkpoint
 from torch import nn
 
@@ -518,10 +519,65 @@ def nested_join(rank, world_size):
             pass
 
 
-def ddp_comm_hook(rank, world_size):
+def ddp_comm_hook_of_its_own(rank, world_size):
+    """A hook that is not one of torch's reduce-dtype hooks (PowerSGD, a loop's own)."""
+    def averaged(state, bucket):
+        buffer = bucket.buffer().div_(dist.get_world_size())
+        return dist.all_reduce(buffer, async_op=True).get_future().then(lambda f: f.value()[0])
+    model = fgp.DistributedDataParallel(MLP())
+    model.register_comm_hook(None, averaged)
+
+
+def ddp_comm_hook_powersgd(rank, world_size):
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+    model = fgp.DistributedDataParallel(MLP())
+    model.register_comm_hook(powersgd.PowerSGDState(process_group=None),
+                             powersgd.powerSGD_hook)
+
+
+def ddp_comm_hook_twice(rank, world_size):
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     model = fgp.DistributedDataParallel(MLP())
     model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+    model.register_comm_hook(None, default_hooks.bf16_compress_hook)
+
+
+def ddp_comm_hook_after_backward(rank, world_size):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    model = fgp.DistributedDataParallel(MLP())
+    model(torch.randn(4, 13)).sum().backward()
+    model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+
+
+def ddp_comm_hooks_differ(rank, world_size):
+    """Rank 1 reduces in float16, the others in bfloat16: every rank raises."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    model = fgp.DistributedDataParallel(MLP())
+    model.register_comm_hook(None, default_hooks.fp16_compress_hook if rank == 1
+                             else default_hooks.bf16_compress_hook)
+
+
+def ddp_comm_hook_against_reduce_dtype(rank, world_size):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    model = fgp.DistributedDataParallel(MLP(), reduce_dtype=torch.bfloat16)
+    model.register_comm_hook(None, default_hooks.fp16_compress_hook)
+
+
+def ddp_comm_hook_state_of_another_group(rank, world_size):
+    """torch's hooks reduce over their state's group: not the wrapper's here."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    pair = dist.new_group([0, 1])
+    model = fgp.DistributedDataParallel(MLP())
+    model.register_comm_hook(pair, default_hooks.fp16_compress_hook)
+
+
+def ddp_comm_hook_default_state_on_a_subgroup(rank, world_size):
+    """state=None reduces over the default group in torch's hooks; the wrapper's is
+    a subgroup (ranks 0 and 1 train together, rank 2 alone)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    groups = [dist.new_group([0, 1]), dist.new_group([2])]
+    model = fgp.DistributedDataParallel(MLP(), process_group=groups[rank // 2])
+    model.register_comm_hook(None, default_hooks.fp16_compress_hook)
 
 
 def optimizer_checkpoint_of_another_shape(rank, world_size):

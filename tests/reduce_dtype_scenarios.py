@@ -103,3 +103,63 @@ def reduced_side_by_side(rank: int, world_size: int, case: dict) -> dict:
 
 def reduced_many(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
     return [reduced_side_by_side(rank, world_size, case) for case in cases]
+
+
+def _torch_hook(name: str):
+    """One of torch's own hooks, by name ("fp16_compress_wrapper(allreduce_hook)"
+    wraps)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    if "(" in name:
+        wrapper, inner = name.rstrip(")").split("(")
+        return getattr(default_hooks, wrapper)(getattr(default_hooks, inner))
+    return getattr(default_hooks, name)
+
+
+def hooked_side_by_side(rank: int, world_size: int, case: dict) -> dict:
+    """torch's own hook ``case["hook"]`` registered on both sides: fgpsdp's wrapper
+    (built without reduce_dtype) and torch DDP; AdamW, 5 steps. case: ``hook``,
+    ``schedule``, ``param_dtype``, ``state`` ("group": the wrapper's process group,
+    else None), ``clip``, ``reference`` ("scaled first": torch DDP's hook rounds as
+    fgpsdp's reduction does)."""
+    param_dtype = getattr(torch, case.get("param_dtype", "float32"))
+    schedule = case.get("schedule", "two_stage")
+    torch.manual_seed(0)
+    base = MLP().to(param_dtype)
+    reference = copy.deepcopy(base)
+    kw = {"overlap_plan": "layout"} if schedule == "two_stage" else {}
+    ours = fgp.DistributedDataParallel(base, schedule=schedule, bucket_cap_mb=0.0001, **kw)
+    ref = nn.parallel.DistributedDataParallel(reference)
+    state = ours.process_group if case.get("state") == "group" else None
+    ours.register_comm_hook(state, _torch_hook(case["hook"]))
+    # torch DDP takes its bfloat16 hooks on NCCL only: on gloo the same arithmetic
+    # (cast, divide, all-reduce, cast back) by a hook of this file's.
+    # "scaled first": a hook rounding as fgpsdp does (see _scaled_then_reduced_in).
+    if case.get("reference") == "scaled first":
+        ref_hook = _scaled_then_reduced_in(ours.reduce_dtype)
+    elif "bf16" in case["hook"]:
+        ref_hook = _reduce_in(torch.bfloat16)
+    else:
+        ref_hook = _torch_hook(case["hook"])
+    ref.register_comm_hook(state, ref_hook)
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2, max_grad_norm=case.get("clip"))
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(5):
+        x, y = make_batch("mlp", step, 0, rank)
+        for model in (ours, ref):
+            nn.functional.mse_loss(model(x.to(param_dtype)).float(), y).backward()
+        if case.get("clip") is not None:
+            reference_clip_(list(ref.parameters()), case["clip"])
+        opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    ours.synchronize()
+    diff = max(float((a.detach().double() - b.detach().double()).abs().max())
+               for a, b in zip(ours.module.parameters(), ref.module.parameters()))
+    return {"diff_to_ddp": diff, "comm_stats": ours.comm_stats(),
+            "send_dtypes": sorted({str(s.reduce_dtype) for s in ours.buckets}),
+            "reduce_dtype": str(ours.reduce_dtype)}
+
+
+def hooked_many(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    return [hooked_side_by_side(rank, world_size, case) for case in cases]

@@ -96,3 +96,53 @@ def test_from_three_ranks_bfloat16_reduction_rounds_as_scaled_before_the_cast():
         assert 0.0 < torchs_hook["diff_to_ddp"] <= 5 * 1e-2, (rank, torchs_hook["diff_to_ddp"])
         assert scaled_first["diff_to_ddp"] == 0.0, (rank, scaled_first["diff_to_ddp"])
         assert two_stage["diff_to_ddp"] == 0.0, (rank, two_stage["diff_to_ddp"])
+
+
+# torch's own hooks registered on fgpsdp's wrapper (built without reduce_dtype) and on
+# torch DDP alike: allreduce_hook, fp16/bf16_compress_hook and the compress wrappers of
+# allreduce_hook set the dtype gradients travel in. "scaled first": torch DDP's side
+# runs a hook that rounds as fgpsdp does (1/N in the gradients' dtype, then the cast).
+HOOK_CASES = [
+    {"hook": "bf16_compress_hook"},
+    {"hook": "bf16_compress_hook", "schedule": "next_forward", "clip": 1.0},
+    {"hook": "bf16_compress_wrapper(allreduce_hook)", "schedule": "serial", "state": "group"},
+    {"hook": "fp16_compress_hook", "reference": "scaled first"},
+    {"hook": "fp16_compress_wrapper(allreduce_hook)", "reference": "scaled first"},
+    {"hook": "fp16_compress_hook", "param_dtype": "bfloat16"},
+    {"hook": "allreduce_hook"},
+    {"hook": "fp16_compress_hook"},
+]
+
+
+@pytest.fixture(scope="module")
+def hooked():
+    return run_distributed(2, reduce_dtype_scenarios.hooked_many, HOOK_CASES, timeout_s=300)
+
+
+@pytest.mark.parametrize("index", range(len(HOOK_CASES) - 1),
+                         ids=[_name(c) for c in HOOK_CASES[:-1]])
+def test_torchs_hook_registered_matches_torch_ddp_bitwise(hooked, index):
+    case = HOOK_CASES[index]
+    wire = {"bf16": "torch.bfloat16", "fp16": "torch.float16"}.get(
+        case["hook"][:4], f"torch.{case.get('param_dtype', 'float32')}")
+    for rank, per_case in enumerate(hooked):
+        res = per_case[index]
+        assert res["diff_to_ddp"] == 0.0, (rank, case, res["diff_to_ddp"])
+        assert res["send_dtypes"] == [wire], (rank, case, res["send_dtypes"])
+        flat = res["comm_stats"]["flat"]
+        # float32 parameters: a 2-byte wire halves the reduce-scatter's bytes.
+        if case.get("param_dtype") is None and wire != "torch.float32":
+            assert flat["reduce_scatter"] * 2 == flat["all_gather"] > 0, (rank, case, flat)
+        else:
+            assert flat["reduce_scatter"] == flat["all_gather"] > 0, (rank, case, flat)
+
+
+def test_torchs_fp16_compress_hook_rounds_small_gradients_once_where_torch_rounds_twice(hooked):
+    """torch's fp16_compress_hook casts to float16, then divides by N; fgpsdp scales
+    first. Gradients below float16's normal range (6.1e-5 x N) are rounded again by
+    torch's division: a few ulps apart after 5 steps (bitwise with the "scaled first"
+    reference above)."""
+    for rank, per_case in enumerate(hooked):
+        res = per_case[len(HOOK_CASES) - 1]
+        assert 0.0 < res["diff_to_ddp"] <= 1e-4, (rank, res["diff_to_ddp"])
+        assert res["send_dtypes"] == ["torch.float16"]

@@ -59,7 +59,8 @@ def hook_reduction(hook: Any) -> HookReduction:
         inner = _wrapped_hook(hook, wrapper)
         if inner is hooks.allreduce_hook:
             return HookReduction(f"{wrapper.__name__}(allreduce_hook)", dtype)
-    name = getattr(hook, "__qualname__", None) or repr(hook)
+    # The same text on every rank (the ranks compare it): no repr, which holds an address.
+    name = getattr(hook, "__qualname__", None) or f"a {type(hook).__qualname__} object"
     raise NotImplementedError(
         f"fgpsdp: register_comm_hook({name}) is not supported: gradients are "
         "reduce-scattered bucket by bucket (inside a node, then across nodes), not "

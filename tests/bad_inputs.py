@@ -528,6 +528,18 @@ def ddp_comm_hook_of_its_own(rank, world_size):
     model.register_comm_hook(None, averaged)
 
 
+class _HookObject:
+    def __call__(self, state, bucket):
+        return dist.all_reduce(bucket.buffer(), async_op=True).get_future()
+
+
+def ddp_comm_hook_callable_object(rank, world_size):
+    """A callable object's repr holds its address, which differs by rank: the refusal
+    must not read as ranks registering different hooks."""
+    model = fgp.DistributedDataParallel(MLP())
+    model.register_comm_hook(None, _HookObject())
+
+
 def ddp_comm_hook_powersgd(rank, world_size):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
     model = fgp.DistributedDataParallel(MLP())

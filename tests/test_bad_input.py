@@ -133,6 +133,8 @@ CASES = [
     (bad_inputs.ddp_comm_hook_of_its_own, "NotImplementedError",
      [r"register_comm_hook\(ddp_comm_hook_of_its_own\.<locals>\.averaged\) is not supported",
       r"fp16_compress_hook and bf16_compress_hook", r"reduce_dtype=torch\.float16"]),
+    (bad_inputs.ddp_comm_hook_callable_object, "NotImplementedError",
+     [r"register_comm_hook\(a _HookObject object\) is not supported"]),
     (bad_inputs.ddp_comm_hook_powersgd, "NotImplementedError",
      [r"register_comm_hook\(powerSGD_hook\) is not supported"]),
     (bad_inputs.ddp_comm_hook_twice, "RuntimeError",

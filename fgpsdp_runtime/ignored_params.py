@@ -5,6 +5,8 @@ if at all, and steps them with an optimizer of their own.
 """
 from __future__ import annotations
 
+import operator
+
 import weakref
 from typing import Any, Optional, Sequence
 
@@ -101,6 +103,21 @@ def ignored_gradients(named: Sequence[tuple[str, torch.nn.Parameter]]) -> list[t
     """The gradients a ShardedOptimizer's clip covers with ``clip_ignored_parameters``:
     those of ``named`` that hold one (sparse ones too: a rank-local embedding table)."""
     return [param.grad for _, param in named if param.grad is not None]
+
+
+def check_ignored_parameter_replicas(replicas: object, clip_ignored_parameters: bool) -> None:
+    """``ignored_parameter_replicas``: how many ranks hold each parameter left to the
+    user (an expert on r ranks of an expert-data-parallel group), so that the norm
+    counts it once; it means something only to ``clip_ignored_parameters``."""
+    try:  # (a numpy int too; not a bool, nor a float)
+        count = None if isinstance(replicas, bool) else operator.index(replicas)
+    except TypeError:
+        count = None
+    if count is None or count < 1:
+        raise ValueError(f"ignored_parameter_replicas must be an int >= 1, got {replicas!r}")
+    if replicas != 1 and not clip_ignored_parameters:
+        raise ValueError("ignored_parameter_replicas counts the parameters left to the user "
+                         "in the norm: it needs clip_ignored_parameters=True")
 
 
 def squares_of(grads: Sequence[torch.Tensor]) -> list[torch.Tensor]:

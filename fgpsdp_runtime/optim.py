@@ -40,7 +40,8 @@ from .ops import multi_tensor_sq_norm
 from .optimizer_itself import on_itself, remember_itself
 from .optimizer_conversion import constructor_defaults, conversion_problem, param_groups_to_give
 from .optimizer_kinds import refuse_unsliceable, refuse_unsliceable_settings
-from .ignored_params import UnsteppedIgnoredParameters, ignored_gradients, squares_of
+from .ignored_params import (UnsteppedIgnoredParameters, check_ignored_parameter_replicas,
+                             ignored_gradients, squares_of)
 from .param_group_args import read_param_groups
 from .profiling import nvtx_range
 from .slice_pieces import SlicePieces
@@ -72,7 +73,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __init__(self, model: DistributedDataParallel, optimizer_class: type, *,
                  param_groups: Optional[Sequence[dict[str, Any]]] = None,
                  max_grad_norm: Optional[float] = None,
-                 clip_ignored_parameters: bool = False, **defaults: Any):
+                 clip_ignored_parameters: bool = False, ignored_parameter_replicas: int = 1,
+                 **defaults: Any):
         remember_itself(self)  # see optimizer_itself.py
         # torch.compile(wrapper) gives an OptimizedModule around it; torch DDP's
         # loops build their optimizer on that one's parameters alike.
@@ -93,6 +95,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             refuse_unsliceable(optimizer_class)  # see optimizer_kinds.py
             if max_grad_norm is not None and not (max_grad_norm > 0):
                 raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
+            check_ignored_parameter_replicas(ignored_parameter_replicas,
+                                             clip_ignored_parameters)
             given = read_param_groups(model, param_groups)
             groups = given.groups
             # For full_state_dict(): torch.optim's numbering (see param_group_args.py).
@@ -115,6 +119,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             # repr of a float: 1 and 1.0 agree, and nan equals nan (refused below).
             "max_grad_norm": _float_text(max_grad_norm),
             "clip_ignored_parameters": bool(clip_ignored_parameters),
+            "ignored_parameter_replicas": str(ignored_parameter_replicas),
             "argument problem": None if problem is None
             else f"{type(problem).__name__}: {problem}",
             "param_groups (parameter indices per group)": None if groups is None else
@@ -126,6 +131,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # The norm (max_grad_norm, clip_grad_norm_) also over the gradients of the
         # parameters the wrapper leaves to the user (see ignored_params.py).
         self.clip_ignored_parameters = bool(clip_ignored_parameters)
+        # Ranks holding each of them (expert-data-parallel replicas, their gradients
+        # averaged over their group by the loop): each rank's squares count 1/r.
+        self.ignored_parameter_replicas = operator.index(ignored_parameter_replicas)
         self.skipped_steps = 0  # steps skipped because the gradient norm was inf/NaN
         self.last_step_skipped = False
 
@@ -178,7 +186,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @classmethod
     def from_optimizer(cls, model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
                        *, max_grad_norm: Optional[float] = None,
-                       clip_ignored_parameters: bool = False) -> "ShardedOptimizer":
+                       clip_ignored_parameters: bool = False,
+                       ignored_parameter_replicas: int = 1) -> "ShardedOptimizer":
         """A ShardedOptimizer of ``optimizer``'s class, param groups and
         hyperparameters, for a torch.optim optimizer built over the wrapped module's
         parameters (by a trainer or a framework: Lightning Fabric's
@@ -216,6 +225,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         converted = cls(model, type(optimizer), param_groups=param_groups_to_give(optimizer),
                         max_grad_norm=max_grad_norm,
                         clip_ignored_parameters=clip_ignored_parameters,
+                        ignored_parameter_replicas=ignored_parameter_replicas,
                         **constructor_defaults(type(optimizer), optimizer.defaults))
         if stepped:
             # torch.optim's format, numbered as the groups were given: each rank
@@ -1301,10 +1311,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _add_ignored_squares(self, local: torch.Tensor) -> None:
         """Adds to ``local`` (float64 [sum of squares, non-finite flag]) those of
         ``_ignored_grads()``, after this rank's slices': each rank's own are counted
-        once. Nothing to do (no tensor made) without ``clip_ignored_parameters``."""
+        once, or 1/r each where r ranks hold them (``ignored_parameter_replicas``).
+        Nothing to do (no tensor made) without ``clip_ignored_parameters``."""
         grads = self._ignored_grads()
         if grads:
-            local += multi_tensor_sq_norm(squares_of(grads)).to(self._device)
+            mine = multi_tensor_sq_norm(squares_of(grads)).to(self._device)
+            if self.ignored_parameter_replicas != 1:  # (exact for a power of 2)
+                mine[0] /= self.ignored_parameter_replicas
+            local += mine
 
     def _valid_grad_shards(self) -> list[torch.Tensor]:
         """This rank's reduced gradient slices, bucket by bucket, but those holding no

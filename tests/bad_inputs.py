@@ -912,3 +912,20 @@ def conversion_reading_raises_on_one_rank(rank, world_size):
     optimizer = _OptimizerWithAProperty(module.parameters(), lr=0.1)
     optimizer.raises = rank == 0
     fgp.ShardedOptimizer.from_optimizer(fgp.DistributedDataParallel(module), optimizer)
+
+
+def ignored_parameter_replicas_without_clip(rank, world_size):
+    model = fgp.DistributedDataParallel(MLP())
+    fgp.ShardedOptimizer(model, torch.optim.AdamW, ignored_parameter_replicas=2)
+
+
+def ignored_parameter_replicas_zero(rank, world_size):
+    model = fgp.DistributedDataParallel(MLP())
+    fgp.ShardedOptimizer(model, torch.optim.AdamW, clip_ignored_parameters=True,
+                         ignored_parameter_replicas=0)
+
+
+def ignored_parameter_replicas_differ(rank, world_size):
+    model = fgp.DistributedDataParallel(MLP())
+    fgp.ShardedOptimizer(model, torch.optim.AdamW, clip_ignored_parameters=True,
+                         ignored_parameter_replicas=2 if rank == 1 else 4)

@@ -342,3 +342,63 @@ def expert_module_replaced_after_wrapping(rank: int, world_size: int) -> dict[st
     model.zero_grad()
     return {"covered": covered,
             "reset": all(p.grad is None for p in _expert_params(model.module))}
+
+
+def replicated_experts(rank: int, world_size: int, replicas: int) -> dict[str, Any]:
+    """Each expert held by 2 ranks (expert-data-parallel: ranks e and e + 2 hold
+    expert e, their gradients averaged over that pair by the loop), clipped by one
+    norm counting each expert once, as Megatron counts them; torch DDP beside it,
+    clipped so in float64. Ours with ``ignored_parameter_replicas=replicas``."""
+    torch.manual_seed(1234)
+    base = ExpertNet()
+    torch.manual_seed(99 + rank % 2)  # expert e on ranks e and e + 2
+    base.expert.reset_parameters()
+    nn.parallel.DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(
+        base, EXPERT_NAMES)
+    pairs = [torch.distributed.new_group([e, e + 2]) for e in range(2)]
+    pair = pairs[rank % 2]
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    ours = fgp.DistributedDataParallel(base, schedule="two_stage")
+    max_norm = 0.05
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2, max_grad_norm=max_norm,
+                               clip_ignored_parameters=True,
+                               ignored_parameter_replicas=replicas)
+    expert_opt = torch.optim.AdamW(_expert_params(ours.module), lr=1e-2)
+    ref_shared = [p for n, p in ref.module.named_parameters() if n not in EXPERT_NAMES]
+    ref_opt = torch.optim.AdamW(ref_shared, lr=1e-2)
+    ref_expert_opt = torch.optim.AdamW(_expert_params(ref.module), lr=1e-2)
+    norms = []
+    for step in range(4):
+        x = torch.randn(6, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        y = torch.randn(6, 4, generator=torch.Generator().manual_seed(10 * step + rank + 5))
+        nn.functional.mse_loss(ours(x), y).backward()
+        nn.functional.mse_loss(ref(x), y).backward()
+        for model in (ours, ref):  # the expert's data-parallel average, by the loop
+            for p in _expert_params(model.module):
+                p.grad /= 2
+                torch.distributed.all_reduce(p.grad, group=pair)
+        shared_sq = sum(float(p.grad.double().pow(2).sum()) for p in ref_shared)
+        expert_sq = torch.tensor(sum(float(p.grad.double().pow(2).sum())
+                                     for p in _expert_params(ref.module)), dtype=torch.float64)
+        torch.distributed.all_reduce(expert_sq)
+        total = math.sqrt(shared_sq + float(expert_sq) / 2)  # each expert once
+        torch._foreach_mul_([p.grad for p in ref_shared + _expert_params(ref.module)],
+                            torch.tensor(max_norm / (total + 1e-6), dtype=torch.float64))
+        norms.append((float(opt.clip_grad_norm_(max_norm)), total))
+        opt.step()
+        expert_opt.step()
+        ref_opt.step()
+        ref_expert_opt.step()
+        for o in (opt, expert_opt, ref_opt, ref_expert_opt):
+            o.zero_grad()
+    ours.synchronize()
+    named_ours = dict(ours.module.named_parameters())
+    named_ref = dict(ref.module.named_parameters())
+    return {"norms": norms,
+            "shared_diff": _max_diff([v for n, v in named_ours.items() if n not in EXPERT_NAMES],
+                                     [v for n, v in named_ref.items() if n not in EXPERT_NAMES]),
+            "expert_diff": _max_diff(_expert_params(ours.module), _expert_params(ref.module))}
+
+
+def replicated_experts_both(rank: int, world_size: int) -> dict[int, dict[str, Any]]:
+    return {r: replicated_experts(rank, world_size, r) for r in (2, 1)}

@@ -133,6 +133,13 @@ CASES = [
     (bad_inputs.ddp_comm_hook_of_its_own, "NotImplementedError",
      [r"register_comm_hook\(ddp_comm_hook_of_its_own\.<locals>\.averaged\) is not supported",
       r"fp16_compress_hook and bf16_compress_hook", r"reduce_dtype=torch\.float16"]),
+    (bad_inputs.ignored_parameter_replicas_without_clip, "ValueError",
+     [r"ignored_parameter_replicas counts the parameters left to the user in the norm: it "
+      r"needs clip_ignored_parameters=True"]),
+    (bad_inputs.ignored_parameter_replicas_zero, "ValueError",
+     [r"ignored_parameter_replicas must be an int >= 1, got 0"]),
+    (bad_inputs.ignored_parameter_replicas_differ, "ValueError",
+     [r"cannot build the ShardedOptimizer", r"rank 1: ignored_parameter_replicas=2"]),
     (bad_inputs.ddp_comm_hook_callable_object, "NotImplementedError",
      [r"register_comm_hook\(a _HookObject object\) is not supported"]),
     (bad_inputs.ddp_comm_hook_powersgd, "NotImplementedError",

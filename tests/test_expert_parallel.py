@@ -233,3 +233,21 @@ def test_two_losses_scaled_for_one_backward():
     the ranks agree on it (written in place, the first product's backward raised)."""
     for res in loss_scaling_results():
         assert res["two_losses"]["scales"] == [1024.0] * 4
+
+
+def test_experts_replicated_on_r_ranks_count_once_with_ignored_parameter_replicas():
+    """4 ranks, each expert on 2 of them (expert-data-parallel), clipped by one norm
+    counting each expert once (as Megatron counts them): with
+    ``ignored_parameter_replicas=2`` ours matches torch DDP clipped so; with the
+    default (each rank's own counted, the experts twice) the norm is larger and the
+    runs part."""
+    for rank, res in enumerate(run_distributed(4, expert_scenarios.replicated_experts_both)):
+        counted_once, counted_twice = res[2], res[1]
+        for ours, ref in counted_once["norms"]:
+            assert ref > 0.05, (rank, ref)  # every step clips
+            assert ours == pytest.approx(ref, rel=1e-6), (rank, ours, ref)
+        assert counted_once["shared_diff"] <= 2e-5, (rank, counted_once["shared_diff"])
+        assert counted_once["expert_diff"] <= 2e-5, (rank, counted_once["expert_diff"])
+        assert all(ours > ref * (1 + 1e-3) for ours, ref in counted_twice["norms"][:1]), \
+            (rank, counted_twice["norms"])
+        assert counted_twice["expert_diff"] > 1e-4, (rank, counted_twice["expert_diff"])

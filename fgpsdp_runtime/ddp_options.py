@@ -72,19 +72,16 @@ def device_ids_problem(device_ids: Sequence[Any], module: nn.Module) -> Optional
 
 def process_group_of(process_group: Optional[dist.ProcessGroup],
                      device_mesh: Any) -> Optional[dist.ProcessGroup]:
-    """The group to train over: ``process_group``, or a 1-D ``device_mesh``'s."""
+    """The group to train over: ``process_group``, or a 1-D ``device_mesh``'s: the
+    whole mesh, or one dimension sliced from a larger one (``mesh["dp"]``, data
+    parallel beside tensor-parallel layers of plain tensors; DTensor parameters,
+    which torch DDP turns into local ones first, are refused in validation.py)."""
     if device_mesh is None:
         return process_group
     if process_group is not None:
         raise RuntimeError("Cannot specify both process_group and device_mesh arguments.")
     if device_mesh.ndim != 1:
         raise RuntimeError(f"Only 1D device mesh is supported, but got {device_mesh}.")
-    root = getattr(device_mesh, "_get_root_mesh", lambda: device_mesh)()
-    if root != device_mesh:
-        raise NotImplementedError(
-            "fgpsdp: a device_mesh sliced from a larger mesh (data parallel beside tensor "
-            "parallel) is not supported: pass a 1-D mesh over the data-parallel ranks of "
-            "a module with plain tensors")
     return device_mesh.get_group(mesh_dim=0)
 
 

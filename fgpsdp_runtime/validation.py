@@ -84,6 +84,17 @@ def describe(named_params: Sequence[tuple[str, torch.nn.Parameter]]) -> list[Par
             for name, p in named_params]
 
 
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # (torch before 2.5 keeps it in torch.distributed._tensor)
+        try:
+            from torch.distributed._tensor import DTensor
+        except ImportError:
+            return False
+    return isinstance(tensor, DTensor)
+
+
 def local_problems(module: torch.nn.Module,
                    trainable: Sequence[tuple[str, torch.nn.Parameter]]) -> list[str]:
     """What this rank finds wrong with its module, as sentences."""
@@ -107,6 +118,15 @@ def local_problems(module: torch.nn.Module,
         problems.append(f"trainable parameters are on several devices ({listing}); "
                         "a module must live on one device")
     for name, param in trainable:
+        if _is_dtensor(param):
+            # Its local shard is what the buckets would hold; torch DDP first turns a
+            # 2-D mesh's DTensors into local tensors with hooks of its own.
+            problems.append(f"parameter '{name}' is a DTensor (torch.distributed.tensor): "
+                            "not supported; tensor-parallel layers of plain tensors "
+                            "(Megatron's style) train beside the wrapper over the "
+                            "data-parallel group (process_group=, or "
+                            "device_mesh=mesh['dp'])")
+            break
         if param.device.type == "meta":
             problems.append(f"parameter '{name}' is on the meta device; materialise it first")
             break

@@ -929,3 +929,15 @@ def ignored_parameter_replicas_differ(rank, world_size):
     model = fgp.DistributedDataParallel(MLP())
     fgp.ShardedOptimizer(model, torch.optim.AdamW, clip_ignored_parameters=True,
                          ignored_parameter_replicas=2 if rank == 1 else 4)
+
+
+def dtensor_parameter(rank, world_size):
+    """A DTensor parameter (torch.distributed.tensor), which torch DDP turns into a
+    local one first: refused on every rank, naming it."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    mesh = init_device_mesh("cpu", (world_size,))
+    module = MLP()
+    module.net[2].weight = nn.Parameter(distribute_tensor(module.net[2].weight.detach(),
+                                                          mesh, [Replicate()]))
+    fgp.DistributedDataParallel(module)

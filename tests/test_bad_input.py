@@ -133,6 +133,9 @@ CASES = [
     (bad_inputs.ddp_comm_hook_of_its_own, "NotImplementedError",
      [r"register_comm_hook\(ddp_comm_hook_of_its_own\.<locals>\.averaged\) is not supported",
       r"fp16_compress_hook and bf16_compress_hook", r"reduce_dtype=torch\.float16"]),
+    (bad_inputs.dtensor_parameter, "ValueError",
+     [r"parameter 'net\.2\.weight' is a DTensor \(torch\.distributed\.tensor\): not "
+      r"supported", r"device_mesh=mesh\['dp'\]"]),
     (bad_inputs.ignored_parameter_replicas_without_clip, "ValueError",
      [r"ignored_parameter_replicas counts the parameters left to the user in the norm: it "
       r"needs clip_ignored_parameters=True"]),

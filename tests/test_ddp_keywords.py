@@ -93,3 +93,18 @@ def test_device_ids_name_a_gpu_by_index_of_any_integer_type():
     cuda1 = torch.device("cuda", 1)
     for device_id in (1, np.int64(1), torch.tensor(1), "cuda:1", cuda1):
         assert named_device(device_id) == cuda1, device_id
+
+
+
+def test_a_data_parallel_slice_of_a_larger_mesh_trains_like_torch_ddp():
+    """torch DDP takes ``device_mesh=mesh["dp"]`` beside tensor parallelism of plain
+    tensors (Megatron's column- and row-parallel layers over ``mesh["tp"]``, all-reducing
+    inside forward and backward); before, fgpsdp refused every sliced mesh."""
+    schedules = ["serial", "next_forward", "two_stage"]
+    for rank, per_schedule in enumerate(run_distributed(
+            4, ddp_keyword_scenarios.data_parallel_slice_of_a_mesh_by_schedule, schedules)):
+        for schedule, res in per_schedule.items():
+            assert res["group_ranks"] == [rank % 2, rank % 2 + 2], (rank, res["group_ranks"])
+            assert res["same_process_group"], rank
+            assert res["param_diff"] == 0.0, (rank, schedule, res["param_diff"])
+        assert per_schedule["two_stage"]["speculated"] > 0, rank  # stage 1 ran

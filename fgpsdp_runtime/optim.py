@@ -42,6 +42,8 @@ from .optimizer_conversion import constructor_defaults, conversion_problem, para
 from .optimizer_kinds import refuse_unsliceable, refuse_unsliceable_settings
 from .ignored_params import (UnsteppedIgnoredParameters, check_ignored_parameter_replicas,
                              ignored_gradients, squares_of)
+from .group_collectives import all_reduce_held
+from .model_parallel_norm import check_model_parallel_group, counted_ranges
 from .param_group_args import read_param_groups
 from .profiling import nvtx_range
 from .slice_pieces import SlicePieces
@@ -74,7 +76,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  param_groups: Optional[Sequence[dict[str, Any]]] = None,
                  max_grad_norm: Optional[float] = None,
                  clip_ignored_parameters: bool = False, ignored_parameter_replicas: int = 1,
-                 **defaults: Any):
+                 model_parallel_group: Optional[dist.ProcessGroup] = None, **defaults: Any):
         remember_itself(self)  # see optimizer_itself.py
         # torch.compile(wrapper) gives an OptimizedModule around it; torch DDP's
         # loops build their optimizer on that one's parameters alike.
@@ -97,6 +99,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
             check_ignored_parameter_replicas(ignored_parameter_replicas,
                                              clip_ignored_parameters)
+            check_model_parallel_group(model_parallel_group, clip_ignored_parameters)
             given = read_param_groups(model, param_groups)
             groups = given.groups
             # For full_state_dict(): torch.optim's numbering (see param_group_args.py).
@@ -120,6 +123,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             "max_grad_norm": _float_text(max_grad_norm),
             "clip_ignored_parameters": bool(clip_ignored_parameters),
             "ignored_parameter_replicas": str(ignored_parameter_replicas),
+            # Every rank or none takes part in the norm's second all-reduce.
+            "model_parallel_group (its size)": dist.get_world_size(model_parallel_group)
+            if isinstance(model_parallel_group, dist.ProcessGroup)
+            else type(model_parallel_group).__name__,
             "argument problem": None if problem is None
             else f"{type(problem).__name__}: {problem}",
             "param_groups (parameter indices per group)": None if groups is None else
@@ -138,6 +145,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.last_step_skipped = False
 
         self._slice_pieces = SlicePieces(model)
+        # Tensor parallelism beside the wrapper (see model_parallel_norm.py): the norm
+        # also sums over this group; per bucket, what of this rank's slice it counts.
+        self.model_parallel_group = model_parallel_group
+        self._counted_ranges = counted_ranges(model, self._slice_pieces,
+                                              model_parallel_group)
         slice_groups = []
         for group in groups:
             pieces = [piece for p in group["params"]
@@ -187,7 +199,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def from_optimizer(cls, model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
                        *, max_grad_norm: Optional[float] = None,
                        clip_ignored_parameters: bool = False,
-                       ignored_parameter_replicas: int = 1) -> "ShardedOptimizer":
+                       ignored_parameter_replicas: int = 1,
+                       model_parallel_group: Optional[dist.ProcessGroup] = None
+                       ) -> "ShardedOptimizer":
         """A ShardedOptimizer of ``optimizer``'s class, param groups and
         hyperparameters, for a torch.optim optimizer built over the wrapped module's
         parameters (by a trainer or a framework: Lightning Fabric's
@@ -226,6 +240,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         max_grad_norm=max_grad_norm,
                         clip_ignored_parameters=clip_ignored_parameters,
                         ignored_parameter_replicas=ignored_parameter_replicas,
+                        model_parallel_group=model_parallel_group,
                         **constructor_defaults(type(optimizer), optimizer.defaults))
         if stepped:
             # torch.optim's format, numbered as the groups were given: each rank
@@ -812,7 +827,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def speculative_step(self, b: int) -> SliceBackup:
         """Stage 1: step bucket b's slice before the global norm is known; return the undo record."""
         storage = self.model.buckets[b]
-        sq = multi_tensor_sq_norm([storage.grad_shard])  # before any update
+        sq = self._bucket_squares(b)  # before any update
         self.model.finish_param_all_gather(b)
         backup = SliceBackup(storage.param_shard, storage.grad_shard,
                              self._slice_pieces.of_bucket[b], self.optim.state)
@@ -1215,8 +1230,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             part = self._bucket_sq.get(b)
             stale = b in speculated and \
                 speculated[b][1] != model.reducer.reduce_scatters_since_reset[b]
-            local += part if part is not None and not stale \
-                else multi_tensor_sq_norm([storage.grad_shard])
+            local += part if part is not None and not stale else self._bucket_squares(b)
         self._add_ignored_squares(local)
         # The host-side figures in one CPU tensor and one copy: on CUDA a copy from
         # pageable memory (torch.tensor(..., device=cuda), .to(cuda)) waits for the
@@ -1230,6 +1244,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         packet = torch.cat([local, flags.to(local.device, non_blocking=True)])
         with model.timeline.span("compute", "norm all-reduce"):
             model.all_reduce_sum(packet)
+            packet[:2] = self._summed_over_model_parallel(packet[:2])
         packet = packet.cpu()
         sq_sum, nonfinite = float(packet[0]), float(packet[1])
         self._speculated_with_other_hyperparameters = float(packet[2]) > 0
@@ -1320,6 +1335,28 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 mine[0] /= self.ignored_parameter_replicas
             local += mine
 
+    def _bucket_squares(self, b: int) -> torch.Tensor:
+        """float64 [sum of squares, non-finite flag] of what the norm counts of bucket
+        b's reduced slice: all of it, but with a model_parallel_group only the
+        parameters this rank counts (see model_parallel_norm.py)."""
+        shard = self.model.buckets[b].grad_shard
+        ranges = self._counted_ranges[b]
+        if ranges is None:
+            return multi_tensor_sq_norm([shard])
+        if not ranges:
+            return torch.zeros(2, dtype=torch.float64, device=shard.device)
+        return multi_tensor_sq_norm([shard[lo:hi] for lo, hi in ranges])
+
+    def _summed_over_model_parallel(self, figures: torch.Tensor) -> torch.Tensor:
+        """``figures`` (float64 [sum of squares, non-finite flag], summed over the
+        wrapper's group) summed over the model_parallel_group too, if any."""
+        if self.model_parallel_group is None:
+            return figures
+        figures = figures.clone()
+        all_reduce_held(figures, dist.ReduceOp.SUM, self.model_parallel_group,
+                        "norm over the model-parallel group")
+        return figures
+
     def _valid_grad_shards(self) -> list[torch.Tensor]:
         """This rank's reduced gradient slices, bucket by bucket, but those holding no
         gradient since zero_grad(set_to_none=True)."""
@@ -1337,11 +1374,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return self._total_norm
         if self._clipped_norm is None:
             local = torch.zeros(2, dtype=torch.float64, device=self._device)
-            for shard in self._valid_grad_shards():  # in bucket order, as the first total
-                local += multi_tensor_sq_norm([shard])
+            for b, storage in enumerate(self.model.buckets):  # in bucket order, as the first
+                if storage.grad_shard_valid:
+                    local += self._bucket_squares(b)
             self._add_ignored_squares(local)
             with self.model.timeline.span("compute", "norm all-reduce"):
                 self.model.all_reduce_sum(local)
+                local = self._summed_over_model_parallel(local)
             sq_sum, nonfinite = (float(v) for v in local.cpu())
             self._clipped_norm = _norm_from(sq_sum, nonfinite)
         return self._clipped_norm

@@ -941,3 +941,25 @@ def dtensor_parameter(rank, world_size):
     module.net[2].weight = nn.Parameter(distribute_tensor(module.net[2].weight.detach(),
                                                           mesh, [Replicate()]))
     fgp.DistributedDataParallel(module)
+
+
+def model_parallel_group_not_a_group(rank, world_size):
+    model = fgp.DistributedDataParallel(MLP())
+    fgp.ShardedOptimizer(model, torch.optim.AdamW, max_grad_norm=1.0, model_parallel_group="tp")
+
+
+def model_parallel_group_on_one_rank(rank, world_size):
+    solo = [dist.new_group([r]) for r in range(world_size)][rank]
+    model = fgp.DistributedDataParallel(MLP())
+    fgp.ShardedOptimizer(model, torch.optim.AdamW, max_grad_norm=1.0,
+                         model_parallel_group=solo if rank == 1 else None)
+
+
+def model_parallel_group_under_join(rank, world_size):
+    solo = [dist.new_group([r]) for r in range(world_size)][rank]
+    model = fgp.DistributedDataParallel(MLP())
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, max_grad_norm=1.0,
+                               model_parallel_group=solo)
+    with model.join():
+        pass
+    del opt

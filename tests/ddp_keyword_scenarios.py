@@ -13,6 +13,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fgpsdp_runtime as fgp
 
+from .model_parallel_scenarios import TensorParallelMLP
 from .scenarios import BatchNormNet, make_batch, loss_fn
 
 
@@ -89,68 +90,6 @@ def train_many_with_keywords(rank: int, world_size: int,
                              cfgs: dict[str, dict]) -> dict[str, dict]:
     return {name: train_with_keywords(rank, world_size, cfg) for name, cfg in cfgs.items()}
 
-
-
-class _GatherGradients(torch.autograd.Function):
-    """Megatron's copy to the tensor-parallel region: identity forward, the
-    gradient all-reduced over the group in backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        torch.distributed.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _SumOutputs(torch.autograd.Function):
-    """Megatron's reduce from the tensor-parallel region: the partial outputs
-    all-reduced in forward, identity backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        x = x.clone()
-        torch.distributed.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class TensorParallelMLP(nn.Module):
-    """A column-parallel then a row-parallel Linear of plain tensors over ``group``
-    (each of its 2 ranks holds half the hidden features), then a replicated bias
-    and LayerNorm."""
-
-    def __init__(self, tp_rank: int, group):
-        super().__init__()
-        self.group = group
-        torch.manual_seed(1234)  # the full layers alike everywhere; each rank its half
-        full_in, full_out = nn.Linear(13, 24), nn.Linear(24, 5, bias=False)
-        half = slice(12 * tp_rank, 12 * tp_rank + 12)
-        self.column = nn.Linear(13, 12)
-        self.row = nn.Linear(12, 5, bias=False)
-        with torch.no_grad():
-            self.column.weight.copy_(full_in.weight[half])
-            self.column.bias.copy_(full_in.bias[half])
-            self.row.weight.copy_(full_out.weight[:, half])
-        self.bias = nn.Parameter(torch.zeros(5))
-        self.norm = nn.LayerNorm(5)
-
-    def forward(self, x):
-        h = torch.relu(self.column(_GatherGradients.apply(x, self.group)))
-        return self.norm(_SumOutputs.apply(self.row(h), self.group) + self.bias)
-
-    def __deepcopy__(self, memo):  # (a process group does not copy)
-        copied = nn.Module.__new__(type(self))
-        copied.__dict__ = {k: v if k == "group" else copy.deepcopy(v, memo)
-                           for k, v in self.__dict__.items()}
-        return copied
 
 
 def data_parallel_slice_of_a_mesh(rank: int, world_size: int, schedule: str) -> dict[str, Any]:

@@ -133,6 +133,12 @@ CASES = [
     (bad_inputs.ddp_comm_hook_of_its_own, "NotImplementedError",
      [r"register_comm_hook\(ddp_comm_hook_of_its_own\.<locals>\.averaged\) is not supported",
       r"fp16_compress_hook and bf16_compress_hook", r"reduce_dtype=torch\.float16"]),
+    (bad_inputs.model_parallel_group_not_a_group, "TypeError",
+     [r"model_parallel_group must be a torch\.distributed ProcessGroup", r"got str"]),
+    (bad_inputs.model_parallel_group_on_one_rank, "ValueError",
+     [r"cannot build the ShardedOptimizer", r"rank 1: model_parallel_group \(its size\)=1"]),
+    (bad_inputs.model_parallel_group_under_join, "NotImplementedError",
+     [r"model\.join\(\) with a ShardedOptimizer's model_parallel_group is not supported"]),
     (bad_inputs.dtensor_parameter, "ValueError",
      [r"parameter 'net\.2\.weight' is a DTensor \(torch\.distributed\.tensor\): not "
       r"supported", r"device_mesh=mesh\['dp'\]"]),

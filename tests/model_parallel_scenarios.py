@@ -1,0 +1,180 @@
+"""Tensor (model) parallelism beside the wrapper: Megatron-style layers of plain
+tensors over a tensor-parallel group, the wrapper over the data-parallel group, and
+the norm over both (``ShardedOptimizer(..., model_parallel_group=...)``).
+
+Imported by the spawned ranks (module-level functions only).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+import fgpsdp_runtime as fgp
+
+from .scenarios import loss_fn, make_batch
+
+
+class _GatherGradients(torch.autograd.Function):
+    """Megatron's copy to the tensor-parallel region: identity forward, the
+    gradient all-reduced over the group in backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _SumOutputs(torch.autograd.Function):
+    """Megatron's reduce from the tensor-parallel region: the partial outputs
+    all-reduced in forward, identity backward."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.clone()
+        torch.distributed.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class TensorParallelMLP(nn.Module):
+    """A column-parallel then a row-parallel Linear of plain tensors over ``group``
+    (each of its 2 ranks holds half the hidden features), then a replicated bias
+    and LayerNorm."""
+
+    def __init__(self, tp_rank: int, group):
+        super().__init__()
+        self.group = group
+        torch.manual_seed(1234)  # the full layers alike everywhere; each rank its half
+        full_in, full_out = nn.Linear(13, 24), nn.Linear(24, 5, bias=False)
+        half = slice(12 * tp_rank, 12 * tp_rank + 12)
+        self.column = nn.Linear(13, 12)
+        self.row = nn.Linear(12, 5, bias=False)
+        with torch.no_grad():
+            self.column.weight.copy_(full_in.weight[half])
+            self.column.bias.copy_(full_in.bias[half])
+            self.row.weight.copy_(full_out.weight[:, half])
+        self.bias = nn.Parameter(torch.zeros(5))
+        self.norm = nn.LayerNorm(5)
+        self.mark_shards()
+
+    def mark_shards(self) -> None:
+        """Megatron's mark of a parameter sharded over the tensor-parallel group
+        (a deep copy of a parameter does not keep it)."""
+        for sharded in (self.column.weight, self.column.bias, self.row.weight):
+            sharded.tensor_model_parallel = True
+
+    def forward(self, x):
+        h = torch.relu(self.column(_GatherGradients.apply(x, self.group)))
+        return self.norm(_SumOutputs.apply(self.row(h), self.group) + self.bias)
+
+    def __deepcopy__(self, memo):  # (a process group does not copy)
+        copied = nn.Module.__new__(type(self))
+        copied.__dict__ = {k: v if k == "group" else copy.deepcopy(v, memo)
+                           for k, v in self.__dict__.items()}
+        copied.mark_shards()
+        return copied
+
+
+def _megatron_clip(model: nn.Module, group, max_norm: float) -> float:
+    """Megatron's clip in float64: the marked shards' squares summed over the
+    tensor-parallel group, the replicated parameters' once; torch's coefficient."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    sharded = torch.tensor(sum(float(p.grad.double().pow(2).sum()) for p in params
+                               if getattr(p, "tensor_model_parallel", False)),
+                           dtype=torch.float64)
+    torch.distributed.all_reduce(sharded, group=group)
+    replicated = sum(float(p.grad.double().pow(2).sum()) for p in params
+                     if not getattr(p, "tensor_model_parallel", False))
+    total = math.sqrt(float(sharded) + replicated)
+    coefficient = max_norm / (total + 1e-6)
+    if coefficient < 1.0:
+        torch._foreach_mul_([p.grad for p in params],
+                            torch.tensor(coefficient, dtype=torch.float64))
+    return total
+
+
+def clipped_beside_tensor_parallel(rank: int, world_size: int,
+                                   cfg: dict[str, Any]) -> dict[str, Any]:
+    """A 2 x 2 ("dp", "tp") mesh; ours over mesh["dp"] clipped by ``max_grad_norm``
+    or ``clip_grad_norm_`` (cfg ``clip``) with ``model_parallel_group`` (cfg ``mp``),
+    torch DDP beside it clipped as Megatron clips; 4 AdamW steps. cfg ``schedule``,
+    ``max_norm``."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank, tp_rank = mesh.get_coordinate()
+    tp_group = mesh["tp"].get_group()
+    base = TensorParallelMLP(tp_rank, tp_group)
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), device_mesh=mesh["dp"])
+    schedule, max_norm = cfg["schedule"], cfg["max_norm"]
+    speculate = {"overlap_plan": "layout", "bucket_cap_mb": 0.0001} \
+        if schedule == "two_stage" else {}
+    ours = fgp.DistributedDataParallel(base, device_mesh=mesh["dp"], schedule=schedule,
+                                       **speculate)
+    by_call = cfg["clip"] == "call"
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2,
+                               max_grad_norm=None if by_call else max_norm,
+                               model_parallel_group=tp_group if cfg["mp"] else None)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    norms = []
+    for step in range(4):
+        x, y = make_batch("mlp", step, 0, dp_rank)
+        loss_fn("mlp", ours(x), y).backward()
+        loss_fn("mlp", ref(x), y).backward()
+        ref_total = _megatron_clip(ref.module, tp_group, max_norm)
+        norms.append((float(opt.clip_grad_norm_(max_norm)) if by_call else None, ref_total))
+        for optimizer in (opt, ref_opt):
+            optimizer.step()
+            optimizer.zero_grad()
+    ours.synchronize()
+    diff = max(float((a.detach().double() - b.detach().double()).abs().max())
+               for a, b in zip(ours.module.parameters(), ref.module.parameters()))
+    return {"norms": norms, "param_diff": diff,
+            "commits": ours.scheduler.commits if ours.scheduler is not None else None}
+
+
+def clipped_beside_tensor_parallel_many(rank: int, world_size: int,
+                                        cfgs: dict[str, dict]) -> dict[str, dict]:
+    return {name: clipped_beside_tensor_parallel(rank, world_size, cfg)
+            for name, cfg in cfgs.items()}
+
+
+def an_inf_on_one_rank(rank: int, world_size: int, with_group: bool) -> list[bool]:
+    """Rank 0's reduced slice holds an inf at step 1: which ranks skip which steps."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank, tp_rank = mesh.get_coordinate()
+    tp_group = mesh["tp"].get_group()
+    ours = fgp.DistributedDataParallel(TensorParallelMLP(tp_rank, tp_group),
+                                       device_mesh=mesh["dp"], schedule="serial")
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2, max_grad_norm=0.05,
+                               model_parallel_group=tp_group if with_group else None)
+    skipped = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the skip's warning
+        for step in range(3):
+            x, y = make_batch("mlp", step, 0, dp_rank)
+            loss_fn("mlp", ours(x), y).backward()
+            if step == 1 and rank == 0:
+                opt._finish_reduce_scatters()  # (the slice landed: then the inf)
+                ours.buckets[0].grad_shard[0] = float("inf")
+            opt.step()
+            skipped.append(opt.last_step_skipped)
+            opt.zero_grad()
+    return skipped
+
+
+def an_inf_on_one_rank_both(rank: int, world_size: int) -> dict[bool, list[bool]]:
+    return {g: an_inf_on_one_rank(rank, world_size, g) for g in (True, False)}

@@ -1,0 +1,67 @@
+"""Tensor (model) parallelism beside the wrapper: one norm over the whole model.
+
+4 CPU ranks as a 2 x 2 ("dp", "tp") mesh: Megatron-style column- and row-parallel
+layers of plain tensors over ``mesh["tp"]``, a replicated bias and LayerNorm, the
+wrapper over ``mesh["dp"]``. With ``model_parallel_group=mesh["tp"]`` the
+ShardedOptimizer clips by Megatron's norm (the marked shards' squares summed over
+the tensor-parallel group, the replicated parameters' once), beside torch DDP
+clipped so in float64.
+"""
+import functools
+
+import pytest
+
+from . import model_parallel_scenarios
+from .dist_harness import run_distributed
+
+CONFIGS = {
+    "two_stage": {"schedule": "two_stage", "clip": "max_grad_norm", "max_norm": 0.05, "mp": True},
+    "serial_by_call": {"schedule": "serial", "clip": "call", "max_norm": 0.05, "mp": True},
+    "next_forward_by_call": {"schedule": "next_forward", "clip": "call", "max_norm": 0.05,
+                             "mp": True},
+    # A norm under max_norm: stage 1's speculative steps commit, their squares
+    # taken before the step over the counted elements only.
+    "two_stage_unclipped": {"schedule": "two_stage", "clip": "call", "max_norm": 1e3,
+                            "mp": True},
+    # Without the group each tensor-parallel rank clips by its own shards' norm.
+    "without_the_group": {"schedule": "serial", "clip": "call", "max_norm": 0.05, "mp": False},
+}
+
+
+@functools.lru_cache(maxsize=None)
+def results():
+    return run_distributed(4, model_parallel_scenarios.clipped_beside_tensor_parallel_many,
+                           CONFIGS)
+
+
+@pytest.mark.parametrize("name", [n for n in CONFIGS if n != "without_the_group"])
+def test_the_norm_over_the_model_parallel_group_is_megatrons(name):
+    for rank, per_config in enumerate(results()):
+        res = per_config[name]
+        for ours, ref in res["norms"]:
+            if CONFIGS[name]["max_norm"] < 1:
+                assert ref > CONFIGS[name]["max_norm"], (rank, ref)  # every step clips
+            if ours is not None:
+                assert ours == pytest.approx(ref, rel=1e-6), (rank, name, ours, ref)
+        assert res["param_diff"] <= 1e-6, (rank, name, res["param_diff"])
+    if name == "two_stage_unclipped":
+        assert all(per_config[name]["commits"] > 0 for per_config in results())
+
+
+def test_without_the_group_each_tensor_parallel_rank_clips_by_its_own_shards():
+    per_rank = [per_config["without_the_group"] for per_config in results()]
+    # Ranks 0 and 1 are a tensor-parallel pair: their norms part, and from Megatron's.
+    assert per_rank[0]["norms"][0][0] != pytest.approx(per_rank[1]["norms"][0][0], rel=1e-3)
+    assert all(res["param_diff"] > 1e-4 for res in per_rank), \
+        [res["param_diff"] for res in per_rank]
+
+
+def test_an_inf_on_one_rank_skips_the_step_on_every_rank_of_both_groups():
+    """Rank 0 (data-parallel pair {0, 2}, tensor-parallel pair {0, 1}) holds an inf:
+    with the group every rank skips that step; without it, its data-parallel pair
+    alone, and the tensor-parallel shards part."""
+    per_rank = run_distributed(4, model_parallel_scenarios.an_inf_on_one_rank_both)
+    for rank, res in enumerate(per_rank):
+        assert res[True] == [False, True, False], (rank, res[True])
+        expected = [False, rank % 2 == 0, False]
+        assert res[False] == expected, (rank, res[False])

@@ -27,6 +27,11 @@ if TYPE_CHECKING:  # imported for annotations only
 def check_model_parallel_group(group: object, clip_ignored_parameters: bool) -> None:
     if group is None:
         return
+    # (torch's new_group gives the ranks outside the group this marker, an int)
+    if (isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER) or \
+            (isinstance(group, dist.ProcessGroup) and dist.get_rank(group) < 0):
+        raise ValueError("model_parallel_group does not hold this rank: pass the group of "
+                         "ranks holding the other shards of this rank's layers")
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError("model_parallel_group must be a torch.distributed ProcessGroup (the "
                         f"ranks holding the other shards of this rank's layers), got "

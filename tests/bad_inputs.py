@@ -963,3 +963,11 @@ def model_parallel_group_under_join(rank, world_size):
     with model.join():
         pass
     del opt
+
+
+def model_parallel_group_without_this_rank(rank, world_size):
+    others = [dist.new_group([r for r in range(world_size) if r != me])
+              for me in range(world_size)][rank]
+    model = fgp.DistributedDataParallel(MLP())
+    fgp.ShardedOptimizer(model, torch.optim.AdamW, max_grad_norm=1.0,
+                         model_parallel_group=others)

@@ -100,6 +100,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             check_ignored_parameter_replicas(ignored_parameter_replicas,
                                              clip_ignored_parameters)
             check_model_parallel_group(model_parallel_group, clip_ignored_parameters)
+            if model_parallel_group is not None and model._uneven_inputs is not None:
+                raise ValueError("model_parallel_group is not supported under model.join() "
+                                 "(a joined rank would leave its tensor-parallel peers alone "
+                                 "in the norm's all-reduce over that group)")
             given = read_param_groups(model, param_groups)
             groups = given.groups
             # For full_state_dict(): torch.optim's numbering (see param_group_args.py).
@@ -536,8 +540,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             changed += (shard.abs() > clip_value).any()
             shard.clamp_(-clip_value, clip_value)
         # Whether any rank's slice changed: the step then measures the norm again
-        # and undoes the speculative steps (every rank decides alike).
+        # and undoes the speculative steps (every rank decides alike; with a
+        # model_parallel_group, every rank of it too: that measure is a collective).
         self.model.all_reduce_sum(changed)
+        changed = self._summed_over_model_parallel(changed)
         if changed.item() > 0:
             self._values_clipped = True
             self._clipped_norm = None
@@ -1343,9 +1349,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ranges = self._counted_ranges[b]
         if ranges is None:
             return multi_tensor_sq_norm([shard])
-        if not ranges:
-            return torch.zeros(2, dtype=torch.float64, device=shard.device)
-        return multi_tensor_sq_norm([shard[lo:hi] for lo, hi in ranges])
+        figures = multi_tensor_sq_norm([shard[lo:hi] for lo, hi in ranges]) if ranges \
+            else torch.zeros(2, dtype=torch.float64, device=shard.device)
+        # An inf or NaN counts wherever it is, as Megatron's found_inf: a replica's
+        # gradient that differs from the first rank's must still skip the step.
+        figures[1] += (~torch.isfinite(shard)).any().to(torch.float64)
+        return figures
 
     def _summed_over_model_parallel(self, figures: torch.Tensor) -> torch.Tensor:
         """``figures`` (float64 [sum of squares, non-finite flag], summed over the

@@ -971,3 +971,11 @@ def model_parallel_group_without_this_rank(rank, world_size):
     model = fgp.DistributedDataParallel(MLP())
     fgp.ShardedOptimizer(model, torch.optim.AdamW, max_grad_norm=1.0,
                          model_parallel_group=others)
+
+
+def model_parallel_group_built_under_join(rank, world_size):
+    solo = [dist.new_group([r]) for r in range(world_size)][rank]
+    model = fgp.DistributedDataParallel(MLP())
+    with model.join():
+        fgp.ShardedOptimizer(model, torch.optim.AdamW, max_grad_norm=1.0,
+                             model_parallel_group=solo)

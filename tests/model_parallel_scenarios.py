@@ -152,8 +152,22 @@ def clipped_beside_tensor_parallel_many(rank: int, world_size: int,
             for name, cfg in cfgs.items()}
 
 
-def an_inf_on_one_rank(rank: int, world_size: int, with_group: bool) -> list[bool]:
-    """Rank 0's reduced slice holds an inf at step 1: which ranks skip which steps."""
+def _an_unmarked_element(opt: fgp.ShardedOptimizer) -> tuple[int, int]:
+    """(bucket, offset in this rank's slice) of an element of a parameter not marked
+    ``tensor_model_parallel`` (a replica: the norm counts it on the first rank only)."""
+    params = [p for _, p in opt.model.named_trainable_parameters()]
+    for b, pieces in enumerate(opt._slice_pieces.by_bucket):
+        for index, _, start, _ in pieces:
+            if not getattr(params[index], "tensor_model_parallel", False):
+                return b, start - opt.model.buckets[b].shard_start
+    raise AssertionError("no replicated parameter in this rank's slices")
+
+
+def an_inf_on_one_rank(rank: int, world_size: int, with_group: bool,
+                       where: str = "rank 0") -> list[bool]:
+    """At step 1 a reduced slice holds an inf: rank 0's first element ("rank 0"), or
+    an element of a replicated parameter on rank 1, a tensor-parallel rank other than
+    the first ("replica on rank 1"). Which ranks skip which steps."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dp_rank, tp_rank = mesh.get_coordinate()
     tp_group = mesh["tp"].get_group()
@@ -167,14 +181,64 @@ def an_inf_on_one_rank(rank: int, world_size: int, with_group: bool) -> list[boo
         for step in range(3):
             x, y = make_batch("mlp", step, 0, dp_rank)
             loss_fn("mlp", ours(x), y).backward()
-            if step == 1 and rank == 0:
+            if step == 1 and rank == (0 if where == "rank 0" else 1):
                 opt._finish_reduce_scatters()  # (the slice landed: then the inf)
-                ours.buckets[0].grad_shard[0] = float("inf")
+                b, at = (0, 0) if where == "rank 0" else _an_unmarked_element(opt)
+                ours.buckets[b].grad_shard[at] = float("inf")
             opt.step()
             skipped.append(opt.last_step_skipped)
             opt.zero_grad()
     return skipped
 
 
-def an_inf_on_one_rank_both(rank: int, world_size: int) -> dict[bool, list[bool]]:
-    return {g: an_inf_on_one_rank(rank, world_size, g) for g in (True, False)}
+def an_inf_on_one_rank_both(rank: int, world_size: int) -> dict[Any, list[bool]]:
+    return {**{g: an_inf_on_one_rank(rank, world_size, g) for g in (True, False)},
+            "replica on rank 1": an_inf_on_one_rank(rank, world_size, True,
+                                                    "replica on rank 1")}
+
+
+def values_clamped_on_one_tensor_parallel_side(rank: int, world_size: int) -> dict[str, Any]:
+    """clip_grad_value_ that clamps on tensor-parallel rank 0's shards only (its
+    column layer scaled up), then the step clipping by norm: beside torch DDP
+    clamped and clipped as Megatron clips."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank, tp_rank = mesh.get_coordinate()
+    tp_group = mesh["tp"].get_group()
+    base = TensorParallelMLP(tp_rank, tp_group)
+    if tp_rank == 0:
+        with torch.no_grad():
+            base.column.weight.mul_(20)
+            base.column.bias.mul_(20)
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), device_mesh=mesh["dp"])
+    ours = fgp.DistributedDataParallel(base, device_mesh=mesh["dp"], schedule="serial")
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2, max_grad_norm=0.05,
+                               model_parallel_group=tp_group)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    clamped_here = []
+    for step in range(3):
+        x, y = make_batch("mlp", step, 0, dp_rank)
+        loss_fn("mlp", ours(x), y).backward()
+        loss_fn("mlp", ref(x), y).backward()
+        # Above every replica's gradient and tensor-parallel rank 1's, below the
+        # largest of rank 0's shards'.
+        grads = [p.grad for p in ref.module.parameters()]
+        top = {marked: max([float(p.grad.abs().max()) for p in ref.module.parameters()
+                            if getattr(p, "tensor_model_parallel", False) == marked])
+               for marked in (True, False)}
+        tops = torch.tensor([top[False] if tp_rank == 0 else max(top.values()),
+                             top[True] if tp_rank == 0 else 0.0])
+        torch.distributed.all_reduce(tops, op=torch.distributed.ReduceOp.MAX)
+        one_sided = bool(tops[1] > tops[0])  # else a clip_value that clamps nothing
+        clip_value = float(tops.mean()) if one_sided else float("inf")
+        clamped_here.append((one_sided, any(bool((g.abs() > clip_value).any())
+                                            for g in grads)))
+        opt.clip_grad_value_(clip_value)
+        torch.nn.utils.clip_grad_value_(ref.module.parameters(), clip_value)
+        _megatron_clip(ref.module, tp_group, 0.05)
+        for optimizer in (opt, ref_opt):
+            optimizer.step()
+            optimizer.zero_grad()
+    ours.synchronize()
+    diff = max(float((a.detach().double() - b.detach().double()).abs().max())
+               for a, b in zip(ours.module.parameters(), ref.module.parameters()))
+    return {"clamped_here": clamped_here, "param_diff": diff}

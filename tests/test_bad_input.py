@@ -135,6 +135,8 @@ CASES = [
       r"fp16_compress_hook and bf16_compress_hook", r"reduce_dtype=torch\.float16"]),
     (bad_inputs.model_parallel_group_not_a_group, "TypeError",
      [r"model_parallel_group must be a torch\.distributed ProcessGroup", r"got str"]),
+    (bad_inputs.model_parallel_group_built_under_join, "ValueError",
+     [r"model_parallel_group is not supported under model\.join\(\)"]),
     (bad_inputs.model_parallel_group_without_this_rank, "ValueError",
      [r"model_parallel_group does not hold this rank"]),
     (bad_inputs.model_parallel_group_on_one_rank, "ValueError",

@@ -65,3 +65,20 @@ def test_an_inf_on_one_rank_skips_the_step_on_every_rank_of_both_groups():
         assert res[True] == [False, True, False], (rank, res[True])
         expected = [False, rank % 2 == 0, False]
         assert res[False] == expected, (rank, res[False])
+        # A replica's inf on a tensor-parallel rank other than the first, which the
+        # norm's squares leave out there: still seen, as Megatron's found_inf sees it.
+        assert res["replica on rank 1"] == [False, True, False], (rank, res)
+
+
+def test_values_clamped_on_one_tensor_parallel_side_then_clipped_by_norm():
+    """clip_grad_value_ clamps on one tensor-parallel side only (in the steps where
+    tensor-parallel rank 0's shards hold the largest gradients): every rank measures
+    the norm again at the step (before, the other side skipped that collective and
+    the ranks' collectives parted: a gloo size mismatch)."""
+    per_rank = run_distributed(
+        4, model_parallel_scenarios.values_clamped_on_one_tensor_parallel_side)
+    for rank, res in enumerate(per_rank):
+        one_sided = [clamped for one_sided, clamped in res["clamped_here"] if one_sided]
+        assert one_sided and one_sided == [rank % 2 == 0] * len(one_sided), \
+            (rank, res["clamped_here"])
+        assert res["param_diff"] <= 1e-6, (rank, res["param_diff"])

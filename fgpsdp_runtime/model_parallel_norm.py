@@ -9,7 +9,8 @@ once. With ``ShardedOptimizer(..., model_parallel_group=tp_group)`` the norm's
 sum over the wrapper's group is summed over ``tp_group`` too, and a parameter
 counts on every rank of that group only if it is marked as Megatron marks its
 sharded ones (``param.tensor_model_parallel = True``); the others count on the
-group's first rank alone.
+group's first rank alone. Infs and NaNs count wherever they are (Megatron's
+``found_inf``): only the squares leave the replicas out.
 
 Pure: which elements of this rank's slices count (the optimizer does the sums).
 """

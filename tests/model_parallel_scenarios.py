@@ -90,6 +90,18 @@ class TensorParallelMLP(nn.Module):
         return copied
 
 
+def _two_by_two():
+    """A 2 x 2 ("dp", "tp") mesh: it, this rank's coordinates, its tensor-parallel group."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank, tp_rank = mesh.get_coordinate()
+    return mesh, dp_rank, tp_rank, mesh["tp"].get_group()
+
+
+def _param_diff(ours: fgp.DistributedDataParallel, ref: nn.Module) -> float:
+    return max(float((a.detach().double() - b.detach().double()).abs().max())
+               for a, b in zip(ours.module.parameters(), ref.module.parameters()))
+
+
 def _megatron_clip(model: nn.Module, group, max_norm: float) -> float:
     """Megatron's clip in float64: the marked shards' squares summed over the
     tensor-parallel group, the replicated parameters' once; torch's coefficient."""
@@ -114,9 +126,7 @@ def clipped_beside_tensor_parallel(rank: int, world_size: int,
     or ``clip_grad_norm_`` (cfg ``clip``) with ``model_parallel_group`` (cfg ``mp``),
     torch DDP beside it clipped as Megatron clips; 4 AdamW steps. cfg ``schedule``,
     ``max_norm``."""
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    dp_rank, tp_rank = mesh.get_coordinate()
-    tp_group = mesh["tp"].get_group()
+    mesh, dp_rank, tp_rank, tp_group = _two_by_two()
     base = TensorParallelMLP(tp_rank, tp_group)
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), device_mesh=mesh["dp"])
     schedule, max_norm = cfg["schedule"], cfg["max_norm"]
@@ -140,9 +150,7 @@ def clipped_beside_tensor_parallel(rank: int, world_size: int,
             optimizer.step()
             optimizer.zero_grad()
     ours.synchronize()
-    diff = max(float((a.detach().double() - b.detach().double()).abs().max())
-               for a, b in zip(ours.module.parameters(), ref.module.parameters()))
-    return {"norms": norms, "param_diff": diff,
+    return {"norms": norms, "param_diff": _param_diff(ours, ref),
             "commits": ours.scheduler.commits if ours.scheduler is not None else None}
 
 
@@ -168,9 +176,7 @@ def an_inf_on_one_rank(rank: int, world_size: int, with_group: bool,
     """At step 1 a reduced slice holds an inf: rank 0's first element ("rank 0"), or
     an element of a replicated parameter on rank 1, a tensor-parallel rank other than
     the first ("replica on rank 1"). Which ranks skip which steps."""
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    dp_rank, tp_rank = mesh.get_coordinate()
-    tp_group = mesh["tp"].get_group()
+    mesh, dp_rank, tp_rank, tp_group = _two_by_two()
     ours = fgp.DistributedDataParallel(TensorParallelMLP(tp_rank, tp_group),
                                        device_mesh=mesh["dp"], schedule="serial")
     opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2, max_grad_norm=0.05,
@@ -201,9 +207,7 @@ def values_clamped_on_one_tensor_parallel_side(rank: int, world_size: int) -> di
     """clip_grad_value_ that clamps on tensor-parallel rank 0's shards only (its
     column layer scaled up), then the step clipping by norm: beside torch DDP
     clamped and clipped as Megatron clips."""
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    dp_rank, tp_rank = mesh.get_coordinate()
-    tp_group = mesh["tp"].get_group()
+    mesh, dp_rank, tp_rank, tp_group = _two_by_two()
     base = TensorParallelMLP(tp_rank, tp_group)
     if tp_rank == 0:
         with torch.no_grad():
@@ -239,6 +243,4 @@ def values_clamped_on_one_tensor_parallel_side(rank: int, world_size: int) -> di
             optimizer.step()
             optimizer.zero_grad()
     ours.synchronize()
-    diff = max(float((a.detach().double() - b.detach().double()).abs().max())
-               for a, b in zip(ours.module.parameters(), ref.module.parameters()))
-    return {"clamped_here": clamped_here, "param_diff": diff}
+    return {"clamped_here": clamped_here, "param_diff": _param_diff(ours, ref)}

@@ -6,7 +6,6 @@ if at all, and steps them with an optimizer of their own.
 from __future__ import annotations
 
 import operator
-
 import weakref
 from typing import Any, Optional, Sequence
 

@@ -1250,7 +1250,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         packet = torch.cat([local, flags.to(local.device, non_blocking=True)])
         with model.timeline.span("compute", "norm all-reduce"):
             model.all_reduce_sum(packet)
-            packet[:2] = self._summed_over_model_parallel(packet[:2])
+            if self.model_parallel_group is not None:  # (no copy onto itself otherwise)
+                packet[:2] = self._summed_over_model_parallel(packet[:2])
         packet = packet.cpu()
         sq_sum, nonfinite = float(packet[0]), float(packet[1])
         self._speculated_with_other_hyperparameters = float(packet[2]) > 0

@@ -97,6 +97,19 @@ def _two_by_two():
     return mesh, dp_rank, tp_rank, mesh["tp"].get_group()
 
 
+def _beside_torch_ddp(base: nn.Module, mesh, schedule: str, **optimizer_kw):
+    """fgpsdp's wrapper of ``base`` over mesh["dp"] (two_stage: the layout plan and
+    small buckets, so that stage 1 speculates) with a ShardedOptimizer (AdamW), and
+    torch DDP of a copy with its AdamW: (ours, ref, opt, ref_opt)."""
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), device_mesh=mesh["dp"])
+    speculate = {"overlap_plan": "layout", "bucket_cap_mb": 0.0001} \
+        if schedule == "two_stage" else {}
+    ours = fgp.DistributedDataParallel(base, device_mesh=mesh["dp"], schedule=schedule,
+                                       **speculate)
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2, **optimizer_kw)
+    return ours, ref, opt, torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+
 def _param_diff(ours: fgp.DistributedDataParallel, ref: nn.Module) -> float:
     return max(float((a.detach().double() - b.detach().double()).abs().max())
                for a, b in zip(ours.module.parameters(), ref.module.parameters()))
@@ -128,17 +141,10 @@ def clipped_beside_tensor_parallel(rank: int, world_size: int,
     ``max_norm``."""
     mesh, dp_rank, tp_rank, tp_group = _two_by_two()
     base = TensorParallelMLP(tp_rank, tp_group)
-    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), device_mesh=mesh["dp"])
-    schedule, max_norm = cfg["schedule"], cfg["max_norm"]
-    speculate = {"overlap_plan": "layout", "bucket_cap_mb": 0.0001} \
-        if schedule == "two_stage" else {}
-    ours = fgp.DistributedDataParallel(base, device_mesh=mesh["dp"], schedule=schedule,
-                                       **speculate)
-    by_call = cfg["clip"] == "call"
-    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2,
-                               max_grad_norm=None if by_call else max_norm,
-                               model_parallel_group=tp_group if cfg["mp"] else None)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    max_norm, by_call = cfg["max_norm"], cfg["clip"] == "call"
+    ours, ref, opt, ref_opt = _beside_torch_ddp(
+        base, mesh, cfg["schedule"], max_grad_norm=None if by_call else max_norm,
+        model_parallel_group=tp_group if cfg["mp"] else None)
     norms = []
     for step in range(4):
         x, y = make_batch("mlp", step, 0, dp_rank)
@@ -213,11 +219,8 @@ def values_clamped_on_one_tensor_parallel_side(rank: int, world_size: int) -> di
         with torch.no_grad():
             base.column.weight.mul_(20)
             base.column.bias.mul_(20)
-    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), device_mesh=mesh["dp"])
-    ours = fgp.DistributedDataParallel(base, device_mesh=mesh["dp"], schedule="serial")
-    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2, max_grad_norm=0.05,
-                               model_parallel_group=tp_group)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ours, ref, opt, ref_opt = _beside_torch_ddp(base, mesh, "serial", max_grad_norm=0.05,
+                                                model_parallel_group=tp_group)
     clamped_here = []
     for step in range(3):
         x, y = make_batch("mlp", step, 0, dp_rank)

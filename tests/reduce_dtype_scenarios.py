@@ -52,28 +52,13 @@ def _scaled_then_reduced_in(dtype: torch.dtype):
     return hook
 
 
-def reduced_side_by_side(rank: int, world_size: int, case: dict) -> dict:
-    """case: ``reduce_dtype`` and ``param_dtype`` (names of torch dtypes),
-    ``schedule``, ``plan`` (two_stage's overlap_plan, "layout" unless given),
-    ``local_size`` (hierarchical), ``hook`` ("scaled first": torch DDP's hook rounds as
-    fgpsdp does, see _scaled_then_reduced_in) and ``accumulate``: micro-batches
-    per step ("no_sync": all but the last under no_sync(); "synced": every one
-    reduced)."""
-    reduce_dtype = getattr(torch, case["reduce_dtype"])
-    param_dtype = getattr(torch, case.get("param_dtype", "float32"))
-    schedule = case.get("schedule", "two_stage")
+def _trained_apart(ours: fgp.DistributedDataParallel, ref: nn.Module, rank: int, case: dict,
+                   param_dtype: torch.dtype) -> float:
+    """5 AdamW steps of both, ``case["micro"]`` micro-batches each ("accumulate":
+    "no_sync", all but the last under no_sync(); "synced", every one reduced),
+    torch DDP clipped by ``case["clip"]`` as ours is; the largest parameter
+    difference after them."""
     micro = case.get("micro", 1)
-    torch.manual_seed(0)
-    base = MLP().to(param_dtype)
-    reference = copy.deepcopy(base)
-    kw = {"overlap_plan": case.get("plan", "layout")} if schedule == "two_stage" else {}
-    if "local_size" in case:
-        kw["topology"] = fgp.Topology(local_size=case["local_size"])
-    ours = fgp.DistributedDataParallel(base, schedule=schedule, bucket_cap_mb=0.0001,
-                                       reduce_dtype=reduce_dtype, **kw)
-    ref = nn.parallel.DistributedDataParallel(reference)
-    hook = _scaled_then_reduced_in if case.get("hook") == "scaled first" else _reduce_in
-    ref.register_comm_hook(None, hook(reduce_dtype))
     opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2, max_grad_norm=case.get("clip"))
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     for step in range(5):
@@ -92,10 +77,33 @@ def reduced_side_by_side(rank: int, world_size: int, case: dict) -> dict:
         opt.zero_grad()
         ref_opt.zero_grad()
     ours.synchronize()
-    diff = max(float((a.detach().double() - b.detach().double()).abs().max())
+    return max(float((a.detach().double() - b.detach().double()).abs().max())
                for a, b in zip(ours.module.parameters(), ref.module.parameters()))
-    stats = ours.comm_stats()
-    return {"diff_to_ddp": diff, "comm_stats": stats,
+
+
+def reduced_side_by_side(rank: int, world_size: int, case: dict) -> dict:
+    """case: ``reduce_dtype`` and ``param_dtype`` (names of torch dtypes),
+    ``schedule``, ``plan`` (two_stage's overlap_plan, "layout" unless given),
+    ``local_size`` (hierarchical), ``hook`` ("scaled first": torch DDP's hook rounds as
+    fgpsdp does, see _scaled_then_reduced_in) and ``accumulate``: micro-batches
+    per step ("no_sync": all but the last under no_sync(); "synced": every one
+    reduced)."""
+    reduce_dtype = getattr(torch, case["reduce_dtype"])
+    param_dtype = getattr(torch, case.get("param_dtype", "float32"))
+    schedule = case.get("schedule", "two_stage")
+    torch.manual_seed(0)
+    base = MLP().to(param_dtype)
+    reference = copy.deepcopy(base)
+    kw = {"overlap_plan": case.get("plan", "layout")} if schedule == "two_stage" else {}
+    if "local_size" in case:
+        kw["topology"] = fgp.Topology(local_size=case["local_size"])
+    ours = fgp.DistributedDataParallel(base, schedule=schedule, bucket_cap_mb=0.0001,
+                                       reduce_dtype=reduce_dtype, **kw)
+    ref = nn.parallel.DistributedDataParallel(reference)
+    hook = _scaled_then_reduced_in if case.get("hook") == "scaled first" else _reduce_in
+    ref.register_comm_hook(None, hook(reduce_dtype))
+    diff = _trained_apart(ours, ref, rank, case, param_dtype)
+    return {"diff_to_ddp": diff, "comm_stats": ours.comm_stats(),
             "plan_source": ours.plan.source if ours.plan is not None else None,
             "send_dtypes": sorted({str(s.reduce_dtype) for s in ours.buckets}),
             "grad_dtypes": sorted({str(s.grad_shard.dtype) for s in ours.buckets})}
@@ -141,21 +149,7 @@ def hooked_side_by_side(rank: int, world_size: int, case: dict) -> dict:
     else:
         ref_hook = _torch_hook(case["hook"])
     ref.register_comm_hook(state, ref_hook)
-    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2, max_grad_norm=case.get("clip"))
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for step in range(5):
-        x, y = make_batch("mlp", step, 0, rank)
-        for model in (ours, ref):
-            nn.functional.mse_loss(model(x.to(param_dtype)).float(), y).backward()
-        if case.get("clip") is not None:
-            reference_clip_(list(ref.parameters()), case["clip"])
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
-    ours.synchronize()
-    diff = max(float((a.detach().double() - b.detach().double()).abs().max())
-               for a, b in zip(ours.module.parameters(), ref.module.parameters()))
+    diff = _trained_apart(ours, ref, rank, case, param_dtype)
     return {"diff_to_ddp": diff, "comm_stats": ours.comm_stats(),
             "send_dtypes": sorted({str(s.reduce_dtype) for s in ours.buckets}),
             "reduce_dtype": str(ours.reduce_dtype)}

@@ -14,6 +14,9 @@ on every submodule of the wrapped module:
 - a parameter read as an attribute (``module.logit_scale``) lands its all-gather
   first (a ``_parameters`` table of ours, whose lookups ``nn.Module.__getattr__``
   makes);
+- a conversion (``.cpu()``, ``.half()``, ``.to(...)``: ``nn.Module._apply``), which
+  copies the parameters, lands their all-gathers first (an ``_apply`` instance
+  attribute);
 - and on the wrapped module itself, ``zero_grad()`` resets the reduced slices (a
   ``zero_grad`` instance attribute).
 
@@ -215,7 +218,7 @@ def _leave_our_hooks_out(state: dict) -> None:
 _GONE = ("a module that is gone (or of a copy made by a __deepcopy__ that copies the "
          "module's __dict__ item by item without first putting the copy into the memo: "
          "put it there, memo[id(self)] = copy, or delete the copy's 'named_parameters', "
-         "'zero_grad' and '__getstate__' instance attributes, vars(copy).pop(...))")
+         "'zero_grad', '__getstate__' and '_apply' instance attributes, vars(copy).pop(...))")
 
 
 def _nobody() -> None:
@@ -385,6 +388,43 @@ def reset_gradients(params: Sequence[torch.Tensor], set_to_none: bool) -> None:
             else:
                 param.grad.requires_grad_(False)
             param.grad.zero_()
+
+
+def land_gathers_before_conversions(land: Callable[[nn.Module], None],
+                                    module: nn.Module) -> HookHandles:
+    """``_apply`` of every submodule of ``module`` (what ``.cpu()``, ``.cuda()``,
+    ``.to(...)``, ``.half()``, ``.double()`` and ``.to_empty()`` run) first hands
+    the submodule to ``land`` (the wrapper's, weakly), which lands its parameters'
+    all-gathers as a read through ``parameters()`` would.
+
+    ``nn.Module._apply`` reads ``self._parameters.items()``, which no guard of
+    ours sees, and copies each parameter: right after ``opt.step()`` under
+    ``next_forward`` and ``two_stage`` the copy held a mix of updated and old
+    slices, another mix on every rank. PyTorch Lightning's strategies end every
+    fit with ``lightning_module.cpu()`` (a copy on a GPU), and export scripts call
+    ``model.module.half()`` after training. (Given new storage, the parameters
+    are no longer the bucket views: the next forward through the wrapper raises,
+    see param_guards.py.) A class's own ``_apply`` (RNNs re-flatten their weights
+    there) runs after the landing.
+    """
+    handles = HookHandles()
+    for sub in module.modules():
+        handles.add_instance_attribute(sub, "_apply", ConvertingAfterLanding(land, _TheModule(sub)))
+    return handles  # removed when the wrapper is dropped
+
+
+class ConvertingAfterLanding(_ModuleGuard):
+    """A submodule's ``_apply`` (an instance attribute, looked up before the class's
+    method, also by ``nn.Module._apply`` recursing into the children): see
+    ``land_gathers_before_conversions``."""
+
+    NAME = "conversion guard"
+
+    def __call__(self, fn, *args, **kwargs):
+        module = self._target()
+        if not is_traced_by_dynamo():
+            self._act(module)  # a copy's guard: nothing to land
+        return type(module)._apply(module, fn, *args, **kwargs)
 
 
 def land_gathers_on_attribute_reads(land: Callable[[torch.Tensor], None], in_flight: dict,

@@ -280,6 +280,49 @@ def copies_and_direct_calls(rank: int, world_size: int, schedule: str) -> dict:
             "copies_holding_hooks": hooks_left, "script_error": script_error}
 
 
+class WideNet(nn.Module):
+    """PlainNet with 512-wide hidden layers (1 MiB weights): all-gathers long enough
+    that a read right after the step comes before they land."""
+
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(12, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(),
+                                 nn.Linear(512, 4))
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def converted_right_after_the_step(rank: int, world_size: int, schedule: str,
+                                   conversion: str) -> float:
+    """Trained 2 steps beside torch DDP, then converted right after the last step, the
+    all-gathers in flight (PyTorch Lightning's ``lightning_module.cpu()`` at the end of
+    a fit, on a GPU a copy; an export's ``.half()``): the largest difference between
+    the converted parameters, read without landing anything (``_parameters``), and
+    torch DDP's converted alike."""
+    ours, opt, ref, ref_opt = _plain_side_by_side(rank, schedule, build=WideNet,
+                                                  optimizer=(torch.optim.SGD, 0.05))
+    for step in range(2):
+        x, y = _batch(step, rank)
+        for model, optimizer in ((ref, ref_opt), (ours, opt)):  # ours last: right after it
+            optimizer.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            optimizer.step()
+    for model in (ours, ref):
+        if conversion == "module.double":
+            model.module.double()
+        elif conversion == "module.half":
+            model.module.half()
+        elif conversion == "submodules.to":  # the last layer first, its bucket lands last
+            for index in (4, 2, 0):
+                model.module.net[index].to(torch.float64)
+        elif conversion == "wrapper.double":
+            model.double()
+    return max(float((a.detach().double() - b.detach().double()).abs().max())
+               for m, r in zip(ours.module.modules(), ref.module.modules())
+               for a, b in zip(m._parameters.values(), r._parameters.values()))
+
+
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_state_dict_pre_hooks",
                "_state_dict_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
 

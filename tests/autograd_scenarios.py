@@ -82,10 +82,10 @@ def backward_after_step_through_old_graph(rank: int, world_size: int, schedule: 
 
 
 class PlainNet(nn.Module):
-    def __init__(self):
+    def __init__(self, width: int = 32):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(12, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
-                                 nn.Linear(32, 4))
+        self.net = nn.Sequential(nn.Linear(12, width), nn.Tanh(), nn.Linear(width, width),
+                                 nn.Tanh(), nn.Linear(width, 4))
 
     def forward(self, x):
         return self.net(x)
@@ -280,27 +280,15 @@ def copies_and_direct_calls(rank: int, world_size: int, schedule: str) -> dict:
             "copies_holding_hooks": hooks_left, "script_error": script_error}
 
 
-class WideNet(nn.Module):
-    """PlainNet with 512-wide hidden layers (1 MiB weights): all-gathers long enough
-    that a read right after the step comes before they land."""
-
-    def __init__(self):
-        super().__init__()
-        self.net = nn.Sequential(nn.Linear(12, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(),
-                                 nn.Linear(512, 4))
-
-    def forward(self, x):
-        return self.net(x)
-
-
 def converted_right_after_the_step(rank: int, world_size: int, schedule: str,
                                    conversion: str) -> float:
     """Trained 2 steps beside torch DDP, then converted right after the last step, the
     all-gathers in flight (PyTorch Lightning's ``lightning_module.cpu()`` at the end of
     a fit, on a GPU a copy; an export's ``.half()``): the largest difference between
     the converted parameters, read without landing anything (``_parameters``), and
-    torch DDP's converted alike."""
-    ours, opt, ref, ref_opt = _plain_side_by_side(rank, schedule, build=WideNet,
+    torch DDP's converted alike. Hidden layers 512 wide (1 MiB weights): all-gathers
+    long enough that the conversion comes before they land."""
+    ours, opt, ref, ref_opt = _plain_side_by_side(rank, schedule, build=lambda: PlainNet(512),
                                                   optimizer=(torch.optim.SGD, 0.05))
     for step in range(2):
         x, y = _batch(step, rank)

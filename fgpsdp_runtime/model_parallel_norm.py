@@ -10,7 +10,11 @@ sum over the wrapper's group is summed over ``tp_group`` too, and a parameter
 counts on every rank of that group only if it is marked as Megatron marks its
 sharded ones (``param.tensor_model_parallel = True``); the others count on the
 group's first rank alone. Infs and NaNs count wherever they are (Megatron's
-``found_inf``): only the squares leave the replicas out.
+``found_inf``): only the squares leave the replicas out. With pipeline stages
+too, ``pipeline_parallel_group=pp_group`` (the ranks holding the other stages of
+this rank's model) sums the norm over the stages as well: every stage's
+parameters are its own, so all of them count (Megatron's model-parallel group is
+both together; its replica rule takes the tensor-parallel rank).
 
 Pure: which elements of this rank's slices count (the optimizer does the sums).
 """
@@ -25,21 +29,29 @@ if TYPE_CHECKING:  # imported for annotations only
     from .slice_pieces import SlicePieces
 
 
-def check_model_parallel_group(group: object, clip_ignored_parameters: bool) -> None:
+_GROUP_HOLDS = {
+    "model_parallel_group": "the ranks holding the other shards of this rank's layers",
+    "pipeline_parallel_group": "the ranks holding the other pipeline stages of this "
+                               "rank's model",
+}
+
+
+def check_model_parallel_group(group: object, clip_ignored_parameters: bool,
+                               name: str = "model_parallel_group") -> None:
+    """``group`` given as ShardedOptimizer's ``name`` (model_parallel_group or
+    pipeline_parallel_group): a process group holding this rank, or None."""
     if group is None:
         return
+    holds = _GROUP_HOLDS[name]
     # (torch's new_group gives the ranks outside the group this marker, an int)
     if (isinstance(group, int) and group == dist.GroupMember.NON_GROUP_MEMBER) or \
             (isinstance(group, dist.ProcessGroup) and dist.get_rank(group) < 0):
-        raise ValueError("model_parallel_group does not hold this rank: pass the group of "
-                         "ranks holding the other shards of this rank's layers")
+        raise ValueError(f"{name} does not hold this rank: pass the group of {holds}")
     if not isinstance(group, dist.ProcessGroup):
-        raise TypeError("model_parallel_group must be a torch.distributed ProcessGroup (the "
-                        f"ranks holding the other shards of this rank's layers), got "
+        raise TypeError(f"{name} must be a torch.distributed ProcessGroup ({holds}), got "
                         f"{type(group).__name__}")
     if clip_ignored_parameters:
-        raise ValueError("model_parallel_group and clip_ignored_parameters are not "
-                         "supported together")
+        raise ValueError(f"{name} and clip_ignored_parameters are not supported together")
 
 
 def counted_ranges(model: "DistributedDataParallel", pieces: "SlicePieces",

@@ -57,6 +57,12 @@ from .uneven_inputs import AnnouncedCall, UnevenInputs
 from .user_warnings import user_code_line, warn_at_user_code
 from .validation import settings_agree_or_raise
 
+def _group_size(group: object) -> Any:
+    """A group as the ranks compare it: its size (or its type's name, refused later)."""
+    return dist.get_world_size(group) if isinstance(group, dist.ProcessGroup) \
+        else type(group).__name__
+
+
 def _float_text(value: Any) -> str:
     try:
         return repr(None if value is None else float(value))
@@ -76,7 +82,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  param_groups: Optional[Sequence[dict[str, Any]]] = None,
                  max_grad_norm: Optional[float] = None,
                  clip_ignored_parameters: bool = False, ignored_parameter_replicas: int = 1,
-                 model_parallel_group: Optional[dist.ProcessGroup] = None, **defaults: Any):
+                 model_parallel_group: Optional[dist.ProcessGroup] = None,
+                 pipeline_parallel_group: Optional[dist.ProcessGroup] = None, **defaults: Any):
         remember_itself(self)  # see optimizer_itself.py
         # torch.compile(wrapper) gives an OptimizedModule around it; torch DDP's
         # loops build their optimizer on that one's parameters alike.
@@ -100,10 +107,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             check_ignored_parameter_replicas(ignored_parameter_replicas,
                                              clip_ignored_parameters)
             check_model_parallel_group(model_parallel_group, clip_ignored_parameters)
-            if model_parallel_group is not None and model._uneven_inputs is not None:
-                raise ValueError("model_parallel_group is not supported under model.join() "
-                                 "(a joined rank would leave its tensor-parallel peers alone "
-                                 "in the norm's all-reduce over that group)")
+            check_model_parallel_group(pipeline_parallel_group, clip_ignored_parameters,
+                                       "pipeline_parallel_group")
+            for name, group in (("model_parallel_group", model_parallel_group),
+                                ("pipeline_parallel_group", pipeline_parallel_group)):
+                if group is not None and model._uneven_inputs is not None:
+                    raise ValueError(f"{name} is not supported under model.join() (a "
+                                     "joined rank would leave its peers there alone in "
+                                     "the norm's all-reduce over that group)")
             given = read_param_groups(model, param_groups)
             groups = given.groups
             # For full_state_dict(): torch.optim's numbering (see param_group_args.py).
@@ -128,9 +139,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             "clip_ignored_parameters": bool(clip_ignored_parameters),
             "ignored_parameter_replicas": str(ignored_parameter_replicas),
             # Every rank or none takes part in the norm's second all-reduce.
-            "model_parallel_group (its size)": dist.get_world_size(model_parallel_group)
-            if isinstance(model_parallel_group, dist.ProcessGroup)
-            else type(model_parallel_group).__name__,
+            "model_parallel_group (its size)": _group_size(model_parallel_group),
+            "pipeline_parallel_group (its size)": _group_size(pipeline_parallel_group),
             "argument problem": None if problem is None
             else f"{type(problem).__name__}: {problem}",
             "param_groups (parameter indices per group)": None if groups is None else
@@ -149,9 +159,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.last_step_skipped = False
 
         self._slice_pieces = SlicePieces(model)
-        # Tensor parallelism beside the wrapper (see model_parallel_norm.py): the norm
-        # also sums over this group; per bucket, what of this rank's slice it counts.
+        # Tensor parallelism and pipeline stages beside the wrapper (see
+        # model_parallel_norm.py): the norm also sums over these groups; per bucket,
+        # what of this rank's slice it counts.
         self.model_parallel_group = model_parallel_group
+        self.pipeline_parallel_group = pipeline_parallel_group
         self._counted_ranges = counted_ranges(model, self._slice_pieces,
                                               model_parallel_group)
         slice_groups = []
@@ -204,7 +216,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                        *, max_grad_norm: Optional[float] = None,
                        clip_ignored_parameters: bool = False,
                        ignored_parameter_replicas: int = 1,
-                       model_parallel_group: Optional[dist.ProcessGroup] = None
+                       model_parallel_group: Optional[dist.ProcessGroup] = None,
+                       pipeline_parallel_group: Optional[dist.ProcessGroup] = None
                        ) -> "ShardedOptimizer":
         """A ShardedOptimizer of ``optimizer``'s class, param groups and
         hyperparameters, for a torch.optim optimizer built over the wrapped module's
@@ -245,6 +258,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         clip_ignored_parameters=clip_ignored_parameters,
                         ignored_parameter_replicas=ignored_parameter_replicas,
                         model_parallel_group=model_parallel_group,
+                        pipeline_parallel_group=pipeline_parallel_group,
                         **constructor_defaults(type(optimizer), optimizer.defaults))
         if stepped:
             # torch.optim's format, numbered as the groups were given: each rank
@@ -541,7 +555,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             shard.clamp_(-clip_value, clip_value)
         # Whether any rank's slice changed: the step then measures the norm again
         # and undoes the speculative steps (every rank decides alike; with a
-        # model_parallel_group, every rank of it too: that measure is a collective).
+        # model_parallel_group or pipeline_parallel_group, every rank of it too: that
+        # measure is a collective).
         self.model.all_reduce_sum(changed)
         changed = self._summed_over_model_parallel(changed)
         if changed.item() > 0:
@@ -1250,7 +1265,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         packet = torch.cat([local, flags.to(local.device, non_blocking=True)])
         with model.timeline.span("compute", "norm all-reduce"):
             model.all_reduce_sum(packet)
-            if self.model_parallel_group is not None:  # (no copy onto itself otherwise)
+            if self._model_parallel_groups():  # (no copy onto itself otherwise)
                 packet[:2] = self._summed_over_model_parallel(packet[:2])
         packet = packet.cpu()
         sq_sum, nonfinite = float(packet[0]), float(packet[1])
@@ -1357,14 +1372,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
         figures[1] += (~torch.isfinite(shard)).any().to(torch.float64)
         return figures
 
+    def _model_parallel_groups(self) -> list[tuple[dist.ProcessGroup, str]]:
+        """The groups the norm is summed over after the wrapper's, in that order."""
+        return [(group, what) for group, what in (
+            (self.model_parallel_group, "norm over the model-parallel group"),
+            (self.pipeline_parallel_group, "norm over the pipeline-parallel group"))
+            if group is not None]
+
     def _summed_over_model_parallel(self, figures: torch.Tensor) -> torch.Tensor:
         """``figures`` (float64 [sum of squares, non-finite flag], summed over the
-        wrapper's group) summed over the model_parallel_group too, if any."""
-        if self.model_parallel_group is None:
+        wrapper's group) summed over the model_parallel_group, then over the
+        pipeline_parallel_group, where given."""
+        groups = self._model_parallel_groups()
+        if not groups:
             return figures
         figures = figures.clone()
-        all_reduce_held(figures, dist.ReduceOp.SUM, self.model_parallel_group,
-                        "norm over the model-parallel group")
+        for group, what in groups:
+            all_reduce_held(figures, dist.ReduceOp.SUM, group, what)
         return figures
 
     def _valid_grad_shards(self) -> list[torch.Tensor]:

@@ -126,12 +126,13 @@ class UnevenInputs:
                     "with two wrapped models (a GAN's generator and discriminator) are not "
                     "supported; give every rank the same number of iterations there")
             optimizer = self.model._optimizer_ref() if self.model.optimizer_attached else None
-            if getattr(optimizer, "model_parallel_group", None) is not None:
-                # A joined rank would leave its tensor-parallel peers alone in the
-                # norm's all-reduce over that group. Same on every rank: all raise.
-                raise NotImplementedError(
-                    "fgpsdp: model.join() with a ShardedOptimizer's model_parallel_group is "
-                    "not supported; give every rank the same number of iterations there")
+            for name in ("model_parallel_group", "pipeline_parallel_group"):
+                if getattr(optimizer, name, None) is not None:
+                    # A joined rank would leave its peers there alone in the norm's
+                    # all-reduce over that group. Same on every rank: all raise.
+                    raise NotImplementedError(
+                        f"fgpsdp: model.join() with a ShardedOptimizer's {name} is not "
+                        "supported; give every rank the same number of iterations there")
             self.model._uneven_inputs = self
             _active_contexts.add(self)
         return self

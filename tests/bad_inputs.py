@@ -943,34 +943,63 @@ def dtensor_parameter(rank, world_size):
     fgp.DistributedDataParallel(module)
 
 
-def model_parallel_group_not_a_group(rank, world_size):
+def _optimizer_over_a_group(keyword: str, group):
+    """A wrapped MLP and its ShardedOptimizer built with ``keyword=group``
+    (model_parallel_group or pipeline_parallel_group)."""
     model = fgp.DistributedDataParallel(MLP())
-    fgp.ShardedOptimizer(model, torch.optim.AdamW, max_grad_norm=1.0, model_parallel_group="tp")
+    return model, fgp.ShardedOptimizer(model, torch.optim.AdamW, max_grad_norm=1.0,
+                                       **{keyword: group})
 
 
-def model_parallel_group_on_one_rank(rank, world_size):
-    solo = [dist.new_group([r]) for r in range(world_size)][rank]
-    model = fgp.DistributedDataParallel(MLP())
-    fgp.ShardedOptimizer(model, torch.optim.AdamW, max_grad_norm=1.0,
-                         model_parallel_group=solo if rank == 1 else None)
+def _solo_group(rank, world_size):
+    return [dist.new_group([r]) for r in range(world_size)][rank]
 
 
-def model_parallel_group_under_join(rank, world_size):
-    solo = [dist.new_group([r]) for r in range(world_size)][rank]
-    model = fgp.DistributedDataParallel(MLP())
-    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, max_grad_norm=1.0,
-                               model_parallel_group=solo)
+def _group_without_this_rank(rank, world_size):
+    return [dist.new_group([r for r in range(world_size) if r != me])
+            for me in range(world_size)][rank]
+
+
+def _under_join(keyword, rank, world_size):
+    model, opt = _optimizer_over_a_group(keyword, _solo_group(rank, world_size))
     with model.join():
         pass
     del opt
 
 
+def model_parallel_group_not_a_group(rank, world_size):
+    _optimizer_over_a_group("model_parallel_group", "tp")
+
+
+def pipeline_parallel_group_not_a_group(rank, world_size):
+    _optimizer_over_a_group("pipeline_parallel_group", "pp")
+
+
+def model_parallel_group_on_one_rank(rank, world_size):
+    solo = _solo_group(rank, world_size)
+    _optimizer_over_a_group("model_parallel_group", solo if rank == 1 else None)
+
+
+def pipeline_parallel_group_on_one_rank(rank, world_size):
+    solo = _solo_group(rank, world_size)
+    _optimizer_over_a_group("pipeline_parallel_group", solo if rank == 2 else None)
+
+
+def model_parallel_group_under_join(rank, world_size):
+    _under_join("model_parallel_group", rank, world_size)
+
+
+def pipeline_parallel_group_under_join(rank, world_size):
+    _under_join("pipeline_parallel_group", rank, world_size)
+
+
 def model_parallel_group_without_this_rank(rank, world_size):
-    others = [dist.new_group([r for r in range(world_size) if r != me])
-              for me in range(world_size)][rank]
-    model = fgp.DistributedDataParallel(MLP())
-    fgp.ShardedOptimizer(model, torch.optim.AdamW, max_grad_norm=1.0,
-                         model_parallel_group=others)
+    _optimizer_over_a_group("model_parallel_group", _group_without_this_rank(rank, world_size))
+
+
+def pipeline_parallel_group_without_this_rank(rank, world_size):
+    _optimizer_over_a_group("pipeline_parallel_group",
+                            _group_without_this_rank(rank, world_size))
 
 
 def model_parallel_group_built_under_join(rank, world_size):

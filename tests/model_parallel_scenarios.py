@@ -115,17 +115,22 @@ def _param_diff(ours: fgp.DistributedDataParallel, ref: nn.Module) -> float:
                for a, b in zip(ours.module.parameters(), ref.module.parameters()))
 
 
-def _megatron_clip(model: nn.Module, group, max_norm: float) -> float:
+def _megatron_clip(model: nn.Module, group, max_norm: float, pp_group=None) -> float:
     """Megatron's clip in float64: the marked shards' squares summed over the
-    tensor-parallel group, the replicated parameters' once; torch's coefficient."""
+    tensor-parallel group (``group``, None without one), the replicated parameters'
+    once, the stages' sums summed over ``pp_group`` (if any); torch's coefficient."""
     params = [p for p in model.parameters() if p.grad is not None]
     sharded = torch.tensor(sum(float(p.grad.double().pow(2).sum()) for p in params
                                if getattr(p, "tensor_model_parallel", False)),
                            dtype=torch.float64)
-    torch.distributed.all_reduce(sharded, group=group)
+    if group is not None:
+        torch.distributed.all_reduce(sharded, group=group)
     replicated = sum(float(p.grad.double().pow(2).sum()) for p in params
                      if not getattr(p, "tensor_model_parallel", False))
-    total = math.sqrt(float(sharded) + replicated)
+    stage = torch.tensor(float(sharded) + replicated, dtype=torch.float64)
+    if pp_group is not None:
+        torch.distributed.all_reduce(stage, group=pp_group)
+    total = math.sqrt(float(stage))
     coefficient = max_norm / (total + 1e-6)
     if coefficient < 1.0:
         torch._foreach_mul_([p.grad for p in params],
@@ -140,17 +145,25 @@ def clipped_beside_tensor_parallel(rank: int, world_size: int,
     torch DDP beside it clipped as Megatron clips; 4 AdamW steps. cfg ``schedule``,
     ``max_norm``."""
     mesh, dp_rank, tp_rank, tp_group = _two_by_two()
-    base = TensorParallelMLP(tp_rank, tp_group)
+    return _clipped_steps(TensorParallelMLP(tp_rank, tp_group), mesh, cfg, dp_rank, 0,
+                          tp_group if cfg["mp"] else None, None, tp_group, None)
+
+
+def _clipped_steps(base: nn.Module, mesh, cfg: dict[str, Any], dp_rank: int, micro: int,
+                   tp_group, pp_group, ref_tp_group, ref_pp_group) -> dict[str, Any]:
+    """``base`` under ours over mesh["dp"] (``model_parallel_group=tp_group``,
+    ``pipeline_parallel_group=pp_group``) and torch DDP clipped as Megatron clips over
+    ``ref_tp_group`` and ``ref_pp_group``; 4 AdamW steps on the batches of ``micro``."""
     max_norm, by_call = cfg["max_norm"], cfg["clip"] == "call"
     ours, ref, opt, ref_opt = _beside_torch_ddp(
         base, mesh, cfg["schedule"], max_grad_norm=None if by_call else max_norm,
-        model_parallel_group=tp_group if cfg["mp"] else None)
+        model_parallel_group=tp_group, pipeline_parallel_group=pp_group)
     norms = []
     for step in range(4):
-        x, y = make_batch("mlp", step, 0, dp_rank)
+        x, y = make_batch("mlp", step, micro, dp_rank)
         loss_fn("mlp", ours(x), y).backward()
         loss_fn("mlp", ref(x), y).backward()
-        ref_total = _megatron_clip(ref.module, tp_group, max_norm)
+        ref_total = _megatron_clip(ref.module, ref_tp_group, max_norm, ref_pp_group)
         norms.append((float(opt.clip_grad_norm_(max_norm)) if by_call else None, ref_total))
         for optimizer in (opt, ref_opt):
             optimizer.step()
@@ -163,6 +176,37 @@ def clipped_beside_tensor_parallel(rank: int, world_size: int,
 def clipped_beside_tensor_parallel_many(rank: int, world_size: int,
                                         cfgs: dict[str, dict]) -> dict[str, dict]:
     return {name: clipped_beside_tensor_parallel(rank, world_size, cfg)
+            for name, cfg in cfgs.items()}
+
+
+def clipped_beside_pipeline_stages(rank: int, world_size: int,
+                                   cfg: dict[str, Any]) -> dict[str, Any]:
+    """Two pipeline stages, each a model of its own trained on batches of its own
+    (the norm's coupling, not a pipeline's schedule, is under test). cfg ``layout``:
+    "pp x dp", a 2 x 2 ("pp", "dp") mesh of plain MLPs, or "pp x tp", a 2 x 1 x 2
+    ("pp", "dp", "tp") mesh of TensorParallelMLPs (the wrapper over a group of one);
+    ours with ``pipeline_parallel_group`` (cfg ``pp``) and the tensor-parallel group,
+    torch DDP beside it clipped by Megatron's norm over the stages."""
+    tensor_parallel = cfg["layout"] == "pp x tp"
+    mesh = init_device_mesh("cpu", (2, 1, 2) if tensor_parallel else (2, 2),
+                            mesh_dim_names=("pp", "dp", "tp") if tensor_parallel
+                            else ("pp", "dp"))
+    coordinate = mesh.get_coordinate()
+    pp_rank, dp_rank = coordinate[0], coordinate[1]
+    pp_group = mesh["pp"].get_group()
+    tp_group = mesh["tp"].get_group() if tensor_parallel else None
+    if tensor_parallel:
+        base = TensorParallelMLP(coordinate[2], tp_group)
+    else:
+        torch.manual_seed(100 + pp_rank)  # a stage's layers its own
+        base = nn.Sequential(nn.Linear(13, 24), nn.ReLU(), nn.Linear(24, 5))
+    return _clipped_steps(base, mesh, cfg, dp_rank, pp_rank, tp_group,
+                          pp_group if cfg["pp"] else None, tp_group, pp_group)
+
+
+def clipped_beside_pipeline_stages_many(rank: int, world_size: int,
+                                        cfgs: dict[str, dict]) -> dict[str, dict]:
+    return {name: clipped_beside_pipeline_stages(rank, world_size, cfg)
             for name, cfg in cfgs.items()}
 
 

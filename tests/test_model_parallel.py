@@ -56,6 +56,52 @@ def test_without_the_group_each_tensor_parallel_rank_clips_by_its_own_shards():
         [res["param_diff"] for res in per_rank]
 
 
+PIPELINE_CONFIGS = {
+    "pp x dp two_stage": {"layout": "pp x dp", "schedule": "two_stage", "clip": "max_grad_norm",
+                          "max_norm": 0.05, "pp": True},
+    "pp x dp serial_by_call": {"layout": "pp x dp", "schedule": "serial", "clip": "call",
+                               "max_norm": 0.05, "pp": True},
+    "pp x tp next_forward_by_call": {"layout": "pp x tp", "schedule": "next_forward",
+                                     "clip": "call", "max_norm": 0.05, "pp": True},
+    "pp x tp two_stage_unclipped": {"layout": "pp x tp", "schedule": "two_stage", "clip": "call",
+                                    "max_norm": 1e3, "pp": True},
+    # Without the group each stage clips by its own norm.
+    "pp x dp without_the_group": {"layout": "pp x dp", "schedule": "serial", "clip": "call",
+                                  "max_norm": 0.05, "pp": False},
+}
+
+
+@functools.lru_cache(maxsize=None)
+def pipeline_results():
+    return run_distributed(4, model_parallel_scenarios.clipped_beside_pipeline_stages_many,
+                           PIPELINE_CONFIGS)
+
+
+@pytest.mark.parametrize("name", [n for n in PIPELINE_CONFIGS if "without" not in n])
+def test_the_norm_over_pipeline_stages_is_megatrons(name):
+    """Megatron's model-parallel group is the tensor-parallel ranks of every stage:
+    ``pipeline_parallel_group`` sums the norm over the stages too (every stage's
+    parameters count), beside torch DDP clipped so in float64."""
+    for rank, per_config in enumerate(pipeline_results()):
+        res = per_config[name]
+        for ours, ref in res["norms"]:
+            if PIPELINE_CONFIGS[name]["max_norm"] < 1:
+                assert ref > PIPELINE_CONFIGS[name]["max_norm"], (rank, ref)
+            if ours is not None:
+                assert ours == pytest.approx(ref, rel=1e-6), (rank, name, ours, ref)
+        assert res["param_diff"] <= 1e-6, (rank, name, res["param_diff"])
+    if name == "pp x tp two_stage_unclipped":
+        assert all(per_config[name]["commits"] > 0 for per_config in pipeline_results())
+
+
+def test_without_the_pipeline_group_each_stage_clips_by_its_own_norm():
+    per_rank = [per_config["pp x dp without_the_group"] for per_config in pipeline_results()]
+    for res in per_rank:  # ranks 0, 1: stage 0; ranks 2, 3: stage 1
+        ours, ref = res["norms"][0]
+        assert ours < ref * (1 - 1e-3), (ours, ref)
+        assert res["param_diff"] > 1e-4, res["param_diff"]
+
+
 def test_an_inf_on_one_rank_skips_the_step_on_every_rank_of_both_groups():
     """Rank 0 (data-parallel pair {0, 2}, tensor-parallel pair {0, 1}) holds an inf:
     with the group every rank skips that step; without it, its data-parallel pair

@@ -37,8 +37,7 @@ from .ignored_params import ignored_places, note_wrapper_leaving_parameters, par
 from .group_collectives import all_reduce_held
 from .param_gathers import ParamGathers
 from .module_guards import (hand_out_parameters_through_the_wrapper,
-                            land_gathers_before_conversions, land_gathers_before_state_dicts,
-                            land_gathers_on_attribute_reads, plain_named_parameters,
+                            land_gathers_before_state_dicts, land_gathers_on_attribute_reads,
                             reset_gradients, zero_grad_through_the_wrapper)
 from .param_guards import ParamPlaces, ParamVersions, storage_address
 from .plan import OverlapPlan, checked_plan, layout_plan, profiling_plan
@@ -359,9 +358,6 @@ class DistributedDataParallel(nn.Module):
             land_gathers_on_attribute_reads(
                 lifecycle.weak_call(self._land_for_an_attribute_read),
                 self._gathers.in_flight_table, self._forward_waiter, module)
-        self._conversion_guards = None if self._forward_waiter is None else \
-            land_gathers_before_conversions(lifecycle.weak_call(self._land_for_a_conversion),
-                                            module)
 
     # -- set-up --------------------------------------------------------------
 
@@ -976,15 +972,6 @@ class DistributedDataParallel(nn.Module):
             for b in self._buckets_of_param.get(id(param), ()):
                 self.finish_param_all_gather(b, timed=True, by_the_loop=False)
 
-    def _land_for_a_conversion(self, module: nn.Module) -> None:
-        """``module.cpu()`` / ``.half()`` / ``.to(...)`` (module_guards.
-        land_gathers_before_conversions) copies every parameter of ``module``: each
-        one's bucket lands first, as for an attribute read."""
-        if not self._gathers.in_flight:
-            return  # (nn.Module._apply runs this again for every submodule)
-        for _, param in plain_named_parameters(module):
-            self._land_for_an_attribute_read(param)
-
     def note_step_for_the_clip_warning(self, clipped: bool) -> None:
         """At opt.step(): every parameter was read through the wrapper or its module
         since the reductions of this step began, and, unless ``clipped`` (a clip of
@@ -1109,7 +1096,7 @@ class DistributedDataParallel(nn.Module):
         if waiter is not None:
             waiter.remove()
         for guards in ("_save_load_guards", "_parameter_read_guards", "_zero_grad_guard",
-                       "_attribute_read_guards", "_conversion_guards"):
+                       "_attribute_read_guards"):
             handles = self.__dict__.get(guards)
             if handles is not None:
                 handles.remove()

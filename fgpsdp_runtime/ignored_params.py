@@ -11,6 +11,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from .module_guards import plain_parameter
 from .user_warnings import warn_at_user_code
 
 
@@ -31,7 +32,7 @@ def parameters_at(module: torch.nn.Module, places: Sequence[tuple[str, str, str]
             owner = module.get_submodule(path)
         except AttributeError:
             continue
-        param = owner._parameters.get(leaf)  # (a plain read: see module_guards)
+        param = plain_parameter(owner, leaf)
         if param is not None:
             found.append((name, param))
     return found

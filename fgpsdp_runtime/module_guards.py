@@ -13,10 +13,8 @@ on every submodule of the wrapped module:
   ``named_parameters`` instance attribute);
 - a parameter read as an attribute (``module.logit_scale``) lands its all-gather
   first (a ``_parameters`` table of ours, whose lookups ``nn.Module.__getattr__``
-  makes);
-- a conversion (``.cpu()``, ``.half()``, ``.to(...)``: ``nn.Module._apply``), which
-  copies the parameters, lands their all-gathers first (an ``_apply`` instance
-  attribute);
+  makes), and so does a read of that table's entries (a conversion, ``.cpu()``,
+  ``.half()``, ``.to(...)``: ``nn.Module._apply`` copies them from there);
 - and on the wrapped module itself, ``zero_grad()`` resets the reduced slices (a
   ``zero_grad`` instance attribute).
 
@@ -28,6 +26,7 @@ The wrapper removes all of them when dropped.
 from __future__ import annotations
 
 import copy
+import threading
 import weakref
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
@@ -218,7 +217,7 @@ def _leave_our_hooks_out(state: dict) -> None:
 _GONE = ("a module that is gone (or of a copy made by a __deepcopy__ that copies the "
          "module's __dict__ item by item without first putting the copy into the memo: "
          "put it there, memo[id(self)] = copy, or delete the copy's 'named_parameters', "
-         "'zero_grad', '__getstate__' and '_apply' instance attributes, vars(copy).pop(...))")
+         "'zero_grad' and '__getstate__' instance attributes, vars(copy).pop(...))")
 
 
 def _nobody() -> None:
@@ -310,10 +309,50 @@ def hand_out_parameters_through_the_wrapper(read: Callable, module: nn.Module) -
 
 
 def plain_named_parameters(module: nn.Module, *args, **kwargs):
-    """``module.named_parameters(...)`` without our guard: what the library reads
-    itself (a check before each forward must not land the all-gathers the forward
-    overlaps)."""
-    return type(module).named_parameters(module, *args, **kwargs)
+    """``module.named_parameters(...)`` without our guard, nor the landing reads of
+    our ``_parameters`` tables: what the library reads itself (a check before each
+    forward must not land the all-gathers the forward overlaps)."""
+    if type(module).named_parameters is nn.Module.named_parameters:
+        return _nn_modules_over_plain_tables(module, *args, **kwargs)
+    return _read_plainly(type(module).named_parameters(module, *args, **kwargs))
+
+
+def _nn_modules_over_plain_tables(module: nn.Module, prefix: str = "", recurse: bool = True,
+                                  remove_duplicate: bool = True):
+    # nn.Module.named_parameters over the tables as plain dicts, at its speed (a large
+    # model's every parameter is walked at each zero_grad()).
+    return module._named_members(_plain_items, prefix=prefix, recurse=recurse,
+                                 remove_duplicate=remove_duplicate)
+
+
+def _plain_items(module: nn.Module):
+    return dict.items(module.__dict__["_parameters"])
+
+
+def plain_parameter(module: nn.Module, name: str) -> Optional[torch.Tensor]:
+    """``module._parameters.get(name)``, landing nothing (see plain_named_parameters)."""
+    return dict.get(module.__dict__["_parameters"], name)
+
+
+class _PlainReads(threading.local):
+    depth = 0  # > 0 while this thread reads for the library (our tables land nothing)
+
+
+_plain_reads = _PlainReads()
+
+
+def _read_plainly(named):
+    """``named`` (a class's own named_parameters) item by item, each taken with our
+    tables' landing reads off in this thread."""
+    while True:
+        _plain_reads.depth += 1
+        try:
+            item = next(named)
+        except StopIteration:
+            return
+        finally:
+            _plain_reads.depth -= 1
+        yield item
 
 
 class HandingOutParameters(_ModuleGuard):
@@ -390,43 +429,6 @@ def reset_gradients(params: Sequence[torch.Tensor], set_to_none: bool) -> None:
             param.grad.zero_()
 
 
-def land_gathers_before_conversions(land: Callable[[nn.Module], None],
-                                    module: nn.Module) -> HookHandles:
-    """``_apply`` of every submodule of ``module`` (what ``.cpu()``, ``.cuda()``,
-    ``.to(...)``, ``.half()``, ``.double()`` and ``.to_empty()`` run) first hands
-    the submodule to ``land`` (the wrapper's, weakly), which lands its parameters'
-    all-gathers as a read through ``parameters()`` would.
-
-    ``nn.Module._apply`` reads ``self._parameters.items()``, which no guard of
-    ours sees, and copies each parameter: right after ``opt.step()`` under
-    ``next_forward`` and ``two_stage`` the copy held a mix of updated and old
-    slices, another mix on every rank. PyTorch Lightning's strategies end every
-    fit with ``lightning_module.cpu()`` (a copy on a GPU), and export scripts call
-    ``model.module.half()`` after training. (Given new storage, the parameters
-    are no longer the bucket views: the next forward through the wrapper raises,
-    see param_guards.py.) A class's own ``_apply`` (RNNs re-flatten their weights
-    there) runs after the landing.
-    """
-    handles = HookHandles()
-    for sub in module.modules():
-        handles.add_instance_attribute(sub, "_apply", ConvertingAfterLanding(land, _TheModule(sub)))
-    return handles  # removed when the wrapper is dropped
-
-
-class ConvertingAfterLanding(_ModuleGuard):
-    """A submodule's ``_apply`` (an instance attribute, looked up before the class's
-    method, also by ``nn.Module._apply`` recursing into the children): see
-    ``land_gathers_before_conversions``."""
-
-    NAME = "conversion guard"
-
-    def __call__(self, fn, *args, **kwargs):
-        module = self._target()
-        if not is_traced_by_dynamo():
-            self._act(module)  # a copy's guard: nothing to land
-        return type(module)._apply(module, fn, *args, **kwargs)
-
-
 def land_gathers_on_attribute_reads(land: Callable[[torch.Tensor], None], in_flight: dict,
                                     waiter: Optional[object],
                                     module: nn.Module) -> "ParameterTables":
@@ -444,7 +446,14 @@ def land_gathers_on_attribute_reads(land: Callable[[torch.Tensor], None], in_fli
     reads ``self.__dict__["_parameters"][name]``, so the table's ``__getitem__``
     sees every such read. A forward's own reads cost three tests each (``land``
     would do nothing there; nor in a backward, or between backward and step under
-    ``two_stage``). Reads through ``_parameters.get()`` or ``.values()`` are not seen.
+    ``two_stage``).
+
+    The table's ``get()``, ``items()`` and ``values()`` land too (the whole table's
+    for the last two): ``nn.Module._apply`` (``.cpu()``, ``.half()``, ``.to(...)``)
+    copies every parameter from ``items()``, and PyTorch Lightning ends each fit
+    with ``lightning_module.cpu()``, a copy on a GPU; export and conversion scripts
+    walk ``module._parameters.items()`` themselves. Not the library's own reads
+    (``plain_named_parameters``, ``plain_parameter``).
     """
     tables = ParameterTables()
     for sub in module.modules():
@@ -469,15 +478,40 @@ class LandingParameters(dict):
 
     def __getitem__(self, name: str):
         param = dict.__getitem__(self, name)
-        # Dynamo's test first: while it traces this it is a constant, and a test of
-        # the in-flight table there would be guarded on (a compiled function that
-        # reads an attribute right after the step recompiled at every call).
-        if is_traced_by_dynamo() or not self._in_flight or param is None:
+        # (_lands_now's tests written out: every attribute read in a forward runs them)
+        if is_traced_by_dynamo() or not self._in_flight or param is None \
+                or _plain_reads.depth:
             return param
         waiter = self._waiter
         if waiter is None or not waiter.in_forward:
             self._land(param)
         return param
+
+    def get(self, name: str, default=None):
+        return self[name] if dict.__contains__(self, name) else default
+
+    def items(self):
+        self._land_all()
+        return dict.items(self)
+
+    def values(self):
+        self._land_all()
+        return dict.values(self)
+
+    def _lands_now(self) -> bool:
+        # Dynamo's test first: while it traces this it is a constant, and a test of
+        # the in-flight table there would be guarded on (a compiled function that
+        # reads an attribute right after the step recompiled at every call).
+        if is_traced_by_dynamo() or not self._in_flight or _plain_reads.depth:
+            return False
+        waiter = self._waiter
+        return waiter is None or not waiter.in_forward
+
+    def _land_all(self) -> None:
+        if self._lands_now():
+            for param in dict.values(self):
+                if param is not None:
+                    self._land(param)
 
     def plain(self) -> dict:
         """The module's own table (no wrapper's), holding these entries now."""

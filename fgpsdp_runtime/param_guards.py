@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from .buckets import BucketStorage, span_as_param
-from .module_guards import is_traced_by_dynamo, plain_named_parameters
+from .module_guards import is_traced_by_dynamo, plain_named_parameters, plain_parameter
 
 
 # id(module) -> (weak reference to the module, weak references to its wrappers'
@@ -64,7 +64,7 @@ def _note_registration(module: nn.Module, name: str, value: object) -> None:
     if not live:
         return None
     state = module.__dict__
-    if value is not None and (state.get("_parameters", {}).get(name) is value
+    if value is not None and (dict.get(state.get("_parameters", {}), name) is value
                               or state.get("_modules", {}).get(name) is value):
         return None
     if isinstance(value, nn.Module):
@@ -183,7 +183,7 @@ class ParamPlaces:
                 problem = f"was given new storage (now {param.dtype} on {param.device})"
             elif (moved := _moved_to(name, param, owner, leaf)) is not None:
                 raise RuntimeError(moved)
-            elif owner._parameters.get(leaf) is None:
+            elif plain_parameter(owner, leaf) is None:
                 problem = "was removed from its module"
             else:
                 problem = "was replaced by another tensor"
@@ -259,7 +259,7 @@ class ParamPlaces:
         for flat, places in self._buckets:
             start = flat.data_ptr()
             for name, owner, leaf, param, offset, span in places:
-                if owner._parameters.get(leaf) is not param:
+                if plain_parameter(owner, leaf) is not param:
                     yield flat, name, param, span, owner, leaf, True
                 elif param.data_ptr() - start != offset:
                     yield flat, name, param, span, owner, leaf, False
@@ -273,7 +273,7 @@ def _substitute_for_a_call(owner: nn.Module, leaf: str) -> Optional[torch.Tensor
     substitute; a gradient that flows through it to the parameter (a substitute
     computed from it) is reduced as any other, as under torch DDP. One left there
     for good is refused at the step (``refuse_substitutes``)."""
-    value = owner._parameters.get(leaf)
+    value = plain_parameter(owner, leaf)
     if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
         return value
     return None

@@ -280,14 +280,14 @@ def copies_and_direct_calls(rank: int, world_size: int, schedule: str) -> dict:
             "copies_holding_hooks": hooks_left, "script_error": script_error}
 
 
-def converted_right_after_the_step(rank: int, world_size: int, schedule: str,
-                                   conversion: str) -> float:
-    """Trained 2 steps beside torch DDP, then converted right after the last step, the
-    all-gathers in flight (PyTorch Lightning's ``lightning_module.cpu()`` at the end of
-    a fit, on a GPU a copy; an export's ``.half()``): the largest difference between
-    the converted parameters, read without landing anything (``_parameters``), and
-    torch DDP's converted alike. Hidden layers 512 wide (1 MiB weights): all-gathers
-    long enough that the conversion comes before they land."""
+def read_right_after_the_step(rank: int, world_size: int, schedule: str, how: str) -> float:
+    """Trained 2 steps beside torch DDP, then, right after the last step, the
+    all-gathers in flight, the module converted (PyTorch Lightning's
+    ``lightning_module.cpu()`` at the end of a fit, on a GPU a copy; an export's
+    ``.half()``) or its ``_parameters`` tables read (an export script's walk): the
+    largest difference between what was copied or read and torch DDP's. Hidden
+    layers 512 wide (1 MiB weights): all-gathers long enough that the read comes
+    before they land."""
     ours, opt, ref, ref_opt = _plain_side_by_side(rank, schedule, build=lambda: PlainNet(512),
                                                   optimizer=(torch.optim.SGD, 0.05))
     for step in range(2):
@@ -296,19 +296,32 @@ def converted_right_after_the_step(rank: int, world_size: int, schedule: str,
             optimizer.zero_grad()
             F.mse_loss(model(x), y).backward()
             optimizer.step()
-    for model in (ours, ref):
-        if conversion == "module.double":
-            model.module.double()
-        elif conversion == "module.half":
-            model.module.half()
-        elif conversion == "submodules.to":  # the last layer first, its bucket lands last
-            for index in (4, 2, 0):
-                model.module.net[index].to(torch.float64)
-        elif conversion == "wrapper.double":
-            model.double()
-    return max(float((a.detach().double() - b.detach().double()).abs().max())
-               for m, r in zip(ours.module.modules(), ref.module.modules())
-               for a, b in zip(m._parameters.values(), r._parameters.values()))
+    if how.startswith("table."):
+        read = [p.detach().clone() for m in ours.module.modules() for p in _table_read(m, how)]
+    else:
+        for model in (ours, ref):
+            if how == "module.double":
+                model.module.double()
+            elif how == "module.half":
+                model.module.half()
+            elif how == "submodules.to":  # the last layer first, its bucket lands last
+                for index in (4, 2, 0):
+                    model.module.net[index].to(torch.float64)
+            elif how == "wrapper.double":
+                model.double()
+        # (copies now: nothing lands on reading them)
+        read = [p.detach() for m in ours.module.modules() for p in m._parameters.values()]
+    expected = [p.detach() for m in ref.module.modules() for p in m._parameters.values()]
+    return max(float((a.double() - b.double()).abs().max()) for a, b in zip(read, expected))
+
+
+def _table_read(module: nn.Module, how: str) -> list:
+    table = module._parameters
+    if how == "table.items":
+        return [p for _, p in table.items()]
+    if how == "table.values":
+        return list(table.values())
+    return [table.get(name) for name in table]  # "table.get"
 
 
 _HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks", "_state_dict_pre_hooks",

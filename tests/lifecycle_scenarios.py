@@ -96,7 +96,7 @@ def dropped_wrapper_is_freed(rank: int, world_size: int, schedule: str) -> dict[
     module.zero_grad(set_to_none=True)
     # The copy, read and zero_grad guards (instance attributes).
     hooks += sum(name in vars(m) for m in module.modules()
-                 for name in ("__getstate__", "named_parameters", "zero_grad", "_apply"))
+                 for name in ("__getstate__", "named_parameters", "zero_grad"))
     # The parameter tables that land attribute reads: plain dicts again.
     hooks += sum(type(vars(m)["_parameters"]) is not dict for m in module.modules())
     module.load_state_dict(copy.deepcopy(module.state_dict()), assign=True)

@@ -106,6 +106,8 @@ def slow_link_same_result() -> dict:
                 "serial": dict(schedule="serial"),
                 # a `received` temporary landed (cast) on the speculation stream
                 "two_stage_bf16": dict(schedule="two_stage", reduce_dtype=torch.bfloat16),
+                # float16 packing (torch's fp16_compress_hook through register_comm_hook)
+                "two_stage_fp16": dict(schedule="two_stage", reduce_dtype=torch.float16),
                 # stage-1 steps taken at the join with op=None
                 "two_stage_late_optimizer": dict(schedule="two_stage", late_optimizer=True)}
     for name, kwargs in variants.items():
@@ -326,10 +328,42 @@ def side_stream_read_orders_the_forward() -> dict:
     return {"conclusive": conclusive, "ordered": ordered, "read": len(read) == 8}
 
 
+def moved_to_the_cpu_right_after_the_step() -> dict:
+    """PyTorch Lightning's teardown, ``lightning_module.cpu()``, right after the last
+    step, its all-gathers behind a GPU sleep on the link stream: the CPU copies must
+    hold the updated parameters (``nn.Module._apply`` reads the ``_parameters``
+    tables, which land the all-gathers first; before 2026-12-06 the copies held the
+    old values of every bucket but this rank's slices)."""
+    cycles = int(1e9)
+    model, opt, x = _four_layers_next_forward()
+    model(x).square().mean().backward()
+    _slow_all_gathers(cycles)
+    try:
+        opt.step()  # starts every all-gather, each behind the sleep on the link stream
+        ops = list(model._gathers._in_flight.values())
+        for op in ops:
+            op.future.result()  # (host side: every collective was issued)
+        conclusive = len(ops) >= 2 and not all(op.done_event.query() for op in ops)
+        model.module.cpu()
+    finally:
+        _slow_all_gathers(0)
+    moved = [p.detach().clone() for p in model.module.parameters()]
+    # What the step wrote, on a copy of the module trained alike and synchronized.
+    expected_model, expected_opt, _ = _four_layers_next_forward()
+    expected_model(x).square().mean().backward()
+    expected_opt.step()
+    expected_model.synchronize()
+    torch.cuda.synchronize()
+    expected = [p.detach().cpu() for p in expected_model.module.parameters()]
+    return {"conclusive": conclusive, "on_the_cpu": all(p.device.type == "cpu" for p in moved),
+            "diff": max(float((a - b).abs().max()) for a, b in zip(moved, expected))}
+
+
 CASES = {f.__name__: f for f in (hierarchical_partial_sum, slow_link_same_result,
                                  shard_round_trip, profile_reads_gpu_time,
                                  profile_times_forward_waits_on_gpu, timeline_enabled_mid_run,
-                                 side_stream_read_orders_the_forward)}
+                                 side_stream_read_orders_the_forward,
+                                 moved_to_the_cpu_right_after_the_step)}
 
 if __name__ == "__main__":
     torch.cuda.set_device(0)

@@ -35,7 +35,8 @@ def test_partial_sum_outlives_the_slow_phase():
 def test_slow_link_changes_no_parameter():
     result = _run("slow_link_same_result")
     assert result == {"two_stage": 0.0, "next_forward": 0.0, "serial": 0.0,
-                      "two_stage_bf16": 0.0, "two_stage_late_optimizer": 0.0}
+                      "two_stage_bf16": 0.0, "two_stage_fp16": 0.0,
+                      "two_stage_late_optimizer": 0.0}
 
 
 def test_optimizer_shard_round_trip_on_nccl():
@@ -70,3 +71,9 @@ def test_a_read_under_a_side_stream_leaves_the_forward_waiting():
     result = _run("side_stream_read_orders_the_forward")
     assert result["conclusive"], "the all-gathers landed before the forward ran"
     assert result == {"conclusive": True, "ordered": True, "read": True}
+
+
+def test_a_module_moved_to_the_cpu_right_after_the_step_holds_the_update():
+    result = _run("moved_to_the_cpu_right_after_the_step")
+    assert result["conclusive"], "the all-gathers landed before the move"
+    assert result == {"conclusive": True, "on_the_cpu": True, "diff": 0.0}

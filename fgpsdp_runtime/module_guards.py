@@ -314,7 +314,7 @@ def plain_named_parameters(module: nn.Module, *args, **kwargs):
     forward must not land the all-gathers the forward overlaps)."""
     if type(module).named_parameters is nn.Module.named_parameters:
         return _nn_modules_over_plain_tables(module, *args, **kwargs)
-    return _read_plainly(type(module).named_parameters(module, *args, **kwargs))
+    return _read_plainly(lambda: type(module).named_parameters(module, *args, **kwargs))
 
 
 def _nn_modules_over_plain_tables(module: nn.Module, prefix: str = "", recurse: bool = True,
@@ -341,9 +341,16 @@ class _PlainReads(threading.local):
 _plain_reads = _PlainReads()
 
 
-def _read_plainly(named):
-    """``named`` (a class's own named_parameters) item by item, each taken with our
-    tables' landing reads off in this thread."""
+def _read_plainly(call: Callable):
+    """What ``call()`` (a class's own named_parameters) returns, an iterator or a
+    list, item by item: the call and each item taken with our tables' landing reads
+    and parameter guards off in this thread (one that builds its list at once, or
+    hands out a child's ``named_parameters``, reads them there)."""
+    _plain_reads.depth += 1
+    try:
+        named = iter(call())
+    finally:
+        _plain_reads.depth -= 1
     while True:
         _plain_reads.depth += 1
         try:
@@ -364,8 +371,10 @@ class HandingOutParameters(_ModuleGuard):
     def __call__(self, *args, **kwargs):
         module = self._target()
         named = plain_named_parameters(module, *args, **kwargs)
-        if is_traced_by_dynamo():
-            return named  # compiled code: the wrapper's compiled forward waited
+        if is_traced_by_dynamo() or _plain_reads.depth:
+            # compiled code: the wrapper's compiled forward waited; or the library's
+            # own read, through a parent class's named_parameters handing out this one's
+            return named
         read = self._act(named, module)
         return named if read is None else read  # None: no wrapper (gone, or a copy)
 

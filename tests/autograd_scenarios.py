@@ -315,6 +315,42 @@ def read_right_after_the_step(rank: int, world_size: int, schedule: str, how: st
     return max(float((a.double() - b.double()).abs().max()) for a, b in zip(read, expected))
 
 
+class ListingNet(PlainNet):
+    """A class whose named_parameters builds a list (nn.Module's hands out a generator)."""
+
+    def named_parameters(self, *args, **kwargs):
+        return [(n, p) for n, p in super().named_parameters(*args, **kwargs)]
+
+
+class DelegatingNet(PlainNet):
+    """A class whose named_parameters hands out its child's."""
+
+    def named_parameters(self, prefix="", recurse=True, remove_duplicate=True):
+        yield from self.net.named_parameters(prefix=(prefix + "." if prefix else "") + "net",
+                                             recurse=recurse, remove_duplicate=remove_duplicate)
+
+
+def named_parameters_of_its_own(rank: int, world_size: int, cls_name: str) -> dict:
+    """A module class with a named_parameters of its own, under two_stage beside torch
+    DDP (3 steps): whether model.module.zero_grad() right after the last step (the
+    library's own read of the parameters, whose gradients it resets) landed the
+    all-gathers the next forward overlaps, and the difference to torch DDP."""
+    build = {"ListingNet": ListingNet, "DelegatingNet": DelegatingNet}[cls_name]
+    ours, opt, ref, ref_opt = _plain_side_by_side(rank, "two_stage", build=lambda: build(512),
+                                                  optimizer=(torch.optim.SGD, 0.05))
+    for step in range(3):
+        x, y = _batch(step, rank)
+        for model, optimizer in ((ref, ref_opt), (ours, opt)):  # ours last: right after it
+            model.module.zero_grad()
+            F.mse_loss(model(x), y).backward()
+            optimizer.step()
+    in_flight = bool(ours._gathers.in_flight)
+    ours.module.zero_grad()
+    still = bool(ours._gathers.in_flight)
+    return {"in_flight_before": in_flight, "in_flight_after_zero_grad": still,
+            "diff": _param_diff(ours, ref)}
+
+
 def _table_read(module: nn.Module, how: str) -> list:
     table = module._parameters
     if how == "table.items":

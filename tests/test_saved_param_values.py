@@ -36,6 +36,8 @@ READ_AFTER_THE_STEP = [(autograd_scenarios.read_right_after_the_step, schedule, 
                            ("next_forward", "submodules.to"), ("two_stage", "wrapper.double"),
                            ("next_forward", "table.items"), ("two_stage", "table.values"),
                            ("next_forward", "table.get")]]
+OWN_NAMED_PARAMETERS = [(autograd_scenarios.named_parameters_of_its_own, name)
+                        for name in ("ListingNet", "DelegatingNet")]
 MODULE_ONLY = [(autograd_scenarios.train_through_module_only, schedule)
                for schedule in ("next_forward", "two_stage")]
 RENORMED = [(autograd_scenarios.renorm_in_forward, schedule)
@@ -46,7 +48,7 @@ RENORMED = [(autograd_scenarios.renorm_in_forward, schedule)
 def trained():
     """The scenarios that end normally, in one set of processes (2 ranks)."""
     return run_calls(2, DETACHED + CLAMPED + CLAMPED_THROUGH_READS + COPIES + READ_AFTER_THE_STEP
-                     + MODULE_ONLY + RENORMED, timeout_s=300)
+                     + OWN_NAMED_PARAMETERS + MODULE_ONLY + RENORMED, timeout_s=300)
 
 
 @pytest.mark.parametrize("case", DETACHED,
@@ -142,6 +144,18 @@ def test_module_converted_or_its_tables_read_right_after_a_step_see_the_update(t
     other ranks' slices before the step (on CPU 3e-3 and 4.5e-3 off torch DDP's on
     the two ranks)."""
     assert trained[case] == [0.0, 0.0], trained[case]
+
+
+@pytest.mark.parametrize("case", OWN_NAMED_PARAMETERS, ids=[c[1] for c in OWN_NAMED_PARAMETERS])
+def test_a_class_with_its_own_named_parameters_trains_and_keeps_the_overlap(trained, case):
+    """One that builds a list could not be wrapped (its list was taken for an
+    iterator), and model.module.zero_grad(), the library's own read of the
+    parameters, landed the all-gathers through a class that hands out its child's
+    named_parameters (the child's guard did) and through one that builds a list."""
+    for rank, res in enumerate(trained[case]):
+        assert res["in_flight_before"], (rank, res)  # (else the check below proves nothing)
+        assert res["in_flight_after_zero_grad"], (rank, res)
+        assert res["diff"] == 0.0, (rank, res)
 
 
 @pytest.mark.parametrize("case", MODULE_ONLY, ids=[c[1] for c in MODULE_ONLY])

@@ -993,7 +993,9 @@ class DistributedDataParallel(nn.Module):
                 "opt.step(): each param.grad is None there (the reduced gradients are in "
                 "this rank's bucket slices), so torch.nn.utils.clip_grad_norm_ over them "
                 "returns 0 and clips nothing. Use opt.clip_grad_norm_(max_norm) or "
-                "ShardedOptimizer(..., max_grad_norm=...)." + ignored)
+                "ShardedOptimizer(..., max_grad_norm=...). torch.distributed.pipelining's "
+                "schedules divide them alike (scale_grads) and divide nothing: pass "
+                "scale_grads=False and divide the loss by the number of microbatches." + ignored)
 
     def _before_parameters_read(self) -> tuple[bool, bool]:
         """[Note: reading parameters through the wrapper]

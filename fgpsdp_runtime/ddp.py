@@ -994,7 +994,7 @@ class DistributedDataParallel(nn.Module):
                 "this rank's bucket slices), so torch.nn.utils.clip_grad_norm_ over them "
                 "returns 0 and clips nothing. Use opt.clip_grad_norm_(max_norm) or "
                 "ShardedOptimizer(..., max_grad_norm=...). torch.distributed.pipelining's "
-                "schedules divide them alike (scale_grads) and divide nothing: pass "
+                "schedules scale them there (scale_grads) and so scale nothing: pass "
                 "scale_grads=False and divide the loss by the number of microbatches." + ignored)
 
     def _before_parameters_read(self) -> tuple[bool, bool]:

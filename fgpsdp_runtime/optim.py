@@ -57,6 +57,7 @@ from .uneven_inputs import AnnouncedCall, UnevenInputs
 from .user_warnings import user_code_line, warn_at_user_code
 from .validation import settings_agree_or_raise
 
+
 def _group_size(group: object) -> Any:
     """A group as the ranks compare it: its size (or its type's name, refused later)."""
     return dist.get_world_size(group) if isinstance(group, dist.ProcessGroup) \

@@ -36,16 +36,23 @@ def results():
 
 @pytest.mark.parametrize("name", [n for n in CONFIGS if n != "without_the_group"])
 def test_the_norm_over_the_model_parallel_group_is_megatrons(name):
-    for rank, per_config in enumerate(results()):
+    _assert_megatrons_norm(results(), CONFIGS, name, speculating="two_stage_unclipped")
+
+
+def _assert_megatrons_norm(per_rank: list, configs: dict, name: str, speculating: str) -> None:
+    """Config ``name``'s norms are Megatron's on every rank (each step clipping where
+    max_norm < 1) and the parameters torch DDP's; config ``speculating`` committed
+    speculative steps."""
+    for rank, per_config in enumerate(per_rank):
         res = per_config[name]
         for ours, ref in res["norms"]:
-            if CONFIGS[name]["max_norm"] < 1:
-                assert ref > CONFIGS[name]["max_norm"], (rank, ref)  # every step clips
+            if configs[name]["max_norm"] < 1:
+                assert ref > configs[name]["max_norm"], (rank, ref)  # every step clips
             if ours is not None:
                 assert ours == pytest.approx(ref, rel=1e-6), (rank, name, ours, ref)
         assert res["param_diff"] <= 1e-6, (rank, name, res["param_diff"])
-    if name == "two_stage_unclipped":
-        assert all(per_config[name]["commits"] > 0 for per_config in results())
+    if name == speculating:
+        assert all(per_config[name]["commits"] > 0 for per_config in per_rank)
 
 
 def test_without_the_group_each_tensor_parallel_rank_clips_by_its_own_shards():
@@ -82,16 +89,8 @@ def test_the_norm_over_pipeline_stages_is_megatrons(name):
     """Megatron's model-parallel group is the tensor-parallel ranks of every stage:
     ``pipeline_parallel_group`` sums the norm over the stages too (every stage's
     parameters count), beside torch DDP clipped so in float64."""
-    for rank, per_config in enumerate(pipeline_results()):
-        res = per_config[name]
-        for ours, ref in res["norms"]:
-            if PIPELINE_CONFIGS[name]["max_norm"] < 1:
-                assert ref > PIPELINE_CONFIGS[name]["max_norm"], (rank, ref)
-            if ours is not None:
-                assert ours == pytest.approx(ref, rel=1e-6), (rank, name, ours, ref)
-        assert res["param_diff"] <= 1e-6, (rank, name, res["param_diff"])
-    if name == "pp x tp two_stage_unclipped":
-        assert all(per_config[name]["commits"] > 0 for per_config in pipeline_results())
+    _assert_megatrons_norm(pipeline_results(), PIPELINE_CONFIGS, name,
+                           speculating="pp x tp two_stage_unclipped")
 
 
 def test_without_the_pipeline_group_each_stage_clips_by_its_own_norm():

@@ -47,9 +47,7 @@ class BucketStorage:
         first = params[0]
         self.dtype = first.dtype
         self.device = first.device
-        # What gradients travel in: packed (scaled, cast) into it, reduced in
-        # it, and cast back into grad_shard when their reduce-scatter lands.
-        self.reduce_dtype = reduce_dtype or self.dtype
+        self.set_reduce_dtype(reduce_dtype)
         self.flat_param = torch.zeros(layout.padded_numel, dtype=self.dtype, device=self.device)
         with torch.no_grad():
             for span, param in zip(layout.spans, params):
@@ -76,6 +74,12 @@ class BucketStorage:
     @staticmethod
     def span_view(flat: torch.Tensor, span: ParamSpan) -> torch.Tensor:
         return flat[span.bucket_offset:span.bucket_end]
+
+    def set_reduce_dtype(self, reduce_dtype: Optional[torch.dtype]) -> None:
+        """What gradients travel in (None: the parameters' dtype): packed (scaled,
+        cast) into it, reduced in it, and cast back into grad_shard when their
+        reduce-scatter lands."""
+        self.reduce_dtype = reduce_dtype or self.dtype
 
     def acquire_send_buffer(self) -> torch.Tensor:
         """The bucket-sized buffer that gradients are packed into."""

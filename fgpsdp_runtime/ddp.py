@@ -692,7 +692,7 @@ class DistributedDataParallel(nn.Module):
         if reduction.reduce_dtype is not None:
             self.reduce_dtype = reduction.reduce_dtype
         for storage in self._buckets:
-            storage.reduce_dtype = reduction.reduce_dtype or storage.dtype
+            storage.set_reduce_dtype(reduction.reduce_dtype)
 
     @torch.compiler.disable  # see the note at ShardedOptimizer.zero_grad
     def zero_grad(self, set_to_none: bool = True) -> None:

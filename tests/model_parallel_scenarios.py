@@ -303,8 +303,9 @@ def _pipeline_stage_module(pp_rank: int) -> nn.Module:
 
 
 def _scheduled_steps(system: str, mesh, max_norm: Optional[float], steps: int = 3,
-                     recipe: bool = True) -> list:
-    """torch.distributed.pipelining's GPipe schedule (4 microbatches) over mesh["pp"],
+                     recipe: bool = True, pipeline: str = "ScheduleGPipe") -> list:
+    """torch.distributed.pipelining's ``pipeline`` schedule class (GPipe, 1F1B; 4
+    microbatches) over mesh["pp"],
     data parallel over mesh["dp"]: ``system`` "by hand" (each gradient averaged over
     the data-parallel group after the schedule, the pipeline's scale_grads dividing by
     the microbatches, clipped by Megatron's norm over the stages, AdamW), or an fgpsdp
@@ -312,21 +313,23 @@ def _scheduled_steps(system: str, mesh, max_norm: Optional[float], steps: int = 
     ``scale_grads=False`` and the loss divided by the microbatches, a ShardedOptimizer
     with ``pipeline_parallel_group`` and ``max_grad_norm`` (without ``recipe``, as a
     loop written for torch DDP runs it: neither). The stage's parameters."""
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    from torch.distributed import pipelining
+    from torch.distributed.pipelining import PipelineStage
+    schedule_class = getattr(pipelining, pipeline)
     pp_rank, dp_rank = mesh.get_coordinate()
     pp_group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
     module = _pipeline_stage_module(pp_rank)
     if system == "by hand":
         submod, opt = module, torch.optim.AdamW(module.parameters(), lr=1e-2)
         stage = PipelineStage(submod, pp_rank, 2, torch.device("cpu"), group=pp_group)
-        schedule = ScheduleGPipe(stage, MICROBATCHES, loss_fn=nn.functional.mse_loss)
+        schedule = schedule_class(stage, MICROBATCHES, loss_fn=nn.functional.mse_loss)
         sync = contextlib.nullcontext
     else:
         submod = fgp.DistributedDataParallel(module, device_mesh=mesh["dp"], schedule=system)
         opt = fgp.ShardedOptimizer(submod, torch.optim.AdamW, lr=1e-2, max_grad_norm=max_norm,
                                    pipeline_parallel_group=pp_group)
         stage = PipelineStage(submod, pp_rank, 2, torch.device("cpu"), group=pp_group)
-        schedule = ScheduleGPipe(
+        schedule = schedule_class(
             stage, MICROBATCHES, scale_grads=not recipe,
             loss_fn=lambda out, y: nn.functional.mse_loss(out, y) / (MICROBATCHES if recipe
                                                                       else 1))
@@ -357,10 +360,13 @@ def pipeline_schedule_beside_data_parallel_by_hand(rank: int, world_size: int,
     CPU): the largest parameter difference after 3 steps, clipping at 0.05 (binding);
     and ("said") the warnings naming the recipe, without it."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    expected = _scheduled_steps("by hand", mesh, 0.05)
-    diffs = {schedule: max(float((a - b).abs().max()) for a, b in
-                           zip(_scheduled_steps(schedule, mesh, 0.05), expected))
-             for schedule in schedules}
+    diffs: dict[str, Any] = {}
+    for pipeline in ("ScheduleGPipe", "Schedule1F1B"):
+        expected = _scheduled_steps("by hand", mesh, 0.05, pipeline=pipeline)
+        for schedule in schedules:
+            ours = _scheduled_steps(schedule, mesh, 0.05, pipeline=pipeline)
+            diffs[f"{pipeline} {schedule}"] = max(float((a - b).abs().max())
+                                                  for a, b in zip(ours, expected))
     # Without the recipe and without a clip of ours (one would say nothing: it reads
     # the slices), the read of param.grad by the schedule's scale_grads is noticed.
     with warnings.catch_warnings(record=True) as caught:

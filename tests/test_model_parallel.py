@@ -102,18 +102,22 @@ def test_without_the_pipeline_group_each_stage_clips_by_its_own_norm():
 
 
 def test_a_pipeline_schedule_with_the_recipe_trains_as_data_parallel_by_hand():
-    """torch.distributed.pipelining's GPipe schedule over each stage's wrapper: the
-    schedule under model.no_sync() (one reduction at the step instead of one per
-    microbatch), scale_grads=False with the loss divided by the microbatches (its
-    scale_grads divides param.grad, None here), pipeline_parallel_group for the clip."""
+    """torch.distributed.pipelining's GPipe and 1F1B schedules over each stage's
+    wrapper: the schedule under model.no_sync() (one reduction at the step instead of
+    one per microbatch), scale_grads=False with the loss divided by the microbatches
+    (its scale_grads divides param.grad, None here), pipeline_parallel_group for the
+    clip."""
     per_rank = run_distributed(4, model_parallel_scenarios.
                                pipeline_schedule_beside_data_parallel_by_hand,
                                ["serial", "two_stage"])
     for rank, diffs in enumerate(per_rank):
-        assert diffs["serial"] == 0.0 and diffs["two_stage"] == 0.0, (rank, diffs)
+        said = diffs.pop("said")
+        assert diffs == {f"{pipeline} {schedule}": 0.0
+                         for pipeline in ("ScheduleGPipe", "Schedule1F1B")
+                         for schedule in ("serial", "two_stage")}, (rank, diffs)
         # Without it, the warning about reads of param.grad between backward and step
         # names it.
-        assert len(diffs["said"]) == 1, (rank, diffs["said"])
+        assert len(said) == 1, (rank, said)
 
 
 def test_an_inf_on_one_rank_skips_the_step_on_every_rank_of_both_groups():

@@ -374,3 +374,46 @@ def pipeline_schedule_beside_data_parallel_by_hand(rank: int, world_size: int,
         _scheduled_steps("two_stage", mesh, None, recipe=False)
     diffs["said"] = [str(w.message) for w in caught if "scale_grads=False" in str(w.message)]
     return diffs
+
+
+def loss_scaled_pipeline_with_an_inf(rank: int, world_size: int,
+                                     with_group: bool) -> list[tuple[bool, float]]:
+    """The recipe under float16-style loss scaling (a ShardedGradScaler per rank, the
+    last stage scaling the loss in loss_fn, the first setting its scale with
+    ``scaler.scale(torch.zeros(()))``); at step 1 rank 2 (stage 1) holds an inf in
+    its local gradient. Per step: (skipped, the scale after update())."""
+    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank = mesh.get_coordinate()
+    pp_group = mesh["pp"].get_group()
+    module = _pipeline_stage_module(pp_rank)
+    model = fgp.DistributedDataParallel(module, device_mesh=mesh["dp"], schedule="two_stage")
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2, max_grad_norm=0.05,
+                               pipeline_parallel_group=pp_group if with_group else None)
+    scaler = fgp.ShardedGradScaler("cpu", init_scale=1024.0)
+    stage = PipelineStage(model, pp_rank, 2, torch.device("cpu"), group=pp_group)
+    schedule = ScheduleGPipe(stage, MICROBATCHES, scale_grads=False, loss_fn=lambda out, y:
+                             scaler.scale(nn.functional.mse_loss(out, y) / MICROBATCHES))
+    steps = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the skip's warning
+        for step in range(3):
+            x, y = make_batch("mlp", step, 0, dp_rank)
+            with model.no_sync():
+                if pp_rank == 0:
+                    scaler.scale(torch.zeros(()))
+                    schedule.step(x)
+                else:
+                    schedule.step(target=y)
+            if step == 1 and rank == 2:
+                next(iter(module.parameters())).grad[0, 0] = float("inf")
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            steps.append((opt.last_step_skipped, scaler.get_scale()))
+    return steps
+
+
+def loss_scaled_pipeline_with_an_inf_both(rank: int, world_size: int) -> dict[bool, list]:
+    return {g: loss_scaled_pipeline_with_an_inf(rank, world_size, g) for g in (True, False)}
+

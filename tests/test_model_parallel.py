@@ -120,6 +120,19 @@ def test_a_pipeline_schedule_with_the_recipe_trains_as_data_parallel_by_hand():
         assert len(said) == 1, (rank, said)
 
 
+def test_a_loss_scaled_pipeline_skips_an_inf_on_every_stage():
+    """The recipe with a ShardedGradScaler on every rank (the first stage setting its
+    scale with scaler.scale(torch.zeros(()))): an inf in one stage-1 rank's gradient
+    skips the step on every rank, and the scales stay alike; without
+    pipeline_parallel_group stage 0 steps on and the scales part."""
+    per_rank = run_distributed(4, model_parallel_scenarios.loss_scaled_pipeline_with_an_inf_both)
+    for rank, res in enumerate(per_rank):
+        assert res[True] == [(False, 1024.0), (True, 512.0), (False, 512.0)], (rank, res)
+        stage_1 = rank >= 2
+        assert res[False] == ([(False, 1024.0), (True, 512.0), (False, 512.0)] if stage_1
+                              else [(False, 1024.0)] * 3), (rank, res)
+
+
 def test_an_inf_on_one_rank_skips_the_step_on_every_rank_of_both_groups():
     """Rank 0 (data-parallel pair {0, 2}, tensor-parallel pair {0, 1}) holds an inf:
     with the group every rank skips that step; without it, its data-parallel pair

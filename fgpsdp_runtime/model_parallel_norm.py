@@ -34,6 +34,8 @@ _GROUP_HOLDS = {
     "pipeline_parallel_group": "the ranks holding the other pipeline stages of this "
                                "rank's model",
 }
+# ShardedOptimizer's keywords (and attributes) for the groups the norm also sums over.
+GROUP_KEYWORDS = tuple(_GROUP_HOLDS)
 
 
 def check_model_parallel_group(group: object, clip_ignored_parameters: bool,

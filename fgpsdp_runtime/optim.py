@@ -43,7 +43,7 @@ from .optimizer_kinds import refuse_unsliceable, refuse_unsliceable_settings
 from .ignored_params import (UnsteppedIgnoredParameters, check_ignored_parameter_replicas,
                              ignored_gradients, squares_of)
 from .group_collectives import all_reduce_held
-from .model_parallel_norm import check_model_parallel_group, counted_ranges
+from .model_parallel_norm import GROUP_KEYWORDS, check_model_parallel_group, counted_ranges
 from .param_group_args import read_param_groups
 from .profiling import nvtx_range
 from .slice_pieces import SlicePieces
@@ -107,11 +107,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 raise ValueError(f"max_grad_norm must be > 0, got {max_grad_norm}")
             check_ignored_parameter_replicas(ignored_parameter_replicas,
                                              clip_ignored_parameters)
-            check_model_parallel_group(model_parallel_group, clip_ignored_parameters)
-            check_model_parallel_group(pipeline_parallel_group, clip_ignored_parameters,
-                                       "pipeline_parallel_group")
-            for name, group in (("model_parallel_group", model_parallel_group),
-                                ("pipeline_parallel_group", pipeline_parallel_group)):
+            for name, group in zip(GROUP_KEYWORDS,
+                                   (model_parallel_group, pipeline_parallel_group)):
+                check_model_parallel_group(group, clip_ignored_parameters, name)
                 if group is not None and model._uneven_inputs is not None:
                     raise ValueError(f"{name} is not supported under model.join() (a "
                                      "joined rank would leave its peers there alone in "

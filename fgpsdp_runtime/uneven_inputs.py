@@ -52,6 +52,7 @@ import torch.distributed as dist
 
 from .backends import objects_on
 from .group_collectives import all_reduce_held
+from .model_parallel_norm import GROUP_KEYWORDS
 from .object_collectives import broadcast_object
 from .step_wide_state import copy_value
 from .user_warnings import warn_at_user_code
@@ -126,7 +127,7 @@ class UnevenInputs:
                     "with two wrapped models (a GAN's generator and discriminator) are not "
                     "supported; give every rank the same number of iterations there")
             optimizer = self.model._optimizer_ref() if self.model.optimizer_attached else None
-            for name in ("model_parallel_group", "pipeline_parallel_group"):
+            for name in GROUP_KEYWORDS:
                 if getattr(optimizer, name, None) is not None:
                     # A joined rank would leave its peers there alone in the norm's
                     # all-reduce over that group. Same on every rank: all raise.

@@ -302,45 +302,63 @@ def _pipeline_stage_module(pp_rank: int) -> nn.Module:
     return nn.Sequential(nn.Linear(13, 16), nn.Tanh()) if pp_rank == 0 else nn.Linear(16, 5)
 
 
+def _pp_by_dp():
+    """A 2 x 2 ("pp", "dp") mesh: it, this rank's coordinates, its pipeline group."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp_rank, dp_rank = mesh.get_coordinate()
+    return mesh, pp_rank, dp_rank, mesh["pp"].get_group()
+
+
+def _pipeline(submod: nn.Module, pp_rank: int, pp_group, loss_fn, scale_grads: bool = True,
+              pipeline: str = "ScheduleGPipe"):
+    """torch.distributed.pipelining's ``pipeline`` schedule class over ``submod``, this
+    rank's stage of two, MICROBATCHES microbatches."""
+    from torch.distributed import pipelining
+    stage = pipelining.PipelineStage(submod, pp_rank, 2, torch.device("cpu"), group=pp_group)
+    return getattr(pipelining, pipeline)(stage, MICROBATCHES, loss_fn=loss_fn,
+                                         scale_grads=scale_grads)
+
+
+def _run_schedule(schedule, pp_rank: int, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One step of the schedule: the first stage takes the inputs, the last the targets."""
+    if pp_rank == 0:
+        schedule.step(x)
+    else:
+        schedule.step(target=y)
+
+
 def _scheduled_steps(system: str, mesh, max_norm: Optional[float], steps: int = 3,
                      recipe: bool = True, pipeline: str = "ScheduleGPipe") -> list:
     """torch.distributed.pipelining's ``pipeline`` schedule class (GPipe, 1F1B; 4
-    microbatches) over mesh["pp"],
-    data parallel over mesh["dp"]: ``system`` "by hand" (each gradient averaged over
-    the data-parallel group after the schedule, the pipeline's scale_grads dividing by
-    the microbatches, clipped by Megatron's norm over the stages, AdamW), or an fgpsdp
-    schedule with the recipe: the schedule under ``model.no_sync()``,
-    ``scale_grads=False`` and the loss divided by the microbatches, a ShardedOptimizer
-    with ``pipeline_parallel_group`` and ``max_grad_norm`` (without ``recipe``, as a
-    loop written for torch DDP runs it: neither). The stage's parameters."""
-    from torch.distributed import pipelining
-    from torch.distributed.pipelining import PipelineStage
-    schedule_class = getattr(pipelining, pipeline)
+    microbatches) over mesh["pp"], data parallel over mesh["dp"]: ``system`` "by
+    hand" (each gradient averaged over the data-parallel group after the schedule,
+    the pipeline's scale_grads dividing by the microbatches, clipped by Megatron's
+    norm over the stages, AdamW), or an fgpsdp schedule with the recipe: the schedule
+    under ``model.no_sync()``, ``scale_grads=False`` and the loss divided by the
+    microbatches, a ShardedOptimizer with ``pipeline_parallel_group`` and
+    ``max_grad_norm`` (without ``recipe``, as a loop written for torch DDP runs it:
+    neither). The stage's parameters."""
     pp_rank, dp_rank = mesh.get_coordinate()
     pp_group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
     module = _pipeline_stage_module(pp_rank)
     if system == "by hand":
-        submod, opt = module, torch.optim.AdamW(module.parameters(), lr=1e-2)
-        stage = PipelineStage(submod, pp_rank, 2, torch.device("cpu"), group=pp_group)
-        schedule = schedule_class(stage, MICROBATCHES, loss_fn=nn.functional.mse_loss)
+        opt = torch.optim.AdamW(module.parameters(), lr=1e-2)
+        schedule = _pipeline(module, pp_rank, pp_group, nn.functional.mse_loss,
+                             pipeline=pipeline)
         sync = contextlib.nullcontext
     else:
         submod = fgp.DistributedDataParallel(module, device_mesh=mesh["dp"], schedule=system)
         opt = fgp.ShardedOptimizer(submod, torch.optim.AdamW, lr=1e-2, max_grad_norm=max_norm,
                                    pipeline_parallel_group=pp_group)
-        stage = PipelineStage(submod, pp_rank, 2, torch.device("cpu"), group=pp_group)
-        schedule = schedule_class(
-            stage, MICROBATCHES, scale_grads=not recipe,
-            loss_fn=lambda out, y: nn.functional.mse_loss(out, y) / (MICROBATCHES if recipe
-                                                                      else 1))
+        divisor = MICROBATCHES if recipe else 1
+        schedule = _pipeline(submod, pp_rank, pp_group,
+                             lambda out, y: nn.functional.mse_loss(out, y) / divisor,
+                             scale_grads=not recipe, pipeline=pipeline)
         sync = submod.no_sync if recipe else contextlib.nullcontext
     for step in range(steps):
         x, y = make_batch("mlp", step, 0, dp_rank)
         with sync():
-            if pp_rank == 0:
-                schedule.step(x)
-            else:
-                schedule.step(target=y)
+            _run_schedule(schedule, pp_rank, x, y)
         if system == "by hand":
             for p in module.parameters():
                 torch.distributed.all_reduce(p.grad, group=dp_group)
@@ -359,7 +377,7 @@ def pipeline_schedule_beside_data_parallel_by_hand(rank: int, world_size: int,
     data parallelism by hand (torch DDP under pipelining asserts in its reducer on
     CPU): the largest parameter difference after 3 steps, clipping at 0.05 (binding);
     and ("said") the warnings naming the recipe, without it."""
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    mesh = _pp_by_dp()[0]
     diffs: dict[str, Any] = {}
     for pipeline in ("ScheduleGPipe", "Schedule1F1B"):
         expected = _scheduled_steps("by hand", mesh, 0.05, pipeline=pipeline)
@@ -382,18 +400,14 @@ def loss_scaled_pipeline_with_an_inf(rank: int, world_size: int,
     last stage scaling the loss in loss_fn, the first setting its scale with
     ``scaler.scale(torch.zeros(()))``); at step 1 rank 2 (stage 1) holds an inf in
     its local gradient. Per step: (skipped, the scale after update())."""
-    from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
-    pp_rank, dp_rank = mesh.get_coordinate()
-    pp_group = mesh["pp"].get_group()
+    mesh, pp_rank, dp_rank, pp_group = _pp_by_dp()
     module = _pipeline_stage_module(pp_rank)
     model = fgp.DistributedDataParallel(module, device_mesh=mesh["dp"], schedule="two_stage")
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2, max_grad_norm=0.05,
                                pipeline_parallel_group=pp_group if with_group else None)
     scaler = fgp.ShardedGradScaler("cpu", init_scale=1024.0)
-    stage = PipelineStage(model, pp_rank, 2, torch.device("cpu"), group=pp_group)
-    schedule = ScheduleGPipe(stage, MICROBATCHES, scale_grads=False, loss_fn=lambda out, y:
-                             scaler.scale(nn.functional.mse_loss(out, y) / MICROBATCHES))
+    schedule = _pipeline(model, pp_rank, pp_group, lambda out, y: scaler.scale(
+        nn.functional.mse_loss(out, y) / MICROBATCHES), scale_grads=False)
     steps = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the skip's warning
@@ -402,9 +416,7 @@ def loss_scaled_pipeline_with_an_inf(rank: int, world_size: int,
             with model.no_sync():
                 if pp_rank == 0:
                     scaler.scale(torch.zeros(()))
-                    schedule.step(x)
-                else:
-                    schedule.step(target=y)
+                _run_schedule(schedule, pp_rank, x, y)
             if step == 1 and rank == 2:
                 next(iter(module.parameters())).grad[0, 0] = float("inf")
             scaler.step(opt)

@@ -26,7 +26,7 @@ What differs from accelerate's usual loop (checked with accelerate 1.16.0):
   fgpsdp's wrapper (its keys would start with ``module.``): give them ``model.module``.
 
 ``torch`` in place of ``fgpsdp`` runs accelerate's own torch DDP.
-``examples/accelerate_compare.py`` runs the comparisons in the README.
+``examples/accelerate_compare.py`` runs the comparisons in docs/integrations.md.
 """
 from __future__ import annotations
 

@@ -29,7 +29,7 @@ its device: on CPU ranks that device is ``cpu:0``, and ``.to("cpu:0")`` copies e
 parameter, which a wrapper built before would refuse at the first forward.
 
 ``torch`` in place of ``fgpsdp`` runs the plain Trainer (accelerate's torch DDP).
-``examples/hf_trainer_compare.py`` runs the comparisons in the README.
+``examples/hf_trainer_compare.py`` runs the comparisons in docs/integrations.md.
 """
 from __future__ import annotations
 

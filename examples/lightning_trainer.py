@@ -35,8 +35,8 @@ optimizer returned alone is converted into one by the strategy
 ``torch`` in place of ``fgpsdp`` runs the same with Lightning's torch DDP strategy;
 ``--save CKPT`` saves a checkpoint after training and ``--resume CKPT`` resumes from
 one; ``--refit`` fits again with a new Trainer. Rank 0 writes the trained parameters
-to the output file. ``examples/lightning_compare.py`` runs the comparisons in the
-README.
+to the output file. ``examples/lightning_compare.py`` runs the comparisons in
+docs/integrations.md.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ What differs from a torch DDP loop (checked with peft 0.21.2, transformers 5.25.
 
 ``torch`` in place of ``fgpsdp`` runs torch DDP. Rank 0 writes the merged weights
 (``merge_and_unload()``) to the output file. ``examples/peft_compare.py`` runs the
-comparisons in the README.
+comparisons in docs/integrations.md.
 """
 from __future__ import annotations
 

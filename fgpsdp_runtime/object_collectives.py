@@ -9,7 +9,7 @@ its set-up checks, ``full_state_dict()``'s metadata, the profile plan's broadcas
 and the join's hyperparameters; with no wrapper alive to run the runtime's own
 destroy hook first (a wrapping refused by the set-up checks, the error caught, the
 group destroyed) it was seen on torch 2.4.1 (``bench/gloo_teardown_check.py``; the
-README gives the counts).
+counts are in docs/compatibility.md).
 
 On a group that runs CPU tensors on gloo these exchange the same things torch's
 do (each pickle's size, then the pickles padded to the longest), and keep the

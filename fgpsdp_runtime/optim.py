@@ -908,7 +908,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if scheduler is not None:
             # A speculative step runs during backward, before the scale is known
             # (the first step of a run that speculates from the start): undone
-            # at the step. Stage 1 stays off for the run: see the README.
+            # at the step. Stage 1 stays off for the run: see docs/semantics.md
+            # (float16 loss scaling).
             self._speculated_on_scaled_gradients = bool(scheduler.speculated)
             scheduler.stop_speculating("the gradients are loss-scaled (ShardedGradScaler)",
                                        warn=False)

@@ -26,7 +26,7 @@ it on the scheduler thread also sets a process-wide value that torch.compile's g
 read (every compiled frame would compile again), and leaves a torch function mode on
 every op of the speculative steps. Under a default device the optimizers that create
 their step counts without a device (NAdam, RMSprop, Adagrad, ...) create a speculated
-slice's on the CPU, where torch DDP's are on the default device (README).
+slice's on the CPU, where torch DDP's are on the default device (docs/semantics.md).
 """
 from __future__ import annotations
 

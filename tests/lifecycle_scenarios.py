@@ -33,7 +33,7 @@ def wrap_again(rank: int, world_size: int, schedule: str) -> dict[str, Any]:
     """Wrap, train, drop the wrapper (no gc.collect()), wrap the same module
     again and train on; torch DDP does the same on a copy. The first parameter is
     frozen in the first wrapping and unfrozen for the second: how a parameter
-    frozen at wrapping starts training (the README's way to unfreeze)."""
+    frozen at wrapping starts training (docs/semantics.md's way to unfreeze)."""
     torch.manual_seed(0)
     module = MLP()
     ref_module = copy.deepcopy(module)

@@ -108,13 +108,13 @@ def test_matches_torch_ddp(world_size, scenario):
 
 
 # Several reduced backwards added before one step: torch reduces their sum, we add
-# the reductions (the README's exception to "bitwise on 2 ranks").
+# the reductions (docs/semantics.md's exception to "bitwise on 2 ranks").
 REDUCED_MORE_THAN_ONCE_PER_STEP = ("accumulate_synced", "no_sync_backward_only")
 
 
 @pytest.mark.parametrize("scenario", sorted(set(SCENARIOS) - set(REDUCED_MORE_THAN_ONCE_PER_STEP)))
 def test_bitwise_torch_ddp_on_two_ranks(scenario):
-    """The README's promise: on 2 ranks the sum of two gradients has one order,
+    """docs/semantics.md's promise: on 2 ranks the sum of two gradients has one order,
     so every scenario ends bitwise where torch DDP does, but its documented
     exception (checked within TOL above)."""
     for rank, res in enumerate(r[scenario] for r in results(2)):

@@ -104,7 +104,7 @@ def test_profile_plan_times_reduce_scatters_in_their_own_bytes():
 
 
 def test_overlap_plan_is_public():
-    # The README passes one as DistributedDataParallel(overlap_plan=fgp.OverlapPlan(...)).
+    # docs/design.md passes one as DistributedDataParallel(overlap_plan=fgp.OverlapPlan(...)).
     import fgpsdp_runtime as fgp
     assert fgp.OverlapPlan is OverlapPlan and "OverlapPlan" in fgp.__all__
 

@@ -86,7 +86,7 @@ def test_from_three_ranks_bfloat16_reduction_rounds_as_scaled_before_the_cast():
     """1/N is exact on 2 ranks; from 3 on, fgpsdp's gradients are scaled in their own
     dtype before the cast to bfloat16 and summed in float32, where torch's
     bf16_compress_hook casts, then divides and sums in bfloat16: one bfloat16
-    rounding apart (the README says so). With a hook that rounds as fgpsdp does,
+    rounding apart (docs/semantics.md says so). With a hook that rounds as fgpsdp does,
     bitwise."""
     for rank, per_case in enumerate(run_distributed(
             3, reduce_dtype_scenarios.reduced_many, THREE_RANK_CASES, timeout_s=300)):

@@ -230,7 +230,7 @@ def test_copy_of_a_parametrized_module_copies_again():
 
 @pytest.mark.parametrize("schedule", ["serial", "overlap_backward", "next_forward"])
 def test_a_second_backward_through_a_retained_graph_reduces_too(schedule):
-    """README: unlike torch DDP (which refuses it), the second backward reduces again;
+    """docs/semantics.md: unlike torch DDP (which refuses it), the second backward reduces again;
     under two_stage it raises where stage 1 stepped (test above)."""
     twice = run_distributed(2, autograd_scenarios.second_backward_reduces_too, schedule, "twice",
                             timeout_s=90)

@@ -68,7 +68,7 @@ def two_rank_results(schedule: str):
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_every_schedule_is_bitwise_torch_ddp_on_two_ranks(schedule):
-    """The README's promise on 2 ranks (one order of a two-gradient sum) under each
+    """docs/semantics.md's promise on 2 ranks (one order of a two-gradient sum) under each
     schedule, not only under the default one (tests/test_equivalence.py): activation
     checkpointing, BatchNorm, clipping, hooks, ... but its documented exception."""
     for rank, per_case in enumerate(two_rank_results(schedule)):

@@ -465,7 +465,7 @@ def test_a_deleted_submodule_replaced_by_a_parameter_free_one_is_refused():
 # later noticed change has been checked: a parameter appended to it is refused.
 def _inserted_then_appended(rank, world_size):
     model = fgp.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)))
-    model.module.insert(1, nn.Sequential())          # not noticed (README)
+    model.module.insert(1, nn.Sequential())          # not noticed (docs/semantics.md)
     model.module.add_module("extra", nn.Identity())  # noticed: the next forward checks
     model(torch.randn(2, 4))                          # nothing bucketed changed: passes
     model.module[1].append(nn.Linear(4, 4))

@@ -83,7 +83,7 @@ setup(
     description="Fine-grained partially sharded data parallel training for PyTorch",
     packages=find_packages(include=["fgpsdp_runtime", "fgpsdp_runtime.*"]),
     python_requires=">=3.9",
-    # 2.4: the oldest torch the test suite was run on (README, "Torch versions");
+    # 2.4: the oldest torch the test suite was run on (docs/compatibility.md);
     # before 2.3 torch.amp.GradScaler, which ShardedGradScaler extends, is missing.
     install_requires=["torch>=2.4"],
     ext_modules=[_extension()],

@@ -123,3 +123,38 @@ def data_parallel_slice_of_a_mesh(rank: int, world_size: int, schedule: str) -> 
 def data_parallel_slice_of_a_mesh_by_schedule(rank: int, world_size: int,
                                               schedules: list[str]) -> dict[str, dict]:
     return {s: data_parallel_slice_of_a_mesh(rank, world_size, s) for s in schedules}
+
+
+def buffers_changed_after_wrapping(rank: int, world_size: int, schedule: str) -> dict[str, Any]:
+    """After the first step every rank registers a new buffer (its own value) and
+    replaces a BatchNorm statistic with a new tensor (its own value), in both
+    wrappers: the forward's broadcast must carry rank 0's of both, as torch DDP's
+    (which reads the module's buffers again at every sync) does. 4 AdamW steps."""
+    torch.manual_seed(1234)
+    base = BatchNormNet()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    speculate = {"overlap_plan": "layout", "bucket_cap_mb": 0.0001} \
+        if schedule == "two_stage" else {}
+    ours = fgp.DistributedDataParallel(base, schedule=schedule, **speculate)
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    for step in range(4):
+        if step == 1:
+            for model in (ours, ref):
+                model.module.bn.register_buffer("late", torch.full((3,), 1.0 + rank))
+                model.module.bn.running_mean = torch.full((23,), 0.5 * rank)
+        x, y = make_batch("bn_frozen", step, 0, rank)
+        for model, optimizer in ((ours, opt), (ref, ref_opt)):
+            loss_fn("bn_frozen", model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    ours.synchronize()
+    return {"param_diff": _max_diff(ours.module.parameters(), ref.module.parameters()),
+            "buffer_diff": _max_diff(ours.module.buffers(), ref.module.buffers()),
+            "late": ours.module.bn.late.tolist(),
+            "speculated": ours.scheduler.commits if ours.scheduler is not None else None}
+
+
+def buffers_changed_after_wrapping_by_schedule(rank: int, world_size: int,
+                                               schedules: list[str]) -> dict[str, dict]:
+    return {s: buffers_changed_after_wrapping(rank, world_size, s) for s in schedules}

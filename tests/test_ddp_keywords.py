@@ -108,3 +108,17 @@ def test_a_data_parallel_slice_of_a_larger_mesh_trains_like_torch_ddp():
             assert res["same_process_group"], rank
             assert res["param_diff"] == 0.0, (rank, schedule, res["param_diff"])
         assert per_schedule["two_stage"]["speculated"] > 0, rank  # stage 1 ran
+
+
+def test_buffers_registered_or_replaced_after_wrapping_are_broadcast_as_torch_ddp_does():
+    """Buffers are read from the module at every forward's broadcast, not fixed at
+    wrapping: a buffer registered later, and a statistic given a new tensor, carry rank
+    0's values to every rank, bitwise as under torch DDP (2 ranks, each schedule)."""
+    schedules = ["serial", "overlap_backward", "next_forward", "two_stage"]
+    for rank, per_schedule in enumerate(run_distributed(
+            2, ddp_keyword_scenarios.buffers_changed_after_wrapping_by_schedule, schedules)):
+        for schedule, res in per_schedule.items():
+            assert res["param_diff"] == 0.0, (rank, schedule, res)
+            assert res["buffer_diff"] == 0.0, (rank, schedule, res)
+            assert res["late"] == [1.0, 1.0, 1.0], (rank, schedule, res["late"])
+        assert per_schedule["two_stage"]["speculated"] > 0, rank  # stage 1 ran

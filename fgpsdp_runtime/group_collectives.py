@@ -43,8 +43,8 @@ all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_
 # after such a collective hangs at its end (seen on torch 2.4.1:
 # tests/test_shared_memory.py hung so in 5 of 9 runs of the file, gdb showing the
 # main thread in ~ProcessGroupGloo and a gloo thread freeing a finished all-reduce's
-# tensor; not seen on 2.13 or 2.14; see docs/compatibility.md). So each call site of the
-# runtime's own blocking tensor collectives on CPU tensors keeps its latest tensors
+# tensor; not seen on 2.13 or 2.14; see docs/compatibility.md). So each call site of
+# the runtime's own blocking tensor collectives on CPU tensors keeps its latest tensors
 # alive until its next call (large tensors of the module's are broadcast in place
 # instead: buffer_broadcast.py), and so do the runtime's object collectives
 # (object_collectives.py: the set-up checks, full_state_dict()'s metadata), which

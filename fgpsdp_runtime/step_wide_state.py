@@ -15,8 +15,8 @@ A run reads copies of the param group dicts, not the dicts themselves: a specula
 run is on the scheduler thread while the training loop may set a learning rate in
 them, and putting back what the run wrote must not undo that. The numbers on the
 optimizer object get no copy (the run steps that object): one the loop sets there
-while a speculative run is on the scheduler thread counts as that run's write (docs/semantics.md
-says so; the loop reaches that object only through ``opt.optim``).
+while a speculative run is on the scheduler thread counts as that run's write
+(docs/semantics.md says so; the loop reaches that object only through ``opt.optim``).
 """
 from __future__ import annotations
 

@@ -63,7 +63,11 @@ def test_wrappers_on_disjoint_subgroups_train_like_torch_ddp(torchrun_env):
 def _asymmetric_members(rank: int, world_size: int) -> object:
     """Ranks 0-1 train on [0, 1]; rank 0 is also in [0, 2] (an evaluator it talks to):
     the members hold different numbers of groups."""
-    dp, _side = dist.new_group([0, 1]), dist.new_group([0, 2])
+    dp, side = dist.new_group([0, 1]), dist.new_group([0, 2])
+    if rank in (0, 2):
+        # Rank 2 tears its groups down as it returns: not before rank 0 has finished
+        # connecting to it (once in CI, rank 0's gloo connectFullMesh saw it close).
+        dist.barrier(group=side)
     if rank == 2:
         return None
     torch.manual_seed(0)

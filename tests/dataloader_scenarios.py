@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 import fgpsdp_runtime as fgp
 
 from .profile_window_scenarios import slow_all_gathers
-from .scenarios import MLP
+from .scenarios import MLP, reference_clip_
 
 
 class RankBatches(Dataset):
@@ -72,14 +72,8 @@ def _train_from_worker_processes(rank: int, world_size: int, schedule: str,
         for x, y in train:
             for model, optimizer in ((ours, opt), (ref, ref_opt)):
                 nn.functional.mse_loss(model(x), y).backward()
-                if optimizer is ref_opt:  # torch's clip, in float64 as the wrapper's
-                    grads = [p.grad for p in ref.parameters()]
-                    total = torch.linalg.vector_norm(torch.stack(
-                        [torch.linalg.vector_norm(g.double()) for g in grads]))
-                    coef = 1e3 / (total + 1e-6)
-                    if coef < 1:
-                        for g in grads:
-                            g.mul_(coef.to(g.dtype))
+                if optimizer is ref_opt:
+                    reference_clip_(ref.parameters(), 1e3)
                 optimizer.step()
                 optimizer.zero_grad()
         forks_beside_all_gathers += ours._gathers.in_flight

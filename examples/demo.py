@@ -12,7 +12,6 @@ import argparse
 import copy
 import gc
 import os
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -43,8 +42,10 @@ def state_bytes(optimizer) -> int:
 
 def run(rank: int, world_size: int, port: int, args) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world_size, timeout=timedelta(seconds=120))
+    timeout = timedelta(seconds=120)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=timeout)
     cfg = GPTConfig(vocab_size=64, block_size=32, n_layer=args.layers, n_head=4,
                     d_model=args.width)
     torch.manual_seed(0)
@@ -124,11 +125,12 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps < 1:
         parser.error("--steps must be at least 1")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # This process serves the ranks' store, on a port it binds and holds from the
+    # start: a port picked free and bound later by rank 0 could be taken meanwhile.
+    store = dist.TCPStore("127.0.0.1", 0, args.world_size, is_master=True,
+                          timeout=timedelta(seconds=120), wait_for_workers=False)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    mp.start_processes(run, args=(args.world_size, port, args), nprocs=args.world_size,
+    mp.start_processes(run, args=(args.world_size, store.port, args), nprocs=args.world_size,
                        start_method="spawn")
 
 

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
@@ -47,13 +47,32 @@ def destroys_its_group(fn: Callable) -> Callable:
     return fn
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous_store(rank: int, world_size: int, out_dir: str, timeout_s: float):
+    """The run's TCP store. Rank 0 binds port 0 and keeps it, then names the port in
+    a file of the run's directory, which the others read: no port is picked first and
+    bound later, which another test run in parallel (pytest -n) could take meanwhile,
+    or whose store the other ranks could join."""
+    import torch.distributed as dist
+    path = os.path.join(out_dir, "store_port")
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0:
+        store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timeout,
+                              wait_for_workers=False)
+        with open(path + ".tmp", "w") as f:
+            f.write(str(store.port))
+        os.replace(path + ".tmp", path)  # whole or absent, never half written
+        return store
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank 0 named no store port within {timeout_s} s")
+        time.sleep(0.005)
+    with open(path) as f:
+        port = int(f.read())
+    return dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
+def _worker(rank: int, world_size: int, fn: Callable, args: tuple,
             out_dir: str, pg_timeout_s: float, environ: dict[str, str]) -> None:
     os.environ.clear()  # a fork holds the forkserver's, from when it started
     os.environ.update(environ)
@@ -66,8 +85,10 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple,
         import fgpsdp_runtime
         if not os.path.abspath(fgpsdp_runtime.__file__).startswith(_ROOT + os.sep):
             raise RuntimeError(f"rank imported {fgpsdp_runtime.__file__}, not this checkout's")
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                world_size=world_size, timeout=timedelta(seconds=pg_timeout_s))
+        store = _rendezvous_store(rank, world_size, out_dir, pg_timeout_s)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=pg_timeout_s))
+        del store  # the group holds it
         try:
             result = {"ok": True, "value": fn(rank, world_size, *args)}
         finally:
@@ -109,11 +130,10 @@ def run_distributed(world_size: int, fn: Callable, *args: Any,
     With allow_errors, returns {rank: result dict} instead of raising, so a
     test can check that every rank raised.
     """
-    port = _free_port()
     with tempfile.TemporaryDirectory() as out_dir:
         ctx = mp.get_context(START_METHOD)
         environ = dict(os.environ)
-        procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, out_dir,
+        procs = [ctx.Process(target=_worker, args=(r, world_size, fn, args, out_dir,
                                                    pg_timeout_s, environ))
                  for r in range(world_size)]
         for p in procs:

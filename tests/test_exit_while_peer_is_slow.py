@@ -4,12 +4,13 @@ polls; without the exit's abort of that wait, the worker took the GIL back
 during interpreter finalization and the process aborted ("terminate called
 without an active exception", exit code -6) after its traceback."""
 import os
-import socket
 import subprocess
 import sys
 import textwrap
+from datetime import timedelta
 
 import pytest
+import torch.distributed as dist
 
 from fgpsdp_runtime import shutdown
 
@@ -20,8 +21,10 @@ _RANK = textwrap.dedent("""
     import fgpsdp_runtime as fgp
     rank = int(os.environ["RANK"])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:" + os.environ["PORT"],
-                            rank=rank, world_size=2, timeout=timedelta(seconds=60))
+    store = dist.TCPStore("127.0.0.1", int(os.environ["PORT"]), 2, is_master=False,
+                          timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
     torch.manual_seed(0)
     model = fgp.DistributedDataParallel(
         torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)]),
@@ -41,9 +44,11 @@ _RANK = textwrap.dedent("""
 
 @pytest.mark.parametrize("schedule", ["next_forward", "serial"])
 def test_exit_while_a_peer_is_slow_does_not_abort(schedule):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    # The ranks' store, served from here on a port bound and held from the start
+    # (one picked free and bound later could be taken meanwhile by a parallel test).
+    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False,
+                          timeout=timedelta(seconds=120))
+    port = store.port
     slow_s = shutdown.EXIT_JOIN_TIMEOUT_S + 2.0  # past the exit's join timeout
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path), PORT=str(port),
                SCHEDULE=schedule, SLOW_S=str(slow_s), OMP_NUM_THREADS="1",

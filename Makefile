@@ -23,7 +23,7 @@ CUDA_ARCH ?= sm_90
 LIGHTNING_VERSION ?= 2.6.6
 ACCELERATE_VERSION ?= 1.16.0
 
-.PHONY: demo test setup bench bench-setup cuda-check cuda-build-check lightning-check accelerate-check clean
+.PHONY: demo test setup bench bench-setup cuda-check cuda-build-check lightning-check accelerate-check framework-checks clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -57,6 +57,13 @@ lightning-check: $(STAMP)
 accelerate-check: $(STAMP)
 	$(PY) -m pip install --quiet accelerate==$(ACCELERATE_VERSION)
 	OMP_NUM_THREADS=1 $(PY) examples/accelerate_compare.py --check
+
+# Both checks above at once, CI's way: their three comparisons run side by side
+# (.ci/side_by_side.py), each one's output printed whole when it ends.
+framework-checks: $(STAMP)
+	$(PY) -m pip install --quiet lightning==$(LIGHTNING_VERSION) accelerate==$(ACCELERATE_VERSION)
+	OMP_NUM_THREADS=1 $(PY) .ci/side_by_side.py "$(PY) examples/lightning_compare.py --check" \
+		"$(PY) examples/fabric_compare.py --check" "$(PY) examples/accelerate_compare.py --check"
 
 $(BENCH_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet deepspeed matplotlib

@@ -185,7 +185,7 @@ def test_timeline_spans_never_wait_for_the_cuda_clock(monkeypatch):
     for the link streams too, where the next forward's all-gathers are queued (the
     plan profiler's first forward then timed no waits; seen on an H200, where
     tests/test_cuda_streams.py::test_profile_times_forward_waits_on_the_gpu
-    failed). Stand-ins: an event whose wait takes 0.3 s."""
+    failed). Stand-ins: an event whose wait takes 1 s."""
     import threading
     import time
     import torch
@@ -202,7 +202,8 @@ def test_timeline_spans_never_wait_for_the_cuda_clock(monkeypatch):
 
         def synchronize(self):
             syncing.set()
-            time.sleep(0.3)
+            time.sleep(1.0)  # far above the bound below, which a loaded
+            # machine's scheduling delays (make test runs two test files at once) stay under
 
     class FakeStream:
         device = "cuda:0"
@@ -221,7 +222,7 @@ def test_timeline_spans_never_wait_for_the_cuda_clock(monkeypatch):
     timeline.add("compute", "backward (from first gradient)", 0.0, 1.0)
     waited = time.perf_counter() - t0
     worker.join()
-    assert waited < 0.15, f"Timeline.add waited {waited:.3f} s for another thread's device sync"
+    assert waited < 0.5, f"Timeline.add waited {waited:.3f} s for another thread's device sync"
 
 
 def test_link_workers_cuda_spans_never_synchronise_the_device(monkeypatch):

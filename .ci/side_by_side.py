@@ -23,7 +23,9 @@ def main(commands: list[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         runs = []
         for i, command in enumerate(commands):
-            log = open(f"{tmp}/{i}.log", "w+")
+            # (Read back with undecodable bytes replaced: a stray byte of a command's
+            # output must not stop this script while the others still run.)
+            log = open(f"{tmp}/{i}.log", "w+", errors="replace")
             runs.append((command, log, subprocess.Popen(command, shell=True, stdout=log,
                                                         stderr=subprocess.STDOUT)))
         pending = list(runs)

@@ -16,6 +16,35 @@ import torch
 TOLERANCE = 1e-6  # --check: what a pair with fgpsdp may differ by (the clip's rounding)
 
 
+def free_port_below_ephemeral_range() -> int:
+    """A free port for a launcher that binds the port it is given later (torchrun's
+    --master_port, Lightning's MASTER_PORT): one below the range the kernel hands out
+    for port 0, which every torchrun --standalone store and gloo socket binds, so that
+    none of those (of a run side by side with this one) can take it meanwhile. Probed
+    on every address, as the stores bind it."""
+    import random
+    import socket
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768  # Linux's default
+    below = range(max(1024, low // 2), low)
+    if len(below) < 100:  # a range set to start near 1024: take the kernel's pick
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+    candidates = random.sample(below, 100)
+    for port in candidates:
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {candidates}")
+
+
 def run(command: list[str], tries: int = 3, timeout_s: float = 120) -> None:
     """torch DDP runs on CPU under these frameworks now and then abort at exit, after
     training ("terminate called without an active exception", SIGABRT; also without

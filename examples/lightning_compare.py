@@ -22,7 +22,8 @@ import os
 import sys
 import tempfile
 
-from compare_runs import check_refusal, parse_check, print_table, rows_against_torch, run_both
+from compare_runs import (check_refusal, free_port_below_ephemeral_range, parse_check,
+                          print_table, rows_against_torch, run_both)
 
 TRAINER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "lightning_trainer.py")
 
@@ -42,11 +43,19 @@ RUNS = {
 }
 
 
+def trainer(system: str, params: str, args: list[str]) -> list[str]:
+    """The command of one Lightning run, which starts its ranks itself; and a port for
+    them in MASTER_PORT, which the run inherits. Lightning would pick a free one, close
+    it and bind it later: CI runs this beside the Fabric and Accelerate comparisons,
+    whose stores and sockets could take it meanwhile."""
+    os.environ["MASTER_PORT"] = str(free_port_below_ephemeral_range())
+    return [sys.executable, TRAINER, system, params, *args]
+
+
 def main() -> None:
     check = parse_check(__doc__)
     with tempfile.TemporaryDirectory() as tmp:
-        out = run_both(RUNS, lambda system, params, args: [sys.executable, TRAINER, system,
-                                                           params, *args], tmp)
+        out = run_both(RUNS, trainer, tmp)
         rows = rows_against_torch(out, [name for name in RUNS if name != "epoch_1"])
         rows.append(("(scale: torch DDP after epoch 1 against epoch 2)", out("torch", "epoch_1"),
                      out("torch", "plain")))
@@ -57,8 +66,8 @@ def main() -> None:
         print_table(rows, check, {"fgpsdp against torch DDP: fp16_comm_hook": 1e-5})
         # A scheduler returned with a torch optimizer would schedule it alone.
         check_refusal("a torch optimizer returned with an lr scheduler",
-                      [sys.executable, TRAINER, "fgpsdp", os.path.join(tmp, "no.pt"),
-                       "--torch-optimizer", "--scheduler", "--epochs", "1"],
+                      trainer("fgpsdp", os.path.join(tmp, "no.pt"),
+                              ["--torch-optimizer", "--scheduler", "--epochs", "1"]),
                       "Under Lightning, build the ShardedOptimizer in configure_optimizers", check)
 
 

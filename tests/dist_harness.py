@@ -64,6 +64,8 @@ def _rendezvous_store(rank: int, world_size: int, out_dir: str, timeout_s: float
         return store
     deadline = time.monotonic() + timeout_s
     while not os.path.exists(path):
+        if os.path.exists(os.path.join(out_dir, "rank0.pkl")):  # its result, an error
+            raise RuntimeError("rank 0 ended before it named the store's port")
         if time.monotonic() > deadline:
             raise TimeoutError(f"rank 0 named no store port within {timeout_s} s")
         time.sleep(0.005)

@@ -113,37 +113,16 @@ def test_subgroup_local_size_from_torchrun_env(monkeypatch, local_world_size, me
     assert resolve("flat", len(members), members).local_size == local_size
 
 
-def _port_below_the_ephemeral_range() -> int:
-    """A free port for torchrun's --master_port, which node 0's agent binds later: one
-    below the range the kernel hands out for port 0, which every other store and gloo
-    socket of the suite binds (tests run side by side under pytest -n), so none of
-    them can take it meanwhile."""
-    import random
-    import socket
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768  # Linux's default
-    below = range(max(1024, low // 2), low)
-    if len(below) < 100:  # a range set to start near 1024: take the kernel's pick
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            return s.getsockname()[1]
-    candidates = random.sample(below, 100)
-    for port in candidates:
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError(f"no free port in {candidates}")
-
-
 def test_two_torchrun_agents_detect_topology(tmp_path):
     """Two torchrun agents with --nnodes=2 on one host: topology from torchrun's environment."""
-    port = _port_below_the_ephemeral_range()
+    # A port no store or gloo socket of a test beside this one (pytest -n) can take
+    # before node 0's agent binds it.
+    sys.path.insert(0, os.path.join(ROOT, "examples"))
+    try:
+        from compare_runs import free_port_below_ephemeral_range
+    finally:
+        sys.path.pop(0)
+    port = free_port_below_ephemeral_range()
     script = os.path.join(ROOT, "tests", "torchrun_worker.py")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, PYTHONWARNINGS="ignore")
     procs = [subprocess.Popen(

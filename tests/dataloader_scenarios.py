@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, Dataset
 import fgpsdp_runtime as fgp
 
 from .profile_window_scenarios import slow_all_gathers
-from .scenarios import MLP, reference_clip_
+from .scenarios import MLP, param_diff, reference_clip_
 
 
 class RankBatches(Dataset):
@@ -81,8 +81,7 @@ def _train_from_worker_processes(rank: int, world_size: int, schedule: str,
             eval_losses.append([sum(float(nn.functional.mse_loss(model(x), y))
                                     for x, y in evaluate) for model in (ours, ref)])
     ours.synchronize()
-    return {"param_diff": max(float((a - b).detach().abs().max()) for a, b in
-                              zip(ours.module.parameters(), ref.module.parameters())),
+    return {"param_diff": param_diff(ours, ref),
             "eval_losses": eval_losses,
             "forks_beside_all_gathers": forks_beside_all_gathers,
             "speculated": ours.scheduler.commits if ours.scheduler is not None else None}

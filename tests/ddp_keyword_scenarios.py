@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 import fgpsdp_runtime as fgp
 
 from .model_parallel_scenarios import TensorParallelMLP
-from .scenarios import BatchNormNet, make_batch, loss_fn
+from .scenarios import BatchNormNet, loss_fn, make_batch, train_both
 
 
 def _state(module: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -107,12 +107,7 @@ def data_parallel_slice_of_a_mesh(rank: int, world_size: int, schedule: str) -> 
                                        **speculate)
     opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for step in range(4):
-        x, y = make_batch("mlp", step, 0, dp_rank)
-        for model, optimizer in ((ours, opt), (ref, ref_opt)):
-            loss_fn("mlp", model(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    train_both(((ours, opt), (ref, ref_opt)), dp_rank, 4)
     ours.synchronize()
     return {"group_ranks": torch.distributed.get_process_group_ranks(ours.process_group),
             "same_process_group": ours.process_group is ref.process_group,
@@ -138,16 +133,12 @@ def buffers_changed_after_wrapping(rank: int, world_size: int, schedule: str) ->
     ours = fgp.DistributedDataParallel(base, schedule=schedule, **speculate)
     opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
-    for step in range(4):
-        if step == 1:
-            for model in (ours, ref):
-                model.module.bn.register_buffer("late", torch.full((3,), 1.0 + rank))
-                model.module.bn.running_mean = torch.full((23,), 0.5 * rank)
-        x, y = make_batch("bn_frozen", step, 0, rank)
-        for model, optimizer in ((ours, opt), (ref, ref_opt)):
-            loss_fn("bn_frozen", model(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    pairs = ((ours, opt), (ref, ref_opt))
+    train_both(pairs, rank, 1, "bn_frozen")
+    for model in (ours, ref):
+        model.module.bn.register_buffer("late", torch.full((3,), 1.0 + rank))
+        model.module.bn.running_mean = torch.full((23,), 0.5 * rank)
+    train_both(pairs, rank, 3, "bn_frozen", start=1)
     ours.synchronize()
     return {"param_diff": _max_diff(ours.module.parameters(), ref.module.parameters()),
             "buffer_diff": _max_diff(ours.module.buffers(), ref.module.buffers()),

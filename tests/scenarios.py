@@ -476,9 +476,10 @@ def functional_call_substitutes_viewing_parameters(rank: int, world_size: int,
             "commits": ours.scheduler.commits if ours.scheduler is not None else None}
 
 
-def train_both(pairs, rank: int, steps: int, model_name: str = "mlp") -> None:
-    """``steps`` plain steps of each (model, optimizer) pair on the same batches."""
-    for step in range(steps):
+def train_both(pairs, rank: int, steps: int, model_name: str = "mlp", start: int = 0) -> None:
+    """``steps`` plain steps of each (model, optimizer) pair on the same batches, those
+    of steps ``start`` to ``start + steps - 1``."""
+    for step in range(start, start + steps):
         x, y = make_batch(model_name, step, 0, rank)
         for model, optimizer in pairs:
             loss_fn(model_name, model(x), y).backward()

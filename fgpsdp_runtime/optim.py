@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import optim_checkpoint
+from . import grad_reads, optim_checkpoint
 from .collective_watch import warn_if_the_others_are_late
 from .ddp import DistributedDataParallel
 from .ops import multi_tensor_sq_norm
@@ -44,6 +44,7 @@ from .ignored_params import (UnsteppedIgnoredParameters, check_ignored_parameter
                              ignored_gradients, squares_of)
 from .group_collectives import all_reduce_held
 from .model_parallel_norm import GROUP_KEYWORDS, check_model_parallel_group, counted_ranges
+from .module_guards import plain_named_parameters
 from .param_group_args import read_param_groups
 from .profiling import nvtx_range
 from .slice_pieces import SlicePieces
@@ -562,6 +563,61 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._values_clipped = True
             self._clipped_norm = None
         self._clipped_at = self.model.reducer.reduce_scatters_launched
+
+    @torch.compiler.disable
+    @torch.no_grad()
+    @on_itself
+    def grad_norms(self) -> dict[str, torch.Tensor]:
+        """``{name: norm}``: each trainable parameter's gradient norm, what
+        ``p.grad.norm()`` gives under torch DDP at this point of the loop (after a
+        clip, the clipped gradient's), keyed by ``model.module``'s parameter names;
+        those without a gradient are left out, as their ``p.grad`` is None. A
+        collective: one all-reduce of a float64 per parameter (see grad_reads.py)."""
+        self._before_gradient_read("grad_norms()", AnnouncedCall.GRAD_NORMS)
+        return grad_reads.grad_norms(self.model, self._slice_pieces, self._globally_used)
+
+    @torch.compiler.disable
+    @torch.no_grad()
+    @on_itself
+    def full_grad(self, param: torch.Tensor) -> Optional[torch.Tensor]:
+        """The reduced gradient of ``param`` (a trainable parameter of the model),
+        whole and laid out as the parameter: bit for bit what torch DDP's
+        ``param.grad`` holds at this point of the loop where this rank's slices
+        match it (see docs/semantics.md), or None where that would be None. A
+        collective: every rank asks for the same parameter; one all-reduce of the
+        parameter's bytes. A new tensor: writing it changes nothing."""
+        index = self.model.param_index(param) if isinstance(param, torch.Tensor) else None
+        if index is None:
+            if self._frozen_when_wrapped(param):
+                return None  # as its p.grad (every rank alike: no collective)
+            raise ValueError(self._not_a_bucketed_parameter(param))
+        self._before_gradient_read("full_grad()", AnnouncedCall.FULL_GRAD, float(index))
+        grad_reads.check_same_parameter(self.model, index)
+        return grad_reads.full_grad(self.model, self._slice_pieces, self._globally_used, index)
+
+    def _before_gradient_read(self, what: str, call: AnnouncedCall, *args: float) -> None:
+        """What a clip does first: every reduce-scatter landed (a backward under
+        no_sync() reduced, as the step would), the used parameters known."""
+        self._refuse_while_unfinished(what)
+        self._announce(call, *args)
+        self._reduce_and_measure()
+
+    def _frozen_when_wrapped(self, param: object) -> bool:
+        """A parameter of the module that no bucket holds and the user does not own."""
+        ignored = [p for _, p in self.model.named_ignored_parameters()]
+        return any(p is param for _, p in plain_named_parameters(self.model.module)) \
+            and not any(p is param for p in ignored)
+
+    def _not_a_bucketed_parameter(self, param: object) -> str:
+        if not isinstance(param, torch.Tensor):
+            return f"fgpsdp: opt.full_grad() takes a parameter of the model, got {type(param).__name__}"
+        if any(p is param for _, p in self.model.named_ignored_parameters()):
+            return ("fgpsdp: opt.full_grad(): this parameter is named in "
+                    "_ddp_params_and_buffers_to_ignore, so the wrapper leaves its gradient "
+                    "to you: it is in param.grad, as this rank's backward left it")
+        return ("fgpsdp: opt.full_grad(): not a parameter of the wrapped model (pass the "
+                "tensors of model.module.parameters(), not the slice pieces in "
+                "opt.param_groups)")
 
     @torch.compiler.disable  # see the note at zero_grad
     @torch.no_grad()

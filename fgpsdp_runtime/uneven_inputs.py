@@ -73,6 +73,8 @@ class AnnouncedCall(enum.IntEnum):
     REFUSED = 7        # the active ranks raise: so does the joined one
     LOAD = 8           # a model or optimizer load (refused once a rank has joined)
     CLIP_VALUE = 9     # args: (clip_value,)
+    GRAD_NORMS = 10    # opt.grad_norms()
+    FULL_GRAD = 11     # args: (the parameter's index in the wrapper,)
 
 
 _N_CALLS = len(AnnouncedCall)
@@ -309,6 +311,10 @@ class UnevenInputs:
             optimizer.clip_grad_norm_(args[0])
         elif call is AnnouncedCall.CLIP_VALUE:
             optimizer.clip_grad_value_(args[0])
+        elif call is AnnouncedCall.GRAD_NORMS:
+            optimizer.grad_norms()
+        elif call is AnnouncedCall.FULL_GRAD:
+            optimizer.full_grad(model.named_trainable_parameters()[int(args[0])][1])
         elif call is AnnouncedCall.ZERO_GRAD:
             if optimizer is not None:
                 optimizer.zero_grad(set_to_none=args[0] > 0.5)

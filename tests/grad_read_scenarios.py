@@ -1,0 +1,167 @@
+"""opt.grad_norms() and opt.full_grad(p) beside torch DDP's p.grad, on the same data.
+
+Imported by the spawned ranks (module-level functions only).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+from torch import nn
+
+import fgpsdp_runtime as fgp
+from .scenarios import MODELS, loss_fn, make_batch, reference_clip_
+
+
+def _compare(opt, ours, ref, where: str, found: list[str], worst: list[float]) -> None:
+    """Every parameter's full_grad() against ref's p.grad (bitwise, layout included;
+    ``worst`` gets the largest difference), and grad_norms() against p.grad.norm()."""
+    norms = opt.grad_norms()
+    ref_named = dict(ref.module.named_parameters())
+    expected = {n for n, p in ref_named.items() if p.grad is not None}
+    if set(norms) != expected:
+        found.append(f"{where}: grad_norms() names {sorted(norms)}, torch DDP's p.grad "
+                     f"set for {sorted(expected)}")
+    for name, param in ours.module.named_parameters():
+        ref_grad = ref_named[name].grad
+        full = opt.full_grad(param)
+        if (full is None) != (ref_grad is None):
+            found.append(f"{where}: {name}: full_grad {'None' if full is None else 'set'}, "
+                         f"torch DDP's p.grad {'None' if ref_grad is None else 'set'}")
+            continue
+        if full is None:
+            continue
+        if full.shape != ref_grad.shape or full.stride() != ref_grad.stride() \
+                or full.dtype != ref_grad.dtype:
+            found.append(f"{where}: {name}: full_grad {tuple(full.shape)} {full.stride()} "
+                         f"{full.dtype}, p.grad {tuple(ref_grad.shape)} {ref_grad.stride()}")
+            continue
+        worst[0] = max(worst[0], float((full - ref_grad).abs().max()) if full.numel() else 0.0)
+        if name in norms:
+            norm, ref_norm = float(norms[name]), float(ref_grad.norm())
+            if abs(norm - ref_norm) > 1e-6 * max(ref_norm, 1e-30):
+                found.append(f"{where}: {name}: norm {norm!r}, torch's {ref_norm!r}")
+            if norms[name].dtype != ref_grad.dtype or norms[name].dim() != 0:
+                found.append(f"{where}: {name}: norm {norms[name]!r}")
+
+
+def grads_beside_torch_ddp(rank: int, world_size: int, schedule: str, model_name: str,
+                           local_size: int = 0) -> dict:
+    """Three steps of AdamW beside torch DDP, both clipping at step 1 (the norm is
+    above the bound), the second step's gradients accumulated over two micro-batches
+    (the first under no_sync()). After each backward, after the clip, after the step
+    and after zero_grad(), every parameter's gradient read both ways.
+
+    Returns {"mismatches": [...], "largest_difference": float}."""
+    torch.manual_seed(1234)
+    base = MODELS[model_name]()
+    find_unused = model_name == "unused"
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base),
+                                              find_unused_parameters=find_unused)
+    kw = {"topology": fgp.Topology(local_size=local_size)} if local_size else {}
+    ours = fgp.DistributedDataParallel(
+        base, bucket_cap_mb=0.0001, schedule=schedule, find_unused_parameters=find_unused,
+        overlap_plan="layout" if schedule == "two_stage" else "auto", **kw)
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in ref.module.parameters() if p.requires_grad],
+                                lr=1e-2)
+    found: list[str] = []
+    worst = [0.0]
+    for step in range(3):
+        micro = 2 if step == 1 else 1
+        for m in range(micro):
+            x, y = make_batch(model_name, step, m, rank)
+            for model in (ours, ref):
+                ctx = model.no_sync() if m < micro - 1 else contextlib.nullcontext()
+                with ctx:
+                    (loss_fn(model_name, model(x), y) / micro).backward()
+        _compare(opt, ours, ref, f"step {step} after backward", found, worst)
+        if step == 1:
+            opt.clip_grad_norm_(1e-3)
+            reference_clip_(ref.parameters(), 1e-3)
+            _compare(opt, ours, ref, f"step {step} after the clip", found, worst)
+        opt.step()
+        ref_opt.step()
+        _compare(opt, ours, ref, f"step {step} after the step", found, worst)
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    _compare(opt, ours, ref, "after zero_grad()", found, worst)
+    ours.synchronize()
+    return {"mismatches": found, "largest_difference": worst[0]}
+
+
+def full_grad_refusals(rank: int, world_size: int) -> dict:
+    """What full_grad() says of a tensor that is no parameter of the model, of a slice
+    piece from opt.param_groups, of a parameter left to the user, and of one frozen at
+    wrapping (None, as its p.grad)."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    module[0].bias.requires_grad_(False)
+    module._ddp_params_and_buffers_to_ignore = ["1.bias"]
+    model = fgp.DistributedDataParallel(module, schedule="serial")
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    said = {}
+    for what, tensor in (("other", torch.zeros(4)), ("piece", opt.param_groups[0]["params"][0]),
+                         ("ignored", module[1].bias), ("not a tensor", "0.weight")):
+        try:
+            opt.full_grad(tensor)
+            said[what] = "returned"
+        except ValueError as error:
+            said[what] = str(error)
+    said["frozen"] = opt.full_grad(module[0].bias)
+    opt.step()
+    model.synchronize()
+    return said
+
+
+def full_grad_of_other_parameters(rank: int, world_size: int) -> None:
+    """Rank 0 asks for one parameter's gradient, the others for another's: raises on
+    every rank (before, the buffers of two parameters would have been summed)."""
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)),
+                                        schedule="serial")
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.full_grad(model.module[0].weight if rank == 0 else model.module[1].weight)
+
+
+def grads_under_join(rank: int, world_size: int, schedule: str) -> dict:
+    """Uneven inputs (rank 0 runs 2 batches, rank 1 runs 4): every step's gradient
+    norms and whole gradients read on the active ranks, under fgpsdp's model.join()
+    (the joined rank takes its part in both reads) and then torch DDP's join."""
+    torch.manual_seed(1234)
+    base = MODELS["mlp"]()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    ours = fgp.DistributedDataParallel(base, bucket_cap_mb=0.0001, schedule=schedule)
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+
+    def loop(model, optimizer, read) -> list:
+        reads = []
+        for step in range((2, 4)[rank]):
+            x, y = make_batch("mlp", step, 0, rank)
+            loss_fn("mlp", model(x), y).backward()
+            reads.append(read())
+            optimizer.step()
+            optimizer.zero_grad()
+        return reads
+
+    with ours.join():
+        ours_reads = loop(ours, opt, lambda: (
+            {n: float(v) for n, v in opt.grad_norms().items()},
+            [opt.full_grad(p) for p in ours.module.parameters()]))
+    with ref.join():
+        ref_reads = loop(ref, ref_opt, lambda: (
+            {n: float(p.grad.norm()) for n, p in ref.module.named_parameters()},
+            [p.grad.clone() for p in ref.module.parameters()]))
+    ours.synchronize()
+    found = []
+    for step, ((norms, grads), (ref_norms, ref_grads)) in enumerate(zip(ours_reads, ref_reads)):
+        if set(norms) != set(ref_norms) or any(
+                abs(norms[n] - ref_norms[n]) > 1e-6 * ref_norms[n] for n in norms):
+            found.append(f"step {step}: norms {norms}, torch's {ref_norms}")
+        if any(not torch.equal(g, r) for g, r in zip(grads, ref_grads)):
+            found.append(f"step {step}: a whole gradient differs from torch DDP's p.grad")
+    return {"mismatches": found, "reads": len(ours_reads)}

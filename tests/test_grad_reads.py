@@ -1,0 +1,73 @@
+"""opt.grad_norms() and opt.full_grad(p): the reduced gradient per parameter, as torch
+DDP's p.grad holds it (CPU, gloo)."""
+import functools
+
+import pytest
+
+from .dist_harness import RankError, run_calls, run_distributed
+from .grad_read_scenarios import (full_grad_of_other_parameters, full_grad_refusals,
+                                  grads_beside_torch_ddp, grads_under_join)
+
+SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
+# The tied embedding, parameters no backward reaches, frozen ones beside BatchNorm,
+# and channels_last / column-major layouts.
+MODELS = ("mlp", "tied", "unused", "bn_frozen", "channels_last")
+FLAT_CALLS = [(grads_beside_torch_ddp, s, m) for s in SCHEDULES for m in MODELS]
+JOIN_CALLS = [(grads_under_join, s) for s in SCHEDULES]
+
+
+@functools.lru_cache(maxsize=None)
+def two_ranks():
+    return run_calls(2, FLAT_CALLS + JOIN_CALLS + [(full_grad_refusals,)], timeout_s=600)
+
+
+@functools.lru_cache(maxsize=None)
+def two_nodes_of_two():
+    return run_calls(4, [(grads_beside_torch_ddp, s, "mlp", 2) for s in SCHEDULES],
+                     timeout_s=600)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_gradients_read_bitwise_as_torch_ddp_on_two_ranks(schedule, model):
+    """After backward, a clip, the step and zero_grad(): full_grad(p) is torch DDP's
+    p.grad bit for bit (shape, strides and dtype too), or None where that is;
+    grad_norms() names the parameters with a gradient and their norms."""
+    for rank, res in enumerate(two_ranks()[(grads_beside_torch_ddp, schedule, model)]):
+        assert res["mismatches"] == [], f"rank {rank}"
+        assert res["largest_difference"] == 0.0, f"rank {rank}"
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_gradients_read_as_torch_ddp_on_two_nodes_of_two(schedule):
+    """Hierarchical 2x2: the same reads, within float rounding (four ranks' sums in
+    another order)."""
+    for rank, res in enumerate(two_nodes_of_two()[(grads_beside_torch_ddp, schedule, "mlp", 2)]):
+        assert res["mismatches"] == [], f"rank {rank}"
+        assert res["largest_difference"] <= 1e-6, f"rank {rank}"
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_gradients_read_under_join_as_torch_ddps(schedule):
+    """Uneven inputs: the active rank reads while the other has joined (which
+    takes its part in both collectives); the same values as under torch DDP's join."""
+    for rank, res in enumerate(two_ranks()[(grads_under_join, schedule)]):
+        assert res["mismatches"] == [], f"rank {rank}"
+        assert res["reads"] == (2, 4)[rank]
+
+
+def test_full_grad_refuses_what_is_not_a_bucketed_parameter():
+    for said in two_ranks()[(full_grad_refusals,)]:
+        assert "not a parameter of the wrapped model" in said["other"]
+        assert "slice pieces in opt.param_groups" in said["piece"]
+        assert "_ddp_params_and_buffers_to_ignore" in said["ignored"]
+        assert "takes a parameter of the model, got str" in said["not a tensor"]
+        assert said["frozen"] is None
+
+
+def test_full_grad_of_other_parameters_on_other_ranks_raises_on_every_rank():
+    with pytest.raises(RankError) as raised:
+        run_distributed(2, full_grad_of_other_parameters, timeout_s=120)
+    messages = raised.value.messages()
+    assert len(messages) == 2
+    assert all("every rank must ask for the same parameter" in m for m in messages.values())

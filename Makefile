@@ -20,6 +20,12 @@ BENCH_ARGS ?=
 NVCC ?= nvcc
 CUDA_ARCH ?= sm_90
 
+# The test and build tools, pinned to the versions the suite last passed with in CI, so
+# that a release of one of them cannot turn a fresh clone's CI red overnight.
+PYTEST_XDIST := pytest-xdist==3.8.0
+TOOLS := numpy==2.4.6 pytest==9.2.0 $(PYTEST_XDIST) hypothesis==6.170.27 ninja==1.13.2 \
+	setuptools==84.2.1 wheel==0.48.0
+
 LIGHTNING_VERSION ?= 2.6.6
 ACCELERATE_VERSION ?= 1.16.0
 
@@ -31,7 +37,7 @@ $(PY):
 $(STAMP): $(PY) setup.py $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.cu csrc/include/*/*.h)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet $(TORCH_PIP_ARGS) torch==$(TORCH_VERSION)
-	$(PY) -m pip install --quiet numpy pytest pytest-xdist hypothesis ninja setuptools wheel
+	$(PY) -m pip install --quiet $(TOOLS)
 	FGPSDP_SKIP_CUDA=1 $(PY) -m pip install --quiet --no-build-isolation -e .
 	touch $(STAMP)
 
@@ -41,7 +47,7 @@ demo: $(STAMP)
 	OMP_NUM_THREADS=1 $(PY) -W ignore::FutureWarning examples/demo.py --world-size 4 --steps 30
 
 test: $(STAMP)
-	@$(PY) -c "import xdist" 2>/dev/null || $(PY) -m pip install --quiet pytest-xdist
+	@$(PY) -c "import xdist" 2>/dev/null || $(PY) -m pip install --quiet $(PYTEST_XDIST)
 	$(PY) -m pytest -q -n $(TEST_JOBS) --dist loadfile --durations=15 tests
 
 # PyTorch Lightning's Trainer, and a Fabric loop, running fgpsdp against Lightning's

@@ -73,9 +73,10 @@ def main() -> None:
     print("start plan (layout):", layout_plan(len(layouts), order))
 
     # Profile: when does backward finish each bucket (single process).
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29588")
-    dist.init_process_group("gloo", rank=0, world_size=1, timeout=timedelta(seconds=120))
+    # One process: an in-process store, no port (two profiles run side by side would
+    # race for a fixed one).
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1,
+                            timeout=timedelta(seconds=120))
     model = fgp.DistributedDataParallel(module, bucket_cap_mb=args.bucket_cap_mb,
                                         schedule="overlap_backward")
     opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-4)

@@ -10,7 +10,9 @@ as they are, with gradient accumulation, with ``ddp_comm_hook=fp16_compress_hook
 (registered on CPU by both strategies of the example; float16 rounds the 1/N division
 otherwise, so that pair may differ by 1e-5), clipping by value, a torch optimizer returned
 by configure_optimizers (the strategy converts it), a StepLR stepped every 4 steps,
-bf16 autocast, float16 loss scaling, a second fit with a new Trainer, and resumed from
+bf16 autocast, float16 loss scaling, a second fit with a new Trainer, each step's
+per-parameter gradient norms logged in ``on_before_optimizer_step`` (with the
+parameters: ``opt.grad_norms()`` against ``p.grad.norm()``), and resumed from
 a checkpoint saved after the first epoch (a resumed run that lost the optimizer's
 state, Adam's moments, would differ from the uninterrupted one); and that a torch
 optimizer returned with a scheduler is refused. ``--check`` exits 1 when a pair with fgpsdp differs by more than 1e-6, or the
@@ -38,6 +40,9 @@ RUNS = {
     "torch_optimizer": ["--torch-optimizer"],
     "lr_scheduler": ["--scheduler"],
     "refit": ["--refit"],
+    # Each step's per-parameter gradient norms (opt.grad_norms() / p.grad.norm()),
+    # compared with the parameters.
+    "grad_norms": ["--log-grad-norms"],
     "epoch_1": ["--epochs", "1", "--save", "{dir}/{system}.ckpt"],
     "resumed": ["--resume", "{dir}/{system}.ckpt"],
 }

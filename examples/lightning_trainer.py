@@ -28,6 +28,10 @@ optimizer returned alone is converted into one by the strategy
   on any device (``--comm-hook``).
 - Float16 loss scaling takes fgpsdp's scaler through Lightning's plugin
   (``--precision 16-mixed-scaler``); torch's is refused at the step.
+- Per-parameter gradient norms (Lightning's ``grad_norm(module, 2)``, logged in
+  ``on_before_optimizer_step``) read ``p.grad``, which is None here: they would log
+  nothing. ``optimizer.grad_norms()`` gives them, a collective every rank's hook
+  makes (``--log-grad-norms`` saves them beside the parameters).
 - Checkpoints need nothing: Lightning saves a sharded optimizer by calling
   ``consolidate_state_dict()`` on every rank and ``state_dict()`` on rank 0 (as for
   torch's ZeroRedundancyOptimizer), which gives the whole optimizer state.
@@ -42,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+from typing import Optional
 
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
@@ -144,12 +149,25 @@ def clip_sharded_optimizers(plugin) -> None:
 
 class Regression(pl.LightningModule):
     def __init__(self, system: str, out: str, torch_optimizer: bool = False,
-                 scheduler: bool = False):
+                 scheduler: bool = False, log_grad_norms: bool = False):
         super().__init__()
         self.system, self.out = system, out  # out: where rank 0 saves the parameters
         self.torch_optimizer = torch_optimizer  # fgpsdp: the strategy converts it
         self.scheduler = scheduler  # a StepLR returned with the optimizer
         self.net = regression_net()
+        # Each step's per-parameter gradient norms, saved beside the parameters.
+        self.grad_norms: Optional[list[list[float]]] = [] if log_grad_norms else None
+
+    def on_before_optimizer_step(self, optimizer):
+        if self.grad_norms is None:
+            return
+        if isinstance(optimizer, fgp.ShardedOptimizer):
+            # param.grad is None here: the reduced gradients are in the slices. A
+            # collective (every rank runs this hook); in parameter order.
+            norms = [float(norm) for norm in optimizer.grad_norms().values()]
+        else:  # what Lightning's grad_norm(self.net, 2) logs, less its total
+            norms = [float(p.grad.norm()) for p in self.net.parameters()]
+        self.grad_norms.append(norms)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
@@ -173,8 +191,10 @@ class Regression(pl.LightningModule):
         if isinstance(wrapper, fgp.DistributedDataParallel):
             wrapper.synchronize()  # the last step's all-gathers landed
         if self.trainer.global_rank == 0:
-            torch.save({k: v.detach().clone() for k, v in self.net.state_dict().items()},
-                       self.out)
+            saved = {k: v.detach().clone() for k, v in self.net.state_dict().items()}
+            if self.grad_norms is not None:
+                saved["grad_norms"] = torch.tensor(self.grad_norms)
+            torch.save(saved, self.out)
 
 
 def make_trainer(args: argparse.Namespace) -> pl.Trainer:
@@ -218,12 +238,16 @@ def main() -> None:
     parser.add_argument("--scheduler", action="store_true",
                         help="configure_optimizers returns a StepLR too (stepped every 4 "
                         "steps; refused with --torch-optimizer under fgpsdp)")
+    parser.add_argument("--log-grad-norms", action="store_true",
+                        help="save each step's per-parameter gradient norms (fgpsdp: "
+                        "opt.grad_norms(), torch: p.grad.norm()) beside the parameters")
     args = parser.parse_args()
     torch.set_num_threads(1)
     # shuffle=False: a resumed run sees the batches the uninterrupted one saw.
     data = DataLoader(regression_dataset(), batch_size=4, shuffle=False)
     pl.seed_everything(0, verbose=False)
-    model = Regression(args.system, args.out, args.torch_optimizer, args.scheduler)
+    model = Regression(args.system, args.out, args.torch_optimizer, args.scheduler,
+                       args.log_grad_norms)
     trainer = make_trainer(args)
     trainer.fit(model, data, ckpt_path=args.resume)
     if args.refit:

@@ -86,7 +86,7 @@ def full_grad(model: "DistributedDataParallel", pieces: "SlicePieces",
         return None  # (every rank alike: no collective)
     storage = model.buckets[bucket]
     whole = torch.zeros(span.numel, dtype=storage.grad_shard.dtype, device=storage.device)
-    for _, b, start, end in pieces.by_param.get(index, ()):
+    for _, _, start, end in pieces.by_param.get(index, ()):
         lo = start - storage.shard_start
         whole[start - span.bucket_offset:end - span.bucket_offset].copy_(
             storage.grad_shard[lo:lo + (end - start)])

@@ -601,6 +601,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._refuse_while_unfinished(what)
         self._announce(call, *args)
         self._reduce_and_measure()
+        self._gradients_read = True
 
     def _frozen_when_wrapped(self, param: object) -> bool:
         """A parameter of the module that no bucket holds and the user does not own."""
@@ -641,8 +642,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        # A loop that read the gradients through us (full_grad() over every
+        # parameter) knows where they are: no warning about torch's clip.
         self.model.note_step_for_the_clip_warning(
-            clipped=self._clip_called or self.max_grad_norm is not None)
+            clipped=self._clip_called or self._gradients_read or self.max_grad_norm is not None)
         self.run_step()
         self._unstepped_ignored.after_step()
         return loss
@@ -1013,6 +1016,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._clipped_norm: Optional[float] = None  # the norm measured after the last clip
         self._values_clipped = False  # clip_grad_value_ changed an element on some rank
         self._clip_called = False  # clip_grad_norm_ or clip_grad_value_ ran this step
+        self._gradients_read = False  # grad_norms() or full_grad() ran this step
         # Some rank's speculative steps ran with other hyperparameters than the step's.
         self._speculated_with_other_hyperparameters = False
         self._speculation_failures = 0  # ranks whose speculative step raised this round

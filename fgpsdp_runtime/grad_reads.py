@@ -45,13 +45,10 @@ def grad_norms(model: "DistributedDataParallel", pieces: "SlicePieces",
     parameters that would have a ``p.grad``. The squares are summed in float64, piece
     by piece and then over the ranks, so the last bit may differ from torch's
     (which sums in the gradient's dtype). A collective."""
-    names = [name for name, _ in model.named_trainable_parameters()]
+    named = model.named_trainable_parameters()
     device = _device(model)
-    squares = torch.zeros(len(names), dtype=torch.float64, device=device)
-    where: dict[int, int] = {}  # parameter index -> its bucket
+    squares = torch.zeros(len(named), dtype=torch.float64, device=device)
     for b, storage in enumerate(model.buckets):
-        for span in storage.layout.spans:
-            where[span.param_index] = b
         if not storage.grad_shard_valid or not pieces.by_bucket[b]:
             continue
         shard = storage.grad_shard
@@ -64,10 +61,16 @@ def grad_norms(model: "DistributedDataParallel", pieces: "SlicePieces",
     if model.world_size > 1:
         all_reduce_held(squares, dist.ReduceOp.SUM, model.process_group, "gradient norms")
     norms = squares.sqrt().cpu()
-    dtypes = [s.grad_shard.dtype for s in model.buckets]
-    return {name: norms[index].to(device=device, dtype=dtypes[where[index]])
-            for index, name in enumerate(names)
-            if index in where and _has_gradient(model, globally_used, where[index], index)}
+    found = {}
+    for index, (name, param) in enumerate(named):
+        slot = model.reducer.slot.get(index)
+        if slot is None:  # an empty parameter: its p.grad is its own, as torch DDP's
+            if param.grad is not None:
+                found[name] = torch.zeros((), dtype=param.grad.dtype, device=param.grad.device)
+        elif _has_gradient(model, globally_used, slot[0], index):
+            found[name] = norms[index].to(device=device,
+                                          dtype=model.buckets[slot[0]].grad_shard.dtype)
+    return found
 
 
 def full_grad(model: "DistributedDataParallel", pieces: "SlicePieces",
@@ -80,8 +83,11 @@ def full_grad(model: "DistributedDataParallel", pieces: "SlicePieces",
     so the sum is that rank's byte, with no carry. Every value arrives bit for bit,
     -0.0 and a NaN's payload included, which a sum of floats (x + 0.0) would not
     keep for -0.0."""
-    bucket, span = next((b, span) for b, storage in enumerate(model.buckets)
-                        for span in storage.layout.spans if span.param_index == index)
+    param = model.named_trainable_parameters()[index][1]
+    found = model.reducer.slot.get(index)
+    if found is None:  # an empty parameter: no bucket holds it, its p.grad is its own
+        return None if param.grad is None else param.grad.detach().clone()
+    bucket, span = found
     if not _has_gradient(model, globally_used, bucket, index):
         return None  # (every rank alike: no collective)
     storage = model.buckets[bucket]
@@ -93,19 +99,38 @@ def full_grad(model: "DistributedDataParallel", pieces: "SlicePieces",
     if model.world_size > 1:
         all_reduce_held(whole.view(torch.uint8), dist.ReduceOp.SUM, model.process_group,
                         "a parameter's whole gradient")
-    param = model.named_trainable_parameters()[index][1]
     return span_as_param(whole, param.shape, span.strides)
 
 
-def check_same_parameter(model: "DistributedDataParallel", index: int) -> None:
-    """ValueError on every rank unless every rank asked for parameter ``index``: a
-    different one would sum buffers of other parameters (or other lengths)."""
-    figures = torch.tensor([1.0, float(index), float(index) ** 2], dtype=torch.float64,
+def agree_on_the_read(model: "DistributedDataParallel", what: str, kind: int, index: int,
+                      unreduced: bool) -> None:
+    """Before a read's collectives, one all-reduce of [1, kind, kind^2, index, index^2,
+    unreduced]: raises on every rank unless every rank makes the same read (``kind``:
+    which call; ``index``: full_grad's parameter) of reduced gradients. Without it a
+    full_grad() on one rank beside a grad_norms() on another of as many parameters
+    would sum the one's figures with the other's, silently.
+
+    ``unreduced``: this rank holds gradients a backward under no_sync() left in
+    ``param.grad``. Reduced now, apart from the rest of the accumulation, they would
+    change what the step computes (two reductions added round otherwise than one of
+    the sum), so the read is refused instead; torch DDP's ``p.grad`` there is this
+    rank's own gradient."""
+    figures = torch.tensor([1.0, float(kind), float(kind) ** 2, float(index),
+                            float(index) ** 2, float(unreduced)], dtype=torch.float64,
                            device=_device(model))
     if model.world_size > 1:
         all_reduce_held(figures, dist.ReduceOp.SUM, model.process_group,
-                        "which parameter's gradient")
-    count, total, squares = (float(v) for v in figures.cpu())
-    if count * squares != total * total:  # equal only if every rank's index is
-        raise ValueError("fgpsdp: opt.full_grad(param) is a collective: every rank must "
-                         "ask for the same parameter at the same point of its loop")
+                        "which gradient read")
+    count, kinds, kind_squares, indices, index_squares, unreduced_ranks = \
+        (float(v) for v in figures.cpu())
+    # n * sum(x^2) == sum(x)^2 only if every rank's x is the same.
+    if count * kind_squares != kinds * kinds or count * index_squares != indices * indices:
+        raise ValueError(f"fgpsdp: {what} is a collective, and the ranks made different "
+                         "reads at the same point (another call, or full_grad() of another "
+                         "parameter): every rank must make the same one")
+    if unreduced_ranks > 0:
+        raise RuntimeError(
+            f"fgpsdp: {what} after a backward under no_sync(): this step's gradients are "
+            "not reduced yet (each rank's own are in param.grad, as under torch DDP); "
+            "reducing them now, apart from the rest of the accumulation, would change what "
+            "opt.step() computes. Read them after the synchronised backward")

@@ -24,11 +24,12 @@ refused (optimizer_kinds.py).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import operator
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -573,8 +574,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         clip, the clipped gradient's), keyed by ``model.module``'s parameter names;
         those without a gradient are left out, as their ``p.grad`` is None. A
         collective: one all-reduce of a float64 per parameter (see grad_reads.py)."""
-        self._before_gradient_read("grad_norms()", AnnouncedCall.GRAD_NORMS)
-        return grad_reads.grad_norms(self.model, self._slice_pieces, self._globally_used)
+        with self._gradient_read("opt.grad_norms()", AnnouncedCall.GRAD_NORMS):
+            return grad_reads.grad_norms(self.model, self._slice_pieces, self._globally_used)
 
     @torch.compiler.disable
     @torch.no_grad()
@@ -591,17 +592,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if self._frozen_when_wrapped(param):
                 return None  # as its p.grad (every rank alike: no collective)
             raise ValueError(self._not_a_bucketed_parameter(param))
-        self._before_gradient_read("full_grad()", AnnouncedCall.FULL_GRAD, float(index))
-        grad_reads.check_same_parameter(self.model, index)
-        return grad_reads.full_grad(self.model, self._slice_pieces, self._globally_used, index)
+        with self._gradient_read("opt.full_grad()", AnnouncedCall.FULL_GRAD, index):
+            return grad_reads.full_grad(self.model, self._slice_pieces, self._globally_used,
+                                        index)
 
-    def _before_gradient_read(self, what: str, call: AnnouncedCall, *args: float) -> None:
-        """What a clip does first: every reduce-scatter landed (a backward under
-        no_sync() reduced, as the step would), the used parameters known."""
+    @contextlib.contextmanager
+    def _gradient_read(self, what: str, call: AnnouncedCall, index: int = 0) -> Iterator[None]:
+        """Around a read: every rank makes the same one, of reduced gradients (see
+        grad_reads.agree_on_the_read); then what a clip does first (every
+        reduce-scatter landed, the used parameters known); and a warning if the
+        other ranks do not come (a read on rank 0 alone, to log there)."""
         self._refuse_while_unfinished(what)
-        self._announce(call, *args)
-        self._reduce_and_measure()
-        self._gradients_read = True
+        with warn_if_the_others_are_late(what, self.model.world_size, user_code_line(),
+                                         " Read on every rank, and log on one"):
+            self._announce(call, float(index))
+            grad_reads.agree_on_the_read(self.model, what, int(call), index,
+                                         self.model.reducer.holds_unreduced_gradients())
+            self._reduce_and_measure()
+            self._gradients_read = True
+            yield
 
     def _frozen_when_wrapped(self, param: object) -> bool:
         """A parameter of the module that no bucket holds and the user does not own."""

@@ -499,6 +499,11 @@ class GradientReducer:
         self.wait_all()
         self._round_launched = False
 
+    def holds_unreduced_gradients(self) -> bool:
+        """Gradients a backward under no_sync() left in ``param.grad``, which no round
+        has reduced yet (the step's finish_gradient_sync would)."""
+        return any(self.params[index].grad is not None for index in self.slot)
+
     def launch_pending_round(self) -> None:
         """finish_gradient_sync's launch: a round not (fully) launched since the
         last step is launched now, the same on every rank."""

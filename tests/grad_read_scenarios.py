@@ -48,15 +48,18 @@ def _compare(opt, ours, ref, where: str, found: list[str], worst: list[float]) -
 
 
 def grads_beside_torch_ddp(rank: int, world_size: int, schedule: str, model_name: str,
-                           local_size: int = 0) -> dict:
+                           local_size: int = 0, reads: bool = True) -> dict:
     """Three steps of AdamW beside torch DDP, both clipping at step 1 (the norm is
     above the bound), the second step's gradients accumulated over two micro-batches
     (the first under no_sync()). After each backward, after the clip, after the step
-    and after zero_grad(), every parameter's gradient read both ways.
+    and after zero_grad(), every parameter's gradient read both ways (``reads=False``:
+    none, the same training otherwise).
 
-    Returns {"mismatches": [...], "largest_difference": float, "warnings": [...]}."""
+    Returns {"mismatches": [...], "largest_difference": float, "warnings": [...],
+    "params": fgpsdp's parameters at the end}."""
     torch.manual_seed(1234)
-    base = MODELS[model_name]()
+    base = EmptyParameterNet() if model_name == "empty_parameter" else MODELS[model_name]()
+    model_name = "mlp" if model_name == "empty_parameter" else model_name  # (its batches)
     find_unused = model_name == "unused"
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base),
                                               find_unused_parameters=find_unused)
@@ -71,16 +74,20 @@ def grads_beside_torch_ddp(rank: int, world_size: int, schedule: str, model_name
     worst = [0.0]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _train_and_compare(opt, ours, ref, ref_opt, model_name, rank, found, worst)
+        _train_and_compare(opt, ours, ref, ref_opt, model_name, rank, found, worst, reads)
     ours.synchronize()
     # _compare walks model.module.named_parameters() between backward and step: no
     # warning that torch's clip would see no gradient (the loop reads them through ours).
     said = [str(w.message) for w in caught if "fgpsdp" in str(w.message)]
-    return {"mismatches": found, "largest_difference": worst[0], "warnings": said}
+    return {"mismatches": found, "largest_difference": worst[0], "warnings": said,
+            "params": [p.detach().clone() for p in ours.module.parameters()]}
 
 
 def _train_and_compare(opt, ours, ref, ref_opt, model_name: str, rank: int,
-                       found: list[str], worst: list[float]) -> None:
+                       found: list[str], worst: list[float], reads: bool) -> None:
+    def compare(where: str) -> None:
+        if reads:
+            _compare(opt, ours, ref, where, found, worst)
     for step in range(3):
         micro = 2 if step == 1 else 1
         for m in range(micro):
@@ -89,17 +96,17 @@ def _train_and_compare(opt, ours, ref, ref_opt, model_name: str, rank: int,
                 ctx = model.no_sync() if m < micro - 1 else contextlib.nullcontext()
                 with ctx:
                     (loss_fn(model_name, model(x), y) / micro).backward()
-        _compare(opt, ours, ref, f"step {step} after backward", found, worst)
+        compare(f"step {step} after backward")
         if step == 1:
             opt.clip_grad_norm_(1e-3)
             reference_clip_(ref.parameters(), 1e-3)
-            _compare(opt, ours, ref, f"step {step} after the clip", found, worst)
+            compare(f"step {step} after the clip")
         opt.step()
         ref_opt.step()
-        _compare(opt, ours, ref, f"step {step} after the step", found, worst)
+        compare(f"step {step} after the step")
         opt.zero_grad()
         ref_opt.zero_grad()
-    _compare(opt, ours, ref, "after zero_grad()", found, worst)
+    compare("after zero_grad()")
 
 
 def full_grad_refusals(rank: int, world_size: int) -> dict:
@@ -127,15 +134,49 @@ def full_grad_refusals(rank: int, world_size: int) -> dict:
     return said
 
 
-def full_grad_of_other_parameters(rank: int, world_size: int) -> None:
-    """Rank 0 asks for one parameter's gradient, the others for another's: raises on
-    every rank (before, the buffers of two parameters would have been summed)."""
+def different_reads(rank: int, world_size: int, other: str) -> None:
+    """Rank 0 asks for one parameter's gradient, the others for another's, or
+    (``other="norms"``) for the norms of a model of three parameters: raises on every
+    rank (the figures of two reads summed together, silently, otherwise: the norms'
+    all-reduce of one figure per parameter was as long as full_grad's first one)."""
     torch.manual_seed(0)
-    model = fgp.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)),
-                                        schedule="serial")
+    module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2, bias=False))
+    model = fgp.DistributedDataParallel(module, schedule="serial")
     opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
     model(torch.randn(3, 4)).sum().backward()
-    opt.full_grad(model.module[0].weight if rank == 0 else model.module[1].weight)
+    if rank == 0:
+        opt.full_grad(module[0].weight)  # the wrapper's parameter 0
+    elif other == "norms":
+        opt.grad_norms()
+    else:
+        opt.full_grad(module[1].weight)
+
+
+def read_after_a_no_sync_backward(rank: int, world_size: int, read: str) -> None:
+    """A read after a backward under no_sync() alone raises on every rank: reducing
+    those gradients apart from the rest of the accumulation would change the step."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model = fgp.DistributedDataParallel(module, schedule="two_stage")
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    with model.no_sync():
+        model(torch.randn(3, 4)).sum().backward()
+    if read == "norms":
+        opt.grad_norms()
+    else:
+        opt.full_grad(module[0].weight)
+
+
+class EmptyParameterNet(nn.Module):
+    """A parameter of no elements beside a linear layer (no bucket holds it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(13, 5)
+        self.empty = nn.Parameter(torch.zeros(0))
+
+    def forward(self, x):
+        return self.lin(x) + self.empty.sum()
 
 
 def grads_under_join(rank: int, world_size: int, schedule: str) -> dict:

@@ -3,22 +3,25 @@ DDP's p.grad holds it (CPU, gloo)."""
 import functools
 
 import pytest
+import torch
 
 from .dist_harness import RankError, run_calls, run_distributed
-from .grad_read_scenarios import (full_grad_of_other_parameters, full_grad_refusals,
-                                  grads_beside_torch_ddp, grads_under_join)
+from .grad_read_scenarios import (different_reads, full_grad_refusals, grads_beside_torch_ddp,
+                                  grads_under_join, read_after_a_no_sync_backward)
 
 SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
 # The tied embedding, parameters no backward reaches, frozen ones beside BatchNorm,
-# and channels_last / column-major layouts.
-MODELS = ("mlp", "tied", "unused", "bn_frozen", "channels_last")
+# channels_last / column-major layouts, and a parameter of no elements.
+MODELS = ("mlp", "tied", "unused", "bn_frozen", "channels_last", "empty_parameter")
 FLAT_CALLS = [(grads_beside_torch_ddp, s, m) for s in SCHEDULES for m in MODELS]
+UNREAD_CALLS = [(grads_beside_torch_ddp, s, m, 0, False) for s in SCHEDULES for m in MODELS]
 JOIN_CALLS = [(grads_under_join, s) for s in SCHEDULES]
 
 
 @functools.lru_cache(maxsize=None)
 def two_ranks():
-    return run_calls(2, FLAT_CALLS + JOIN_CALLS + [(full_grad_refusals,)], timeout_s=600)
+    return run_calls(2, FLAT_CALLS + UNREAD_CALLS + JOIN_CALLS + [(full_grad_refusals,)],
+                     timeout_s=600)
 
 
 @functools.lru_cache(maxsize=None)
@@ -39,6 +42,12 @@ def test_gradients_read_bitwise_as_torch_ddp_on_two_ranks(schedule, model):
         # Every parameter read through model.module between backward and step, for
         # full_grad(): not torch's clip, so no warning about it.
         assert res["warnings"] == [], f"rank {rank}"
+    # The reads change nothing the steps compute: bitwise the run without them.
+    unread = two_ranks()[(grads_beside_torch_ddp, schedule, model, 0, False)]
+    for rank, (res, other) in enumerate(zip(two_ranks()[(grads_beside_torch_ddp, schedule, model)],
+                                            unread)):
+        assert all(torch.equal(a, b) for a, b in zip(res["params"], other["params"])), \
+            f"rank {rank}"
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -68,9 +77,21 @@ def test_full_grad_refuses_what_is_not_a_bucketed_parameter():
         assert said["frozen"] is None
 
 
-def test_full_grad_of_other_parameters_on_other_ranks_raises_on_every_rank():
+@pytest.mark.parametrize("other", ["parameter", "norms"])
+def test_different_reads_on_different_ranks_raise_on_every_rank(other):
     with pytest.raises(RankError) as raised:
-        run_distributed(2, full_grad_of_other_parameters, timeout_s=120)
+        run_distributed(2, different_reads, other, timeout_s=120)
     messages = raised.value.messages()
     assert len(messages) == 2
-    assert all("every rank must ask for the same parameter" in m for m in messages.values())
+    assert all("ValueError" in m and "the ranks made different reads" in m
+               for m in messages.values())
+
+
+@pytest.mark.parametrize("read", ["norms", "full_grad"])
+def test_a_read_after_a_no_sync_backward_raises_on_every_rank(read):
+    with pytest.raises(RankError) as raised:
+        run_distributed(2, read_after_a_no_sync_backward, read, timeout_s=120)
+    messages = raised.value.messages()
+    assert len(messages) == 2
+    assert all("RuntimeError" in m and "after a backward under no_sync()" in m
+               for m in messages.values())

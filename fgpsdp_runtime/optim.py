@@ -596,6 +596,33 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return grad_reads.full_grad(self.model, self._slice_pieces, self._globally_used,
                                         index)
 
+    @torch.compiler.disable
+    @torch.no_grad()
+    @on_itself
+    def full_state(self, param: torch.Tensor) -> dict[str, Any]:
+        """``param``'s optimizer state, what ``opt.state[param]`` holds for a torch
+        optimizer over the whole model (under torch DDP): each per-element entry
+        (``exp_avg``, ``momentum_buffer``, ...) whole, in the parameter's shape and
+        layout, bit for bit; scalar entries (``step``) as the slices hold them;
+        {} before its first step. ``opt.state`` itself is keyed by this rank's slice
+        pieces. A collective: every rank asks for the same parameter."""
+        index = self.model.param_index(param) if isinstance(param, torch.Tensor) else None
+        if index is None:
+            if self._frozen_when_wrapped(param):
+                return {}  # (every rank alike: no collective)
+            raise ValueError(self._not_a_bucketed_parameter(param, "full_state"))
+        self._refuse_while_unfinished("full_state()")
+        self._refuse_speculative_state("full_state()")
+        what = "opt.full_state()"
+        with warn_if_the_others_are_late(what, self.model.world_size, user_code_line(),
+                                         " Read on every rank, and log on one"):
+            uneven = self.model._uneven_inputs
+            if uneven is not None:
+                uneven.notify(AnnouncedCall.PARAM_STATE, float(index))
+            grad_reads.agree_on_the_read(self.model, what, int(AnnouncedCall.PARAM_STATE),
+                                         index, unreduced=False)
+            return optim_checkpoint.param_state(self, index)
+
     @contextlib.contextmanager
     def _gradient_read(self, what: str, call: AnnouncedCall, index: int = 0) -> Iterator[None]:
         """Around a read: every rank makes the same one, of reduced gradients (see
@@ -618,14 +645,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return any(p is param for _, p in plain_named_parameters(self.model.module)) \
             and not any(p is param for p in ignored)
 
-    def _not_a_bucketed_parameter(self, param: object) -> str:
+    def _not_a_bucketed_parameter(self, param: object, call: str = "full_grad") -> str:
         if not isinstance(param, torch.Tensor):
-            return f"fgpsdp: opt.full_grad() takes a parameter of the model, got {type(param).__name__}"
+            return f"fgpsdp: opt.{call}() takes a parameter of the model, got {type(param).__name__}"
         if any(p is param for _, p in self.model.named_ignored_parameters()):
-            return ("fgpsdp: opt.full_grad(): this parameter is named in "
-                    "_ddp_params_and_buffers_to_ignore, so the wrapper leaves its gradient "
-                    "to you: it is in param.grad, as this rank's backward left it")
-        return ("fgpsdp: opt.full_grad(): not a parameter of the wrapped model (pass the "
+            return (f"fgpsdp: opt.{call}(): this parameter is named in "
+                    "_ddp_params_and_buffers_to_ignore, so the wrapper leaves it to you: "
+                    "its gradient is in param.grad, as this rank's backward left it, and "
+                    "no ShardedOptimizer steps it")
+        return (f"fgpsdp: opt.{call}(): not a parameter of the wrapped model (pass the "
                 "tensors of model.module.parameters(), not the slice pieces in "
                 "opt.param_groups)")
 

@@ -35,10 +35,11 @@ import warnings
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 
 from .backends import objects_on
 from .buckets import span_as_param, to_bucket_order
-from .group_collectives import all_gather_single, hold_past_gloo_worker
+from .group_collectives import all_gather_single, all_reduce_held, hold_past_gloo_worker
 from .object_collectives import all_gather_objects
 from .step_wide_state import copy_value, optimizer_wide_entries
 from .user_warnings import warn_at_user_code
@@ -176,6 +177,47 @@ def full_state_dict(opt: ShardedOptimizer, keep_on: Optional[int]) -> dict[str, 
         state[key] = value.detach().to("cpu", copy=True) if torch.is_tensor(value) \
             else copy.deepcopy(value)
     return {"state": state, "param_groups": groups}
+
+
+def param_state(opt: ShardedOptimizer, index: int) -> dict[str, Any]:
+    """Trainable parameter ``index``'s optimizer state as a torch optimizer over the
+    whole model holds it in ``opt.state[p]``: each per-element entry whole, shaped
+    and laid out as the parameter (on its device), scalar entries (``step``) as
+    they are; {} before its first step. A collective (the ranks must agree on which
+    parameter, checked by the caller): one ``all_gather_objects`` of this rank's
+    entry names (a rank may hold no piece of the parameter), then per per-element
+    entry one all-reduce of its bytes, each non-zero on its owner alone (see
+    grad_reads.full_grad: every value arrives bit for bit)."""
+    model = opt.model
+    pieces = opt._slice_pieces.by_param.get(index, ())
+    mine = _local_metadata(opt).get(index) if pieces else None
+    with objects_on(model.device):
+        gathered = all_gather_objects({"params": {index: mine} if mine else {}},
+                                      model.process_group, "a parameter's optimizer state")
+    meta = _merge_metadata(gathered).get(index)
+    found = model.reducer.slot.get(index)
+    if meta is None or found is None:  # (no piece of an empty parameter is stepped)
+        return {}
+    storage = model.buckets[found[0]]
+    span = found[1]
+    param = model.named_trainable_parameters()[index][1]
+    state = {}
+    for key in meta["order"]:
+        if key not in meta["per_element"]:
+            value = meta["scalars"][key]
+            state[key] = value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
+            continue
+        whole = torch.zeros(span.numel, dtype=getattr(torch, meta["per_element"][key]),
+                            device=storage.device)
+        for tensor, _, start, end in pieces:
+            entry = opt.optim.state.get(tensor)
+            if entry and key in entry:
+                whole[start - span.bucket_offset:end - span.bucket_offset].copy_(entry[key])
+        if model.world_size > 1:
+            all_reduce_held(whole.view(torch.uint8), dist.ReduceOp.SUM, model.process_group,
+                            "a parameter's optimizer state")
+        state[key] = span_as_param(whole, param.shape, span.strides)
+    return state
 
 
 def _state_of_untrained_params(opt: ShardedOptimizer) -> dict[int, dict[str, Any]]:

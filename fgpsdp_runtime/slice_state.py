@@ -43,8 +43,9 @@ class SliceState(defaultdict):
             warnings.warn(
                 "fgpsdp: opt.state is keyed by this rank's slice pieces (the tensors in "
                 "opt.param_groups), not by the model's parameters, which have no entry; "
-                "opt.full_state_dict() holds every parameter's state in torch.optim's "
-                "format (a collective)", RuntimeWarning, stacklevel=stacklevel)
+                "opt.full_state(param) gives one parameter's state as torch.optim holds it, "
+                "and opt.full_state_dict() every parameter's (both collectives)",
+                RuntimeWarning, stacklevel=stacklevel)
 
     def _is_model_param_key(self, key) -> bool:
         return isinstance(key, torch.Tensor) and self._is_model_param(key)

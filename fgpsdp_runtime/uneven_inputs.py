@@ -75,6 +75,7 @@ class AnnouncedCall(enum.IntEnum):
     CLIP_VALUE = 9     # args: (clip_value,)
     GRAD_NORMS = 10    # opt.grad_norms()
     FULL_GRAD = 11     # args: (the parameter's index in the wrapper,)
+    PARAM_STATE = 12   # opt.full_state(param); args: (the parameter's index,)
 
 
 _N_CALLS = len(AnnouncedCall)
@@ -315,6 +316,8 @@ class UnevenInputs:
             optimizer.grad_norms()
         elif call is AnnouncedCall.FULL_GRAD:
             optimizer.full_grad(model.named_trainable_parameters()[int(args[0])][1])
+        elif call is AnnouncedCall.PARAM_STATE:
+            optimizer.full_state(model.named_trainable_parameters()[int(args[0])][1])
         elif call is AnnouncedCall.ZERO_GRAD:
             if optimizer is not None:
                 optimizer.zero_grad(set_to_none=args[0] > 0.5)

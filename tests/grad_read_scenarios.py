@@ -47,6 +47,32 @@ def _compare(opt, ours, ref, where: str, found: list[str], worst: list[float]) -
                 found.append(f"{where}: {name}: norm {norms[name]!r}")
 
 
+def _compare_state(opt, ours, ref, ref_opt, where: str, found: list[str]) -> float:
+    """Every parameter's full_state() against ref_opt.state[p] (entries, their order,
+    shapes, layouts and dtypes); returns the largest difference of a tensor entry."""
+    ref_named = dict(ref.module.named_parameters())
+    worst = 0.0
+    for name, param in ours.module.named_parameters():
+        state, ref_state = opt.full_state(param), ref_opt.state.get(ref_named[name], {})
+        if param.numel() == 0:  # no slice holds it: never stepped here (docs/semantics.md)
+            if state:
+                found.append(f"{where}: {name}: state {state} of a parameter of no elements")
+            continue
+        if list(state) != list(ref_state):
+            found.append(f"{where}: {name}: state entries {list(state)}, torch's "
+                         f"{list(ref_state)}")
+            continue
+        for key, value in state.items():
+            expected = ref_state[key]
+            if value.shape != expected.shape or value.dtype != expected.dtype or (
+                    value.dim() and value.stride() != expected.stride()):
+                found.append(f"{where}: {name}: {key} {tuple(value.shape)} {value.dtype}, "
+                             f"torch's {tuple(expected.shape)} {expected.dtype}")
+            elif value.numel():
+                worst = max(worst, float((value - expected).abs().max()))
+    return worst
+
+
 def grads_beside_torch_ddp(rank: int, world_size: int, schedule: str, model_name: str,
                            local_size: int = 0, reads: bool = True) -> dict:
     """Three steps of AdamW beside torch DDP, both clipping at step 1 (the norm is
@@ -55,8 +81,10 @@ def grads_beside_torch_ddp(rank: int, world_size: int, schedule: str, model_name
     and after zero_grad(), every parameter's gradient read both ways (``reads=False``:
     none, the same training otherwise).
 
+    After each step, full_state() of every parameter against torch's optimizer state.
+
     Returns {"mismatches": [...], "largest_difference": float, "warnings": [...],
-    "params": fgpsdp's parameters at the end}."""
+    "params": fgpsdp's parameters at the end, "state_differences": one per step}."""
     torch.manual_seed(1234)
     base = EmptyParameterNet() if model_name == "empty_parameter" else MODELS[model_name]()
     model_name = "mlp" if model_name == "empty_parameter" else model_name  # (its batches)
@@ -72,19 +100,23 @@ def grads_beside_torch_ddp(rank: int, world_size: int, schedule: str, model_name
                                 lr=1e-2)
     found: list[str] = []
     worst = [0.0]
+    state_differences: list[float] = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        _train_and_compare(opt, ours, ref, ref_opt, model_name, rank, found, worst, reads)
+        _train_and_compare(opt, ours, ref, ref_opt, model_name, rank, found, worst, reads,
+                           state_differences)
     ours.synchronize()
     # _compare walks model.module.named_parameters() between backward and step: no
     # warning that torch's clip would see no gradient (the loop reads them through ours).
     said = [str(w.message) for w in caught if "fgpsdp" in str(w.message)]
     return {"mismatches": found, "largest_difference": worst[0], "warnings": said,
-            "params": [p.detach().clone() for p in ours.module.parameters()]}
+            "params": [p.detach().clone() for p in ours.module.parameters()],
+            "state_differences": state_differences}
 
 
 def _train_and_compare(opt, ours, ref, ref_opt, model_name: str, rank: int,
-                       found: list[str], worst: list[float], reads: bool) -> None:
+                       found: list[str], worst: list[float], reads: bool,
+                       state_differences: list[float]) -> None:
     def compare(where: str) -> None:
         if reads:
             _compare(opt, ours, ref, where, found, worst)
@@ -104,6 +136,9 @@ def _train_and_compare(opt, ours, ref, ref_opt, model_name: str, rank: int,
         opt.step()
         ref_opt.step()
         compare(f"step {step} after the step")
+        if reads:
+            state_differences.append(
+                _compare_state(opt, ours, ref, ref_opt, f"step {step}", found))
         opt.zero_grad()
         ref_opt.zero_grad()
     compare("after zero_grad()")
@@ -181,8 +216,9 @@ class EmptyParameterNet(nn.Module):
 
 def grads_under_join(rank: int, world_size: int, schedule: str) -> dict:
     """Uneven inputs (rank 0 runs 2 batches, rank 1 runs 4): every step's gradient
-    norms and whole gradients read on the active ranks, under fgpsdp's model.join()
-    (the joined rank takes its part in both reads) and then torch DDP's join."""
+    norms and whole gradients, and after the step Adam's exp_avg (full_state()), read
+    on the active ranks under fgpsdp's model.join() (the joined rank takes its part in
+    the reads) and then torch DDP's join."""
     torch.manual_seed(1234)
     base = MODELS["mlp"]()
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
@@ -190,30 +226,36 @@ def grads_under_join(rank: int, world_size: int, schedule: str) -> dict:
     opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
 
-    def loop(model, optimizer, read) -> list:
+    def loop(model, optimizer, read, read_state) -> list:
         reads = []
         for step in range((2, 4)[rank]):
             x, y = make_batch("mlp", step, 0, rank)
             loss_fn("mlp", model(x), y).backward()
-            reads.append(read())
+            norms, grads = read()
             optimizer.step()
+            reads.append((norms, grads, read_state()))
             optimizer.zero_grad()
         return reads
 
     with ours.join():
         ours_reads = loop(ours, opt, lambda: (
             {n: float(v) for n, v in opt.grad_norms().items()},
-            [opt.full_grad(p) for p in ours.module.parameters()]))
+            [opt.full_grad(p) for p in ours.module.parameters()]),
+            lambda: [opt.full_state(p)["exp_avg"] for p in ours.module.parameters()])
     with ref.join():
         ref_reads = loop(ref, ref_opt, lambda: (
             {n: float(p.grad.norm()) for n, p in ref.module.named_parameters()},
-            [p.grad.clone() for p in ref.module.parameters()]))
+            [p.grad.clone() for p in ref.module.parameters()]),
+            lambda: [ref_opt.state[p]["exp_avg"].clone() for p in ref.module.parameters()])
     ours.synchronize()
     found = []
-    for step, ((norms, grads), (ref_norms, ref_grads)) in enumerate(zip(ours_reads, ref_reads)):
+    for step, ((norms, grads, states), (ref_norms, ref_grads, ref_states)) in enumerate(
+            zip(ours_reads, ref_reads)):
         if set(norms) != set(ref_norms) or any(
                 abs(norms[n] - ref_norms[n]) > 1e-6 * ref_norms[n] for n in norms):
             found.append(f"step {step}: norms {norms}, torch's {ref_norms}")
         if any(not torch.equal(g, r) for g, r in zip(grads, ref_grads)):
             found.append(f"step {step}: a whole gradient differs from torch DDP's p.grad")
+        if any(not torch.equal(a, b) for a, b in zip(states, ref_states)):
+            found.append(f"step {step}: an exp_avg differs from torch's after the step")
     return {"mismatches": found, "reads": len(ours_reads)}

@@ -35,13 +35,18 @@ def two_nodes_of_two():
 def test_gradients_read_bitwise_as_torch_ddp_on_two_ranks(schedule, model):
     """After backward, a clip, the step and zero_grad(): full_grad(p) is torch DDP's
     p.grad bit for bit (shape, strides and dtype too), or None where that is;
-    grad_norms() names the parameters with a gradient and their norms."""
+    grad_norms() names the parameters with a gradient and their norms; full_state(p)
+    holds torch's optimizer state for p."""
     for rank, res in enumerate(two_ranks()[(grads_beside_torch_ddp, schedule, model)]):
         assert res["mismatches"] == [], f"rank {rank}"
         assert res["largest_difference"] == 0.0, f"rank {rank}"
         # Every parameter read through model.module between backward and step, for
         # full_grad(): not torch's clip, so no warning about it.
         assert res["warnings"] == [], f"rank {rank}"
+        # full_state() after each step: bitwise torch's before the clip of step 1
+        # (whose norm is summed in float64), within rounding after.
+        assert res["state_differences"][0] == 0.0, f"rank {rank}"
+        assert max(res["state_differences"]) <= 1e-6, f"rank {rank}"
     # The reads change nothing the steps compute: bitwise the run without them.
     unread = two_ranks()[(grads_beside_torch_ddp, schedule, model, 0, False)]
     for rank, (res, other) in enumerate(zip(two_ranks()[(grads_beside_torch_ddp, schedule, model)],

@@ -129,8 +129,12 @@ def agree_on_the_read(model: "DistributedDataParallel", what: str, kind: int, in
                          "reads at the same point (another call, or full_grad() of another "
                          "parameter): every rank must make the same one")
     if unreduced_ranks > 0:
-        raise RuntimeError(
-            f"fgpsdp: {what} after a backward under no_sync(): this step's gradients are "
+        raise RuntimeError(unreduced_refusal(what))
+
+
+def unreduced_refusal(what: str) -> str:
+    """Why a read after a backward under no_sync() is refused (agree_on_the_read)."""
+    return (f"fgpsdp: {what} after a backward under no_sync(): this step's gradients are "
             "not reduced yet (each rank's own are in param.grad, as under torch DDP); "
             "reducing them now, apart from the rest of the accumulation, would change what "
             "opt.step() computes. Read them after the synchronised backward")

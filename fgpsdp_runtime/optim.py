@@ -604,12 +604,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         optimizer over the whole model (under torch DDP): each per-element entry
         (``exp_avg``, ``momentum_buffer``, ...) whole, in the parameter's shape and
         layout, bit for bit; scalar entries (``step``) as the slices hold them;
-        {} before its first step. ``opt.state`` itself is keyed by this rank's slice
-        pieces. A collective: every rank asks for the same parameter."""
+        {} before its first step (a frozen parameter: what torch's optimizer gives it
+        at construction). ``opt.state`` itself is keyed by this rank's slice pieces.
+        A collective: every rank asks for the same parameter."""
         index = self.model.param_index(param) if isinstance(param, torch.Tensor) else None
         if index is None:
             if self._frozen_when_wrapped(param):
-                return {}  # (every rank alike: no collective)
+                # What torch's optimizer gives it at construction, as in
+                # full_state_dict() (every rank alike: no collective).
+                return optim_checkpoint.state_of_untrained_params(self).get(id(param), {})
             raise ValueError(self._not_a_bucketed_parameter(param, "full_state"))
         self._refuse_while_unfinished("full_state()")
         self._refuse_speculative_state("full_state()")
@@ -630,11 +633,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         reduce-scatter landed, the used parameters known); and a warning if the
         other ranks do not come (a read on rank 0 alone, to log there)."""
         self._refuse_while_unfinished(what)
+        unreduced = self.model.reducer.holds_unreduced_gradients()
+        uneven = self.model._uneven_inputs
+        if unreduced and uneven is not None and not uneven.joined:
+            # Under model.join() the announcement would launch the round that reduces
+            # them (see _announce): refused before it, on every rank.
+            uneven.refuse(grad_reads.unreduced_refusal(what))
         with warn_if_the_others_are_late(what, self.model.world_size, user_code_line(),
                                          " Read on every rank, and log on one"):
             self._announce(call, float(index))
-            grad_reads.agree_on_the_read(self.model, what, int(call), index,
-                                         self.model.reducer.holds_unreduced_gradients())
+            grad_reads.agree_on_the_read(self.model, what, int(call), index, unreduced)
             self._reduce_and_measure()
             self._gradients_read = True
             yield

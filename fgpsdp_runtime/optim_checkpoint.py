@@ -154,7 +154,7 @@ def full_state_dict(opt: ShardedOptimizer, keep_on: Optional[int]) -> dict[str, 
     if not keep:
         return {}
 
-    untrained = _state_of_untrained_params(opt)
+    untrained = state_of_untrained_params(opt)
     state, groups, number = {}, [], 0
     for inner_group, numbered, names in zip(opt.optim.param_groups, opt._numbered_params,
                                             opt._numbered_names):
@@ -220,7 +220,7 @@ def param_state(opt: ShardedOptimizer, index: int) -> dict[str, Any]:
     return state
 
 
-def _state_of_untrained_params(opt: ShardedOptimizer) -> dict[int, dict[str, Any]]:
+def state_of_untrained_params(opt: ShardedOptimizer) -> dict[int, dict[str, Any]]:
     """What torch's optimizer holds for listed parameters no slice backs (frozen ones).
 
     Most optimizers create state at a parameter's first step, so none; some

@@ -501,8 +501,11 @@ class GradientReducer:
 
     def holds_unreduced_gradients(self) -> bool:
         """Gradients a backward under no_sync() left in ``param.grad``, which no round
-        has reduced yet (the step's finish_gradient_sync would)."""
-        return any(self.params[index].grad is not None for index in self.slot)
+        has reduced yet (the step's finish_gradient_sync would). Not zeros (a
+        ``zero_grad(set_to_none=False)`` since): reduced apart, they change nothing the
+        step computes (the sign of a -0.0 aside)."""
+        return any(self.params[index].grad is not None and bool(self.params[index].grad.any())
+                   for index in self.slot)
 
     def launch_pending_round(self) -> None:
         """finish_gradient_sync's launch: a round not (fully) launched since the

@@ -259,3 +259,60 @@ def grads_under_join(rank: int, world_size: int, schedule: str) -> dict:
         if any(not torch.equal(a, b) for a, b in zip(states, ref_states)):
             found.append(f"step {step}: an exp_avg differs from torch's after the step")
     return {"mismatches": found, "reads": len(ours_reads)}
+
+
+def reads_beside_no_sync(rank: int, world_size: int, schedule: str, under_join: bool,
+                         reads: bool) -> dict:
+    """Three steps of two micro-batches, the first under no_sync(); after it, with
+    ``reads``, a gradient read (refused: caught), and in step 1, after zero_grad(
+    set_to_none=False), another (allowed: zeros, nothing to reduce). Under
+    ``under_join`` inside model.join() (even inputs: no rank joins), where the read's
+    announcement would have launched the reduction of the no_sync() gradients.
+    Returns what the reads said and the parameters at the end."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    model = fgp.DistributedDataParallel(
+        module, schedule=schedule, overlap_plan="layout" if schedule == "two_stage" else "auto")
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9)
+    said = []
+    with model.join() if under_join else contextlib.nullcontext():
+        for step in range(3):
+            g = torch.Generator().manual_seed(100 * step + rank)
+            with model.no_sync():
+                model(torch.randn(5, 8, generator=g)).pow(2).sum().backward()
+            if reads:
+                try:
+                    opt.full_grad(module[0].weight)
+                    said.append("read")
+                except (RuntimeError, NotImplementedError) as error:
+                    said.append(f"{type(error).__name__}: {error}")
+                if step == 1:
+                    opt.zero_grad(set_to_none=False)
+                    norms = opt.grad_norms()
+                    said.append("zeros" if all(float(v) == 0.0 for v in norms.values())
+                                else f"norms {norms}")
+            elif step == 1:
+                opt.zero_grad(set_to_none=False)
+            model(torch.randn(5, 8, generator=g)).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    model.synchronize()
+    return {"said": said, "params": [p.detach().clone() for p in module.parameters()]}
+
+
+def frozen_parameter_state(rank: int, world_size: int) -> dict:
+    """full_state() of a parameter frozen at wrapping, beside torch's Adagrad, which
+    gives every listed parameter its initial sum at construction."""
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    base[0].bias.requires_grad_(False)
+    ref_opt = torch.optim.Adagrad(copy.deepcopy(base).parameters(), lr=0.1,
+                                  initial_accumulator_value=0.3)
+    model = fgp.DistributedDataParallel(base, schedule="serial")
+    opt = fgp.ShardedOptimizer(model, torch.optim.Adagrad, lr=0.1,
+                               initial_accumulator_value=0.3,
+                               param_groups=[{"params": list(base.parameters())}])
+    ref_state = list(ref_opt.state.values())[1]  # the frozen bias, second listed
+    state = opt.full_state(base[0].bias)
+    return {"keys": list(state), "ref_keys": list(ref_state),
+            "equal": all(torch.equal(state[k], ref_state[k]) for k in ref_state)}

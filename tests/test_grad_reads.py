@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from .dist_harness import RankError, run_calls, run_distributed
-from .grad_read_scenarios import (different_reads, full_grad_refusals, grads_beside_torch_ddp,
-                                  grads_under_join, read_after_a_no_sync_backward)
+from .grad_read_scenarios import (different_reads, frozen_parameter_state, full_grad_refusals,
+                                  grads_beside_torch_ddp, grads_under_join,
+                                  read_after_a_no_sync_backward, reads_beside_no_sync)
 
 SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
 # The tied embedding, parameters no backward reaches, frozen ones beside BatchNorm,
@@ -16,12 +17,14 @@ MODELS = ("mlp", "tied", "unused", "bn_frozen", "channels_last", "empty_paramete
 FLAT_CALLS = [(grads_beside_torch_ddp, s, m) for s in SCHEDULES for m in MODELS]
 UNREAD_CALLS = [(grads_beside_torch_ddp, s, m, 0, False) for s in SCHEDULES for m in MODELS]
 JOIN_CALLS = [(grads_under_join, s) for s in SCHEDULES]
+NO_SYNC_CALLS = [(reads_beside_no_sync, s, j, r) for s in SCHEDULES for j in (False, True)
+                 for r in (True, False)]
 
 
 @functools.lru_cache(maxsize=None)
 def two_ranks():
-    return run_calls(2, FLAT_CALLS + UNREAD_CALLS + JOIN_CALLS + [(full_grad_refusals,)],
-                     timeout_s=600)
+    return run_calls(2, FLAT_CALLS + UNREAD_CALLS + JOIN_CALLS + NO_SYNC_CALLS
+                     + [(full_grad_refusals,), (frozen_parameter_state,)], timeout_s=600)
 
 
 @functools.lru_cache(maxsize=None)
@@ -100,3 +103,27 @@ def test_a_read_after_a_no_sync_backward_raises_on_every_rank(read):
     assert len(messages) == 2
     assert all("RuntimeError" in m and "after a backward under no_sync()" in m
                for m in messages.values())
+
+
+@pytest.mark.parametrize("under_join", [False, True], ids=["plain", "under_join"])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_a_refused_read_after_no_sync_changes_nothing(schedule, under_join):
+    """The read after a no_sync() backward is refused on every rank, also under
+    model.join() (whose announcement would have reduced those gradients first, apart
+    from the rest of the accumulation); after zero_grad(set_to_none=False) it reads
+    zeros; and the run ends bitwise where the one without reads does."""
+    read = two_ranks()[(reads_beside_no_sync, schedule, under_join, True)]
+    unread = two_ranks()[(reads_beside_no_sync, schedule, under_join, False)]
+    for rank, (res, other) in enumerate(zip(read, unread)):
+        refusals = [s for s in res["said"] if s not in ("read", "zeros")]
+        assert len(refusals) == 3 and all("after a backward under no_sync()" in s
+                                          for s in refusals), f"rank {rank}: {res['said']}"
+        assert res["said"].count("zeros") == 1, f"rank {rank}: {res['said']}"
+        assert all(torch.equal(a, b) for a, b in zip(res["params"], other["params"])), \
+            f"rank {rank}"
+
+
+def test_full_state_of_a_frozen_parameter_is_what_torch_gives_it_at_construction():
+    for res in two_ranks()[(frozen_parameter_state,)]:
+        assert res["keys"] == res["ref_keys"] == ["step", "sum"]
+        assert res["equal"]

@@ -7,7 +7,8 @@ the slice of the rank that owns it. A loop that logs per-layer gradient norms,
 or looks at one layer's gradient, reads ``p.grad`` under torch DDP; these put
 the same figures together from the pieces, each with one all-reduce over the
 wrapper's group. The optimizer calls them once every reduce-scatter has landed
-(``ShardedOptimizer.grad_norms`` and ``full_grad``).
+(``ShardedOptimizer.grad_norms`` and ``full_grad``), after agree_on_the_read's
+check that every rank makes the same read (which ``full_state`` makes too).
 """
 from __future__ import annotations
 

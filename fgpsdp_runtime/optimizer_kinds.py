@@ -32,6 +32,11 @@ _NOT_ELEMENTWISE = {
     # Fromage scale by each tensor's (or neuron's) norm, Ranger21 centralizes each
     # matrix's gradient and clips by unit norms.
     "adamp", "sgdp", "nero", "fromage", "ranger21",
+    # Sharpness-aware minimization (davda54's SAM, pytorch_optimizer's SAM, GSAM, WSAM,
+    # BSAM, LookSAM, FriendlySAM): the ascent step scales by the whole model's gradient
+    # norm, which on slices would be this rank's alone, and it steps in two calls
+    # around a second backward (first_step, second_step), which the wrapper never makes.
+    "sam", "gsam", "wsam", "bsam", "looksam", "friendlysam",
 }
 # Parts of lower-case class names: block-wise quantized state (bitsandbytes' Adam8bit,
 # AdamW8bit, PagedAdamW8bit, Lion8bit; torchao's AdamW8bit, AdamW4bit: one scale per

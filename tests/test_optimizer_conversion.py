@@ -247,11 +247,13 @@ class UsesGC(torch.optim.SGD):
 def test_which_optimizers_are_refused_as_not_element_wise():
     """A review found jettify's Ranger, RangerQH and RangerVA element-wise
     (RAdam / QHAdam with Lookahead: refused by a name part before), and AdamP, SGDP,
-    Nero and Fromage not (1e-5 to 1.49 from the whole tensor's update on slices)."""
+    Nero and Fromage not (1e-5 to 1.49 from the whole tensor's update on slices);
+    sharpness-aware ones (SAM) scale by the whole model's gradient norm."""
     from fgpsdp_runtime.optimizer_kinds import refuse_unsliceable, refuse_unsliceable_settings
     for name in ("Ranger", "RangerQH", "RangerVA", "AdamW"):
         refuse_unsliceable(_named(name))
-    for name in ("AdamP", "SGDP", "Nero", "Fromage", "Ranger21", "GrokAdamW", "StableAdamW"):
+    for name in ("AdamP", "SGDP", "Nero", "Fromage", "Ranger21", "GrokAdamW", "StableAdamW",
+                 "SAM", "GSAM", "LookSAM"):
         with pytest.raises(TypeError, match=f"{name} is not element-wise"):
             refuse_unsliceable(_named(name))
     p = torch.nn.Parameter(torch.zeros(3, 4))

@@ -316,3 +316,20 @@ def frozen_parameter_state(rank: int, world_size: int) -> dict:
     state = opt.full_state(base[0].bias)
     return {"keys": list(state), "ref_keys": list(ref_state),
             "equal": all(torch.equal(state[k], ref_state[k]) for k in ref_state)}
+
+
+def norms_of_a_non_finite_gradient(rank: int, world_size: int) -> dict:
+    """Rank 0's loss puts an inf into one weight's gradient: grad_norms() shows which
+    parameter (inf there, finite elsewhere), as p.grad.norm() would under torch DDP."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    model = fgp.DistributedDataParallel(module, schedule="two_stage")
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    loss = model(torch.randn(3, 4)).sum()
+    if rank == 0:
+        loss = loss + module[1].weight.view(-1)[0] * float("inf")
+    loss.backward()
+    norms = {name: float(norm) for name, norm in opt.grad_norms().items()}
+    opt.step()  # skipped: the norm is inf
+    model.synchronize()
+    return norms

@@ -1,6 +1,7 @@
 """opt.grad_norms() and opt.full_grad(p): the reduced gradient per parameter, as torch
 DDP's p.grad holds it (CPU, gloo)."""
 import functools
+import math
 
 import pytest
 import torch
@@ -8,7 +9,8 @@ import torch
 from .dist_harness import RankError, run_calls, run_distributed
 from .grad_read_scenarios import (different_reads, frozen_parameter_state, full_grad_refusals,
                                   grads_beside_torch_ddp, grads_under_join,
-                                  read_after_a_no_sync_backward, reads_beside_no_sync)
+                                  norms_of_a_non_finite_gradient, read_after_a_no_sync_backward,
+                                  reads_beside_no_sync)
 
 SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
 # The tied embedding, parameters no backward reaches, frozen ones beside BatchNorm,
@@ -24,7 +26,8 @@ NO_SYNC_CALLS = [(reads_beside_no_sync, s, j, r) for s in SCHEDULES for j in (Fa
 @functools.lru_cache(maxsize=None)
 def two_ranks():
     return run_calls(2, FLAT_CALLS + UNREAD_CALLS + JOIN_CALLS + NO_SYNC_CALLS
-                     + [(full_grad_refusals,), (frozen_parameter_state,)], timeout_s=600)
+                     + [(full_grad_refusals,), (frozen_parameter_state,),
+                        (norms_of_a_non_finite_gradient,)], timeout_s=600)
 
 
 @functools.lru_cache(maxsize=None)
@@ -127,3 +130,9 @@ def test_full_state_of_a_frozen_parameter_is_what_torch_gives_it_at_construction
     for res in two_ranks()[(frozen_parameter_state,)]:
         assert res["keys"] == res["ref_keys"] == ["step", "sum"]
         assert res["equal"]
+
+
+def test_grad_norms_name_the_parameter_whose_gradient_is_not_finite():
+    for norms in two_ranks()[(norms_of_a_non_finite_gradient,)]:
+        assert math.isinf(norms["1.weight"])
+        assert all(math.isfinite(v) for name, v in norms.items() if name != "1.weight")

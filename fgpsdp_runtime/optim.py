@@ -644,7 +644,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._announce(call, float(index))
             grad_reads.agree_on_the_read(self.model, what, int(call), index, unreduced)
             self._reduce_and_measure()
-            self._gradients_read = True
+            # A loop that walks the parameters to read each one's gradient through
+            # us: said to the warning about torch's clip (see _step_with).
+            self._full_grad_read = self._full_grad_read or call is AnnouncedCall.FULL_GRAD
             yield
 
     def _frozen_when_wrapped(self, param: object) -> bool:
@@ -687,10 +689,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # A loop that read the gradients through us (full_grad() over every
-        # parameter) knows where they are: no warning about torch's clip.
+        # A loop that read gradients through full_grad() walked the parameters for
+        # that, and knows where the gradients are: no warning about torch's clip.
+        # (Not grad_norms(): a loop logging them may still clip with torch's.)
         self.model.note_step_for_the_clip_warning(
-            clipped=self._clip_called or self._gradients_read or self.max_grad_norm is not None)
+            clipped=self._clip_called or self._full_grad_read or self.max_grad_norm is not None)
         self.run_step()
         self._unstepped_ignored.after_step()
         return loss
@@ -1061,7 +1064,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._clipped_norm: Optional[float] = None  # the norm measured after the last clip
         self._values_clipped = False  # clip_grad_value_ changed an element on some rank
         self._clip_called = False  # clip_grad_norm_ or clip_grad_value_ ran this step
-        self._gradients_read = False  # grad_norms() or full_grad() ran this step
+        self._full_grad_read = False  # full_grad() ran this step
         # Some rank's speculative steps ran with other hyperparameters than the step's.
         self._speculated_with_other_hyperparameters = False
         self._speculation_failures = 0  # ranks whose speculative step raised this round

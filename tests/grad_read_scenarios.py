@@ -333,3 +333,20 @@ def norms_of_a_non_finite_gradient(rank: int, world_size: int) -> dict:
     opt.step()  # skipped: the norm is inf
     model.synchronize()
     return norms
+
+
+def torch_clip_beside_grad_norms(rank: int, world_size: int) -> list[str]:
+    """A loop that logs opt.grad_norms() and clips with torch's clip_grad_norm_ over
+    model.parameters() (which sees no gradient): still warned at the step."""
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)),
+                                        schedule="serial")
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.randn(3, 4)).sum().backward()
+        opt.grad_norms()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+    model.synchronize()
+    return [str(w.message) for w in caught if "fgpsdp" in str(w.message)]

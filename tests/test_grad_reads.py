@@ -10,7 +10,7 @@ from .dist_harness import RankError, run_calls, run_distributed
 from .grad_read_scenarios import (different_reads, frozen_parameter_state, full_grad_refusals,
                                   grads_beside_torch_ddp, grads_under_join,
                                   norms_of_a_non_finite_gradient, read_after_a_no_sync_backward,
-                                  reads_beside_no_sync)
+                                  reads_beside_no_sync, torch_clip_beside_grad_norms)
 
 SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
 # The tied embedding, parameters no backward reaches, frozen ones beside BatchNorm,
@@ -27,7 +27,8 @@ NO_SYNC_CALLS = [(reads_beside_no_sync, s, j, r) for s in SCHEDULES for j in (Fa
 def two_ranks():
     return run_calls(2, FLAT_CALLS + UNREAD_CALLS + JOIN_CALLS + NO_SYNC_CALLS
                      + [(full_grad_refusals,), (frozen_parameter_state,),
-                        (norms_of_a_non_finite_gradient,)], timeout_s=600)
+                        (norms_of_a_non_finite_gradient,), (torch_clip_beside_grad_norms,)],
+                     timeout_s=600)
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,3 +137,10 @@ def test_grad_norms_name_the_parameter_whose_gradient_is_not_finite():
     for norms in two_ranks()[(norms_of_a_non_finite_gradient,)]:
         assert math.isinf(norms["1.weight"])
         assert all(math.isfinite(v) for name, v in norms.items() if name != "1.weight")
+
+
+def test_grad_norms_do_not_silence_the_warning_about_torchs_clip():
+    """Only full_grad() reads walk the parameters: a loop that logs grad_norms() and
+    clips with torch's clip over model.parameters() (clipping nothing) is warned."""
+    for said in two_ranks()[(torch_clip_beside_grad_norms,)]:
+        assert any("read between backward and opt.step()" in s for s in said), said

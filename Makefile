@@ -21,7 +21,9 @@ NVCC ?= nvcc
 CUDA_ARCH ?= sm_90
 
 # The test and build tools, pinned to the versions the suite last passed with in CI, so
-# that a release of one of them cannot turn a fresh clone's CI red overnight.
+# that a release of one of them cannot turn a fresh clone's CI red overnight (a new
+# .venv gets them; `make clean setup` renews an older one).
+PIP := pip==26.3
 PYTEST_XDIST := pytest-xdist==3.8.0
 TOOLS := numpy==2.4.6 pytest==9.2.0 $(PYTEST_XDIST) hypothesis==6.170.27 ninja==1.13.2 \
 	setuptools==84.2.1 wheel==0.48.0
@@ -35,7 +37,7 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): $(PY) setup.py $(wildcard csrc/*.cpp csrc/*/*.cpp csrc/*/*.cu csrc/include/*/*.h)
-	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet $(PIP)
 	$(PY) -m pip install --quiet $(TORCH_PIP_ARGS) torch==$(TORCH_VERSION)
 	$(PY) -m pip install --quiet $(TOOLS)
 	FGPSDP_SKIP_CUDA=1 $(PY) -m pip install --quiet --no-build-isolation -e .

@@ -25,9 +25,13 @@ if TYPE_CHECKING:  # imported for annotations only
     from .slice_pieces import SlicePieces
 
 
-def _device(model: "DistributedDataParallel") -> torch.device:
-    """Where the buckets, and so the collectives' tensors, live."""
-    return model.buckets[0].device if model.buckets else torch.device("cpu")
+# full_grad's and full_state's index for a tensor no bucket holds: a parameter of the
+# module frozen when it was wrapped (its p.grad is None, its state what torch's
+# optimizer gives it at construction), or no parameter of the model at all (refused).
+# The ranks agree on them as on an index (agree_on_the_read), so that a rank passing
+# one of those while the others pass a parameter raises with them.
+NOT_BUCKETED = -1
+NOT_A_PARAMETER = -2
 
 
 def _has_gradient(model: "DistributedDataParallel", globally_used: Optional[Sequence[bool]],
@@ -47,7 +51,7 @@ def grad_norms(model: "DistributedDataParallel", pieces: "SlicePieces",
     by piece and then over the ranks, so the last bit may differ from torch's
     (which sums in the gradient's dtype). A collective."""
     named = model.named_trainable_parameters()
-    device = _device(model)
+    device = model.device
     squares = torch.zeros(len(named), dtype=torch.float64, device=device)
     for b, storage in enumerate(model.buckets):
         if not storage.grad_shard_valid or not pieces.by_bucket[b]:
@@ -61,7 +65,7 @@ def grad_norms(model: "DistributedDataParallel", pieces: "SlicePieces",
         squares.index_add_(0, torch.tensor(indices, device=device), torch.stack(sums))
     if model.world_size > 1:
         all_reduce_held(squares, dist.ReduceOp.SUM, model.process_group, "gradient norms")
-    norms = squares.sqrt().cpu()
+    norms = squares.sqrt()  # (on the buckets' device: no copy per parameter)
     found = {}
     for index, (name, param) in enumerate(named):
         slot = model.reducer.slot.get(index)
@@ -69,21 +73,15 @@ def grad_norms(model: "DistributedDataParallel", pieces: "SlicePieces",
             if param.grad is not None:
                 found[name] = torch.zeros((), dtype=param.grad.dtype, device=param.grad.device)
         elif _has_gradient(model, globally_used, slot[0], index):
-            found[name] = norms[index].to(device=device,
-                                          dtype=model.buckets[slot[0]].grad_shard.dtype)
+            found[name] = norms[index].to(model.buckets[slot[0]].grad_shard.dtype)
     return found
 
 
 def full_grad(model: "DistributedDataParallel", pieces: "SlicePieces",
               globally_used: Optional[Sequence[bool]], index: int) -> Optional[torch.Tensor]:
     """Trainable parameter ``index``'s reduced gradient, whole, shaped and laid out as
-    the parameter (None where torch DDP's ``p.grad`` would be None). A collective.
-
-    Each rank fills in its pieces and leaves zeros elsewhere, and the buffer is
-    summed over the ranks as bytes: every byte is non-zero on at most its owner,
-    so the sum is that rank's byte, with no carry. Every value arrives bit for bit,
-    -0.0 and a NaN's payload included, which a sum of floats (x + 0.0) would not
-    keep for -0.0."""
+    the parameter (None where torch DDP's ``p.grad`` would be None). A collective
+    (see whole_from_pieces)."""
     param = model.named_trainable_parameters()[index][1]
     found = model.reducer.slot.get(index)
     if found is None:  # an empty parameter: no bucket holds it, its p.grad is its own
@@ -92,14 +90,31 @@ def full_grad(model: "DistributedDataParallel", pieces: "SlicePieces",
     if not _has_gradient(model, globally_used, bucket, index):
         return None  # (every rank alike: no collective)
     storage = model.buckets[bucket]
-    whole = torch.zeros(span.numel, dtype=storage.grad_shard.dtype, device=storage.device)
-    for _, _, start, end in pieces.by_param.get(index, ()):
-        lo = start - storage.shard_start
-        whole[start - span.bucket_offset:end - span.bucket_offset].copy_(
-            storage.grad_shard[lo:lo + (end - start)])
+    mine = [(start, storage.grad_shard[start - storage.shard_start:end - storage.shard_start])
+            for _, _, start, end in pieces.by_param.get(index, ())]
+    return whole_from_pieces(model, index, storage.grad_shard.dtype, mine,
+                             "a parameter's whole gradient")
+
+
+def whole_from_pieces(model: "DistributedDataParallel", index: int, dtype: torch.dtype,
+                      mine: Sequence[tuple[int, torch.Tensor]], site: str) -> torch.Tensor:
+    """Trainable parameter ``index`` whole, shaped and laid out as the parameter, from
+    every rank's pieces of it: ``mine`` holds this rank's, as (offset in the bucket,
+    values). A collective.
+
+    Each rank fills in its pieces and leaves zeros elsewhere, and the buffer is
+    summed over the ranks as bytes: every byte is non-zero on at most its owner,
+    so the sum is that rank's byte, with no carry. Every value arrives bit for bit,
+    -0.0 and a NaN's payload included, which a sum of floats (x + 0.0) would not
+    keep for -0.0."""
+    bucket, span = model.reducer.slot[index]
+    whole = torch.zeros(span.numel, dtype=dtype, device=model.buckets[bucket].device)
+    for start, values in mine:
+        offset = start - span.bucket_offset
+        whole[offset:offset + values.numel()].copy_(values)
     if model.world_size > 1:
-        all_reduce_held(whole.view(torch.uint8), dist.ReduceOp.SUM, model.process_group,
-                        "a parameter's whole gradient")
+        all_reduce_held(whole.view(torch.uint8), dist.ReduceOp.SUM, model.process_group, site)
+    param = model.named_trainable_parameters()[index][1]
     return span_as_param(whole, param.shape, span.strides)
 
 
@@ -107,7 +122,8 @@ def agree_on_the_read(model: "DistributedDataParallel", what: str, kind: int, in
                       unreduced: bool) -> None:
     """Before a read's collectives, one all-reduce of [1, kind, kind^2, index, index^2,
     unreduced]: raises on every rank unless every rank makes the same read (``kind``:
-    which call; ``index``: full_grad's parameter) of reduced gradients. Without it a
+    which call; ``index``: full_grad's or full_state's parameter, or NOT_BUCKETED /
+    NOT_A_PARAMETER) of reduced gradients. Without it a
     full_grad() on one rank beside a grad_norms() on another of as many parameters
     would sum the one's figures with the other's, silently.
 
@@ -118,7 +134,7 @@ def agree_on_the_read(model: "DistributedDataParallel", what: str, kind: int, in
     rank's own gradient."""
     figures = torch.tensor([1.0, float(kind), float(kind) ** 2, float(index),
                             float(index) ** 2, float(unreduced)], dtype=torch.float64,
-                           device=_device(model))
+                           device=model.device)
     if model.world_size > 1:
         all_reduce_held(figures, dist.ReduceOp.SUM, model.process_group,
                         "which gradient read")

@@ -45,7 +45,6 @@ from .ignored_params import (UnsteppedIgnoredParameters, check_ignored_parameter
                              ignored_gradients, squares_of)
 from .group_collectives import all_reduce_held
 from .model_parallel_norm import GROUP_KEYWORDS, check_model_parallel_group, counted_ranges
-from .module_guards import plain_named_parameters
 from .param_group_args import read_param_groups
 from .profiling import nvtx_range
 from .slice_pieces import SlicePieces
@@ -581,18 +580,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     @on_itself
     def full_grad(self, param: torch.Tensor) -> Optional[torch.Tensor]:
-        """The reduced gradient of ``param`` (a trainable parameter of the model),
-        whole and laid out as the parameter: bit for bit what torch DDP's
-        ``param.grad`` holds at this point of the loop where this rank's slices
-        match it (see docs/semantics.md), or None where that would be None. A
-        collective: every rank asks for the same parameter; one all-reduce of the
-        parameter's bytes. A new tensor: writing it changes nothing."""
-        index = self.model.param_index(param) if isinstance(param, torch.Tensor) else None
-        if index is None:
-            if self._frozen_when_wrapped(param):
-                return None  # as its p.grad (every rank alike: no collective)
-            raise ValueError(self._not_a_bucketed_parameter(param))
+        """The reduced gradient of ``param`` (a parameter of the model), whole and
+        laid out as the parameter: bit for bit what torch DDP's ``param.grad`` holds
+        at this point of the loop where this rank's slices match it (see
+        docs/semantics.md), or None where that would be None. A collective: every
+        rank asks for the same parameter; one all-reduce of the parameter's bytes.
+        A new tensor: writing it changes nothing."""
+        return self.full_grad_at(self._read_index(param), param)
+
+    def full_grad_at(self, index: int, param: object = None) -> Optional[torch.Tensor]:
+        """full_grad() of the parameter at ``index`` (_read_index's); ``param`` None
+        on a rank that only takes its part (under model.join())."""
         with self._gradient_read("opt.full_grad()", AnnouncedCall.FULL_GRAD, index):
+            if index == grad_reads.NOT_A_PARAMETER:
+                raise ValueError(self._not_a_bucketed_parameter(param, "full_grad"))
+            if index == grad_reads.NOT_BUCKETED:
+                return None  # frozen when wrapped: as its p.grad
             return grad_reads.full_grad(self.model, self._slice_pieces, self._globally_used,
                                         index)
 
@@ -607,16 +610,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         {} before its first step (a frozen parameter: what torch's optimizer gives it
         at construction). ``opt.state`` itself is keyed by this rank's slice pieces.
         A collective: every rank asks for the same parameter."""
-        index = self.model.param_index(param) if isinstance(param, torch.Tensor) else None
-        if index is None:
-            if self._frozen_when_wrapped(param):
-                # What torch's optimizer gives it at construction, as in
-                # full_state_dict() (every rank alike: no collective).
-                return optim_checkpoint.state_of_untrained_params(self).get(id(param), {})
-            raise ValueError(self._not_a_bucketed_parameter(param, "full_state"))
-        self._refuse_while_unfinished("full_state()")
-        self._refuse_speculative_state("full_state()")
+        return self.full_state_at(self._read_index(param), param)
+
+    def full_state_at(self, index: int, param: object = None) -> dict[str, Any]:
+        """full_state() of the parameter at ``index`` (see full_grad_at)."""
         what = "opt.full_state()"
+        self._refuse_while_unfinished(what)
+        self._refuse_speculative_state(what)
         with warn_if_the_others_are_late(what, self.model.world_size, user_code_line(),
                                          " Read on every rank, and log on one"):
             uneven = self.model._uneven_inputs
@@ -624,38 +624,57 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 uneven.notify(AnnouncedCall.PARAM_STATE, float(index))
             grad_reads.agree_on_the_read(self.model, what, int(AnnouncedCall.PARAM_STATE),
                                          index, unreduced=False)
-            return optim_checkpoint.param_state(self, index)
+        if index == grad_reads.NOT_A_PARAMETER:
+            raise ValueError(self._not_a_bucketed_parameter(param, "full_state"))
+        if index == grad_reads.NOT_BUCKETED:
+            # What torch's optimizer gives it at construction, as in full_state_dict().
+            return optim_checkpoint.state_of_untrained_param(self, param)
+        return optim_checkpoint.param_state(self, index)
+
+    def _read_index(self, param: object) -> int:
+        """full_grad's and full_state's parameter index, or grad_reads.NOT_BUCKETED /
+        NOT_A_PARAMETER (local: no collective)."""
+        index = self.model.param_index(param) if isinstance(param, torch.Tensor) else None
+        if index is not None:
+            return index
+        if any(p is param for p in self.model._frozen_params) and not any(
+                p is param for _, p in self.model.named_ignored_parameters()):
+            return grad_reads.NOT_BUCKETED
+        return grad_reads.NOT_A_PARAMETER
 
     @contextlib.contextmanager
     def _gradient_read(self, what: str, call: AnnouncedCall, index: int = 0) -> Iterator[None]:
         """Around a read: every rank makes the same one, of reduced gradients (see
-        grad_reads.agree_on_the_read); then what a clip does first (every
-        reduce-scatter landed, the used parameters known); and a warning if the
-        other ranks do not come (a read on rank 0 alone, to log there)."""
+        grad_reads.agree_on_the_read); then, for a parameter the buckets hold, what a
+        clip does first (every reduce-scatter landed, the used parameters known); and
+        a warning if the other ranks do not come (a read on rank 0 alone, to log
+        there)."""
         self._refuse_while_unfinished(what)
         unreduced = self.model.reducer.holds_unreduced_gradients()
         uneven = self.model._uneven_inputs
         if unreduced and uneven is not None and not uneven.joined:
             # Under model.join() the announcement would launch the round that reduces
             # them (see _announce): refused before it, on every rank.
-            uneven.refuse(grad_reads.unreduced_refusal(what))
+            uneven.refuse(grad_reads.unreduced_refusal(what), RuntimeError)
         with warn_if_the_others_are_late(what, self.model.world_size, user_code_line(),
                                          " Read on every rank, and log on one"):
             self._announce(call, float(index))
             grad_reads.agree_on_the_read(self.model, what, int(call), index, unreduced)
-            self._reduce_and_measure()
-            # A loop that walks the parameters to read each one's gradient through
-            # us: said to the warning about torch's clip (see _step_with).
-            self._full_grad_read = self._full_grad_read or call is AnnouncedCall.FULL_GRAD
+            if index >= 0:
+                self._reduce_and_measure()
+                if call is AnnouncedCall.FULL_GRAD:
+                    self._full_grad_read.add(index)
             yield
 
-    def _frozen_when_wrapped(self, param: object) -> bool:
-        """A parameter of the module that no bucket holds and the user does not own."""
-        ignored = [p for _, p in self.model.named_ignored_parameters()]
-        return any(p is param for _, p in plain_named_parameters(self.model.module)) \
-            and not any(p is param for p in ignored)
+    def _read_every_gradient(self) -> bool:
+        """full_grad() read every trainable parameter's gradient this step: the loop
+        walked the parameters for that (not for torch's clip, see _step_with)."""
+        return len(self._full_grad_read) == len(self.model.named_trainable_parameters())
 
-    def _not_a_bucketed_parameter(self, param: object, call: str = "full_grad") -> str:
+    def _not_a_bucketed_parameter(self, param: object, call: str) -> str:
+        if param is None:  # a rank taking its part in the active ranks' read
+            return (f"fgpsdp: the active ranks' opt.{call}() was given no parameter of the "
+                    "model (their error says why)")
         if not isinstance(param, torch.Tensor):
             return f"fgpsdp: opt.{call}() takes a parameter of the model, got {type(param).__name__}"
         if any(p is param for _, p in self.model.named_ignored_parameters()):
@@ -689,11 +708,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        # A loop that read gradients through full_grad() walked the parameters for
-        # that, and knows where the gradients are: no warning about torch's clip.
-        # (Not grad_norms(): a loop logging them may still clip with torch's.)
+        # A loop that read every gradient through full_grad() walked the parameters
+        # for that, and knows where the gradients are: no warning about torch's clip.
+        # (Not grad_norms(), nor full_grad() of some: a loop may still clip with torch's.)
         self.model.note_step_for_the_clip_warning(
-            clipped=self._clip_called or self._full_grad_read or self.max_grad_norm is not None)
+            clipped=self._clip_called or self.max_grad_norm is not None,
+            read_for_our_reads=self._read_every_gradient())
         self.run_step()
         self._unstepped_ignored.after_step()
         return loss
@@ -1064,7 +1084,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._clipped_norm: Optional[float] = None  # the norm measured after the last clip
         self._values_clipped = False  # clip_grad_value_ changed an element on some rank
         self._clip_called = False  # clip_grad_norm_ or clip_grad_value_ ran this step
-        self._full_grad_read = False  # full_grad() ran this step
+        self._full_grad_read: set[int] = set()  # the parameters full_grad() read this step
         # Some rank's speculative steps ran with other hyperparameters than the step's.
         self._speculated_with_other_hyperparameters = False
         self._speculation_failures = 0  # ranks whose speculative step raised this round

@@ -35,11 +35,11 @@ import warnings
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
+from . import grad_reads
 from .backends import objects_on
 from .buckets import span_as_param, to_bucket_order
-from .group_collectives import all_gather_single, all_reduce_held, hold_past_gloo_worker
+from .group_collectives import all_gather_single, hold_past_gloo_worker
 from .object_collectives import all_gather_objects
 from .step_wide_state import copy_value, optimizer_wide_entries
 from .user_warnings import warn_at_user_code
@@ -185,9 +185,10 @@ def param_state(opt: ShardedOptimizer, index: int) -> dict[str, Any]:
     and laid out as the parameter (on its device), scalar entries (``step``) as
     they are; {} before its first step. A collective (the ranks must agree on which
     parameter, checked by the caller): one ``all_gather_objects`` of this rank's
-    entry names (a rank may hold no piece of the parameter), then per per-element
-    entry one all-reduce of its bytes, each non-zero on its owner alone (see
-    grad_reads.full_grad: every value arrives bit for bit)."""
+    entries' names, dtypes and scalar values (a rank may hold no piece of the
+    parameter), then per per-element entry one all-reduce of its bytes, each non-zero
+    on its owner alone (grad_reads.whole_from_pieces: every value arrives bit for
+    bit)."""
     model = opt.model
     pieces = opt._slice_pieces.by_param.get(index, ())
     mine = _local_metadata(opt).get(index) if pieces else None
@@ -195,29 +196,33 @@ def param_state(opt: ShardedOptimizer, index: int) -> dict[str, Any]:
         gathered = all_gather_objects({"params": {index: mine} if mine else {}},
                                       model.process_group, "a parameter's optimizer state")
     meta = _merge_metadata(gathered).get(index)
-    found = model.reducer.slot.get(index)
-    if meta is None or found is None:  # (no piece of an empty parameter is stepped)
+    if meta is None or index not in model.reducer.slot:  # (an empty parameter: no piece)
         return {}
-    storage = model.buckets[found[0]]
-    span = found[1]
-    param = model.named_trainable_parameters()[index][1]
     state = {}
     for key in meta["order"]:
         if key not in meta["per_element"]:
             value = meta["scalars"][key]
             state[key] = value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
             continue
-        whole = torch.zeros(span.numel, dtype=getattr(torch, meta["per_element"][key]),
-                            device=storage.device)
-        for tensor, _, start, end in pieces:
-            entry = opt.optim.state.get(tensor)
-            if entry and key in entry:
-                whole[start - span.bucket_offset:end - span.bucket_offset].copy_(entry[key])
-        if model.world_size > 1:
-            all_reduce_held(whole.view(torch.uint8), dist.ReduceOp.SUM, model.process_group,
-                            "a parameter's optimizer state")
-        state[key] = span_as_param(whole, param.shape, span.strides)
+        mine = [(start, opt.optim.state[tensor][key]) for tensor, _, start, _ in pieces
+                if key in opt.optim.state.get(tensor, {})]
+        state[key] = grad_reads.whole_from_pieces(
+            model, index, getattr(torch, meta["per_element"][key]), mine,
+            "a parameter's optimizer state")
     return state
+
+
+def state_of_untrained_param(opt: ShardedOptimizer, param: Optional[torch.Tensor]
+                             ) -> dict[str, Any]:
+    """What torch's optimizer holds for ``param``, listed and frozen (see
+    state_of_untrained_params), its per-element entries on the parameter's device as
+    torch's are (full_state_dict() gives them on the CPU). {} for None (a joined rank
+    taking its part in the read)."""
+    if param is None:
+        return {}
+    return {key: value.to(param.device) if torch.is_tensor(value)
+            and key not in _SCALAR_STATE_KEYS and value.shape == param.shape else value
+            for key, value in state_of_untrained_params(opt).get(id(param), {}).items()}
 
 
 def state_of_untrained_params(opt: ShardedOptimizer) -> dict[int, dict[str, Any]]:

@@ -504,8 +504,10 @@ class GradientReducer:
         has reduced yet (the step's finish_gradient_sync would). Not zeros (a
         ``zero_grad(set_to_none=False)`` since): reduced apart, they change nothing the
         step computes (the sign of a -0.0 aside)."""
-        return any(self.params[index].grad is not None and bool(self.params[index].grad.any())
-                   for index in self.slot)
+        left = [self.params[index].grad for index in self.slot
+                if self.params[index].grad is not None]
+        # (One synchronisation for them all on a GPU, not one per parameter.)
+        return bool(left) and bool(torch.stack([grad.any() for grad in left]).any())
 
     def launch_pending_round(self) -> None:
         """finish_gradient_sync's launch: a round not (fully) launched since the

@@ -238,10 +238,11 @@ class UnevenInputs:
             self.refuse(f"fgpsdp: {what} under model.join() after a rank has joined: the "
                         f"joined rank owns a slice of every bucket and takes no part; {advice}")
 
-    def refuse(self, message: str) -> None:
-        """Raise ``message`` on every rank (the joined ones are told first)."""
+    def refuse(self, message: str, error: type = NotImplementedError) -> None:
+        """Raise ``error(message)`` on every rank (the joined ones are told first, and
+        raise NotImplementedError)."""
         self.notify(AnnouncedCall.REFUSED)
-        raise NotImplementedError(message)
+        raise error(message)
 
     # -- joined ranks --------------------------------------------------------------
 
@@ -314,10 +315,10 @@ class UnevenInputs:
             optimizer.clip_grad_value_(args[0])
         elif call is AnnouncedCall.GRAD_NORMS:
             optimizer.grad_norms()
-        elif call is AnnouncedCall.FULL_GRAD:
-            optimizer.full_grad(model.named_trainable_parameters()[int(args[0])][1])
+        elif call is AnnouncedCall.FULL_GRAD:  # (the index may be a marker: see grad_reads)
+            optimizer.full_grad_at(int(args[0]))
         elif call is AnnouncedCall.PARAM_STATE:
-            optimizer.full_state(model.named_trainable_parameters()[int(args[0])][1])
+            optimizer.full_state_at(int(args[0]))
         elif call is AnnouncedCall.ZERO_GRAD:
             if optimizer is not None:
                 optimizer.zero_grad(set_to_none=args[0] > 0.5)

@@ -15,9 +15,17 @@ import fgpsdp_runtime as fgp
 from .scenarios import MODELS, loss_fn, make_batch, reference_clip_
 
 
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as integers of their width: equal only if bit for bit (-0.0
+    apart from 0.0, a NaN equal to itself), which torch.equal and differences miss."""
+    widths = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.detach().contiguous().view(widths[t.element_size()])
+
+
 def _compare(opt, ours, ref, where: str, found: list[str], worst: list[float]) -> None:
-    """Every parameter's full_grad() against ref's p.grad (bitwise, layout included;
-    ``worst`` gets the largest difference), and grad_norms() against p.grad.norm()."""
+    """Every parameter's full_grad() against ref's p.grad (layout included; ``worst``
+    gets [the largest difference, how many gradients differ in any bit]), and
+    grad_norms() against p.grad.norm()."""
     norms = opt.grad_norms()
     ref_named = dict(ref.module.named_parameters())
     expected = {n for n, p in ref_named.items() if p.grad is not None}
@@ -39,6 +47,7 @@ def _compare(opt, ours, ref, where: str, found: list[str], worst: list[float]) -
                          f"{full.dtype}, p.grad {tuple(ref_grad.shape)} {ref_grad.stride()}")
             continue
         worst[0] = max(worst[0], float((full - ref_grad).abs().max()) if full.numel() else 0.0)
+        worst[1] += not torch.equal(_bits(full), _bits(ref_grad))
         if name in norms:
             norm, ref_norm = float(norms[name]), float(ref_grad.norm())
             if abs(norm - ref_norm) > 1e-6 * max(ref_norm, 1e-30):
@@ -49,11 +58,19 @@ def _compare(opt, ours, ref, where: str, found: list[str], worst: list[float]) -
 
 def _compare_state(opt, ours, ref, ref_opt, where: str, found: list[str]) -> float:
     """Every parameter's full_state() against ref_opt.state[p] (entries, their order,
-    shapes, layouts and dtypes); returns the largest difference of a tensor entry."""
+    shapes, layouts and dtypes), and bit for bit against full_state_dict()'s entry,
+    gathered another way; returns the largest difference from torch's of a tensor
+    entry."""
     ref_named = dict(ref.module.named_parameters())
+    gathered = opt.full_state_dict()["state"]  # numbered as module.parameters()
     worst = 0.0
-    for name, param in ours.module.named_parameters():
+    for number, (name, param) in enumerate(ours.module.named_parameters()):
         state, ref_state = opt.full_state(param), ref_opt.state.get(ref_named[name], {})
+        other = gathered.get(number, {})
+        if list(state) != list(other) or any(
+                not torch.equal(_bits(value.cpu()), _bits(other[key]))
+                for key, value in state.items()):
+            found.append(f"{where}: {name}: full_state() is not full_state_dict()'s entry")
         if param.numel() == 0:  # no slice holds it: never stepped here (docs/semantics.md)
             if state:
                 found.append(f"{where}: {name}: state {state} of a parameter of no elements")
@@ -83,7 +100,8 @@ def grads_beside_torch_ddp(rank: int, world_size: int, schedule: str, model_name
 
     After each step, full_state() of every parameter against torch's optimizer state.
 
-    Returns {"mismatches": [...], "largest_difference": float, "warnings": [...],
+    Returns {"mismatches": [...], "largest_difference": float, "bit_differences": how
+    many gradients read differ from torch DDP's in any bit, "warnings": [...],
     "params": fgpsdp's parameters at the end, "state_differences": one per step}."""
     torch.manual_seed(1234)
     base = EmptyParameterNet() if model_name == "empty_parameter" else MODELS[model_name]()
@@ -99,7 +117,7 @@ def grads_beside_torch_ddp(rank: int, world_size: int, schedule: str, model_name
     ref_opt = torch.optim.AdamW([p for p in ref.module.parameters() if p.requires_grad],
                                 lr=1e-2)
     found: list[str] = []
-    worst = [0.0]
+    worst = [0.0, 0]
     state_differences: list[float] = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -109,7 +127,8 @@ def grads_beside_torch_ddp(rank: int, world_size: int, schedule: str, model_name
     # _compare walks model.module.named_parameters() between backward and step: no
     # warning that torch's clip would see no gradient (the loop reads them through ours).
     said = [str(w.message) for w in caught if "fgpsdp" in str(w.message)]
-    return {"mismatches": found, "largest_difference": worst[0], "warnings": said,
+    return {"mismatches": found, "largest_difference": worst[0], "bit_differences": worst[1],
+            "warnings": said,
             "params": [p.detach().clone() for p in ours.module.parameters()],
             "state_differences": state_differences}
 
@@ -170,21 +189,30 @@ def full_grad_refusals(rank: int, world_size: int) -> dict:
 
 
 def different_reads(rank: int, world_size: int, other: str) -> None:
-    """Rank 0 asks for one parameter's gradient, the others for another's, or
-    (``other="norms"``) for the norms of a model of three parameters: raises on every
-    rank (the figures of two reads summed together, silently, otherwise: the norms'
-    all-reduce of one figure per parameter was as long as full_grad's first one)."""
+    """Rank 0 asks for one parameter's gradient, and the others for another's
+    (``other="parameter"``), for the norms of a model of three trainable parameters
+    (``"norms"``), or rank 0 for a frozen parameter's (``"frozen"``: None, without a
+    collective of its own before) or for a tensor not of the model's (``"stranger"``:
+    a ValueError on rank 0 alone before): raises on every rank (before, the figures
+    of two reads were summed together, silently, or the ranks' collectives paired
+    with other ones)."""
     torch.manual_seed(0)
-    module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2, bias=False))
+    module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2, bias=False), nn.Linear(2, 2))
+    module[2].requires_grad_(False)
     model = fgp.DistributedDataParallel(module, schedule="serial")
-    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1,
+                               param_groups=[{"params": list(module[:2].parameters())}])
     model(torch.randn(3, 4)).sum().backward()
-    if rank == 0:
-        opt.full_grad(module[0].weight)  # the wrapper's parameter 0
-    elif other == "norms":
+    if rank > 0 and other == "norms":
         opt.grad_norms()
-    else:
+    elif rank > 0:
         opt.full_grad(module[1].weight)
+    elif other == "frozen":
+        opt.full_grad(module[2].weight)
+    elif other == "stranger":
+        opt.full_grad(torch.zeros(4))
+    else:
+        opt.full_grad(module[0].weight)  # the wrapper's parameter 0
 
 
 def read_after_a_no_sync_backward(rank: int, world_size: int, read: str) -> None:
@@ -254,9 +282,9 @@ def grads_under_join(rank: int, world_size: int, schedule: str) -> dict:
         if set(norms) != set(ref_norms) or any(
                 abs(norms[n] - ref_norms[n]) > 1e-6 * ref_norms[n] for n in norms):
             found.append(f"step {step}: norms {norms}, torch's {ref_norms}")
-        if any(not torch.equal(g, r) for g, r in zip(grads, ref_grads)):
+        if any(not torch.equal(_bits(g), _bits(r)) for g, r in zip(grads, ref_grads)):
             found.append(f"step {step}: a whole gradient differs from torch DDP's p.grad")
-        if any(not torch.equal(a, b) for a, b in zip(states, ref_states)):
+        if any(not torch.equal(_bits(a), _bits(b)) for a, b in zip(states, ref_states)):
             found.append(f"step {step}: an exp_avg differs from torch's after the step")
     return {"mismatches": found, "reads": len(ours_reads)}
 
@@ -284,7 +312,7 @@ def reads_beside_no_sync(rank: int, world_size: int, schedule: str, under_join: 
                 try:
                     opt.full_grad(module[0].weight)
                     said.append("read")
-                except (RuntimeError, NotImplementedError) as error:
+                except RuntimeError as error:  # (under join too: every rank's type alike)
                     said.append(f"{type(error).__name__}: {error}")
                 if step == 1:
                     opt.zero_grad(set_to_none=False)
@@ -335,8 +363,9 @@ def norms_of_a_non_finite_gradient(rank: int, world_size: int) -> dict:
     return norms
 
 
-def torch_clip_beside_grad_norms(rank: int, world_size: int) -> list[str]:
-    """A loop that logs opt.grad_norms() and clips with torch's clip_grad_norm_ over
+def torch_clip_beside_a_read(rank: int, world_size: int, read: str) -> list[str]:
+    """A loop that logs opt.grad_norms() (``read="norms"``) or reads one parameter's
+    gradient (``"one full_grad"``), and clips with torch's clip_grad_norm_ over
     model.parameters() (which sees no gradient): still warned at the step."""
     torch.manual_seed(0)
     model = fgp.DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)),
@@ -345,7 +374,10 @@ def torch_clip_beside_grad_norms(rank: int, world_size: int) -> list[str]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model(torch.randn(3, 4)).sum().backward()
-        opt.grad_norms()
+        if read == "norms":
+            opt.grad_norms()
+        else:
+            opt.full_grad(model.module[1].bias)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
     model.synchronize()

@@ -8,7 +8,8 @@ or looks at one layer's gradient, reads ``p.grad`` under torch DDP; these put
 the same figures together from the pieces, each with one all-reduce over the
 wrapper's group. The optimizer calls them once every reduce-scatter has landed
 (``ShardedOptimizer.grad_norms`` and ``full_grad``), after agree_on_the_read's
-check that every rank makes the same read (which ``full_state`` makes too).
+check that every rank makes the same read. ``full_state`` makes that check too, and
+puts a parameter's per-element optimizer state together with whole_from_pieces.
 """
 from __future__ import annotations
 
@@ -123,7 +124,7 @@ def agree_on_the_read(model: "DistributedDataParallel", what: str, kind: int, in
     """Before a read's collectives, one all-reduce of [1, kind, kind^2, index, index^2,
     unreduced]: raises on every rank unless every rank makes the same read (``kind``:
     which call; ``index``: full_grad's or full_state's parameter, or NOT_BUCKETED /
-    NOT_A_PARAMETER) of reduced gradients. Without it a
+    NOT_A_PARAMETER), and, for a gradient read, of reduced gradients. Without it a
     full_grad() on one rank beside a grad_norms() on another of as many parameters
     would sum the one's figures with the other's, silently.
 

@@ -1,4 +1,5 @@
-"""opt.grad_norms() and opt.full_grad(p) beside torch DDP's p.grad, on the same data.
+"""opt.grad_norms(), opt.full_grad(p) and opt.full_state(p) beside torch DDP's p.grad
+and its optimizer's state, on the same data.
 
 Imported by the spawned ranks (module-level functions only).
 """

@@ -1,5 +1,6 @@
-"""opt.grad_norms() and opt.full_grad(p): the reduced gradient per parameter, as torch
-DDP's p.grad holds it (CPU, gloo)."""
+"""opt.grad_norms(), opt.full_grad(p) and opt.full_state(p): the reduced gradient and
+the optimizer state per parameter, as torch DDP's p.grad and a torch optimizer's
+opt.state[p] hold them (CPU, gloo)."""
 import functools
 import math
 

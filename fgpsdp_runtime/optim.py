@@ -669,7 +669,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _read_every_gradient(self) -> bool:
         """full_grad() read every trainable parameter's gradient this step: the loop
         walked the parameters for that (not for torch's clip, see _step_with)."""
-        return len(self._full_grad_read) == len(self.model.named_trainable_parameters())
+        return bool(self._full_grad_read) and \
+            len(self._full_grad_read) == len(self.model.named_trainable_parameters())
 
     def _not_a_bucketed_parameter(self, param: object, call: str) -> str:
         if param is None:  # a rank taking its part in the active ranks' read

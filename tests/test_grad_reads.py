@@ -91,24 +91,23 @@ def test_full_grad_refuses_what_is_not_a_bucketed_parameter():
         assert said["frozen"] is None
 
 
-@pytest.mark.parametrize("other", ["parameter", "norms", "frozen", "stranger"])
-def test_different_reads_on_different_ranks_raise_on_every_rank(other):
+def _raises_on_both_ranks(fn, argument: str, error: str, words: str) -> None:
     with pytest.raises(RankError) as raised:
-        run_distributed(2, different_reads, other, timeout_s=120)
+        run_distributed(2, fn, argument, timeout_s=120)
     messages = raised.value.messages()
     assert len(messages) == 2
-    assert all("ValueError" in m and "the ranks made different reads" in m
-               for m in messages.values()), messages
+    assert all(error in m and words in m for m in messages.values()), messages
+
+
+@pytest.mark.parametrize("other", ["parameter", "norms", "frozen", "stranger"])
+def test_different_reads_on_different_ranks_raise_on_every_rank(other):
+    _raises_on_both_ranks(different_reads, other, "ValueError", "the ranks made different reads")
 
 
 @pytest.mark.parametrize("read", ["norms", "full_grad"])
 def test_a_read_after_a_no_sync_backward_raises_on_every_rank(read):
-    with pytest.raises(RankError) as raised:
-        run_distributed(2, read_after_a_no_sync_backward, read, timeout_s=120)
-    messages = raised.value.messages()
-    assert len(messages) == 2
-    assert all("RuntimeError" in m and "after a backward under no_sync()" in m
-               for m in messages.values())
+    _raises_on_both_ranks(read_after_a_no_sync_backward, read, "RuntimeError",
+                          "after a backward under no_sync()")
 
 
 @pytest.mark.parametrize("under_join", [False, True], ids=["plain", "under_join"])

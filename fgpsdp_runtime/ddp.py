@@ -973,16 +973,16 @@ class DistributedDataParallel(nn.Module):
                 self.finish_param_all_gather(b, timed=True, by_the_loop=False)
 
     def note_step_for_the_clip_warning(self, clipped: bool,
-                                       read_for_our_reads: bool = False) -> None:
+                                       every_gradient_read_through_ours: bool = False) -> None:
         """At opt.step(): every parameter was read through the wrapper or its module
         since the reductions of this step began, and, unless ``clipped`` (a clip of
         ours ran, or ``max_grad_norm``), that was most likely torch's clip, which
         clipped nothing. Said once. (Said at the read before: HF Trainer's
         floating_point_ops() counts the parameters there, and clips with ours.)
-        ``read_for_our_reads``: the loop read every gradient through opt.full_grad(),
-        which explains the walk."""
+        ``every_gradient_read_through_ours``: the loop read every gradient through
+        opt.full_grad(), which explains the walk."""
         read, self._read_for_a_clip = self.__dict__.get("_read_for_a_clip", False), False
-        if read and not clipped and not read_for_our_reads \
+        if read and not clipped and not every_gradient_read_through_ours \
                 and not self.__dict__.get("_warned_parameters_without_gradients"):
             self._warned_parameters_without_gradients = True
             # Those left to the user keep theirs, and a loop may walk the list only to

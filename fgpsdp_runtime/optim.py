@@ -586,9 +586,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         docs/semantics.md), or None where that would be None. A collective: every
         rank asks for the same parameter; one all-reduce of the parameter's bytes.
         A new tensor: writing it changes nothing."""
-        return self.full_grad_at(self._read_index(param), param)
+        return self._full_grad_at(self._read_index(param), param)
 
-    def full_grad_at(self, index: int, param: object = None) -> Optional[torch.Tensor]:
+    def _full_grad_at(self, index: int, param: object = None) -> Optional[torch.Tensor]:
         """full_grad() of the parameter at ``index`` (_read_index's); ``param`` None
         on a rank that only takes its part (under model.join())."""
         with self._gradient_read("opt.full_grad()", AnnouncedCall.FULL_GRAD, index):
@@ -610,10 +610,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         {} before its first step (a frozen parameter: what torch's optimizer gives it
         at construction). ``opt.state`` itself is keyed by this rank's slice pieces.
         A collective: every rank asks for the same parameter."""
-        return self.full_state_at(self._read_index(param), param)
+        return self._full_state_at(self._read_index(param), param)
 
-    def full_state_at(self, index: int, param: object = None) -> dict[str, Any]:
-        """full_state() of the parameter at ``index`` (see full_grad_at)."""
+    def _full_state_at(self, index: int, param: object = None) -> dict[str, Any]:
+        """full_state() of the parameter at ``index`` (see _full_grad_at)."""
         what = "opt.full_state()"
         self._refuse_while_unfinished(what)
         self._refuse_speculative_state(what)
@@ -714,7 +714,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # (Not grad_norms(), nor full_grad() of some: a loop may still clip with torch's.)
         self.model.note_step_for_the_clip_warning(
             clipped=self._clip_called or self.max_grad_norm is not None,
-            read_for_our_reads=self._read_every_gradient())
+            every_gradient_read_through_ours=self._read_every_gradient())
         self.run_step()
         self._unstepped_ignored.after_step()
         return loss

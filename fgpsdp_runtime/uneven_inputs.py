@@ -74,8 +74,8 @@ class AnnouncedCall(enum.IntEnum):
     LOAD = 8           # a model or optimizer load (refused once a rank has joined)
     CLIP_VALUE = 9     # args: (clip_value,)
     GRAD_NORMS = 10    # opt.grad_norms()
-    FULL_GRAD = 11     # args: (the parameter's index in the wrapper,)
-    PARAM_STATE = 12   # opt.full_state(param); args: (the parameter's index,)
+    FULL_GRAD = 11     # args: (the parameter's index in the wrapper, or a grad_reads marker,)
+    PARAM_STATE = 12   # opt.full_state(param); args: (as FULL_GRAD's,)
 
 
 _N_CALLS = len(AnnouncedCall)
@@ -316,9 +316,9 @@ class UnevenInputs:
         elif call is AnnouncedCall.GRAD_NORMS:
             optimizer.grad_norms()
         elif call is AnnouncedCall.FULL_GRAD:  # (the index may be a marker: see grad_reads)
-            optimizer.full_grad_at(int(args[0]))
+            optimizer._full_grad_at(int(args[0]))
         elif call is AnnouncedCall.PARAM_STATE:
-            optimizer.full_state_at(int(args[0]))
+            optimizer._full_state_at(int(args[0]))
         elif call is AnnouncedCall.ZERO_GRAD:
             if optimizer is not None:
                 optimizer.zero_grad(set_to_none=args[0] > 0.5)

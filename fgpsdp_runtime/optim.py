@@ -573,7 +573,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         clip, the clipped gradient's), keyed by ``model.module``'s parameter names;
         those without a gradient are left out, as their ``p.grad`` is None. A
         collective: one all-reduce of a float64 per parameter (see grad_reads.py)."""
-        with self._gradient_read("opt.grad_norms()", AnnouncedCall.GRAD_NORMS):
+        with self._read("opt.grad_norms()", AnnouncedCall.GRAD_NORMS):
             return grad_reads.grad_norms(self.model, self._slice_pieces, self._globally_used)
 
     @torch.compiler.disable
@@ -591,7 +591,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _full_grad_at(self, index: int, param: object = None) -> Optional[torch.Tensor]:
         """full_grad() of the parameter at ``index`` (_read_index's); ``param`` None
         on a rank that only takes its part (under model.join())."""
-        with self._gradient_read("opt.full_grad()", AnnouncedCall.FULL_GRAD, index):
+        with self._read("opt.full_grad()", AnnouncedCall.FULL_GRAD, index):
             if index == grad_reads.NOT_A_PARAMETER:
                 raise ValueError(self._not_a_bucketed_parameter(param, "full_grad"))
             if index == grad_reads.NOT_BUCKETED:
@@ -614,22 +614,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _full_state_at(self, index: int, param: object = None) -> dict[str, Any]:
         """full_state() of the parameter at ``index`` (see _full_grad_at)."""
-        what = "opt.full_state()"
-        self._refuse_while_unfinished(what)
-        self._refuse_speculative_state(what)
-        with warn_if_the_others_are_late(what, self.model.world_size, user_code_line(),
-                                         " Read on every rank, and log on one"):
-            uneven = self.model._uneven_inputs
-            if uneven is not None:
-                uneven.notify(AnnouncedCall.PARAM_STATE, float(index))
-            grad_reads.agree_on_the_read(self.model, what, int(AnnouncedCall.PARAM_STATE),
-                                         index, unreduced=False)
-        if index == grad_reads.NOT_A_PARAMETER:
-            raise ValueError(self._not_a_bucketed_parameter(param, "full_state"))
-        if index == grad_reads.NOT_BUCKETED:
-            # What torch's optimizer gives it at construction, as in full_state_dict().
-            return optim_checkpoint.state_of_untrained_param(self, param)
-        return optim_checkpoint.param_state(self, index)
+        with self._read("opt.full_state()", AnnouncedCall.PARAM_STATE, index, gradients=False):
+            if index == grad_reads.NOT_A_PARAMETER:
+                raise ValueError(self._not_a_bucketed_parameter(param, "full_state"))
+            if index == grad_reads.NOT_BUCKETED:
+                # What torch's optimizer gives it at construction, as in full_state_dict().
+                return optim_checkpoint.state_of_untrained_param(self, param)
+            return optim_checkpoint.param_state(self, index)
 
     def _read_index(self, param: object) -> int:
         """full_grad's and full_state's parameter index, or grad_reads.NOT_BUCKETED /
@@ -643,24 +634,31 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return grad_reads.NOT_A_PARAMETER
 
     @contextlib.contextmanager
-    def _gradient_read(self, what: str, call: AnnouncedCall, index: int = 0) -> Iterator[None]:
-        """Around a read: every rank makes the same one, of reduced gradients (see
-        grad_reads.agree_on_the_read); then, for a parameter the buckets hold, what a
-        clip does first (every reduce-scatter landed, the used parameters known); and
-        a warning if the other ranks do not come (a read on rank 0 alone, to log
-        there)."""
+    def _read(self, what: str, call: AnnouncedCall, index: int = 0,
+              gradients: bool = True) -> Iterator[None]:
+        """Around a read: every rank makes the same one (see
+        grad_reads.agree_on_the_read), and a warning if the other ranks do not come
+        (a read on rank 0 alone, to log there). Of ``gradients``: of reduced ones,
+        and, for a parameter the buckets hold, after what a clip does first (every
+        reduce-scatter landed, the used parameters known). Of the optimizer state:
+        not of two_stage's speculative updates."""
         self._refuse_while_unfinished(what)
-        unreduced = self.model.reducer.holds_unreduced_gradients()
         uneven = self.model._uneven_inputs
+        unreduced = gradients and self.model.reducer.holds_unreduced_gradients()
         if unreduced and uneven is not None and not uneven.joined:
             # Under model.join() the announcement would launch the round that reduces
             # them (see _announce): refused before it, on every rank.
             uneven.refuse(grad_reads.unreduced_refusal(what), RuntimeError)
+        if not gradients:
+            self._refuse_speculative_state(what)
         with warn_if_the_others_are_late(what, self.model.world_size, user_code_line(),
                                          " Read on every rank, and log on one"):
-            self._announce(call, float(index))
+            if gradients:
+                self._announce(call, float(index))
+            elif uneven is not None:  # (no round of reduce-scatters to launch first)
+                uneven.notify(call, float(index))
             grad_reads.agree_on_the_read(self.model, what, int(call), index, unreduced)
-            if index >= 0:
+            if gradients and index >= 0:
                 self._reduce_and_measure()
                 if call is AnnouncedCall.FULL_GRAD:
                     self._full_grad_read.add(index)

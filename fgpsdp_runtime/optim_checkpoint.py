@@ -64,18 +64,25 @@ def _local_metadata(opt: ShardedOptimizer) -> dict[int, dict[str, Any]]:
     the order of its state keys, its scalar entries and its per-element keys' dtypes."""
     meta = {}
     for index, pieces in opt._slice_pieces.by_param.items():
-        tensor = pieces[0][0]  # one piece per parameter per rank (a span meets a slice once)
-        state = opt.optim.state.get(tensor)
-        if not state:
-            continue
-        scalars, per_element = {}, {}
-        for key, value in state.items():
-            if _is_per_element(value, tensor):
-                per_element[key] = str(value.dtype).replace("torch.", "")
-            else:
-                scalars[key] = value.detach().cpu().clone() if torch.is_tensor(value) else value
-        meta[index] = {"order": list(state), "scalars": scalars, "per_element": per_element}
+        found = _piece_metadata(opt, pieces[0][0])
+        if found is not None:
+            meta[index] = found
     return meta
+
+
+def _piece_metadata(opt: ShardedOptimizer, tensor: torch.Tensor) -> Optional[dict[str, Any]]:
+    """_local_metadata's entry for the parameter whose piece on this rank is ``tensor``
+    (one piece per parameter per rank: a span meets a slice once); None without state."""
+    state = opt.optim.state.get(tensor)
+    if not state:
+        return None
+    scalars, per_element = {}, {}
+    for key, value in state.items():
+        if _is_per_element(value, tensor):
+            per_element[key] = str(value.dtype).replace("torch.", "")
+        else:
+            scalars[key] = value.detach().cpu().clone() if torch.is_tensor(value) else value
+    return {"order": list(state), "scalars": scalars, "per_element": per_element}
 
 
 def _merge_metadata(gathered: Sequence[dict]) -> dict[int, dict[str, Any]]:
@@ -191,7 +198,7 @@ def param_state(opt: ShardedOptimizer, index: int) -> dict[str, Any]:
     bit)."""
     model = opt.model
     pieces = opt._slice_pieces.by_param.get(index, ())
-    mine = _local_metadata(opt).get(index) if pieces else None
+    mine = _piece_metadata(opt, pieces[0][0]) if pieces else None  # (this one alone)
     with objects_on(model.device):
         gathered = all_gather_objects({"params": {index: mine} if mine else {}},
                                       model.process_group, "a parameter's optimizer state")

@@ -81,6 +81,13 @@ class BucketStorage:
         reduce-scatter lands."""
         self.reduce_dtype = reduce_dtype or self.dtype
 
+    def set_grad_dtype(self, dtype: torch.dtype) -> None:
+        """Keep the reduced gradient slice in ``dtype`` (float32 under the optimizer's
+        ``master_weights``: the slice is what the float32 master weights step with, and
+        the clip scales it there). What it holds is kept, cast."""
+        if dtype != self.grad_shard.dtype:
+            self.grad_shard = self.grad_shard.to(dtype)
+
     def acquire_send_buffer(self) -> torch.Tensor:
         """The bucket-sized buffer that gradients are packed into."""
         if self.send_buffer is None:

@@ -82,7 +82,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, model: DistributedDataParallel, optimizer_class: type, *,
                  param_groups: Optional[Sequence[dict[str, Any]]] = None,
-                 max_grad_norm: Optional[float] = None,
+                 max_grad_norm: Optional[float] = None, master_weights: bool = False,
                  clip_ignored_parameters: bool = False, ignored_parameter_replicas: int = 1,
                  model_parallel_group: Optional[dist.ProcessGroup] = None,
                  pipeline_parallel_group: Optional[dist.ProcessGroup] = None, **defaults: Any):
@@ -136,6 +136,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             + getattr(optimizer_class, "__qualname__", repr(optimizer_class)),
             # repr of a float: 1 and 1.0 agree, and nan equals nan (refused below).
             "max_grad_norm": _float_text(max_grad_norm),
+            # The write-back rounds what every rank's slice sends.
+            "master_weights": bool(master_weights),
             "clip_ignored_parameters": bool(clip_ignored_parameters),
             "ignored_parameter_replicas": str(ignored_parameter_replicas),
             # Every rank or none takes part in the norm's second all-reduce.
@@ -158,7 +160,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0  # steps skipped because the gradient norm was inf/NaN
         self.last_step_skipped = False
 
-        self._slice_pieces = SlicePieces(model)
+        # 16-bit buckets stepped through float32 copies of this rank's slices
+        # (see [Note: master weights] in slice_pieces.py).
+        self.master_weights = bool(master_weights)
+        self._slice_pieces = SlicePieces(model, master_weights=self.master_weights)
+        for b in self._slice_pieces.masters:
+            model.buckets[b].set_grad_dtype(torch.float32)
         # Tensor parallelism and pipeline stages beside the wrapper (see
         # model_parallel_norm.py): the norm also sums over these groups; per bucket,
         # what of this rank's slice it counts.
@@ -214,6 +221,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @classmethod
     def from_optimizer(cls, model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
                        *, max_grad_norm: Optional[float] = None,
+                       master_weights: bool = False,
                        clip_ignored_parameters: bool = False,
                        ignored_parameter_replicas: int = 1,
                        model_parallel_group: Optional[dist.ProcessGroup] = None,
@@ -254,7 +262,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if problem is not None:
             raise problem[0](f"fgpsdp: {problem[1]}")
         converted = cls(model, type(optimizer), param_groups=param_groups_to_give(optimizer),
-                        max_grad_norm=max_grad_norm,
+                        max_grad_norm=max_grad_norm, master_weights=master_weights,
                         clip_ignored_parameters=clip_ignored_parameters,
                         ignored_parameter_replicas=ignored_parameter_replicas,
                         model_parallel_group=model_parallel_group,
@@ -298,8 +306,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         if torch.is_tensor(v) and v.dim() == 1 and v.shape == piece.shape))
         sizes = []
         for b, storage in enumerate(self.model.buckets):
-            nbytes = sum(t.numel() * t.element_size()
-                         for t in (storage.param_shard, storage.grad_shard))
+            copied = [storage.param_shard, storage.grad_shard]
+            if b in self._slice_pieces.masters:
+                copied.append(self._slice_pieces.masters[b])
+            nbytes = sum(t.numel() * t.element_size() for t in copied)
             for piece in self._slice_pieces.of_bucket[b]:
                 if piece in state:
                     nbytes += sum(v.numel() * v.element_size() for v in state[piece].values()
@@ -380,8 +390,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                                "the join context or after it")
         model.synchronize()
         self._drop_consolidated()
-        method()
         buckets = range(len(model.buckets))
+        self._slice_pieces.follow_param_writes(buckets)
+        try:
+            method()
+        finally:
+            self._slice_pieces.write_back(buckets)
         model.mark_params_changed(buckets)
         for b in buckets:
             model.start_param_all_gather(b)
@@ -859,10 +873,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     break
                 chunk = unfinished.chunks[0]
                 self._slice_pieces.assign_grads(unfinished.globally_used, chunk)
+                self._slice_pieces.follow_param_writes(chunk)
                 try:
                     with nvtx_range("fgpsdp.optimizer_step"):
                         self._inner_step()
                 finally:
+                    self._slice_pieces.write_back(chunk)
                     model.mark_params_changed(chunk)  # (one that raised may have written some)
                 unfinished.chunks.pop(0)
                 unfinished.to_send = list(chunk)
@@ -975,8 +991,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         storage = self.model.buckets[b]
         sq = self._bucket_squares(b)  # before any update
         self.model.finish_param_all_gather(b)
+        self._slice_pieces.follow_param_writes([b])
         backup = SliceBackup(storage.param_shard, storage.grad_shard,
-                             self._slice_pieces.of_bucket[b], self.optim.state)
+                             self._slice_pieces.of_bucket[b], self.optim.state,
+                             self._slice_pieces.masters.get(b))
         self._slice_pieces.assign_grads(None, [b], grads={b: backup.grad})
         try:
             while True:  # see [Note: speculative steps during a torch.compile session]
@@ -987,6 +1005,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     ran_with = self._hyperparameters_now()
                     with nvtx_range(f"fgpsdp.speculative_step[{b}]"):
                         self._inner_step()
+                    self._slice_pieces.write_back([b])
                     if not compile_session_active():
                         break
                 self.restore_speculated(b, backup)
@@ -1009,7 +1028,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def restore_speculated(self, b: int, backup: SliceBackup) -> None:
         """Bucket b's slice and its optimizer state as before its speculative step."""
         backup.restore(self.model.buckets[b].param_shard, self._slice_pieces.of_bucket[b],
-                       self.optim.state)
+                       self.optim.state, self._slice_pieces.masters.get(b))
 
     @on_itself
     def unscale_gradients_(self, inv_scale: torch.Tensor) -> bool:
@@ -1020,7 +1039,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         measured from then on (clipping, clip_grad_norm_) is the unscaled
         gradient's, as after torch's unscale_.
         """
-        if any(s.dtype == torch.float16 for s in self.model.buckets):
+        if any(s.grad_shard.dtype == torch.float16 for s in self.model.buckets):
             raise ValueError("Attempting to unscale FP16 gradients.")  # torch's refusal
         self._refuse_while_unfinished("unscale_gradients_() (the scaler's unscale_)")
         if self.model._uneven_inputs is not None:
@@ -1154,10 +1173,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # The hooks registered on this optimizer see a torch.optim state dict: here
         # the inner optimizer's, over this rank's slices.
         shard = self._run_state_dict_post_hooks(self.optim.state_dict())
-        return {"shard": shard, "rank": self.model.rank,
-                "world_size": self.model.world_size, "slice_index": self.model.slice_index,
-                "layout": optim_checkpoint.shard_layout(self),
-                "params": optim_checkpoint.shard_params(self)}
+        saved = {"shard": shard, "rank": self.model.rank,
+                 "world_size": self.model.world_size, "slice_index": self.model.slice_index,
+                 "layout": optim_checkpoint.shard_layout(self),
+                 "params": optim_checkpoint.shard_params(self)}
+        if self._slice_pieces.masters:
+            # By bucket; the live tensors, as torch's state_dict() gives its state's.
+            saved["master_weights"] = dict(self._slice_pieces.masters)
+        return saved
 
     @on_itself
     def full_state_dict(self, *, rank0_only: bool = False,
@@ -1328,6 +1351,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"fgpsdp: the optimizer shards of {int(unfit.item())} other rank(s) "
                              "do not fit (see their errors); nothing was loaded")
         self.optim.load_state_dict(state_dict["shard"])
+        # A shard saved without master weights leaves them as they are; they follow
+        # the parameters (see [Note: master weights] in slice_pieces.py).
+        saved_masters = state_dict.get("master_weights") or {}
+        with torch.no_grad():
+            for b, master in self._slice_pieces.masters.items():
+                if b in saved_masters:
+                    master.copy_(saved_masters[b])
 
     def _refuse_while_unfinished(self, what: str) -> None:
         """Raised locally, before any collective: under serial and overlap_backward the

@@ -54,6 +54,25 @@ if TYPE_CHECKING:  # imported for annotations only: optim imports this module
 _SCALAR_STATE_KEYS = frozenset({"step", "mu_product", "eta", "mu"})
 
 
+# Under master_weights, a 16-bit parameter's float32 master weights, saved as one more
+# per-element state entry of the parameter (DeepSpeed's and Megatron's checkpoints
+# keep theirs too): resumed without them, every master would restart from its
+# rounded 16-bit value. Never in the inner optimizer's state, where a step would
+# copy it into every undo record: the pieces themselves are the masters.
+MASTER_KEY = "master_param"
+
+
+def saved_state(opt: ShardedOptimizer, tensor: torch.Tensor, bucket: int) -> dict[str, Any]:
+    """What a checkpoint holds of a piece: its optimizer state, and, once it has
+    some, the piece itself where it is a master (see MASTER_KEY); {} before."""
+    state = opt.optim.state.get(tensor)
+    if not state:
+        return {}
+    if bucket in opt._slice_pieces.masters:
+        return {**state, MASTER_KEY: tensor}
+    return state
+
+
 def _is_per_element(value: Any, piece: torch.Tensor) -> bool:
     """In the inner optimizer's state: a tensor with one entry per element of the piece."""
     return torch.is_tensor(value) and value.dim() == 1 and value.shape == piece.shape
@@ -64,16 +83,18 @@ def _local_metadata(opt: ShardedOptimizer) -> dict[int, dict[str, Any]]:
     the order of its state keys, its scalar entries and its per-element keys' dtypes."""
     meta = {}
     for index, pieces in opt._slice_pieces.by_param.items():
-        found = _piece_metadata(opt, pieces[0][0])
+        found = _piece_metadata(opt, pieces[0][0], pieces[0][1])
         if found is not None:
             meta[index] = found
     return meta
 
 
-def _piece_metadata(opt: ShardedOptimizer, tensor: torch.Tensor) -> Optional[dict[str, Any]]:
-    """_local_metadata's entry for the parameter whose piece on this rank is ``tensor``
-    (one piece per parameter per rank: a span meets a slice once); None without state."""
-    state = opt.optim.state.get(tensor)
+def _piece_metadata(opt: ShardedOptimizer, tensor: torch.Tensor,
+                    bucket: int) -> Optional[dict[str, Any]]:
+    """_local_metadata's entry for the parameter whose piece on this rank is ``tensor``,
+    in ``bucket`` (one piece per parameter per rank: a span meets a slice once); None
+    without state."""
+    state = saved_state(opt, tensor, bucket)
     if not state:
         return None
     scalars, per_element = {}, {}
@@ -136,8 +157,8 @@ def full_state_dict(opt: ShardedOptimizer, keep_on: Optional[int]) -> dict[str, 
             for span in layout.spans:
                 pieces = opt._slice_pieces.by_param.get(span.param_index, ())
                 for tensor, pb, start, end in pieces:
-                    state = opt.optim.state.get(tensor)
-                    if pb == b and state and key in state:
+                    state = saved_state(opt, tensor, pb) if pb == b else {}
+                    if key in state:
                         lo = start - storage.shard_start
                         mine[lo:lo + (end - start)].copy_(state[key])
             if world > 1:
@@ -198,7 +219,7 @@ def param_state(opt: ShardedOptimizer, index: int) -> dict[str, Any]:
     bit)."""
     model = opt.model
     pieces = opt._slice_pieces.by_param.get(index, ())
-    mine = _piece_metadata(opt, pieces[0][0]) if pieces else None  # (this one alone)
+    mine = _piece_metadata(opt, *pieces[0][:2]) if pieces else None  # (this one alone)
     with objects_on(model.device):
         gathered = all_gather_objects({"params": {index: mine} if mine else {}},
                                       model.process_group, "a parameter's optimizer state")
@@ -211,8 +232,8 @@ def param_state(opt: ShardedOptimizer, index: int) -> dict[str, Any]:
             value = meta["scalars"][key]
             state[key] = value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
             continue
-        mine = [(start, opt.optim.state[tensor][key]) for tensor, _, start, _ in pieces
-                if key in opt.optim.state.get(tensor, {})]
+        mine = [(start, saved_state(opt, tensor, b)[key]) for tensor, b, start, _ in pieces
+                if key in saved_state(opt, tensor, b)]
         state[key] = grad_reads.whole_from_pieces(
             model, index, getattr(torch, meta["per_element"][key]), mine,
             "a parameter's optimizer state")
@@ -297,12 +318,18 @@ def load_full_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> N
             + (", ..." if len(left_to_the_user) > 3 else "") + "), which this "
             "ShardedOptimizer does not step: not loaded. Load it into their own optimizer")
     inner_state: dict[int, dict[str, Any]] = {}
+    masters = []  # (master piece, its saved values)
     for index, entry, kinds in to_load:
-        for tensor, _, start, end in opt._slice_pieces.by_param.get(index, ()):
+        for tensor, b, start, end in opt._slice_pieces.by_param.get(index, ()):
             offset = start - spans[index].bucket_offset
             inner_state[inner_number[id(tensor)]] = {
                 key: _piece_of(value, kinds[key], offset, end - start, spans[index].strides)
-                for key, value in entry.items()}
+                for key, value in entry.items() if key != MASTER_KEY}
+            # Saved without master weights (or by a torch optimizer), the masters
+            # stay as they are, and follow the parameters (see slice_pieces.py).
+            if b in opt._slice_pieces.masters and kinds.get(MASTER_KEY):
+                masters.append((tensor, _piece_of(entry[MASTER_KEY], True, offset,
+                                                  end - start, spans[index].strides)))
     for key, value in saved_state.items():
         if not isinstance(key, int):  # optimizer-wide: as torch loads it, but a copy
             inner_state[key] = value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
@@ -313,6 +340,9 @@ def load_full_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> N
                              "params": [inner_number[id(p)] for p in inner_group["params"]]})
     # torch's loader casts each value to its piece's device and dtype ("step" kept).
     opt.optim.load_state_dict({"state": inner_state, "param_groups": inner_groups})
+    with torch.no_grad():
+        for tensor, value in masters:
+            tensor.copy_(value)
 
 
 def _check_no_entry_is_missing(opt: ShardedOptimizer, g: int, saved_group: dict[str, Any],
@@ -453,6 +483,11 @@ def shard_problem(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> Optional
         return ("fgpsdp: optimizer shard was saved with another bucket layout (bucket_cap_mb or "
                 "model changed, or an fgpsdp before parameters started aligned "
                 "sized the buckets); full_state_dict() loads with any buckets")
+    masters = opt._slice_pieces.masters
+    for b, saved in (state_dict.get("master_weights") or {}).items():
+        if b in masters and (not torch.is_tensor(saved) or saved.shape != masters[b].shape):
+            return (f"fgpsdp: the optimizer shard's master weights of bucket {b} do not fit "
+                    f"this rank's slice of {masters[b].numel()} elements")
     saved_params = state_dict.get("params")  # (shards saved before it was recorded: None)
     if saved_params is not None and \
             [[(n, tuple(shape), o) for n, shape, o in b] for b in saved_params] \

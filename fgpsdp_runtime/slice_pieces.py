@@ -6,6 +6,12 @@ parameter (a leaf tensor, so updates land in the model's storage), whose
 [Note: slices as optimizer parameters] in optim.py). This module builds the
 pieces, hands them their gradients bucket by bucket, and checks that they
 still view their buckets. No communication.
+
+Under the optimizer's ``master_weights``, a 16-bit bucket's pieces view a float32
+copy of this rank's slice instead (its master weights), and its reduced gradient
+slice is float32 too (BucketStorage.set_grad_dtype): the inner optimizer steps in
+float32, and each step's result is written back, rounded, into the bucket's slice,
+which the all-gather sends. See [Note: master weights].
 """
 from __future__ import annotations
 
@@ -17,6 +23,21 @@ if TYPE_CHECKING:  # imported for annotations only
     from .ddp import DistributedDataParallel
 
 
+# [Note: master weights]
+# A 16-bit parameter stepped in its own dtype loses every update smaller than half
+# its last place (bfloat16 keeps 8 bits: an AdamW step of lr 1e-4 vanishes on a
+# weight of 1). So, as DeepSpeed's and Megatron's distributed optimizers do, the
+# optimizer may keep a float32 copy of its own slice and step that; the bucket's
+# 16-bit slice is that copy rounded (round-to-nearest-even, as tensor.copy_),
+# written after every inner step and sent by the all-gather. Sharded like the
+# optimizer state: 4 bytes per element over N ranks. The model's parameters stay
+# the truth the loop sees: an element the loop wrote (model.load_state_dict, a
+# hand-written re-initialisation) no longer equals its master rounded, and the
+# master takes the written value before the next step (follow_param_writes), so a
+# write is never undone by the next step's write-back.
+MASTER_WEIGHT_DTYPES = (torch.float16, torch.bfloat16)
+
+
 class SlicePieces:
     """The pieces of this rank's slices, by parameter and by bucket.
 
@@ -25,15 +46,24 @@ class SlicePieces:
     bucket b's pieces alone. ``start`` and ``end`` are offsets in the bucket.
     """
 
-    def __init__(self, model: "DistributedDataParallel"):
+    def __init__(self, model: "DistributedDataParallel", master_weights: bool = False):
         self._model = model
         self.by_param: dict[int, list[tuple]] = {}
         self.by_bucket: list[list[tuple]] = [[] for _ in model.buckets]
+        # Bucket -> the float32 master copy of this rank's slice (16-bit buckets
+        # under master_weights only).
+        self.masters: dict[int, torch.Tensor] = {}
         for b, storage in enumerate(model.buckets):
+            if master_weights and storage.dtype in MASTER_WEIGHT_DTYPES:
+                self.masters[b] = storage.param_shard.detach().to(torch.float32, copy=True)
             for piece in storage.layout.shard_pieces(model.slice_index):
                 start = piece.bucket_offset
                 end = start + piece.numel
-                tensor = storage.flat_param[start:end]  # a leaf view: updates land in place
+                if b in self.masters:
+                    offset = start - storage.shard_start
+                    tensor = self.masters[b][offset:offset + piece.numel]
+                else:
+                    tensor = storage.flat_param[start:end]  # a leaf view: updates land in place
                 self.by_param.setdefault(piece.param_index, []).append((tensor, b, start, end))
                 self.by_bucket[b].append((piece.param_index, tensor, start, end))
         self.of_bucket: list[list[torch.Tensor]] = [
@@ -48,12 +78,14 @@ class SlicePieces:
         decay) would have every later step write storage no all-gather reads, and the
         model would silently stop training."""
         model = self._model
-        bases = [(s.flat_param.data_ptr(), s.flat_param.element_size())
-                 for s in model.buckets]
+        bases = [(s.flat_param.data_ptr(), s.flat_param.element_size(), 0)
+                 if b not in self.masters else
+                 (self.masters[b].data_ptr(), self.masters[b].element_size(), s.shard_start)
+                 for b, s in enumerate(model.buckets)]
         for index, pieces in self.by_param.items():
             for tensor, b, start, _ in pieces:
-                base, element_size = bases[b]
-                if tensor.data_ptr() != base + start * element_size:
+                base, element_size, origin = bases[b]
+                if tensor.data_ptr() != base + (start - origin) * element_size:
                     name = model.named_trainable_parameters()[index][0]
                     raise RuntimeError(
                         f"fgpsdp: a piece of parameter {name!r} in "
@@ -108,3 +140,26 @@ class SlicePieces:
                      for _, _, start, end in self.by_bucket[b]]
             cached = self._grad_views[b] = (shard, shard.data_ptr(), views)
         return cached[2]
+
+    def follow_param_writes(self, buckets: Sequence[int]) -> None:
+        """Before stepping ``buckets``: where the loop wrote a bucket's 16-bit slice
+        since the last write-back, the master takes the written value (see
+        [Note: master weights])."""
+        storages = self._model.buckets
+        for b in buckets:
+            master = self.masters.get(b)
+            if master is None:
+                continue
+            shard = storages[b].param_shard
+            # One select, not an indexed write: asking whether any element was
+            # written would wait for the GPU on every bucket of every step.
+            written = shard != master.to(shard.dtype)
+            torch.where(written, shard.to(master.dtype), master, out=master)
+
+    def write_back(self, buckets: Sequence[int]) -> None:
+        """After stepping ``buckets``: their 16-bit slices become their masters, rounded."""
+        storages = self._model.buckets
+        for b in buckets:
+            master = self.masters.get(b)
+            if master is not None:
+                storages[b].param_shard.copy_(master)

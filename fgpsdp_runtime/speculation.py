@@ -167,10 +167,14 @@ _PACKED = object()  # a SliceBackup entry whose tensor is copied in its PackedCo
 
 class SliceBackup:
     def __init__(self, param_shard: torch.Tensor, grad_shard: torch.Tensor,
-                 pieces: Sequence[torch.Tensor], state: dict[Any, dict]):
+                 pieces: Sequence[torch.Tensor], state: dict[Any, dict],
+                 master: Optional[torch.Tensor] = None):
         # What the speculative step ran with; None if they changed while it ran.
         self.hyperparameters: Optional[Hyperparameters] = None
         self.param_shard = param_shard.clone()
+        # The slice's float32 master weights, where the pieces are views of them
+        # (see [Note: master weights] in slice_pieces.py).
+        self.master = master.clone() if master is not None else None
         # The gradient the speculative step reads, a copy: an optimizer may write
         # its gradient in place (torch's foreach SGD with nesterov adds momentum *
         # buf into it), and the reduced gradient must stay as it is for the clip,
@@ -198,8 +202,10 @@ class SliceBackup:
             grad_shard.copy_(self.grad)
 
     def restore(self, param_shard: torch.Tensor, pieces: Sequence[torch.Tensor],
-                state: dict[Any, dict]) -> None:
+                state: dict[Any, dict], master: Optional[torch.Tensor] = None) -> None:
         param_shard.copy_(self.param_shard)
+        if master is not None:
+            master.copy_(self.master)
         copies = iter(self._tensors.unpacked())
         # Copied back in one call per device and dtype: _foreach_copy_ copies a mixed
         # list tensor by tensor (Adam's CPU step counts beside CUDA moments).

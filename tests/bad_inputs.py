@@ -711,6 +711,12 @@ def clipping_of_ignored_parameters_differs(rank, world_size):
                          clip_ignored_parameters=rank == 0)
 
 
+def master_weights_differ(rank, world_size):
+    # One rank's slices rounded from float32 masters, the others' stepped in bfloat16.
+    model = fgp.DistributedDataParallel(MLP().to(torch.bfloat16))
+    fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3, master_weights=rank == 0)
+
+
 def schedule_invalid_on_one_rank(rank, world_size):
     # Before, rank 1 raised alone and the others waited for it at the model check.
     fgp.DistributedDataParallel(MLP(), schedule="two-stage" if rank == 1 else "two_stage")

@@ -234,6 +234,9 @@ CASES = [
      [r"cannot build the ShardedOptimizer", r"rank 1: max_grad_norm=None, unlike rank 0's 1\.0"]),
     (bad_inputs.clipping_of_ignored_parameters_differs, "ValueError",
      [r"rank 1: clip_ignored_parameters=False, unlike rank 0's True"]),
+    (bad_inputs.master_weights_differ, "ValueError",
+     [r"cannot build the ShardedOptimizer", r"rank 1: master_weights=False, unlike rank 0's "
+      r"True"]),
     (bad_inputs.schedule_invalid_on_one_rank, "ValueError",
      [r"rank 1: schedule must be one of .* got 'two-stage'"]),
     (bad_inputs.speculation_memory_invalid, "ValueError",

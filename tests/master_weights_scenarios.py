@@ -1,0 +1,230 @@
+"""16-bit parameters stepped through float32 master weights (``master_weights=True``)
+beside torch DDP on the same 16-bit model with a float32 master copy of every
+parameter, stepped by the same optimizer and rounded back after each step (the
+mixed-precision loop of DeepSpeed's bf16 mode and Megatron's float16 optimizer).
+
+On 2 ranks both sides add the same two 16-bit gradient halves once, so the
+gradients, their float32 copies and every step after them are the same bit for
+bit. Imported by the spawned ranks (module-level functions only).
+"""
+from __future__ import annotations
+
+import copy
+import io
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import fgpsdp_runtime as fgp
+
+from .scenarios import MLP, make_batch, reference_clip_
+
+
+class MasteredReference:
+    """torch DDP over a 16-bit model, its optimizer over float32 copies. With
+    ``reduce_in_float32``, no DDP: each rank's 16-bit gradient, halved and cast to
+    float32, is all-reduced in float32 into the master's gradient (Megatron's
+    grad_reduce_in_fp32)."""
+
+    def __init__(self, module: nn.Module, lr: float, clip: Optional[float],
+                 init_scale: Optional[float] = None, reduce_in_float32: bool = False):
+        self.reduce_in_float32 = reduce_in_float32
+        self.ddp = module if reduce_in_float32 else nn.parallel.DistributedDataParallel(module)
+        self.params = list(self.ddp.parameters())
+        self.masters = [p.detach().float().clone() for p in self.params]
+        self.opt = torch.optim.AdamW(self.masters, lr=lr)
+        self.clip = clip
+        self.scaler = None if init_scale is None else \
+            torch.amp.GradScaler("cpu", init_scale=init_scale)
+
+    def step(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            m.grad = None if p.grad is None else p.grad.float()
+            if self.reduce_in_float32:
+                m.grad.mul_(1.0 / dist.get_world_size())
+                dist.all_reduce(m.grad)
+        if self.scaler is not None:
+            self.scaler.unscale_(self.opt)
+        if self.clip is not None:
+            reference_clip_(self.masters, self.clip)
+        if self.scaler is not None:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            self.opt.step()
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
+        self.opt.zero_grad()
+        self.ddp.zero_grad()
+        for p in self.params:
+            p.grad = None
+
+    def write(self, index: int, value: float) -> None:
+        """The loop writes a parameter: the master follows (fgpsdp's master does)."""
+        with torch.no_grad():
+            self.params[index].fill_(value)
+            self.masters[index].copy_(self.params[index])
+
+
+def _largest_difference(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max(float((x.detach().double() - y.detach().double()).abs().max())
+               for x, y in zip(a, b))
+
+
+def _bits_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(x.dtype == y.dtype and torch.equal(x.detach().view(torch.uint8),
+                                                  y.detach().view(torch.uint8))
+               for x, y in zip(a, b))
+
+
+def _loss(model: nn.Module, step: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    x, y = make_batch("mlp", step, 0, rank)
+    return nn.functional.mse_loss(model(x.to(dtype)).float(), y)
+
+
+def side_by_side(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
+    """case: ``dtype`` (bfloat16 / float16), ``schedule``, ``clip``, ``lr``, ``steps``,
+    ``write_at`` (a step before which the loop writes a parameter on both sides),
+    ``init_scale`` (float16 loss scaling from that scale: ShardedGradScaler beside
+    torch's GradScaler), ``reduce_dtype`` ("float32": the reference all-reduces
+    float32 copies of the gradients). Returns the differences after every step and what the
+    optimizer kept."""
+    dtype = getattr(torch, case.get("dtype", "bfloat16"))
+    schedule = case.get("schedule", "two_stage")
+    lr = case.get("lr", 1e-2)
+    torch.manual_seed(0)
+    base = MLP().to(dtype)
+    reference = MasteredReference(copy.deepcopy(base), lr, case.get("clip"),
+                                  init_scale=case.get("init_scale"),
+                                  reduce_in_float32=case.get("reduce_dtype") == "float32")
+    kw = {"overlap_plan": "layout"} if schedule == "two_stage" else {}
+    if "reduce_dtype" in case:
+        kw["reduce_dtype"] = getattr(torch, case["reduce_dtype"])
+    ours = fgp.DistributedDataParallel(base, schedule=schedule, bucket_cap_mb=0.0001, **kw)
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=lr, max_grad_norm=case.get("clip"),
+                               master_weights=True)
+    scaler = None if "init_scale" not in case else \
+        fgp.ShardedGradScaler("cpu", init_scale=case["init_scale"])
+    # (None: not compared; the reference's p.grad is not the reduced gradient there.)
+    apart, full_grads_equal = [], None
+    for step in range(case.get("steps", 5)):
+        if step == case.get("write_at"):
+            with torch.no_grad():
+                list(ours.module.parameters())[2].fill_(0.375)
+            reference.write(2, 0.375)
+        loss = _loss(ours, step, rank, dtype)
+        ref_loss = _loss(reference.ddp, step, rank, dtype)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            reference.scaler.scale(ref_loss).backward()
+        else:
+            loss.backward()
+            ref_loss.backward()
+        if step == 0 and scaler is None and not reference.reduce_in_float32:
+            # The reduced gradient, read whole: float32, as the masters step with.
+            read = [opt.full_grad(p) for p in ours.module.parameters()]
+            full_grads_equal = _bits_equal(read, [p.grad.float() for p in reference.params])
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        opt.zero_grad()
+        reference.step()
+        ours.synchronize()
+        apart.append(_largest_difference(list(ours.module.parameters()), reference.params))
+    masters = opt._slice_pieces.masters
+    # opt.full_state(p) holds the master weights whole, as the checkpoint does.
+    states = [opt.full_state(p).get("master_param") for p in ours.module.parameters()]
+    return {
+        "masters_read_equal": None if states[0] is None else
+        _bits_equal(states, reference.masters),
+        "apart": apart,
+        "bitwise": _bits_equal(list(ours.module.parameters()), reference.params),
+        "full_grads_equal": full_grads_equal,
+        "master_dtypes": sorted({str(m.dtype) for m in masters.values()}),
+        "grad_dtypes": sorted({str(s.grad_shard.dtype) for s in ours.buckets}),
+        "param_dtypes": sorted({str(p.dtype) for p in ours.module.parameters()}),
+        "master_elements": sum(m.numel() for m in masters.values()),
+        "slice_elements": sum(s.layout.shard_numel for s in ours.buckets),
+        "rollbacks": ours.scheduler.rollbacks if ours.scheduler is not None else None,
+        "commits": ours.scheduler.commits if ours.scheduler is not None else None,
+        "skipped": opt.skipped_steps,
+        "scale": None if scaler is None else (scaler.get_scale(), reference.scaler.get_scale()),
+    }
+
+
+def side_by_side_many(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    return [side_by_side(rank, world_size, case) for case in cases]
+
+
+def _build(master_weights: bool, lr: float = 1e-2):
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(MLP().to(torch.bfloat16), bucket_cap_mb=0.0001,
+                                        overlap_plan="layout")
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=lr, master_weights=master_weights)
+    return model, opt
+
+
+def _train(model, opt, rank: int, steps: range) -> None:
+    for step in steps:
+        _loss(model, step, rank, torch.bfloat16).backward()
+        opt.step()
+        opt.zero_grad()
+    model.synchronize()
+
+
+def small_updates(rank: int, world_size: int) -> dict[str, Any]:
+    """An lr whose updates are below half a bfloat16 place of most weights: stepped in
+    bfloat16 they vanish; through master weights they add up."""
+    moved = {}
+    for master_weights in (False, True):
+        model, opt = _build(master_weights, lr=1e-4)
+        before = [p.detach().clone() for p in model.module.parameters()]
+        _train(model, opt, rank, range(20))
+        changed = sum(int((p.detach() != b).sum()) for p, b in zip(model.module.parameters(),
+                                                                    before))
+        moved[master_weights] = changed / sum(b.numel() for b in before)
+    return moved
+
+
+def resumed(rank: int, world_size: int, how: str) -> dict[str, Any]:
+    """3 steps, a checkpoint (``how``: "full", full_state_dict(); "shard", state_dict()),
+    3 more; against a second pair loaded from the checkpoint after those 3 steps and
+    a third loaded from it without its master weights (their extra bits lost)."""
+    model, opt = _build(True)
+    _train(model, opt, rank, range(3))
+    saved_model = copy.deepcopy(model.module.state_dict())
+    saved = opt.full_state_dict() if how == "full" else opt.state_dict()
+    buffer = io.BytesIO()
+    torch.save(saved, buffer)
+    _train(model, opt, rank, range(3, 6))
+    out = {"keys": sorted(saved["state"][0]) if how == "full" else sorted(saved)}
+    if how == "full":
+        out["master_dtype"] = str(saved["state"][0]["master_param"].dtype)
+        out["master_rounds_to_param"] = all(
+            torch.equal(saved["state"][i]["master_param"].to(torch.bfloat16), p)
+            for i, p in enumerate(saved_model.values()))
+    for variant in ("with masters", "without masters"):
+        again, again_opt = _build(True)
+        again.module.load_state_dict(saved_model)
+        buffer.seek(0)
+        loaded = torch.load(buffer, weights_only=False)
+        if variant == "without masters":
+            if how == "full":
+                for entry in loaded["state"].values():
+                    entry.pop("master_param")
+            else:
+                loaded.pop("master_weights")
+        again_opt.load_state_dict(loaded)
+        _train(again, again_opt, rank, range(3, 6))
+        out[variant] = _bits_equal(list(again.module.parameters()),
+                                   list(model.module.parameters()))
+    return out
+
+
+def resumed_both(rank: int, world_size: int) -> dict[str, dict]:
+    return {how: resumed(rank, world_size, how) for how in ("full", "shard")}

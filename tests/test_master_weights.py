@@ -1,0 +1,80 @@
+"""master_weights=True: 16-bit parameters stepped through float32 copies of each rank's
+slice, against torch DDP with a float32 master copy of every parameter (see
+master_weights_scenarios.py). On 2 ranks the two sides round alike at every
+point, so the parameters must be equal bit for bit after every step."""
+import pytest
+
+from . import master_weights_scenarios
+from .dist_harness import run_distributed
+
+CASES = [
+    {"schedule": "serial"},
+    {"schedule": "overlap_backward"},
+    {"schedule": "next_forward"},
+    # The layout plan speculates from the first step; clipping at 0.05 rolls every
+    # speculative step back (the masters restored with the slices).
+    {"schedule": "two_stage"},
+    {"schedule": "two_stage", "clip": 0.05},
+    # The loop writes a parameter between steps: the master takes the written value.
+    {"schedule": "next_forward", "write_at": 2},
+    {"schedule": "two_stage", "write_at": 2},
+    # Megatron's grad_reduce_in_fp32: reduced into the float32 gradient slice directly.
+    {"schedule": "two_stage", "reduce_dtype": "float32", "clip": 0.05},
+    # float16 with loss scaling (refused without master weights: the gradients
+    # would be float16), and a scale that overflows every step: all skipped.
+    {"dtype": "float16", "schedule": "two_stage", "init_scale": 2.0 ** 10, "lr": 1e-3},
+    {"dtype": "float16", "schedule": "next_forward", "init_scale": 2.0 ** 40, "lr": 1e-3},
+]
+
+
+def _name(case):
+    return "-".join(f"{k}={v}" for k, v in case.items())
+
+
+@pytest.fixture(scope="module")
+def side_by_side():
+    return run_distributed(2, master_weights_scenarios.side_by_side_many, CASES,
+                           timeout_s=300)
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=[_name(c) for c in CASES])
+def test_matches_torch_ddp_with_float32_masters_bitwise(side_by_side, index):
+    case = CASES[index]
+    for rank, per_case in enumerate(side_by_side):
+        res = per_case[index]
+        assert res["apart"] == [0.0] * 5 and res["bitwise"], (rank, case, res["apart"])
+        assert res["param_dtypes"] == [f"torch.{case.get('dtype', 'bfloat16')}"]
+        assert res["master_dtypes"] == res["grad_dtypes"] == ["torch.float32"]
+        # Sharded: each rank keeps masters of its own slice alone.
+        assert res["master_elements"] == res["slice_elements"] > 0
+        if res["full_grads_equal"] is not None:
+            assert res["full_grads_equal"], (rank, case)
+        if case.get("init_scale") == 2.0 ** 40:
+            assert res["skipped"] == 5 and res["masters_read_equal"] is None
+            assert res["scale"][0] == res["scale"][1] < 2.0 ** 40
+        else:
+            assert res["skipped"] == 0 and res["masters_read_equal"], (rank, case)
+        if case == {"schedule": "two_stage", "clip": 0.05}:
+            assert res["rollbacks"] > 0 and res["commits"] == 0, res
+        if case == {"schedule": "two_stage"}:
+            assert res["commits"] > 0 and res["rollbacks"] == 0, res
+
+
+def test_small_updates_add_up_through_master_weights():
+    # AdamW at lr 1e-4 for 20 steps: in bfloat16 most updates fall below half a
+    # place of their weight and vanish.
+    for rank, moved in enumerate(run_distributed(2, master_weights_scenarios.small_updates)):
+        assert moved[False] < 0.3 and moved[True] > 2 * moved[False], (rank, moved)
+
+
+def test_checkpoints_keep_the_master_weights():
+    for rank, by_how in enumerate(run_distributed(2, master_weights_scenarios.resumed_both,
+                                                  timeout_s=300)):
+        full, shard = by_how["full"], by_how["shard"]
+        assert full["keys"] == ["exp_avg", "exp_avg_sq", "master_param", "step"]
+        assert full["master_dtype"] == "torch.float32" and full["master_rounds_to_param"]
+        assert "master_weights" in shard["keys"]
+        for how, res in by_how.items():
+            # Resumed from the checkpoint: bit for bit the run that went on. Without
+            # its master weights the masters restart from the rounded parameters.
+            assert res["with masters"] and not res["without masters"], (rank, how, res)

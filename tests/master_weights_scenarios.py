@@ -90,7 +90,7 @@ def side_by_side(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, 
     ``write_at`` (a step before which the loop writes a parameter on both sides),
     ``init_scale`` (float16 loss scaling from that scale: ShardedGradScaler beside
     torch's GradScaler), ``reduce_dtype`` ("float32": the reference all-reduces
-    float32 copies of the gradients). Returns the differences after every step and what the
+    float32 copies of the gradients), ``local_size`` (hierarchical). Returns the differences after every step and what the
     optimizer kept."""
     dtype = getattr(torch, case.get("dtype", "bfloat16"))
     schedule = case.get("schedule", "two_stage")
@@ -103,6 +103,8 @@ def side_by_side(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, 
     kw = {"overlap_plan": "layout"} if schedule == "two_stage" else {}
     if "reduce_dtype" in case:
         kw["reduce_dtype"] = getattr(torch, case["reduce_dtype"])
+    if "local_size" in case:
+        kw["topology"] = fgp.Topology(local_size=case["local_size"])
     ours = fgp.DistributedDataParallel(base, schedule=schedule, bucket_cap_mb=0.0001, **kw)
     opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=lr, max_grad_norm=case.get("clip"),
                                master_weights=True)
@@ -150,6 +152,7 @@ def side_by_side(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, 
         "param_dtypes": sorted({str(p.dtype) for p in ours.module.parameters()}),
         "master_elements": sum(m.numel() for m in masters.values()),
         "slice_elements": sum(s.layout.shard_numel for s in ours.buckets),
+        "bucket_elements": sum(s.layout.padded_numel for s in ours.buckets),
         "rollbacks": ours.scheduler.rollbacks if ours.scheduler is not None else None,
         "commits": ours.scheduler.commits if ours.scheduler is not None else None,
         "skipped": opt.skipped_steps,

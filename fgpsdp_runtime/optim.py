@@ -787,7 +787,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             # Written by the loop between backward and step: after the speculative
             # step, over values the all-gather may be overwriting; undoing would
             # drop the write. Nothing of this step has changed yet.
-            name = model.param_versions.written_since_change(b)
+            name = model.param_versions.written_since_change(b) \
+                or self._slice_pieces.master_written_by_the_loop(b)
             if name is not None:
                 raise RuntimeError(
                     f"fgpsdp: parameter {name!r} was changed in place between backward and "
@@ -1029,6 +1030,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Bucket b's slice and its optimizer state as before its speculative step."""
         backup.restore(self.model.buckets[b].param_shard, self._slice_pieces.of_bucket[b],
                        self.optim.state, self._slice_pieces.masters.get(b))
+        self._slice_pieces.note_master_restored(b)
 
     @on_itself
     def unscale_gradients_(self, inv_scale: torch.Tensor) -> bool:
@@ -1353,11 +1355,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.optim.load_state_dict(state_dict["shard"])
         # A shard saved without master weights leaves them as they are; they follow
         # the parameters (see [Note: master weights] in slice_pieces.py).
-        saved_masters = state_dict.get("master_weights") or {}
-        with torch.no_grad():
-            for b, master in self._slice_pieces.masters.items():
-                if b in saved_masters:
-                    master.copy_(saved_masters[b])
+        self._slice_pieces.load_masters(state_dict.get("master_weights") or {})
 
     def _refuse_while_unfinished(self, what: str) -> None:
         """Raised locally, before any collective: under serial and overlap_backward the
@@ -1577,7 +1575,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return self._clipped_norm
 
     def _norm_tensor(self, total: float) -> torch.Tensor:
-        dtypes = {s.dtype for s in self.model.buckets} or {torch.float32}
+        # The gradients' dtype, as torch's clip returns (float32 under master_weights).
+        dtypes = {s.grad_shard.dtype for s in self.model.buckets} or {torch.float32}
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
         return torch.tensor(total, dtype=dtype, device=self._device)
 

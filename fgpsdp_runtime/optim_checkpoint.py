@@ -318,7 +318,7 @@ def load_full_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> N
             + (", ..." if len(left_to_the_user) > 3 else "") + "), which this "
             "ShardedOptimizer does not step: not loaded. Load it into their own optimizer")
     inner_state: dict[int, dict[str, Any]] = {}
-    masters = []  # (master piece, its saved values)
+    masters = {}  # bucket -> [(offset in this rank's slice, saved values)]
     for index, entry, kinds in to_load:
         for tensor, b, start, end in opt._slice_pieces.by_param.get(index, ()):
             offset = start - spans[index].bucket_offset
@@ -328,8 +328,10 @@ def load_full_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> N
             # Saved without master weights (or by a torch optimizer), the masters
             # stay as they are, and follow the parameters (see slice_pieces.py).
             if b in opt._slice_pieces.masters and kinds.get(MASTER_KEY):
-                masters.append((tensor, _piece_of(entry[MASTER_KEY], True, offset,
-                                                  end - start, spans[index].strides)))
+                masters.setdefault(b, []).append((
+                    start - model.buckets[b].shard_start,
+                    _piece_of(entry[MASTER_KEY], True, offset, end - start,
+                              spans[index].strides)))
     for key, value in saved_state.items():
         if not isinstance(key, int):  # optimizer-wide: as torch loads it, but a copy
             inner_state[key] = value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
@@ -340,9 +342,7 @@ def load_full_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> N
                              "params": [inner_number[id(p)] for p in inner_group["params"]]})
     # torch's loader casts each value to its piece's device and dtype ("step" kept).
     opt.optim.load_state_dict({"state": inner_state, "param_groups": inner_groups})
-    with torch.no_grad():
-        for tensor, value in masters:
-            tensor.copy_(value)
+    opt._slice_pieces.load_masters(masters)
 
 
 def _check_no_entry_is_missing(opt: ShardedOptimizer, g: int, saved_group: dict[str, Any],

@@ -34,7 +34,11 @@ if TYPE_CHECKING:  # imported for annotations only
 # the truth the loop sees: an element the loop wrote (model.load_state_dict, a
 # hand-written re-initialisation) no longer equals its master rounded, and the
 # master takes the written value before the next step (follow_param_writes), so a
-# write is never undone by the next step's write-back.
+# write is never undone by the next step's write-back. The loop may write the
+# optimizer's own tensors too (opt.param_groups' pieces, in place: a hand-written
+# weight decay), which are the masters here: the masters' version counter, taken
+# after each of our own writes, tells that apart, and the master's values then go
+# to the parameters instead.
 MASTER_WEIGHT_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -68,6 +72,9 @@ class SlicePieces:
                 self.by_bucket[b].append((piece.param_index, tensor, start, end))
         self.of_bucket: list[list[torch.Tensor]] = [
             [tensor for _, tensor, _, _ in pieces] for pieces in self.by_bucket]
+        # Bucket -> its master's version counter after our last write to it: another
+        # value means the loop wrote the optimizer's tensors (see the note).
+        self._versions_written = {b: m._version for b, m in self.masters.items()}
         # Buckets whose pieces assign_grads may have given a gradient.
         self._with_grads: set[int] = set()
         self._grad_views: dict[int, tuple] = {}  # see _grad_shard_views
@@ -143,18 +150,57 @@ class SlicePieces:
 
     def follow_param_writes(self, buckets: Sequence[int]) -> None:
         """Before stepping ``buckets``: where the loop wrote a bucket's 16-bit slice
-        since the last write-back, the master takes the written value (see
-        [Note: master weights])."""
+        since the last write-back, the master takes the written value; where it
+        wrote the master (the optimizer's tensors), the slice takes the master's
+        (see [Note: master weights])."""
         storages = self._model.buckets
         for b in buckets:
             master = self.masters.get(b)
             if master is None:
                 continue
             shard = storages[b].param_shard
-            # One select, not an indexed write: asking whether any element was
-            # written would wait for the GPU on every bucket of every step.
-            written = shard != master.to(shard.dtype)
-            torch.where(written, shard.to(master.dtype), master, out=master)
+            if master._version != self._versions_written[b]:
+                shard.copy_(master)
+            else:
+                # One select, not an indexed write: asking whether any element was
+                # written would wait for the GPU on every bucket of every step.
+                written = shard != master.to(shard.dtype)
+                torch.where(written, shard.to(master.dtype), master, out=master)
+            self._versions_written[b] = master._version
+
+    def note_master_restored(self, b: int) -> None:
+        """Bucket b's master was put back with its slice (an undone speculative step)."""
+        if b in self.masters:
+            self._versions_written[b] = self.masters[b]._version
+
+    def master_written_by_the_loop(self, b: int) -> Optional[str]:
+        """The name of a parameter of bucket b if the loop wrote the optimizer's
+        tensors of it (its master) since our last write, else None."""
+        master = self.masters.get(b)
+        if master is None or master._version == self._versions_written[b] \
+                or not self.by_bucket[b]:
+            return None
+        index = self.by_bucket[b][0][0]
+        return self._model.named_trainable_parameters()[index][0]
+
+    def load_masters(self, saved: dict) -> None:
+        """A checkpoint's master weights: ``saved[b]`` this rank's slice of bucket b
+        whole, or [(offset in the slice, values)]. A bucket it does not hold (a dict
+        saved without master weights, or by a torch optimizer) restarts from its
+        parameters' values, rounded, as a run with master weights starts; a
+        parameter loaded later is followed as any write (follow_param_writes)."""
+        storages = self._model.buckets
+        with torch.no_grad():
+            for b, master in self.masters.items():
+                if b not in saved:
+                    self._model.finish_param_all_gather(b)  # (lands our slice too)
+                    master.copy_(storages[b].param_shard)
+                elif torch.is_tensor(saved[b]):
+                    master.copy_(saved[b])
+                else:
+                    for offset, values in saved[b]:
+                        master[offset:offset + values.numel()].copy_(values)
+                self._versions_written[b] = master._version
 
     def write_back(self, buckets: Sequence[int]) -> None:
         """After stepping ``buckets``: their 16-bit slices become their masters, rounded."""
@@ -163,3 +209,4 @@ class SlicePieces:
             master = self.masters.get(b)
             if master is not None:
                 storages[b].param_shard.copy_(master)
+                self._versions_written[b] = master._version

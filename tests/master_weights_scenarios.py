@@ -47,6 +47,11 @@ class MasteredReference:
                 dist.all_reduce(m.grad)
         if self.scaler is not None:
             self.scaler.unscale_(self.opt)
+        if self.scaler is None and not all(
+                bool(torch.isfinite(m.grad).all()) for m in self.masters if m.grad is not None):
+            self.opt.zero_grad()  # skipped, as fgpsdp skips a step of inf/NaN norm
+            self.ddp.zero_grad()
+            return
         if self.clip is not None:
             reference_clip_(self.masters, self.clip)
         if self.scaler is not None:
@@ -61,6 +66,12 @@ class MasteredReference:
         self.ddp.zero_grad()
         for p in self.params:
             p.grad = None
+
+    def decay_masters(self) -> None:
+        """The loop's weight decay on the optimizer's own tensors: the masters here."""
+        with torch.no_grad():
+            for m in self.masters:
+                m.mul_(0.9)
 
     def write(self, index: int, value: float) -> None:
         """The loop writes a parameter: the master follows (fgpsdp's master does)."""
@@ -89,9 +100,12 @@ def side_by_side(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, 
     """case: ``dtype`` (bfloat16 / float16), ``schedule``, ``clip``, ``lr``, ``steps``,
     ``write_at`` (a step before which the loop writes a parameter on both sides),
     ``init_scale`` (float16 loss scaling from that scale: ShardedGradScaler beside
-    torch's GradScaler), ``reduce_dtype`` ("float32": the reference all-reduces
-    float32 copies of the gradients), ``local_size`` (hierarchical). Returns the differences after every step and what the
-    optimizer kept."""
+    torch's GradScaler), ``decay`` ("before_step" or "after_step": the loop multiplies
+    the optimizer's tensors, ``opt.param_groups``' ones, by 0.9 in place, a
+    hand-written weight decay), ``inf_at`` (a step whose loss is inf on rank 0:
+    skipped on both sides, its speculative steps undone), ``reduce_dtype`` ("float32": the reference all-reduces
+    float32 copies of the gradients), ``local_size`` (hierarchical). Returns the
+    differences after every step and what the optimizer kept."""
     dtype = getattr(torch, case.get("dtype", "bfloat16"))
     schedule = case.get("schedule", "two_stage")
     lr = case.get("lr", 1e-2)
@@ -111,7 +125,7 @@ def side_by_side(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, 
     scaler = None if "init_scale" not in case else \
         fgp.ShardedGradScaler("cpu", init_scale=case["init_scale"])
     # (None: not compared; the reference's p.grad is not the reduced gradient there.)
-    apart, full_grads_equal = [], None
+    apart, full_grads_equal, norm_dtype = [], None, None
     for step in range(case.get("steps", 5)):
         if step == case.get("write_at"):
             with torch.no_grad():
@@ -119,16 +133,24 @@ def side_by_side(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, 
             reference.write(2, 0.375)
         loss = _loss(ours, step, rank, dtype)
         ref_loss = _loss(reference.ddp, step, rank, dtype)
+        if step == case.get("inf_at") and rank == 0:
+            loss, ref_loss = loss * float("inf"), ref_loss * float("inf")
         if scaler is not None:
             scaler.scale(loss).backward()
             reference.scaler.scale(ref_loss).backward()
         else:
             loss.backward()
             ref_loss.backward()
-        if step == 0 and scaler is None and not reference.reduce_in_float32:
+        if step == 0 and scaler is None and not reference.reduce_in_float32 \
+                and case.get("inf_at") != 0:
             # The reduced gradient, read whole: float32, as the masters step with.
             read = [opt.full_grad(p) for p in ours.module.parameters()]
             full_grads_equal = _bits_equal(read, [p.grad.float() for p in reference.params])
+            # (inf: measures, clips nothing) In the gradients' dtype, as torch's clip.
+            norm_dtype = str(opt.clip_grad_norm_(float("inf")).dtype)
+        if case.get("decay") == "before_step":
+            _decay_pieces(opt)
+            reference.decay_masters()
         if scaler is not None:
             scaler.step(opt)
             scaler.update()
@@ -136,6 +158,9 @@ def side_by_side(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, 
             opt.step()
         opt.zero_grad()
         reference.step()
+        if case.get("decay") == "after_step":
+            _decay_pieces(opt)
+            reference.decay_masters()
         ours.synchronize()
         apart.append(_largest_difference(list(ours.module.parameters()), reference.params))
     masters = opt._slice_pieces.masters
@@ -147,6 +172,7 @@ def side_by_side(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, 
         "apart": apart,
         "bitwise": _bits_equal(list(ours.module.parameters()), reference.params),
         "full_grads_equal": full_grads_equal,
+        "norm_dtype": norm_dtype,
         "master_dtypes": sorted({str(m.dtype) for m in masters.values()}),
         "grad_dtypes": sorted({str(s.grad_shard.dtype) for s in ours.buckets}),
         "param_dtypes": sorted({str(p.dtype) for p in ours.module.parameters()}),
@@ -158,6 +184,13 @@ def side_by_side(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, 
         "skipped": opt.skipped_steps,
         "scale": None if scaler is None else (scaler.get_scale(), reference.scaler.get_scale()),
     }
+
+
+def _decay_pieces(opt: fgp.ShardedOptimizer) -> None:
+    with torch.no_grad():
+        for group in opt.param_groups:
+            for p in group["params"]:
+                p.mul_(0.9)
 
 
 def side_by_side_many(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
@@ -196,8 +229,9 @@ def small_updates(rank: int, world_size: int) -> dict[str, Any]:
 
 def resumed(rank: int, world_size: int, how: str) -> dict[str, Any]:
     """3 steps, a checkpoint (``how``: "full", full_state_dict(); "shard", state_dict()),
-    3 more; against a second pair loaded from the checkpoint after those 3 steps and
-    a third loaded from it without its master weights (their extra bits lost)."""
+    3 more; against a second pair loaded from the checkpoint after those 3 steps, a
+    third loaded from it without its master weights (their extra bits lost), and the
+    first pair itself loaded from it without them (then 3 steps again)."""
     model, opt = _build(True)
     _train(model, opt, rank, range(3))
     saved_model = copy.deepcopy(model.module.state_dict())
@@ -205,18 +239,22 @@ def resumed(rank: int, world_size: int, how: str) -> dict[str, Any]:
     buffer = io.BytesIO()
     torch.save(saved, buffer)
     _train(model, opt, rank, range(3, 6))
+    finals = {"uninterrupted": [p.detach().clone() for p in model.module.parameters()]}
     out = {"keys": sorted(saved["state"][0]) if how == "full" else sorted(saved)}
     if how == "full":
         out["master_dtype"] = str(saved["state"][0]["master_param"].dtype)
         out["master_rounds_to_param"] = all(
             torch.equal(saved["state"][i]["master_param"].to(torch.bfloat16), p)
             for i, p in enumerate(saved_model.values()))
-    for variant in ("with masters", "without masters"):
-        again, again_opt = _build(True)
+    for variant in ("with masters", "without masters", "without masters, same optimizer"):
+        if variant.endswith("same optimizer"):  # 3 steps on from the checkpoint
+            again, again_opt = model, opt
+        else:
+            again, again_opt = _build(True)
         again.module.load_state_dict(saved_model)
         buffer.seek(0)
         loaded = torch.load(buffer, weights_only=False)
-        if variant == "without masters":
+        if variant.startswith("without masters"):
             if how == "full":
                 for entry in loaded["state"].values():
                     entry.pop("master_param")
@@ -224,10 +262,32 @@ def resumed(rank: int, world_size: int, how: str) -> dict[str, Any]:
                 loaded.pop("master_weights")
         again_opt.load_state_dict(loaded)
         _train(again, again_opt, rank, range(3, 6))
-        out[variant] = _bits_equal(list(again.module.parameters()),
-                                   list(model.module.parameters()))
+        finals[variant] = [p.detach().clone() for p in again.module.parameters()]
+    uninterrupted = finals.pop("uninterrupted")
+    for variant, params in finals.items():
+        out[variant] = _bits_equal(params, uninterrupted)
+    # A running optimizer loaded without master weights goes on as a fresh one does.
+    out["same optimizer as a fresh one"] = _bits_equal(
+        finals["without masters, same optimizer"], finals["without masters"])
     return out
 
 
 def resumed_both(rank: int, world_size: int) -> dict[str, dict]:
     return {how: resumed(rank, world_size, how) for how in ("full", "shard")}
+
+
+def decayed_after_speculation(rank: int, world_size: int) -> str:
+    """The optimizer's tensors written between backward and step under two_stage, after
+    the speculative steps (the layout plan speculates from the first step): raises,
+    as a write to the parameters there does, instead of landing a step late."""
+    model, opt = _build(True)
+    _loss(model, 0, rank, torch.bfloat16).backward()
+    model.scheduler.finish_stage1()  # (else a write may come before the speculative step)
+    if not model.scheduler.speculated:
+        return "nothing speculated"
+    _decay_pieces(opt)
+    try:
+        opt.step()
+    except RuntimeError as error:
+        return str(error)
+    return "no error"

@@ -18,6 +18,15 @@ CASES = [
     # The loop writes a parameter between steps: the master takes the written value.
     {"schedule": "next_forward", "write_at": 2},
     {"schedule": "two_stage", "write_at": 2},
+    # The loop writes the optimizer's own tensors (the masters) in place: a weight
+    # decay before the step (two_stage refuses it after a speculative step), and
+    # after it, where the next step takes it.
+    {"schedule": "next_forward", "decay": "before_step"},
+    {"schedule": "serial", "decay": "before_step", "clip": 0.05},
+    {"schedule": "two_stage", "decay": "after_step"},
+    # A step skipped for its inf gradient, its speculative steps undone, then a
+    # parameter written by the loop: the write stands (the undo wrote the masters).
+    {"schedule": "two_stage", "inf_at": 1, "write_at": 2},
     # Megatron's grad_reduce_in_fp32: reduced into the float32 gradient slice directly.
     {"schedule": "two_stage", "reduce_dtype": "float32", "clip": 0.05},
     # float16 with loss scaling (refused without master weights: the gradients
@@ -51,11 +60,15 @@ def test_matches_torch_ddp_with_float32_masters_bitwise(side_by_side, index):
             == res["bucket_elements"] >= 1770
         if res["full_grads_equal"] is not None:
             assert res["full_grads_equal"], (rank, case)
+            assert res["norm_dtype"] == "torch.float32"
         if case.get("init_scale") == 2.0 ** 40:
             assert res["skipped"] == 5 and res["masters_read_equal"] is None
             assert res["scale"][0] == res["scale"][1] < 2.0 ** 40
         else:
-            assert res["skipped"] == 0 and res["masters_read_equal"], (rank, case)
+            assert res["skipped"] == (1 if "inf_at" in case else 0), (rank, case)
+            assert res["masters_read_equal"], (rank, case)
+        if "inf_at" in case:
+            assert res["rollbacks"] > 0, res
         if case == {"schedule": "two_stage", "clip": 0.05}:
             assert res["rollbacks"] > 0 and res["commits"] == 0, res
         if case == {"schedule": "two_stage"}:
@@ -73,6 +86,13 @@ def test_hierarchical_2x2_stays_close_to_torch_ddp_with_float32_masters():
         assert res["master_dtypes"] == res["grad_dtypes"] == ["torch.float32"]
         # A quarter of every bucket's elements (padded) on each rank.
         assert 4 * res["master_elements"] == res["bucket_elements"] >= 1770
+
+
+def test_writing_the_masters_after_a_speculative_step_raises():
+    for rank, message in enumerate(run_distributed(
+            2, master_weights_scenarios.decayed_after_speculation)):
+        assert "was changed in place between backward and opt.step()" in message, \
+            (rank, message)
 
 
 def test_small_updates_add_up_through_master_weights():
@@ -93,3 +113,6 @@ def test_checkpoints_keep_the_master_weights():
             # Resumed from the checkpoint: bit for bit the run that went on. Without
             # its master weights the masters restart from the rounded parameters.
             assert res["with masters"] and not res["without masters"], (rank, how, res)
+            # Loaded into the running optimizer, whose masters held later values.
+            assert not res["without masters, same optimizer"], (rank, how, res)
+            assert res["same optimizer as a fresh one"], (rank, how, res)

@@ -1,0 +1,183 @@
+"""Memory and loss of 16-bit training with float32 master weights, against float32 training.
+
+    python bench/master_weights_memory.py --workload gpt2 --world-size 4 --steps 20
+
+Spawns ``--world-size`` CPU ranks on this machine (gloo over loopback: memory and
+loss do not depend on the link) once per system, trains ``--steps`` AdamW steps
+(lr 1e-4, as bench/systems.py's, clipped at 1.0) on the workload's synthetic data,
+and prints per system: the largest resident-set growth of any rank from just before
+the model is built to the peak (``ru_maxrss``); the bytes of training state rank 0
+holds between its last backward and step, counted from the tensors themselves
+(parameters, the gradients the step reads, optimizer state, master weights; torch
+DDP's own gradient buckets, which it keeps beside ``param.grad``, are not reachable and
+not counted); and rank 0's mean loss over the last 5 steps. Systems:
+
+- ``ddp_fp32``: torch DDP, float32 parameters, AdamW over them;
+- ``ddp_bf16_masters``: torch DDP over the bfloat16 model, AdamW over a float32
+  master copy of every parameter, copied back after each step (the loop
+  ``master_weights`` replaces; tests/master_weights_scenarios.py);
+- ``fgpsdp_fp32``: fgpsdp (two_stage), float32 parameters;
+- ``fgpsdp_bf16``: fgpsdp over the bfloat16 model, AdamW stepping bfloat16 slices;
+- ``fgpsdp_bf16_masters``: the same with ``master_weights=True``.
+
+Memory beside a small CPU model is dominated by the process itself (torch's
+libraries, gloo); the growth isolates what training holds, to the page.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import resource
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))
+import fgpsdp_runtime as fgp  # noqa: E402
+from systems import ADAMW, MAX_NORM  # noqa: E402
+from workloads import CONFIGS, WORKLOADS, build_model, loss_fn, make_batch  # noqa: E402
+
+SYSTEMS = ("ddp_fp32", "ddp_bf16_masters", "fgpsdp_fp32", "fgpsdp_bf16", "fgpsdp_bf16_masters")
+
+
+def rss_mib() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class DDPWithMasters:
+    """torch DDP over a 16-bit model, AdamW over a float32 copy of every parameter."""
+
+    def __init__(self, model: nn.Module):
+        self.model = nn.parallel.DistributedDataParallel(model)
+        self.params = list(self.model.parameters())
+        self.masters = [p.detach().float().clone() for p in self.params]
+        self.opt = torch.optim.AdamW(self.masters, **ADAMW)
+
+    def step(self) -> None:
+        for p, m in zip(self.params, self.masters):
+            m.grad = None if p.grad is None else p.grad.float()
+            p.grad = None
+        torch.nn.utils.clip_grad_norm_(self.masters, MAX_NORM)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                p.copy_(m)
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _state_tensors(state) -> list[torch.Tensor]:
+    return [v for entry in state.values() for v in entry.values() if torch.is_tensor(v)]
+
+
+def held_bytes(system: str, wrapped, opt) -> int:
+    """Training state held between backward and step, from the tensors (see above)."""
+    if system == "ddp_fp32":
+        params = list(wrapped.parameters())
+        return _nbytes(params) + _nbytes(p.grad for p in params) + \
+            _nbytes(_state_tensors(opt.state))
+    if system == "ddp_bf16_masters":
+        params = opt.params
+        return _nbytes(params) + _nbytes(p.grad for p in params) + _nbytes(opt.masters) + \
+            _nbytes(_state_tensors(opt.opt.state))
+    return (_nbytes(s.flat_param for s in wrapped.buckets)
+            + _nbytes(s.grad_shard for s in wrapped.buckets)
+            + _nbytes(opt._slice_pieces.masters.values())
+            + _nbytes(_state_tensors(opt.optim.state)))
+
+
+def _rank(rank, world, args, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=300))
+    cfg = CONFIGS[(args.workload, "cpu")]
+    torch.manual_seed(0)
+    before = rss_mib()
+    model = build_model(cfg)
+    if "bf16" in args.system:
+        model = model.to(torch.bfloat16)
+    if args.system == "ddp_fp32":
+        wrapped = nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.AdamW(wrapped.parameters(), **ADAMW)
+
+        def step():
+            torch.nn.utils.clip_grad_norm_(wrapped.parameters(), MAX_NORM)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    elif args.system == "ddp_bf16_masters":
+        mastered = DDPWithMasters(model)
+        wrapped, step, opt = mastered.model, mastered.step, mastered
+    else:
+        wrapped = fgp.DistributedDataParallel(model)
+        opt = fgp.ShardedOptimizer(wrapped, torch.optim.AdamW, max_grad_norm=MAX_NORM,
+                                   master_weights=args.system.endswith("masters"), **ADAMW)
+
+        def step():
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    criterion = loss_fn(cfg)
+    losses = []
+    for s in range(args.steps):
+        x, y = make_batch(cfg, s, rank)
+        if "bf16" in args.system and x.is_floating_point():
+            x = x.to(torch.bfloat16)
+        loss = criterion(wrapped(x).float(), y)
+        loss.backward()
+        if s == args.steps - 1:
+            held = held_bytes(args.system, wrapped, opt)
+        step()
+        losses.append(float(loss.detach()))
+    dist.barrier()
+    queue.put((rank, peak_mib() - before, losses, held))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workload", default="gpt2", choices=WORKLOADS)
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--port", type=int, default=29831)
+    args = parser.parse_args()
+    ctx = mp.get_context("spawn")
+    n_params = sum(p.numel() for p in build_model(CONFIGS[(args.workload, "cpu")]).parameters())
+    print(f"{args.workload} (cpu size, {n_params / 1e6:.1f}M parameters), "
+          f"{args.world_size} ranks, {args.steps} AdamW steps, torch {torch.__version__}")
+    print(f"{'system':<22} {'RSS growth, max rank (MiB)':>27} {'state held, rank 0 (MiB)':>25} "
+          f"{'loss, last 5 steps (rank 0)':>28}")
+    for i, system in enumerate(s for s in args.systems.split(",") if s):
+        if system not in SYSTEMS:
+            parser.error(f"unknown system {system}; choose from {SYSTEMS}")
+        args.system, args.port = system, args.port + i
+        queue = ctx.Queue()
+        procs = [ctx.Process(target=_rank, args=(r, args.world_size, args, queue))
+                 for r in range(args.world_size)]
+        for p in procs:
+            p.start()
+        results = sorted(queue.get() for _ in procs)
+        for p in procs:
+            p.join()
+        growth = max(r[1] for r in results)
+        last = results[0][2][-5:]
+        print(f"{system:<22} {growth:>27.0f} {results[0][3] / 2**20:>25.1f} "
+              f"{sum(last) / len(last):>28.4f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -73,20 +73,22 @@ def hierarchical_partial_sum() -> dict:
 
 
 def _train(module_seed: int, schedule: str, delay_cycles: int, steps: int = 6,
-           reduce_dtype=None, late_optimizer: bool = False):
+           reduce_dtype=None, late_optimizer: bool = False, master_weights: bool = False):
     _slow_link(delay_cycles)
     torch.manual_seed(module_seed)
     device = torch.device("cuda", torch.cuda.current_device())
     module = torch.nn.Sequential(*[m for _ in range(8)
                                    for m in (torch.nn.Linear(512, 512), torch.nn.ReLU())])
-    module = module.to(device)
+    dtype = torch.bfloat16 if master_weights else torch.float32
+    module = module.to(device, dtype)
     model = fgp.DistributedDataParallel(module, bucket_cap_mb=1, schedule=schedule,
                                         overlap_plan="layout", reduce_dtype=reduce_dtype)
-    opt = None if late_optimizer else fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    opt = None if late_optimizer else fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3,
+                                                           master_weights=master_weights)
     generator = torch.Generator(device=device).manual_seed(1)
     for _ in range(steps):
-        x = torch.randn(256, 512, device=device, generator=generator)
-        model(x).square().mean().backward()
+        x = torch.randn(256, 512, device=device, generator=generator).to(dtype)
+        model(x).float().square().mean().backward()
         if opt is None:  # built between the first backward and its step
             opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
         opt.step()
@@ -109,7 +111,10 @@ def slow_link_same_result() -> dict:
                 # float16 packing (torch's fp16_compress_hook through register_comm_hook)
                 "two_stage_fp16": dict(schedule="two_stage", reduce_dtype=torch.float16),
                 # stage-1 steps taken at the join with op=None
-                "two_stage_late_optimizer": dict(schedule="two_stage", late_optimizer=True)}
+                "two_stage_late_optimizer": dict(schedule="two_stage", late_optimizer=True),
+                # bfloat16 parameters: float32 masters stepped and written back on the
+                # speculation stream, before that bucket's all-gather reads the slice
+                "two_stage_bf16_masters": dict(schedule="two_stage", master_weights=True)}
     for name, kwargs in variants.items():
         fast, _, _ = _train(0, delay_cycles=0, **kwargs)
         slow, _, _ = _train(0, delay_cycles=int(2e8), **kwargs)

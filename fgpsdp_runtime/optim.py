@@ -1353,8 +1353,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"fgpsdp: the optimizer shards of {int(unfit.item())} other rank(s) "
                              "do not fit (see their errors); nothing was loaded")
         self.optim.load_state_dict(state_dict["shard"])
-        # A shard saved without master weights leaves them as they are; they follow
-        # the parameters (see [Note: master weights] in slice_pieces.py).
+        # A shard saved without master weights restarts them from the parameters.
         self._slice_pieces.load_masters(state_dict.get("master_weights") or {})
 
     def _refuse_while_unfinished(self, what: str) -> None:

@@ -326,7 +326,7 @@ def load_full_state_dict(opt: ShardedOptimizer, state_dict: dict[str, Any]) -> N
                 key: _piece_of(value, kinds[key], offset, end - start, spans[index].strides)
                 for key, value in entry.items() if key != MASTER_KEY}
             # Saved without master weights (or by a torch optimizer), the masters
-            # stay as they are, and follow the parameters (see slice_pieces.py).
+            # restart from the parameters (SlicePieces.load_masters).
             if b in opt._slice_pieces.masters and kinds.get(MASTER_KEY):
                 masters.setdefault(b, []).append((
                     start - model.buckets[b].shard_start,

@@ -178,7 +178,9 @@ class SlicePieces:
 
     def _scratch(self, like: torch.Tensor) -> torch.Tensor:
         """A buffer of ``like``'s dtype and size, reused: allocating one per bucket
-        per step costs as much as the compare it serves."""
+        per step costs as much as the compare it serves. (One for both threads that
+        step: stage 1's speculative steps, on the scheduler thread, are over before
+        the loop's thread steps the rest.)"""
         buffer = self._scratch_buffers.get(like.dtype)
         if buffer is None or buffer.numel() < like.numel():
             size = max(m.numel() for m in self.masters.values())

@@ -634,7 +634,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if index == grad_reads.NOT_BUCKETED:
                 # What torch's optimizer gives it at construction, as in full_state_dict().
                 return optim_checkpoint.state_of_untrained_param(self, param)
+            self._masters_take_param_writes()
             return optim_checkpoint.param_state(self, index)
+
+    def _masters_take_param_writes(self) -> None:
+        """Before the master weights are read or saved: the loop's writes to the
+        parameters since the last step, which the next step would take in first
+        (see [Note: master weights] in slice_pieces.py). Local: this rank's slices."""
+        masters = self._slice_pieces.masters
+        for b in masters:  # (not by_the_loop: state_dict() may run on one rank alone)
+            self.model.finish_param_all_gather(b, by_the_loop=False)
+        self._slice_pieces.follow_param_writes(list(masters))
 
     def _read_index(self, param: object) -> int:
         """full_grad's and full_state's parameter index, or grad_reads.NOT_BUCKETED /
@@ -1172,6 +1182,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if consolidated is not None:  # see consolidate_state_dict
             return self._with_groups_now(consolidated)
         self._run_state_dict_pre_hooks()
+        self._masters_take_param_writes()
         # The hooks registered on this optimizer see a torch.optim state dict: here
         # the inner optimizer's, over this rank's slices.
         shard = self._run_state_dict_post_hooks(self.optim.state_dict())
@@ -1262,6 +1273,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             created = optim_checkpoint.create_missing_state(self)
         try:
             self._run_state_dict_pre_hooks()
+            self._masters_take_param_writes()
             full = optim_checkpoint.full_state_dict(self, keep_on)
         finally:
             for key in created:

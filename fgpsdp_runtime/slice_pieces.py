@@ -32,13 +32,15 @@ if TYPE_CHECKING:  # imported for annotations only
 # written after every inner step and sent by the all-gather. Sharded like the
 # optimizer state: 4 bytes per element over N ranks. The model's parameters stay
 # the truth the loop sees: an element the loop wrote (model.load_state_dict, a
-# hand-written re-initialisation) no longer equals its master rounded, and the
-# master takes the written value before the next step (follow_param_writes), so a
-# write is never undone by the next step's write-back. The loop may write the
-# optimizer's own tensors too (opt.param_groups' pieces, in place: a hand-written
-# weight decay), which are the masters here: the masters' version counter, taken
-# after each of our own writes, tells that apart, and the master's values then go
-# to the parameters instead.
+# hand-written re-initialisation, a WGAN's clamp through p.data) no longer holds
+# the bits last written there, of which each rank keeps its slice's copy (2 bytes
+# per element over N ranks), and the master takes the written value before the
+# next step (follow_param_writes): a write is never undone by the next step's
+# write-back. The loop may write the optimizer's own tensors too (opt.param_groups'
+# pieces, in place: a hand-written weight decay), which are the masters here: they
+# reach the parameters with the next step's write-back, beside any parameter the
+# loop wrote. (Compared with the master rounded instead, a parameter untouched
+# beside a written master looked written, and undid the master's write.)
 MASTER_WEIGHT_DTYPES = (torch.float16, torch.bfloat16)
 
 
@@ -75,7 +77,10 @@ class SlicePieces:
         # Bucket -> its master's version counter after our last write to it: another
         # value means the loop wrote the optimizer's tensors (see the note).
         self._versions_written = {b: m._version for b, m in self.masters.items()}
-        self._scratch_buffers: dict[torch.dtype, torch.Tensor] = {}  # see _scratch
+        # Bucket -> this rank's 16-bit slice as we last wrote it (or took it in): an
+        # element that differs from it now was written by the loop.
+        self._last_written = {b: model.buckets[b].param_shard.detach().clone()
+                              for b in self.masters}
         # Buckets whose pieces assign_grads may have given a gradient.
         self._with_grads: set[int] = set()
         self._grad_views: dict[int, tuple] = {}  # see _grad_shard_views
@@ -151,46 +156,28 @@ class SlicePieces:
 
     def follow_param_writes(self, buckets: Sequence[int]) -> None:
         """Before stepping ``buckets``: where the loop wrote a bucket's 16-bit slice
-        since the last write-back, the master takes the written value; where it
-        wrote the master (the optimizer's tensors), the slice takes the master's
-        (see [Note: master weights])."""
+        since our last write to it, the master takes the written value (see
+        [Note: master weights])."""
         storages = self._model.buckets
         for b in buckets:
             master = self.masters.get(b)
             if master is None:
                 continue
-            shard = storages[b].param_shard
-            if master._version != self._versions_written[b]:
-                shard.copy_(master)
-            elif shard.is_cuda:
-                # One select, not an indexed write nor a test first: asking whether
-                # any element was written would wait for the GPU, every bucket, every step.
-                _take_written(master, shard, master.to(shard.dtype))
-            else:
-                # On the CPU the select (two casts, a compare, a select over the slice)
-                # took 40% of a step: first whether any bit changed at all, from the
-                # master rounded into a scratch buffer, a quarter of that.
-                rounded = self._scratch(shard)
-                rounded.copy_(master)
-                if not _same_bits(rounded, shard):
-                    _take_written(master, shard, rounded)
+            shard, last = storages[b].param_shard, self._last_written[b]
+            # On the GPU, one select, not a test first: asking whether any element was
+            # written would wait for the GPU, every bucket, every step. On the CPU the
+            # select (a compare, a cast, a select over the slice) would cost a third of
+            # a step: first whether any bit changed at all, as 64-bit words.
+            if shard.is_cuda or not _same_bits(shard, last):
+                written = shard != last
+                torch.where(written, shard.to(master.dtype), master, out=master)
+                last.copy_(shard)
             self._versions_written[b] = master._version
-
-    def _scratch(self, like: torch.Tensor) -> torch.Tensor:
-        """A buffer of ``like``'s dtype and size, reused: allocating one per bucket
-        per step costs as much as the compare it serves. (One for both threads that
-        step: stage 1's speculative steps, on the scheduler thread, are over before
-        the loop's thread steps the rest.)"""
-        buffer = self._scratch_buffers.get(like.dtype)
-        if buffer is None or buffer.numel() < like.numel():
-            size = max(m.numel() for m in self.masters.values())
-            buffer = self._scratch_buffers[like.dtype] = torch.empty(
-                size, dtype=like.dtype, device=like.device)
-        return buffer[:like.numel()]
 
     def note_master_restored(self, b: int) -> None:
         """Bucket b's master was put back with its slice (an undone speculative step)."""
         if b in self.masters:
+            self._last_written[b].copy_(self._model.buckets[b].param_shard)
             self._versions_written[b] = self.masters[b]._version
 
     def master_written_by_the_loop(self, b: int) -> Optional[str]:
@@ -220,6 +207,10 @@ class SlicePieces:
                 else:
                     for offset, values in saved[b]:
                         master[offset:offset + values.numel()].copy_(values)
+                # As if just written back: parameters that are the masters rounded (the
+                # model's checkpoint of the same step, loaded before or after) are not
+                # taken for writes.
+                self._last_written[b].copy_(master)
                 self._versions_written[b] = master._version
 
     def write_back(self, buckets: Sequence[int]) -> None:
@@ -229,14 +220,8 @@ class SlicePieces:
             master = self.masters.get(b)
             if master is not None:
                 storages[b].param_shard.copy_(master)
+                self._last_written[b].copy_(storages[b].param_shard)
                 self._versions_written[b] = master._version
-
-
-def _take_written(master: torch.Tensor, shard: torch.Tensor, rounded: torch.Tensor) -> None:
-    """``master`` takes ``shard``'s value where it differs from ``rounded``, the
-    master rounded to the shard's dtype (a loop's write to the parameter)."""
-    written = shard != rounded
-    torch.where(written, shard.to(master.dtype), master, out=master)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -73,6 +73,16 @@ class MasteredReference:
             for m in self.masters:
                 m.mul_(0.9)
 
+    def clamp_params(self, bound: float) -> None:
+        """A WGAN's weight clamp on the parameters: each master takes the clamped
+        value where its parameter changed (fgpsdp's follow writes so)."""
+        with torch.no_grad():
+            for p, m in zip(self.params, self.masters):
+                clamped = p.clamp(-bound, bound)
+                changed = clamped != p
+                p.copy_(clamped)
+                m[changed] = clamped[changed].float()
+
     def write(self, index: int, value: float) -> None:
         """The loop writes a parameter: the master follows (fgpsdp's master does)."""
         with torch.no_grad():
@@ -102,7 +112,9 @@ def side_by_side(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, 
     ``init_scale`` (float16 loss scaling from that scale: ShardedGradScaler beside
     torch's GradScaler), ``decay`` ("before_step" or "after_step": the loop multiplies
     the optimizer's tensors, ``opt.param_groups``' ones, by 0.9 in place, a
-    hand-written weight decay), ``inf_at`` (a step whose loss is inf on rank 0:
+    hand-written weight decay; "after_step_data": through ``p.data``), ``clamp``
+    (after every step the loop clamps the model's parameters to +-clamp through
+    ``p.data``, a WGAN's weight clipping), ``inf_at`` (a step whose loss is inf on rank 0:
     skipped on both sides, its speculative steps undone), ``reduce_dtype`` ("float32": the reference all-reduces
     float32 copies of the gradients), ``local_size`` (hierarchical). Returns the
     differences after every step and what the optimizer kept."""
@@ -158,9 +170,13 @@ def side_by_side(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, 
             opt.step()
         opt.zero_grad()
         reference.step()
-        if case.get("decay") == "after_step":
-            _decay_pieces(opt)
+        if case.get("decay") in ("after_step", "after_step_data"):
+            _decay_pieces(opt, through_data=case["decay"] == "after_step_data")
             reference.decay_masters()
+        if "clamp" in case:
+            for p in ours.module.parameters():
+                p.data.clamp_(-case["clamp"], case["clamp"])
+            reference.clamp_params(case["clamp"])
         ours.synchronize()
         apart.append(_largest_difference(list(ours.module.parameters()), reference.params))
     masters = opt._slice_pieces.masters
@@ -186,11 +202,11 @@ def side_by_side(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, 
     }
 
 
-def _decay_pieces(opt: fgp.ShardedOptimizer) -> None:
+def _decay_pieces(opt: fgp.ShardedOptimizer, through_data: bool = False) -> None:
     with torch.no_grad():
         for group in opt.param_groups:
             for p in group["params"]:
-                p.mul_(0.9)
+                (p.data if through_data else p).mul_(0.9)
 
 
 def side_by_side_many(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
@@ -234,13 +250,22 @@ def resumed(rank: int, world_size: int, how: str) -> dict[str, Any]:
     first pair itself loaded from it without them (then 3 steps again)."""
     model, opt = _build(True)
     _train(model, opt, rank, range(3))
+    for p in model.module.parameters():  # written since the step: saved as written
+        p.data.clamp_(-0.1, 0.1)
     saved_model = copy.deepcopy(model.module.state_dict())
     saved = opt.full_state_dict() if how == "full" else opt.state_dict()
+    if how == "shard":
+        saved = copy.deepcopy(saved)  # (its master weights are the live tensors)
+        rounds_to_param = all(
+            torch.equal(master.to(torch.bfloat16), model.buckets[b].param_shard)
+            for b, master in saved["master_weights"].items())
     buffer = io.BytesIO()
     torch.save(saved, buffer)
     _train(model, opt, rank, range(3, 6))
     finals = {"uninterrupted": [p.detach().clone() for p in model.module.parameters()]}
     out = {"keys": sorted(saved["state"][0]) if how == "full" else sorted(saved)}
+    if how == "shard":
+        out["master_rounds_to_param"] = rounds_to_param
     if how == "full":
         out["master_dtype"] = str(saved["state"][0]["master_param"].dtype)
         out["master_rounds_to_param"] = all(

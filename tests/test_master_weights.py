@@ -24,6 +24,12 @@ CASES = [
     {"schedule": "next_forward", "decay": "before_step"},
     {"schedule": "serial", "decay": "before_step", "clip": 0.05},
     {"schedule": "two_stage", "decay": "after_step"},
+    {"schedule": "two_stage", "decay": "after_step_data"},
+    # Both between two steps: each write stands (the decay of every master, the
+    # value written into one parameter).
+    {"schedule": "next_forward", "decay": "after_step", "write_at": 3},
+    # A WGAN's clamp through p.data after every step.
+    {"schedule": "two_stage", "clamp": 0.05},
     # A step skipped for its inf gradient, its speculative steps undone, then a
     # parameter written by the loop: the write stands (the undo wrote the masters).
     {"schedule": "two_stage", "inf_at": 1, "write_at": 2},
@@ -108,7 +114,7 @@ def test_checkpoints_keep_the_master_weights():
         full, shard = by_how["full"], by_how["shard"]
         assert full["keys"] == ["exp_avg", "exp_avg_sq", "master_param", "step"]
         assert full["master_dtype"] == "torch.float32" and full["master_rounds_to_param"]
-        assert "master_weights" in shard["keys"]
+        assert "master_weights" in shard["keys"] and shard["master_rounds_to_param"]
         for how, res in by_how.items():
             # Resumed from the checkpoint: bit for bit the run that went on. Without
             # its master weights the masters restart from the rounded parameters.

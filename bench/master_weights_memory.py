@@ -8,7 +8,8 @@ loss do not depend on the link) once per system, trains ``--steps`` AdamW steps
 and prints per system: the largest resident-set growth of any rank from just before
 the model is built to the peak (``ru_maxrss``); the bytes of training state rank 0
 holds between its last backward and step, counted from the tensors themselves
-(parameters, the gradients the step reads, optimizer state, master weights; torch
+(parameters, the gradients the step reads, optimizer state, master weights and
+fgpsdp's 16-bit copy of each slice as last written beside them; torch
 DDP's own gradient buckets, which it keeps beside ``param.grad``, are not reachable and
 not counted); and rank 0's mean loss over the last 5 steps. Systems:
 
@@ -97,6 +98,7 @@ def held_bytes(system: str, wrapped, opt) -> int:
     return (_nbytes(s.flat_param for s in wrapped.buckets)
             + _nbytes(s.grad_shard for s in wrapped.buckets)
             + _nbytes(opt._slice_pieces.masters.values())
+            + _nbytes(opt._slice_pieces._last_written.values())
             + _nbytes(_state_tensors(opt.optim.state)))
 
 

@@ -28,32 +28,22 @@ from __future__ import annotations
 
 import argparse
 import os
-import resource
 import sys
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 import fgpsdp_runtime as fgp  # noqa: E402
+from memory_probe import peak_mib, rss_mib, spawn_ranks  # noqa: E402
 from systems import ADAMW, MAX_NORM  # noqa: E402
 from workloads import CONFIGS, WORKLOADS, build_model, loss_fn, make_batch  # noqa: E402
 
 SYSTEMS = ("ddp_fp32", "ddp_bf16_masters", "fgpsdp_fp32", "fgpsdp_bf16", "fgpsdp_bf16_masters")
-
-
-def rss_mib() -> float:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
-def peak_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 class DDPWithMasters:
@@ -157,7 +147,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--port", type=int, default=29831)
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
     n_params = sum(p.numel() for p in build_model(CONFIGS[(args.workload, "cpu")]).parameters())
     print(f"{args.workload} (cpu size, {n_params / 1e6:.1f}M parameters), "
           f"{args.world_size} ranks, {args.steps} AdamW steps, torch {torch.__version__}")
@@ -167,14 +156,7 @@ def main() -> None:
         if system not in SYSTEMS:
             parser.error(f"unknown system {system}; choose from {SYSTEMS}")
         args.system, args.port = system, args.port + i
-        queue = ctx.Queue()
-        procs = [ctx.Process(target=_rank, args=(r, args.world_size, args, queue))
-                 for r in range(args.world_size)]
-        for p in procs:
-            p.start()
-        results = sorted(queue.get() for _ in procs)
-        for p in procs:
-            p.join()
+        results = sorted(spawn_ranks(_rank, args.world_size, args))
         growth = max(r[1] for r in results)
         last = results[0][2][-5:]
         print(f"{system:<22} {growth:>27.0f} {results[0][3] / 2**20:>25.1f} "

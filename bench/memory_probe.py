@@ -37,6 +37,21 @@ def peak_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def spawn_ranks(target, world_size: int, args) -> list:
+    """``target(rank, world_size, args, queue)`` in ``world_size`` fresh processes (so
+    that no peak carries over from another run); what each put on the queue."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(r, world_size, args, queue))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results = [queue.get() for _ in procs]
+    for p in procs:
+        p.join()
+    return results
+
+
 def _rank(rank, world, args, queue):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(args.port),
                       LOCAL_WORLD_SIZE=str(args.local_size), LOCAL_RANK=str(rank % args.local_size))
@@ -73,19 +88,11 @@ def main() -> None:
                         help="every system clips at this total norm (1e9: never clips, so "
                              "fgpsdp's two_stage keeps speculating)")
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
     for i, system in enumerate(s for s in args.systems.split(",") if s):
         if not is_system(system):
             parser.error(f"unknown system {system}")
         args.system, args.port = system, args.port + i
-        queue = ctx.Queue()
-        procs = [ctx.Process(target=_rank, args=(r, args.world_size, args, queue))
-                 for r in range(args.world_size)]
-        for p in procs:
-            p.start()
-        results = [queue.get() for _ in procs]
-        for p in procs:
-            p.join()
+        results = spawn_ranks(_rank, args.world_size, args)
         rank, trace, peak, info = max(results, key=lambda r: r[2])
         steps = " ".join(f"{rss:.0f}" for _, rss in trace)
         print(f"{system:<20} peak {peak:7.0f} MiB (rank {rank}); RSS MiB after "

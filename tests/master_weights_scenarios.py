@@ -64,8 +64,6 @@ class MasteredReference:
                 p.copy_(m)
         self.opt.zero_grad()
         self.ddp.zero_grad()
-        for p in self.params:
-            p.grad = None
 
     def decay_masters(self) -> None:
         """The loop's weight decay on the optimizer's own tensors: the masters here."""
@@ -107,16 +105,16 @@ def _loss(model: nn.Module, step: int, rank: int, dtype: torch.dtype) -> torch.T
 
 
 def side_by_side(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, Any]:
-    """case: ``dtype`` (bfloat16 / float16), ``schedule``, ``clip``, ``lr``, ``steps``,
-    ``write_at`` (a step before which the loop writes a parameter on both sides),
-    ``init_scale`` (float16 loss scaling from that scale: ShardedGradScaler beside
-    torch's GradScaler), ``decay`` ("before_step" or "after_step": the loop multiplies
-    the optimizer's tensors, ``opt.param_groups``' ones, by 0.9 in place, a
-    hand-written weight decay; "after_step_data": through ``p.data``), ``clamp``
-    (after every step the loop clamps the model's parameters to +-clamp through
-    ``p.data``, a WGAN's weight clipping), ``inf_at`` (a step whose loss is inf on rank 0:
-    skipped on both sides, its speculative steps undone), ``reduce_dtype`` ("float32": the reference all-reduces
-    float32 copies of the gradients), ``local_size`` (hierarchical). Returns the
+    """case: ``dtype`` (bfloat16 / float16), ``schedule``, ``clip``, ``lr``, ``steps``;
+    ``write_at``: a step before which the loop writes a parameter on both sides;
+    ``init_scale``: float16 loss scaling from that scale (ShardedGradScaler beside
+    torch's GradScaler); ``decay``: "before_step" or "after_step", the loop multiplies
+    the optimizer's tensors (``opt.param_groups``' ones) by 0.9 in place, a hand-written
+    weight decay, "after_step_data" through ``p.data``; ``clamp``: after every step the
+    loop clamps the model's parameters to +-clamp through ``p.data``, a WGAN's weight
+    clipping; ``inf_at``: a step whose loss is inf on rank 0, skipped on both sides, its
+    speculative steps undone; ``reduce_dtype``: "float32", the reference all-reduces
+    float32 copies of the gradients; ``local_size``: hierarchical. Returns the
     differences after every step and what the optimizer kept."""
     dtype = getattr(torch, case.get("dtype", "bfloat16"))
     schedule = case.get("schedule", "two_stage")

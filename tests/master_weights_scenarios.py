@@ -39,12 +39,21 @@ class MasteredReference:
         self.scaler = None if init_scale is None else \
             torch.amp.GradScaler("cpu", init_scale=init_scale)
 
-    def step(self) -> None:
+    def take_gradients(self) -> None:
+        """With ``reduce_in_float32``, after each backward: its gradients, reduced in
+        float32, added to the masters' (one reduction per micro-batch)."""
         for p, m in zip(self.params, self.masters):
-            m.grad = None if p.grad is None else p.grad.float()
-            if self.reduce_in_float32:
-                m.grad.mul_(1.0 / dist.get_world_size())
-                dist.all_reduce(m.grad)
+            reduced = p.grad.float().mul_(1.0 / dist.get_world_size())
+            dist.all_reduce(reduced)
+            m.grad = reduced if m.grad is None else m.grad.add_(reduced)
+            p.grad = None
+
+    def step(self) -> None:
+        if self.reduce_in_float32:
+            self.take_gradients()
+        else:
+            for p, m in zip(self.params, self.masters):
+                m.grad = None if p.grad is None else p.grad.float()
         if self.scaler is not None:
             self.scaler.unscale_(self.opt)
         if self.scaler is None and not all(
@@ -99,8 +108,9 @@ def _bits_equal(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
                for x, y in zip(a, b))
 
 
-def _loss(model: nn.Module, step: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
-    x, y = make_batch("mlp", step, 0, rank)
+def _loss(model: nn.Module, step: int, rank: int, dtype: torch.dtype,
+          micro: int = 0) -> torch.Tensor:
+    x, y = make_batch("mlp", step, micro, rank)
     return nn.functional.mse_loss(model(x.to(dtype)).float(), y)
 
 
@@ -114,7 +124,9 @@ def side_by_side(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, 
     loop clamps the model's parameters to +-clamp through ``p.data``, a WGAN's weight
     clipping; ``inf_at``: a step whose loss is inf on rank 0, skipped on both sides, its
     speculative steps undone; ``reduce_dtype``: "float32", the reference all-reduces
-    float32 copies of the gradients; ``local_size``: hierarchical. Returns the
+    float32 copies of the gradients; ``micro``: micro-batches per step, each reduced
+    (with reduce_dtype "float32": added up in float32 on both sides); ``local_size``:
+    hierarchical. Returns the
     differences after every step and what the optimizer kept."""
     dtype = getattr(torch, case.get("dtype", "bfloat16"))
     schedule = case.get("schedule", "two_stage")
@@ -141,6 +153,10 @@ def side_by_side(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, 
             with torch.no_grad():
                 list(ours.module.parameters())[2].fill_(0.375)
             reference.write(2, 0.375)
+        for micro in range(1, case.get("micro", 1)):  # all but the last
+            _loss(ours, step, rank, dtype, micro).backward()
+            _loss(reference.ddp, step, rank, dtype, micro).backward()
+            reference.take_gradients()
         loss = _loss(ours, step, rank, dtype)
         ref_loss = _loss(reference.ddp, step, rank, dtype)
         if step == case.get("inf_at") and rank == 0:

@@ -35,6 +35,8 @@ CASES = [
     {"schedule": "two_stage", "inf_at": 1, "write_at": 2},
     # Megatron's grad_reduce_in_fp32: reduced into the float32 gradient slice directly.
     {"schedule": "two_stage", "reduce_dtype": "float32", "clip": 0.05},
+    # Accumulation with every micro-batch reduced: added up in the float32 slice.
+    {"schedule": "next_forward", "reduce_dtype": "float32", "micro": 3},
     # float16 with loss scaling (refused without master weights: the gradients
     # would be float16), and a scale that overflows every step: all skipped.
     {"dtype": "float16", "schedule": "two_stage", "init_scale": 2.0 ** 10, "lr": 1e-3},

@@ -19,7 +19,12 @@ not counted); and rank 0's mean loss over the last 5 steps. Systems:
   ``master_weights`` replaces; tests/master_weights_scenarios.py);
 - ``fgpsdp_fp32``: fgpsdp (two_stage), float32 parameters;
 - ``fgpsdp_bf16``: fgpsdp over the bfloat16 model, AdamW stepping bfloat16 slices;
-- ``fgpsdp_bf16_masters``: the same with ``master_weights=True``.
+- ``fgpsdp_bf16_masters``: the same with ``master_weights=True``;
+- ``fsdp_bf16_mixed``: torch FSDP (FSDP1, SHARD_GRAD_OP: ZeRO-2, wrapped in units of
+  25 MB as bench/systems.py's) over the float32 model with ``MixedPrecision`` in
+  bfloat16 for parameters, reduction and buffers: its sharded float32 parameters are
+  the master weights, AdamW steps them. (Its state held is not counted: FSDP keeps it
+  in its own flat parameters; the RSS growth is measured.)
 
 Memory beside a small CPU model is dominated by the process itself (torch's
 libraries, gloo); the growth isolates what training holds, to the page.
@@ -40,10 +45,11 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.dirname(HERE))
 import fgpsdp_runtime as fgp  # noqa: E402
 from memory_probe import peak_mib, rss_mib, spawn_ranks  # noqa: E402
-from systems import ADAMW, MAX_NORM  # noqa: E402
+from systems import ADAMW, BUCKET_CAP_MB, MAX_NORM, _size_wrap_policy  # noqa: E402
 from workloads import CONFIGS, WORKLOADS, build_model, loss_fn, make_batch  # noqa: E402
 
-SYSTEMS = ("ddp_fp32", "ddp_bf16_masters", "fgpsdp_fp32", "fgpsdp_bf16", "fgpsdp_bf16_masters")
+SYSTEMS = ("ddp_fp32", "ddp_bf16_masters", "fgpsdp_fp32", "fgpsdp_bf16", "fgpsdp_bf16_masters",
+           "fsdp_bf16_mixed")
 
 
 class DDPWithMasters:
@@ -75,8 +81,11 @@ def _state_tensors(state) -> list[torch.Tensor]:
     return [v for entry in state.values() for v in entry.values() if torch.is_tensor(v)]
 
 
-def held_bytes(system: str, wrapped, opt) -> int:
-    """Training state held between backward and step, from the tensors (see above)."""
+def held_bytes(system: str, wrapped, opt) -> float:
+    """Training state held between backward and step, from the tensors (see above);
+    NaN where not counted."""
+    if system == "fsdp_bf16_mixed":
+        return float("nan")
     if system == "ddp_fp32":
         params = list(wrapped.parameters())
         return _nbytes(params) + _nbytes(p.grad for p in params) + \
@@ -100,7 +109,7 @@ def _rank(rank, world, args, queue):
     torch.manual_seed(0)
     before = rss_mib()
     model = build_model(cfg)
-    if "bf16" in args.system:
+    if "bf16" in args.system and args.system != "fsdp_bf16_mixed":
         model = model.to(torch.bfloat16)
     if args.system == "ddp_fp32":
         wrapped = nn.parallel.DistributedDataParallel(model)
@@ -108,6 +117,21 @@ def _rank(rank, world, args, queue):
 
         def step():
             torch.nn.utils.clip_grad_norm_(wrapped.parameters(), MAX_NORM)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    elif args.system == "fsdp_bf16_mixed":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
+        bf16 = torch.bfloat16
+        wrapped = FSDP(model, device_id=torch.device("cpu"), use_orig_params=True,
+                       sharding_strategy=ShardingStrategy.SHARD_GRAD_OP,
+                       auto_wrap_policy=_size_wrap_policy(model, BUCKET_CAP_MB),
+                       mixed_precision=MixedPrecision(param_dtype=bf16, reduce_dtype=bf16,
+                                                      buffer_dtype=bf16))
+        opt = torch.optim.AdamW(wrapped.parameters(), **ADAMW)
+
+        def step():
+            wrapped.clip_grad_norm_(MAX_NORM)
             opt.step()
             opt.zero_grad(set_to_none=True)
     elif args.system == "ddp_bf16_masters":

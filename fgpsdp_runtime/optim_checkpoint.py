@@ -151,16 +151,16 @@ def full_state_dict(opt: ShardedOptimizer, keep_on: Optional[int]) -> dict[str, 
         keys = sorted({(key, dtype) for span in layout.spans
                        for key, dtype in merged.get(span.param_index, {})
                        .get("per_element", {}).items()})
+        # This rank's pieces of the bucket with what a checkpoint holds of each.
+        held = [(start, end, saved_state(opt, tensor, b))
+                for _, tensor, start, end in opt._slice_pieces.by_bucket[b]]
         for key, dtype_name in keys:
             dtype = getattr(torch, dtype_name)
             mine = torch.zeros(layout.shard_numel, dtype=dtype, device=storage.device)
-            for span in layout.spans:
-                pieces = opt._slice_pieces.by_param.get(span.param_index, ())
-                for tensor, pb, start, end in pieces:
-                    state = saved_state(opt, tensor, pb) if pb == b else {}
-                    if key in state:
-                        lo = start - storage.shard_start
-                        mine[lo:lo + (end - start)].copy_(state[key])
+            for start, end, state in held:
+                if key in state:
+                    lo = start - storage.shard_start
+                    mine[lo:lo + (end - start)].copy_(state[key])
             if world > 1:
                 out = torch.empty(world * layout.shard_numel, dtype=dtype, device=storage.device)
                 all_gather_single(out, mine, group=group)
@@ -226,14 +226,14 @@ def param_state(opt: ShardedOptimizer, index: int) -> dict[str, Any]:
     meta = _merge_metadata(gathered).get(index)
     if meta is None or index not in model.reducer.slot:  # (an empty parameter: no piece)
         return {}
+    held = [(start, saved_state(opt, tensor, b)) for tensor, b, start, _ in pieces]
     state = {}
     for key in meta["order"]:
         if key not in meta["per_element"]:
             value = meta["scalars"][key]
             state[key] = value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
             continue
-        mine = [(start, saved_state(opt, tensor, b)[key]) for tensor, b, start, _ in pieces
-                if key in saved_state(opt, tensor, b)]
+        mine = [(start, entries[key]) for start, entries in held if key in entries]
         state[key] = grad_reads.whole_from_pieces(
             model, index, getattr(torch, meta["per_element"][key]), mine,
             "a parameter's optimizer state")

@@ -345,6 +345,9 @@ class DistributedDataParallel(nn.Module):
         # synchronised, grad-enabled forward (and before the first one).
         self._sync_buffers_before_forward = True
         self._forwards_running = 0  # (nested: a forward may call the wrapper again)
+        # Inside opt.summon_full_grads(): p.grad holds the gradients, so a read of the
+        # parameters there (torch's clip over them) is no reason to warn.
+        self.grads_summoned = False
         # This forward runs under torch.func.functional_call with substitutes (_note_substitutes).
         self._forward_reads_substitutes = False
         self._save_load_guards = land_gathers_before_state_dicts(self, module)
@@ -938,7 +941,8 @@ class DistributedDataParallel(nn.Module):
         land, warn = self._before_parameters_read()
         # (Not a forward's own read, an L2 term over self.parameters(), say: under
         # accumulation without no_sync() it comes between a backward and the step.)
-        warn = warn and (module is self or module is self.module) and not self._forwards_running
+        warn = warn and (module is self or module is self.module) \
+            and not self._forwards_running and not self.grads_summoned
         if not (land or warn):
             return named
         return self._reading(named, land, warn)
@@ -997,7 +1001,8 @@ class DistributedDataParallel(nn.Module):
                 "opt.step(): each param.grad is None there (the reduced gradients are in "
                 "this rank's bucket slices), so torch.nn.utils.clip_grad_norm_ over them "
                 "returns 0 and clips nothing. Use opt.clip_grad_norm_(max_norm) or "
-                "ShardedOptimizer(..., max_grad_norm=...). torch.distributed.pipelining's "
+                "ShardedOptimizer(..., max_grad_norm=...), or run the clip inside "
+                "`with opt.summon_full_grads():`. torch.distributed.pipelining's "
                 "schedules scale them there (scale_grads) and so scale nothing: pass "
                 "scale_grads=False and divide the loss by the number of microbatches." + ignored)
 

@@ -35,7 +35,7 @@ NOT_BUCKETED = -1
 NOT_A_PARAMETER = -2
 
 
-def _has_gradient(model: "DistributedDataParallel", globally_used: Optional[Sequence[bool]],
+def has_gradient(model: "DistributedDataParallel", globally_used: Optional[Sequence[bool]],
                   bucket: int, index: int) -> bool:
     """Would torch DDP's ``p.grad`` hold a tensor: the bucket was not zeroed to None
     since its last backward, and some rank's backward reached the parameter (the
@@ -73,7 +73,7 @@ def grad_norms(model: "DistributedDataParallel", pieces: "SlicePieces",
         if slot is None:  # an empty parameter: its p.grad is its own, as torch DDP's
             if param.grad is not None:
                 found[name] = torch.zeros((), dtype=param.grad.dtype, device=param.grad.device)
-        elif _has_gradient(model, globally_used, slot[0], index):
+        elif has_gradient(model, globally_used, slot[0], index):
             found[name] = norms[index].to(model.buckets[slot[0]].grad_shard.dtype)
     return found
 
@@ -88,7 +88,7 @@ def full_grad(model: "DistributedDataParallel", pieces: "SlicePieces",
     if found is None:  # an empty parameter: no bucket holds it, its p.grad is its own
         return None if param.grad is None else param.grad.detach().clone()
     bucket, span = found
-    if not _has_gradient(model, globally_used, bucket, index):
+    if not has_gradient(model, globally_used, bucket, index):
         return None  # (every rank alike: no collective)
     storage = model.buckets[bucket]
     mine = [(start, storage.grad_shard[start - storage.shard_start:end - storage.shard_start])

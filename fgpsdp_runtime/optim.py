@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from . import grad_reads, optim_checkpoint
+from . import grad_reads, optim_checkpoint, summoned_grads
 from .collective_watch import warn_if_the_others_are_late
 from .ddp import DistributedDataParallel
 from .ops import multi_tensor_sq_norm
@@ -567,15 +567,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for shard in self._valid_grad_shards():
             changed += (shard.abs() > clip_value).any()
             shard.clamp_(-clip_value, clip_value)
-        # Whether any rank's slice changed: the step then measures the norm again
-        # and undoes the speculative steps (every rank decides alike; with a
-        # model_parallel_group or pipeline_parallel_group, every rank of it too: that
-        # measure is a collective).
-        self.model.all_reduce_sum(changed)
-        changed = self._summed_over_model_parallel(changed)
-        if changed.item() > 0:
-            self._values_clipped = True
-            self._clipped_norm = None
+        self._note_grads_edited(changed)
         self._clipped_at = self.model.reducer.reduce_scatters_launched
 
     @torch.compiler.disable
@@ -636,6 +628,90 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 return optim_checkpoint.state_of_untrained_param(self, param)
             self._masters_take_param_writes()
             return optim_checkpoint.param_state(self, index)
+
+    @torch.compiler.disable
+    @on_itself
+    @contextlib.contextmanager
+    def summon_full_grads(self, params: Optional[Sequence[torch.Tensor]] = None,
+                          writeback: bool = True) -> Iterator[None]:
+        """Inside the block each trainable parameter's ``p.grad`` holds its whole
+        reduced gradient, bit for bit torch DDP's ``p.grad`` at this point of the loop
+        (None where that is None); at the end each rank takes its own slices back from
+        what the block left there (``writeback=False``: dropped), and ``p.grad`` is
+        None again. For code that edits ``p.grad`` between backward and step, as a torch
+        DDP loop may: every rank must edit alike, as every rank's ``p.grad`` is the
+        same under torch DDP. ``params``: only these parameters (fewer buckets
+        gathered). A collective at both ends: one all-gather per bucket held, then one
+        all-reduce of whether any element changed (the step then measures the norm
+        again and redoes two_stage's speculative steps, as after clip_grad_value_).
+        Holds the gathered buckets' gradients whole while it lasts (as much memory as
+        torch DDP's ``p.grad``). An exception in the block leaves the slices as they
+        were. See [Note: summoned gradients] in summoned_grads.py."""
+        what = "opt.summon_full_grads()"
+        indices, problem = self._summoned_indices(params)
+        if self.model._uneven_inputs is not None:
+            # A joined rank's loop has ended: it would not edit its slices.
+            self.model._uneven_inputs.refuse(
+                f"fgpsdp: {what} is not supported inside model.join() (a joined rank "
+                "would not take the block's edits into its slices)", RuntimeError)
+        if self._slice_pieces.masters:
+            raise ValueError(
+                f"fgpsdp: {what} is not supported with master_weights=True: the reduced "
+                "gradient is float32 there, and p.grad must have the parameter's dtype; "
+                "read it with opt.full_grad(p)")
+        # The read's agreement takes whether the ranks named all parameters, some, or
+        # a tensor not of the model (every rank raises then); which ones, the next.
+        code = 0 if params is None else 1
+        with self._read(what, AnnouncedCall.FULL_GRADS,
+                        grad_reads.NOT_A_PARAMETER if problem else code), torch.no_grad():
+            if problem:
+                raise ValueError(problem)
+            if params is not None:
+                summoned_grads.agree_on_the_selection(self.model, indices, what)
+            summoned = summoned_grads.gather(
+                self.model, indices,
+                lambda b, index: grad_reads.has_gradient(self.model, self._globally_used, b,
+                                                          index))
+        self.model.grads_summoned = True
+        try:
+            yield
+            with torch.no_grad():
+                changed = writeback and summoned_grads.write_back(self.model, summoned)
+        finally:
+            summoned_grads.restore(summoned)
+            self.model.grads_summoned = False
+        if writeback:
+            self._note_grads_edited(torch.tensor([float(changed)], dtype=torch.float64,
+                                                 device=self._device))
+
+    def _summoned_indices(self, params: Optional[Sequence[torch.Tensor]]
+                          ) -> tuple[list[int], Optional[str]]:
+        """summon_full_grads' parameters as the wrapper's indices, sorted, or what is
+        wrong with one of them (local)."""
+        if params is None:
+            return list(range(len(self.model.named_trainable_parameters()))), None
+        if isinstance(params, torch.Tensor):
+            params = [params]
+        indices = set()
+        for param in params:
+            index = self._read_index(param)
+            if index == grad_reads.NOT_A_PARAMETER:
+                return [], self._not_a_bucketed_parameter(param, "summon_full_grads")
+            if index >= 0:  # (frozen when wrapped: its p.grad stays None)
+                indices.add(index)
+        return sorted(indices), None
+
+    def _note_grads_edited(self, changed: torch.Tensor) -> None:
+        """``changed`` (float64 [1] on the device, above 0 where this rank's slices
+        changed: clip_grad_value_, summon_full_grads) summed over the ranks: if any
+        rank's changed, the step measures the norm again and undoes the speculative
+        steps (every rank decides alike; with a model_parallel_group or
+        pipeline_parallel_group, every rank of it too: that measure is a collective)."""
+        self.model.all_reduce_sum(changed)
+        changed = self._summed_over_model_parallel(changed)
+        if changed.item() > 0:
+            self._grads_edited = True
+            self._clipped_norm = None
 
     def _masters_take_param_writes(self) -> None:
         """Before the master weights are read or saved: the loop's writes to the
@@ -813,7 +889,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # same on every rank (it uses only all-reduced figures).
         rolled_back = [b for b in sorted(speculated)
                        if not finite or self._applied_coefficient < 1.0 or other_hyperparameters
-                       or self._values_clipped
+                       or self._grads_edited
                        or self._speculated_on_scaled_gradients
                        or not self._bucket_fully_used(b)
                        or model.reducer.reduce_scatters_since_reset[b] != speculated[b][1]]
@@ -828,7 +904,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             scheduler.commits += len(speculated) - len(rolled_back)
         self.last_step_skipped = not finite
         would_commit = (finite and self._applied_coefficient >= 1.0
-                        and not self._values_clipped
+                        and not self._grads_edited
                         and not other_hyperparameters
                         and not self._speculated_on_scaled_gradients)
         if finite:
@@ -1112,7 +1188,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._globally_used: Optional[list[bool]] = None
         self._applied_coefficient = 1.0  # clipping applied to the gradient this step
         self._clipped_norm: Optional[float] = None  # the norm measured after the last clip
-        self._values_clipped = False  # clip_grad_value_ changed an element on some rank
+        # clip_grad_value_ or summon_full_grads changed an element on some rank
+        self._grads_edited = False
         self._clip_called = False  # clip_grad_norm_ or clip_grad_value_ ran this step
         self._full_grad_read: set[int] = set()  # the parameters full_grad() read this step
         # Some rank's speculative steps ran with other hyperparameters than the step's.
@@ -1570,7 +1647,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         rounding, and a second coefficient taken from it would be off in the last
         bits. A collective then (every rank clipped alike: the decision used only
         all-reduced figures)."""
-        if self._applied_coefficient == 1.0 and not self._values_clipped:
+        if self._applied_coefficient == 1.0 and not self._grads_edited:
             return self._total_norm
         if self._clipped_norm is None:
             local = torch.zeros(2, dtype=torch.float64, device=self._device)

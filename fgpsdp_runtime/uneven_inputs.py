@@ -76,6 +76,9 @@ class AnnouncedCall(enum.IntEnum):
     GRAD_NORMS = 10    # opt.grad_norms()
     FULL_GRAD = 11     # args: (the parameter's index in the wrapper, or a grad_reads marker,)
     PARAM_STATE = 12   # opt.full_state(param); args: (as FULL_GRAD's,)
+    # opt.summon_full_grads(): refused under model.join(), so never announced; its
+    # number tells it from the other reads in grad_reads.agree_on_the_read.
+    FULL_GRADS = 13
 
 
 _N_CALLS = len(AnnouncedCall)

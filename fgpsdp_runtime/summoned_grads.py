@@ -1,0 +1,158 @@
+"""Every parameter's whole reduced gradient in ``param.grad`` for the length of a block,
+and what the block wrote there taken back into this rank's slices
+(``ShardedOptimizer.summon_full_grads``).
+
+[Note: summoned gradients]
+Under torch DDP a loop may edit ``p.grad`` between backward and step: zero the rows of
+an embedding it keeps fixed, add noise, clip by a rule of its own (timm's adaptive
+clipping, per parameter), or hand the parameters to a library that does. Here
+``p.grad`` is None after backward: each rank holds its slices of the reduced gradient.
+The block gathers the whole buckets it needs (one all-gather each: the bytes of the
+parameter exchange) and points each parameter's ``.grad`` at its part of its bucket,
+laid out as the parameter: the same values on every rank, bit for bit what torch DDP's
+``p.grad`` holds there. Code in the block edits them as under torch DDP. At its end
+each rank takes its own slice back from its copy; an edit every rank makes alike (as
+under torch DDP, where every rank edits the same ``p.grad``) so reaches every slice's
+owner. The copies are dropped then, and ``p.grad`` is None again.
+
+Pure of decisions: the optimizer checks the call, finishes the reduce-scatters first,
+and learns from ``write_back``'s result (all-reduced there) whether the gradient
+changed, which then counts as a clip by value does (the norm measured again, two_stage's
+speculative steps undone).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .buckets import span_as_param
+from .group_collectives import all_gather_single, all_reduce_held, hold_past_gloo_worker
+
+if TYPE_CHECKING:  # imported for annotations only
+    from .ddp import DistributedDataParallel
+
+_INTEGER_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass
+class SummonedGrad:
+    """A parameter whose ``.grad`` the block holds: ``view`` is its part of the gathered
+    bucket, what ``param.grad`` was set to."""
+
+    name: str
+    param: torch.nn.Parameter
+    view: torch.Tensor
+
+
+@dataclass
+class SummonedGrads:
+    """What one block gathered: whole buckets (by bucket index) and the parameters whose
+    ``.grad`` point into them."""
+
+    wholes: dict[int, torch.Tensor]
+    grads: list[SummonedGrad]
+
+
+def agree_on_the_selection(model: "DistributedDataParallel", indices: Sequence[int],
+                           what: str) -> None:
+    """Raises on every rank unless every rank named the same parameters (the wrapper's
+    indices): one all-reduce of a flag per trainable parameter, which every rank's
+    selection sets alike or not at all."""
+    named = torch.zeros(len(model.named_trainable_parameters()), dtype=torch.float64,
+                        device=model.device)
+    named[list(indices)] = 1.0
+    if model.world_size > 1:
+        all_reduce_held(named, dist.ReduceOp.SUM, model.process_group, "summoned parameters")
+    counts = named.cpu()
+    if bool(((counts != 0) & (counts != model.world_size)).any()):
+        raise ValueError(f"fgpsdp: {what} is a collective, and the ranks named other "
+                         "parameters: every rank must name the same ones")
+
+
+def gather(model: "DistributedDataParallel", indices: Sequence[int],
+           has_gradient: Callable[[int, int], bool]) -> SummonedGrads:
+    """Gather the buckets holding a gradient of the parameters at ``indices`` (the
+    wrapper's trainable-parameter indices; ``has_gradient(bucket, index)`` says whether
+    torch DDP's ``p.grad`` would hold one, the same on every rank), and set each such
+    parameter's ``.grad`` to its part. A collective: one all-gather per bucket, in
+    bucket order."""
+    named = model.named_trainable_parameters()
+    wanted: dict[int, list[int]] = {}
+    for index in indices:
+        found = model.reducer.slot.get(index)
+        if found is not None and has_gradient(found[0], index):
+            wanted.setdefault(found[0], []).append(index)
+    wholes = {b: _whole_bucket(model, b) for b in sorted(wanted)}
+    grads = []
+    for b in sorted(wanted):
+        for index in wanted[b]:
+            name, param = named[index]
+            span = model.reducer.slot[index][1]
+            view = span_as_param(wholes[b][span.bucket_offset:span.bucket_end], param.shape,
+                                 span.strides)
+            if param.grad is not None:  # (the reduce-scatters took every p.grad first)
+                restore(SummonedGrads(wholes, grads))
+                raise RuntimeError(f"fgpsdp: summon_full_grads(): {name!r} holds a p.grad of "
+                                   "its own after the reduce-scatters; nothing should set it")
+            param.grad = view
+            grads.append(SummonedGrad(name, param, view))
+    return SummonedGrads(wholes, grads)
+
+
+def _whole_bucket(model: "DistributedDataParallel", b: int) -> torch.Tensor:
+    """Bucket ``b``'s reduced gradient, whole: every rank's slice at its place."""
+    storage = model.buckets[b]
+    shard = storage.grad_shard
+    world = model.world_size
+    if world == 1:
+        return shard.clone()
+    gathered = torch.empty(world * shard.numel(), dtype=shard.dtype, device=shard.device)
+    all_gather_single(gathered, shard, group=model.process_group)
+    # Kept past gloo's thread until the next block (see group_collectives.py).
+    hold_past_gloo_worker("summoned gradients", gathered)
+    # Group rank r's slice lands at chunk r; it belongs at chunk slice_index(r), which
+    # differs under a hierarchical topology.
+    slices = [model.topology.slice_index(r) for r in range(world)]
+    if slices == list(range(world)):
+        return gathered
+    rank_of_slice = torch.argsort(torch.tensor(slices)).to(shard.device)
+    return gathered.view(world, shard.numel())[rank_of_slice].reshape(-1)
+
+
+def write_back(model: "DistributedDataParallel", summoned: SummonedGrads) -> bool:
+    """Take this rank's slices back from the block's copies; True if any element
+    changed (compared bit for bit). Local. A ``p.grad`` the block replaced by another
+    tensor is read from that tensor; one set to None raises (no element would say
+    what the step should take), before any slice changes."""
+    for grad in summoned.grads:
+        current = grad.param.grad
+        if current is None:
+            raise RuntimeError(
+                f"fgpsdp: summon_full_grads(): p.grad of {grad.name!r} was set to None in "
+                "the block; the step cannot leave out a parameter whose gradient was "
+                "reduced (zero it instead, or leave it out of param groups)")
+        if current is not grad.view:
+            grad.view.copy_(current)
+    changed = False
+    for b, whole in summoned.wholes.items():
+        storage = model.buckets[b]
+        mine = whole[storage.shard_start:storage.shard_end]
+        if not _same_bits(mine, storage.grad_shard):
+            storage.grad_shard.copy_(mine)
+            changed = True
+    return changed
+
+
+def restore(summoned: SummonedGrads) -> None:
+    """Every ``p.grad`` the block set back to None (the slices hold the gradient)."""
+    for grad in summoned.grads:
+        grad.param.grad = None
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (-0.0 apart from 0.0, a NaN equal to itself), which torch.equal is not."""
+    width = _INTEGER_OF_WIDTH[a.element_size()]
+    return torch.equal(a.view(width), b.view(width))

@@ -1,0 +1,238 @@
+"""opt.summon_full_grads(): a loop's edits of p.grad between backward and step, beside
+torch DDP making the same edits to its p.grad.
+
+Imported by the spawned ranks (module-level functions only).
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+
+import torch
+from torch import nn
+
+import fgpsdp_runtime as fgp
+from .scenarios import MODELS, loss_fn, make_batch, reference_clip_
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    widths = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.detach().contiguous().view(widths[t.element_size()])
+
+
+def _edit(module: nn.Module, step: int) -> list[str]:
+    """What a loop might do to p.grad between backward and step, the same on every rank:
+    zero a third of the elements (a mask, as for rows kept fixed), add a small fixed
+    noise, and replace the last gradient by a new tensor (``p.grad = p.grad * 2``).
+    Returns the names of the parameters that held a gradient."""
+    named = [(n, p) for n, p in module.named_parameters() if p.grad is not None]
+    for number, (name, param) in enumerate(named):
+        g = torch.Generator().manual_seed(1000 * step + number)
+        keep = (torch.rand(param.shape, generator=g) > 1 / 3).to(param.grad.dtype)
+        param.grad.mul_(keep)
+        param.grad.add_(torch.randn(param.shape, generator=g) * 1e-3)
+    if named:
+        last = named[-1][1]
+        last.grad = last.grad * 2
+    return [n for n, _ in named]
+
+
+def edits_beside_torch_ddp(rank: int, world_size: int, schedule: str, model_name: str,
+                           clip: str = "none", local_size: int = 0) -> dict:
+    """Three steps of AdamW beside torch DDP. After each backward both edit p.grad alike
+    (fgpsdp's inside opt.summon_full_grads()); ``clip``: then "ours" clips by the norm
+    (opt.clip_grad_norm_ beside torch's rule with the float64 total), "torch_inside"
+    runs torch.nn.utils.clip_grad_norm_ over model.parameters() inside the block (as
+    torch DDP's loop runs it over its p.grad). The second step accumulates two
+    micro-batches, the first under no_sync().
+
+    Returns {"mismatches": [...], "differences": bits differing per step, "largest":
+    the largest parameter difference, "grads_inside_bits": gradients seen in the block
+    that differ from torch DDP's p.grad in any bit, "after": whether any p.grad was set
+    after the block, "warnings": fgpsdp's, "rollbacks": two_stage's}."""
+    torch.manual_seed(1234)
+    base = MODELS[model_name]()
+    find_unused = model_name == "unused"
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base),
+                                              find_unused_parameters=find_unused)
+    kw = {"topology": fgp.Topology(local_size=local_size)} if local_size else {}
+    ours = fgp.DistributedDataParallel(
+        base, bucket_cap_mb=0.0001, schedule=schedule, find_unused_parameters=find_unused,
+        overlap_plan="layout" if schedule == "two_stage" else "auto", **kw)
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in ref.module.parameters() if p.requires_grad],
+                                lr=1e-2)
+    held = list(base.parameters())  # (read before any backward: no clip warning)
+    found: list[str] = []
+    differences, largest, inside_bits, after = [], 0.0, 0, False
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            micro = 2 if step == 1 else 1
+            for m in range(micro):
+                x, y = make_batch(model_name, step, m, rank)
+                for model in (ours, ref):
+                    ctx = model.no_sync() if m < micro - 1 else contextlib.nullcontext()
+                    with ctx:
+                        (loss_fn(model_name, model(x), y) / micro).backward()
+            with opt.summon_full_grads():
+                ref_named = dict(ref.module.named_parameters())
+                for name, param in ours.module.named_parameters():
+                    mine, theirs = param.grad, ref_named[name].grad
+                    if (mine is None) != (theirs is None):
+                        found.append(f"step {step}: {name}: p.grad "
+                                     f"{'None' if mine is None else 'set'} in the block, "
+                                     f"torch DDP's {'None' if theirs is None else 'set'}")
+                    elif mine is not None:
+                        inside_bits += mine.stride() != theirs.stride() or \
+                            not torch.equal(_bits(mine), _bits(theirs))
+                edited = _edit(ours.module, step)
+                if clip == "torch_inside":
+                    torch.nn.utils.clip_grad_norm_(ours.parameters(), 1e-3)
+            if edited != _edit(ref.module, step):
+                found.append(f"step {step}: edited {edited}, torch DDP's side other ones")
+            if clip == "torch_inside":
+                torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3)
+            elif clip == "ours":
+                opt.clip_grad_norm_(1e-3)
+                reference_clip_(ref.parameters(), 1e-3)
+            after |= any(p.grad is not None for p in held)
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+            ours.synchronize()
+            pairs = list(zip(ours.module.parameters(), ref.module.parameters()))
+            differences.append(sum(not torch.equal(_bits(a), _bits(b)) for a, b in pairs))
+            largest = max([largest] + [float((a - b).abs().max()) for a, b in pairs
+                                       if a.numel()])
+    scheduler = ours.scheduler
+    return {"mismatches": found, "differences": differences, "largest": largest,
+            "grads_inside_bits": inside_bits, "after": after,
+            "warnings": [str(w.message) for w in caught if "fgpsdp" in str(w.message)],
+            "rollbacks": scheduler.rollbacks if scheduler is not None else 0}
+
+
+def blocks_that_change_nothing(rank: int, world_size: int, block: str) -> dict:
+    """Four steps of SGD with momentum under two_stage, no clipping (its speculative
+    steps commit), with after each backward ``block``: "none", "read" (a block that
+    reads p.grad: a logged norm), "unwritten" (a block that edits, with
+    writeback=False). Returns the parameters, and the speculative steps committed and
+    rolled back."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+                           nn.Linear(32, 4))
+    model = fgp.DistributedDataParallel(module, schedule="two_stage", bucket_cap_mb=0.002,
+                                        overlap_plan="layout")
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9)
+    norms = []
+    for step in range(4):
+        g = torch.Generator().manual_seed(100 * step + rank)
+        model(torch.randn(5, 8, generator=g)).pow(2).mean().backward()
+        if block == "read":
+            with opt.summon_full_grads():
+                norms.append(float(module[0].weight.grad.norm()))
+        elif block == "unwritten":
+            with opt.summon_full_grads(writeback=False):
+                for p in module.parameters():
+                    p.grad.mul_(3.0)
+        opt.step()
+        opt.zero_grad()
+    model.synchronize()
+    return {"params": [p.detach().clone() for p in module.parameters()],
+            "commits": model.scheduler.commits, "rollbacks": model.scheduler.rollbacks,
+            "norms": norms}
+
+
+def some_parameters(rank: int, world_size: int) -> dict:
+    """summon_full_grads(params=[...]): only those get p.grad in the block (the others
+    stay None), an edit of them reaches the step, and a frozen parameter named there
+    keeps p.grad None. Beside torch DDP editing the same one."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    module[0].bias.requires_grad_(False)
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(module))
+    model = fgp.DistributedDataParallel(module, schedule="next_forward", bucket_cap_mb=0.0001)
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD([p for p in ref.parameters() if p.requires_grad], lr=0.1)
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(4, 6, generator=g)
+    for m in (model, ref):
+        m(x).pow(2).sum().backward()
+    with opt.summon_full_grads([module[2].weight, module[0].bias]):
+        held = [p.grad is not None for p in module.parameters()]
+        module[2].weight.grad[0].zero_()
+    ref.module[2].weight.grad[0].zero_()
+    opt.step()
+    ref_opt.step()
+    model.synchronize()
+    return {"held": held, "equal": [torch.equal(a, b) for a, b in
+                                    zip(module.parameters(), ref.module.parameters())]}
+
+
+def refusals(rank: int, world_size: int, case: str) -> str:
+    """What summon_full_grads() says in ``case``; every rank's message."""
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if case == "master_weights" else torch.float32
+    module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).to(dtype)
+    model = fgp.DistributedDataParallel(module, schedule="two_stage")
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1,
+                               master_weights=case == "master_weights")
+    x = torch.randn(3, 4, dtype=dtype)
+    try:
+        if case == "join":
+            with model.join():
+                model(x).sum().backward()
+                with opt.summon_full_grads():
+                    pass
+        model(x).sum().backward()
+        if case == "set_to_none":
+            with opt.summon_full_grads():
+                module[1].bias.grad = None
+        elif case == "stranger":
+            with opt.summon_full_grads([torch.zeros(4) if rank == 0 else module[0].weight]):
+                pass
+        elif case == "different":
+            with opt.summon_full_grads([module[rank % 2].weight]):
+                pass
+        elif case == "master_weights":
+            with opt.summon_full_grads():
+                pass
+        return "no error"
+    except (RuntimeError, ValueError) as error:
+        return f"{type(error).__name__}: {error}"
+    finally:
+        # Each case raised at a point every rank reached alike: the wrapper goes on.
+        leftover = [p.grad is not None for p in module.parameters()]
+        assert not any(leftover), leftover
+
+
+def error_in_the_block(rank: int, world_size: int) -> dict:
+    """An exception raised in the block (every rank's loop alike) propagates, leaves
+    p.grad None and the slices unedited: the step then takes the gradient as it was,
+    as a run without the block does."""
+    results = {}
+    for raise_in_block in (False, True):
+        torch.manual_seed(0)
+        module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+        model = fgp.DistributedDataParallel(module, schedule="two_stage")
+        opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+        g = torch.Generator().manual_seed(rank)
+        model(torch.randn(3, 4, generator=g)).sum().backward()
+        said = None
+        if raise_in_block:
+            try:
+                with opt.summon_full_grads():
+                    for p in module.parameters():
+                        p.grad.zero_()
+                    raise KeyError("the loop's own error")
+            except KeyError as error:
+                said = str(error)
+        after = [p.grad is not None for p in module.parameters()]
+        opt.step()
+        model.synchronize()
+        results[raise_in_block] = {"said": said, "after": after,
+                                   "params": [p.detach().clone() for p in module.parameters()]}
+        del opt, model
+    return results

@@ -1,0 +1,121 @@
+"""opt.summon_full_grads(): p.grad holds the whole reduced gradient inside the block,
+and the block's edits reach the step, as a torch DDP loop's edits of p.grad do (CPU,
+gloo)."""
+import functools
+
+import pytest
+import torch
+
+from .dist_harness import run_calls
+from .summoned_grad_scenarios import (blocks_that_change_nothing, edits_beside_torch_ddp,
+                                      error_in_the_block, refusals, some_parameters)
+
+SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
+# The tied embedding, parameters no backward reaches, channels_last layouts.
+MODELS = ("mlp", "tied", "unused", "channels_last")
+CLIPS = ("none", "ours", "torch_inside")
+EDIT_CALLS = [(edits_beside_torch_ddp, s, m, c) for s in SCHEDULES for m in MODELS
+              for c in CLIPS]
+REFUSALS = ("master_weights", "join", "set_to_none", "stranger", "different")
+
+
+@functools.lru_cache(maxsize=None)
+def two_ranks():
+    return run_calls(2, EDIT_CALLS
+                     + [(blocks_that_change_nothing, b) for b in ("none", "read", "unwritten")]
+                     + [(some_parameters,), (error_in_the_block,)]
+                     + [(refusals, case) for case in REFUSALS],
+                     timeout_s=600)
+
+
+@functools.lru_cache(maxsize=None)
+def two_nodes_of_two():
+    return run_calls(4, [(edits_beside_torch_ddp, s, "mlp", "ours", 2) for s in SCHEDULES],
+                     timeout_s=600)
+
+
+@pytest.mark.parametrize("clip", CLIPS)
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_edits_in_the_block_train_bitwise_as_torch_ddp(schedule, model, clip):
+    """Masks, noise and a replaced p.grad, each step, beside torch DDP's loop editing its
+    p.grad alike: inside the block p.grad is torch DDP's bit for bit (layout too, None
+    where that is None), and the parameters after every step are bitwise torch DDP's
+    (with the clip of ours: within rounding, its norm summed in float64 as the reference
+    does, and bitwise before the clip's step). torch's own clip inside the block is
+    torch DDP's clip: bitwise, and no warning that it clipped nothing."""
+    for rank, res in enumerate(two_ranks()[(edits_beside_torch_ddp, schedule, model, clip)]):
+        assert res["mismatches"] == [], f"rank {rank}"
+        assert res["grads_inside_bits"] == 0, f"rank {rank}"
+        assert not res["after"], f"rank {rank}: a p.grad left set after the block"
+        assert res["warnings"] == [], f"rank {rank}"
+        assert res["differences"] == [0, 0, 0], f"rank {rank}: {res['largest']}"
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_edits_in_the_block_on_two_nodes_of_two(schedule):
+    """Hierarchical 2x2, where a rank's slice is not its rank's chunk of the bucket: the
+    block's p.grad and its edits land where they belong (within the rounding of four
+    ranks' sums in another order)."""
+    for rank, res in enumerate(two_nodes_of_two()[(edits_beside_torch_ddp, schedule, "mlp",
+                                                   "ours", 2)]):
+        assert res["mismatches"] == [], f"rank {rank}"
+        assert res["largest"] <= 1e-6, f"rank {rank}"
+
+
+def test_a_block_that_changes_nothing_changes_nothing():
+    """Under two_stage with committed speculative steps: a block that only reads, and
+    one whose edits are dropped (writeback=False), train bitwise as no block, and no
+    speculative step is rolled back for them; the read saw each step's gradient."""
+    results = two_ranks()
+    for rank in range(2):
+        none = results[(blocks_that_change_nothing, "none")][rank]
+        assert none["commits"] > 0 and none["rollbacks"] == 0, none
+        for block in ("read", "unwritten"):
+            res = results[(blocks_that_change_nothing, block)][rank]
+            assert all(torch.equal(a, b) for a, b in zip(res["params"], none["params"])), block
+            assert (res["commits"], res["rollbacks"]) == (none["commits"], 0), block
+        norms = results[(blocks_that_change_nothing, "read")][rank]["norms"]
+        assert len(norms) == 4 and all(n > 0 for n in norms)
+
+
+def test_edits_roll_back_two_stages_speculative_steps():
+    """An edit after two_stage's speculative steps undoes them (they took the gradient
+    before the edit), and the step redoes them with the edited gradient: bitwise torch
+    DDP (test above), with rollbacks."""
+    for res in two_ranks()[(edits_beside_torch_ddp, "two_stage", "mlp", "none")]:
+        assert res["rollbacks"] > 0
+
+
+def test_some_parameters():
+    for rank, res in enumerate(two_ranks()[(some_parameters,)]):
+        # Linear 0's weight and (frozen) bias, linear 2's weight and bias.
+        assert res["held"] == [False, False, True, False], f"rank {rank}"
+        assert all(res["equal"]), f"rank {rank}"
+
+
+def test_an_error_in_the_block_leaves_the_gradient_as_it_was():
+    for rank, res in enumerate(two_ranks()[(error_in_the_block,)]):
+        assert res[True]["said"] == "\"the loop's own error\"", f"rank {rank}"
+        assert not any(res[True]["after"]), f"rank {rank}"
+        assert all(torch.equal(a, b) for a, b in zip(res[True]["params"], res[False]["params"]))
+
+
+@pytest.mark.parametrize("case,expected", [
+    ("master_weights", "ValueError: fgpsdp: opt.summon_full_grads() is not supported with "
+                       "master_weights=True"),
+    ("join", "RuntimeError: fgpsdp: opt.summon_full_grads() is not supported inside "
+             "model.join()"),
+    ("set_to_none", "RuntimeError: fgpsdp: summon_full_grads(): p.grad of '1.bias' was set "
+                    "to None in the block"),
+    ("stranger", "ValueError: fgpsdp: opt.summon_full_grads() is a collective, and the "
+                 "ranks made different reads"),
+    ("different", "ValueError: fgpsdp: opt.summon_full_grads() is a collective, and the "
+                  "ranks named other parameters"),
+])
+def test_refusals(case, expected):
+    """Each raises on every rank (ranks naming other parameters, or one naming a tensor
+    not of the model, in the read's agreement, before any gradient is gathered), and
+    leaves no p.grad set."""
+    for rank, said in enumerate(two_ranks()[(refusals, case)]):
+        assert said.startswith(expected), f"rank {rank}: {said}"

@@ -646,7 +646,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         again and redoes two_stage's speculative steps, as after clip_grad_value_).
         Holds the gathered buckets' gradients whole while it lasts (as much memory as
         torch DDP's ``p.grad``). An exception in the block leaves the slices as they
-        were. See [Note: summoned gradients] in summoned_grads.py."""
+        were. Under ``master_weights`` ``p.grad`` holds the float32 gradient rounded to
+        the parameter's dtype, and an element the block leaves at that rounding keeps
+        its float32 value. See [Note: summoned gradients] in summoned_grads.py."""
         what = "opt.summon_full_grads()"
         indices, problem = self._summoned_indices(params)
         if self.model._uneven_inputs is not None:
@@ -654,11 +656,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.model._uneven_inputs.refuse(
                 f"fgpsdp: {what} is not supported inside model.join() (a joined rank "
                 "would not take the block's edits into its slices)", RuntimeError)
-        if self._slice_pieces.masters:
-            raise ValueError(
-                f"fgpsdp: {what} is not supported with master_weights=True: the reduced "
-                "gradient is float32 there, and p.grad must have the parameter's dtype; "
-                "read it with opt.full_grad(p)")
         # The read's agreement takes whether the ranks named all parameters, some, or
         # a tensor not of the model (every rank raises then); which ones, the next.
         code = 0 if params is None else 1

@@ -10,7 +10,10 @@ clipping, per parameter), or hand the parameters to a library that does. Here
 The block gathers the whole buckets it needs (one all-gather each: the bytes of the
 parameter exchange) and points each parameter's ``.grad`` at its part of its bucket,
 laid out as the parameter: the same values on every rank, bit for bit what torch DDP's
-``p.grad`` holds there. Code in the block edits them as under torch DDP. At its end
+``p.grad`` holds there. Under master weights the reduced slices are float32 beside
+16-bit parameters, whose ``.grad`` must have their dtype: the block sees them rounded,
+and an element it leaves at that rounding keeps its float32 value (what it writes, an
+edit, is taken as written). Code in the block edits them as under torch DDP. At its end
 each rank takes its own slice back from its copy; an edit every rank makes alike (as
 under torch DDP, where every rank edits the same ``p.grad``) so reaches every slice's
 owner. The copies are dropped then, and ``p.grad`` is None again.
@@ -49,11 +52,13 @@ class SummonedGrad:
 
 @dataclass
 class SummonedGrads:
-    """What one block gathered: whole buckets (by bucket index) and the parameters whose
-    ``.grad`` point into them."""
+    """What one block gathered: whole buckets (by bucket index) in the parameters'
+    dtype, which the parameters' ``.grad`` point into, and where the reduced slices are
+    float32 beside 16-bit parameters (master weights), the float32 whole too."""
 
     wholes: dict[int, torch.Tensor]
     grads: list[SummonedGrad]
+    float32_wholes: dict[int, torch.Tensor]
 
 
 def agree_on_the_selection(model: "DistributedDataParallel", indices: Sequence[int],
@@ -85,8 +90,14 @@ def gather(model: "DistributedDataParallel", indices: Sequence[int],
         found = model.reducer.slot.get(index)
         if found is not None and has_gradient(found[0], index):
             wanted.setdefault(found[0], []).append(index)
-    wholes = {b: _whole_bucket(model, b) for b in sorted(wanted)}
-    grads = []
+    wholes, float32_wholes = {}, {}
+    for b in sorted(wanted):
+        whole = _whole_bucket(model, b)
+        if whole.dtype != model.buckets[b].dtype:  # float32 beside 16-bit parameters
+            float32_wholes[b] = whole
+            whole = whole.to(model.buckets[b].dtype)
+        wholes[b] = whole
+    grads: list[SummonedGrad] = []
     for b in sorted(wanted):
         for index in wanted[b]:
             name, param = named[index]
@@ -94,12 +105,12 @@ def gather(model: "DistributedDataParallel", indices: Sequence[int],
             view = span_as_param(wholes[b][span.bucket_offset:span.bucket_end], param.shape,
                                  span.strides)
             if param.grad is not None:  # (the reduce-scatters took every p.grad first)
-                restore(SummonedGrads(wholes, grads))
+                restore(SummonedGrads(wholes, grads, float32_wholes))
                 raise RuntimeError(f"fgpsdp: summon_full_grads(): {name!r} holds a p.grad of "
                                    "its own after the reduce-scatters; nothing should set it")
             param.grad = view
             grads.append(SummonedGrad(name, param, view))
-    return SummonedGrads(wholes, grads)
+    return SummonedGrads(wholes, grads, float32_wholes)
 
 
 def _whole_bucket(model: "DistributedDataParallel", b: int) -> torch.Tensor:
@@ -140,8 +151,17 @@ def write_back(model: "DistributedDataParallel", summoned: SummonedGrads) -> boo
     for b, whole in summoned.wholes.items():
         storage = model.buckets[b]
         mine = whole[storage.shard_start:storage.shard_end]
-        if not _same_bits(mine, storage.grad_shard):
-            storage.grad_shard.copy_(mine)
+        shard = storage.grad_shard
+        if b in summoned.float32_wholes:
+            # The block saw the float32 slice rounded: the elements it left at that
+            # rounding keep their float32 value, the others take what it wrote.
+            width = _INTEGER_OF_WIDTH[mine.element_size()]
+            edited = shard.to(mine.dtype).view(width) != mine.view(width)
+            if bool(edited.any()):
+                shard[edited] = mine[edited].to(shard.dtype)
+                changed = True
+        elif not _same_bits(mine, shard):
+            shard.copy_(mine)
             changed = True
     return changed
 

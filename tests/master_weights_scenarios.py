@@ -20,6 +20,7 @@ from torch import nn
 import fgpsdp_runtime as fgp
 
 from .scenarios import MLP, make_batch, reference_clip_
+from .summoned_grad_scenarios import edit_grads
 
 
 class MasteredReference:
@@ -126,7 +127,8 @@ def side_by_side(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, 
     speculative steps undone; ``reduce_dtype``: "float32", the reference all-reduces
     float32 copies of the gradients; ``micro``: micro-batches per step, each reduced
     (with reduce_dtype "float32": added up in float32 on both sides); ``local_size``:
-    hierarchical. Returns the
+    hierarchical; ``edit``: after backward both sides edit p.grad alike (fgpsdp's in
+    ``opt.summon_full_grads()``). Returns the
     differences after every step and what the optimizer kept."""
     dtype = getattr(torch, case.get("dtype", "bfloat16"))
     schedule = case.get("schedule", "two_stage")
@@ -174,6 +176,10 @@ def side_by_side(rank: int, world_size: int, case: dict[str, Any]) -> dict[str, 
             full_grads_equal = _bits_equal(read, [p.grad.float() for p in reference.params])
             # (inf: measures, clips nothing) In the gradients' dtype, as torch's clip.
             norm_dtype = str(opt.clip_grad_norm_(float("inf")).dtype)
+        if case.get("edit"):  # each side's p.grad, alike (ours in summon_full_grads())
+            with opt.summon_full_grads():
+                edit_grads(ours.module, step)
+            edit_grads(reference.ddp.module, step)
         if case.get("decay") == "before_step":
             _decay_pieces(opt)
             reference.decay_masters()

@@ -21,7 +21,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().view(widths[t.element_size()])
 
 
-def _edit(module: nn.Module, step: int) -> list[str]:
+def edit_grads(module: nn.Module, step: int) -> list[str]:
     """What a loop might do to p.grad between backward and step, the same on every rank:
     zero a third of the elements (a mask, as for rows kept fixed), add a small fixed
     noise, and replace the last gradient by a new tensor (``p.grad = p.grad * 2``).
@@ -87,10 +87,10 @@ def edits_beside_torch_ddp(rank: int, world_size: int, schedule: str, model_name
                     elif mine is not None:
                         inside_bits += mine.stride() != theirs.stride() or \
                             not torch.equal(_bits(mine), _bits(theirs))
-                edited = _edit(ours.module, step)
+                edited = edit_grads(ours.module, step)
                 if clip == "torch_inside":
                     torch.nn.utils.clip_grad_norm_(ours.parameters(), 1e-3)
-            if edited != _edit(ref.module, step):
+            if edited != edit_grads(ref.module, step):
                 found.append(f"step {step}: edited {edited}, torch DDP's side other ones")
             if clip == "torch_inside":
                 torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e-3)
@@ -174,12 +174,10 @@ def some_parameters(rank: int, world_size: int) -> dict:
 def refusals(rank: int, world_size: int, case: str) -> str:
     """What summon_full_grads() says in ``case``; every rank's message."""
     torch.manual_seed(0)
-    dtype = torch.bfloat16 if case == "master_weights" else torch.float32
-    module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2)).to(dtype)
+    module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     model = fgp.DistributedDataParallel(module, schedule="two_stage")
-    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1,
-                               master_weights=case == "master_weights")
-    x = torch.randn(3, 4, dtype=dtype)
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    x = torch.randn(3, 4)
     try:
         if case == "join":
             with model.join():
@@ -195,9 +193,6 @@ def refusals(rank: int, world_size: int, case: str) -> str:
                 pass
         elif case == "different":
             with opt.summon_full_grads([module[rank % 2].weight]):
-                pass
-        elif case == "master_weights":
-            with opt.summon_full_grads():
                 pass
         return "no error"
     except (RuntimeError, ValueError) as error:
@@ -236,3 +231,33 @@ def error_in_the_block(rank: int, world_size: int) -> dict:
                                    "params": [p.detach().clone() for p in module.parameters()]}
         del opt, model
     return results
+
+
+def masters_partly_edited(rank: int, world_size: int) -> dict:
+    """Under master_weights (a bfloat16 MLP): after a clip the float32 slices hold values
+    bfloat16 cannot; the block sees them rounded, zeroes some elements of one weight, and
+    leaves the rest. Returns whether p.grad was bfloat16 in the block, whether the
+    zeroed elements are 0 after it, and whether every other element kept its float32
+    value bit for bit (opt.full_grad before and after)."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)).to(torch.bfloat16)
+    model = fgp.DistributedDataParallel(module, schedule="two_stage", bucket_cap_mb=0.0001,
+                                        overlap_plan="layout")
+    opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-2, master_weights=True)
+    g = torch.Generator().manual_seed(rank)
+    model(torch.randn(5, 8, generator=g).to(torch.bfloat16)).float().pow(2).sum().backward()
+    opt.clip_grad_norm_(1e-3)
+    before = [opt.full_grad(p) for p in module.parameters()]
+    representable = all(torch.equal(b, b.to(torch.bfloat16).float()) for b in before)
+    mask = torch.rand(module[0].weight.shape, generator=torch.Generator().manual_seed(7)) < 0.3
+    with opt.summon_full_grads():
+        dtypes = {str(p.grad.dtype) for p in module.parameters()}
+        module[0].weight.grad[mask] = 0.0
+    after = [opt.full_grad(p) for p in module.parameters()]
+    opt.step()
+    model.synchronize()
+    zeroed = bool((after[0][mask] == 0).all())
+    kept = torch.equal(_bits(after[0][~mask]), _bits(before[0][~mask])) and all(
+        torch.equal(_bits(a), _bits(b)) for a, b in zip(after[1:], before[1:]))
+    return {"dtypes": sorted(dtypes), "representable_before": representable,
+            "zeroed": zeroed, "kept": kept, "grad_dtype": str(after[0].dtype)}

@@ -37,6 +37,10 @@ CASES = [
     {"schedule": "two_stage", "reduce_dtype": "float32", "clip": 0.05},
     # Accumulation with every micro-batch reduced: added up in the float32 slice.
     {"schedule": "next_forward", "reduce_dtype": "float32", "micro": 3},
+    # The loop edits p.grad in opt.summon_full_grads() (the reference its own p.grad):
+    # edited elements take the 16-bit value written, as torch's p.grad does.
+    {"schedule": "two_stage", "edit": True},
+    {"schedule": "next_forward", "edit": True, "clip": 0.05},
     # float16 with loss scaling (refused without master weights: the gradients
     # would be float16), and a scale that overflows every step: all skipped.
     {"dtype": "float16", "schedule": "two_stage", "init_scale": 2.0 ** 10, "lr": 1e-3},
@@ -81,6 +85,8 @@ def test_matches_torch_ddp_with_float32_masters_bitwise(side_by_side, index):
             assert res["rollbacks"] > 0 and res["commits"] == 0, res
         if case == {"schedule": "two_stage"}:
             assert res["commits"] > 0 and res["rollbacks"] == 0, res
+        if case == {"schedule": "two_stage", "edit": True}:
+            assert res["rollbacks"] > 0, res  # the speculative steps took the unedited
 
 
 def test_hierarchical_2x2_stays_close_to_torch_ddp_with_float32_masters():

@@ -8,7 +8,8 @@ import torch
 
 from .dist_harness import run_calls
 from .summoned_grad_scenarios import (blocks_that_change_nothing, edits_beside_torch_ddp,
-                                      error_in_the_block, refusals, some_parameters)
+                                      error_in_the_block, masters_partly_edited, refusals,
+                                      some_parameters)
 
 SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
 # The tied embedding, parameters no backward reaches, channels_last layouts.
@@ -16,14 +17,14 @@ MODELS = ("mlp", "tied", "unused", "channels_last")
 CLIPS = ("none", "ours", "torch_inside")
 EDIT_CALLS = [(edits_beside_torch_ddp, s, m, c) for s in SCHEDULES for m in MODELS
               for c in CLIPS]
-REFUSALS = ("master_weights", "join", "set_to_none", "stranger", "different")
+REFUSALS = ("join", "set_to_none", "stranger", "different")
 
 
 @functools.lru_cache(maxsize=None)
 def two_ranks():
     return run_calls(2, EDIT_CALLS
                      + [(blocks_that_change_nothing, b) for b in ("none", "read", "unwritten")]
-                     + [(some_parameters,), (error_in_the_block,)]
+                     + [(some_parameters,), (error_in_the_block,), (masters_partly_edited,)]
                      + [(refusals, case) for case in REFUSALS],
                      timeout_s=600)
 
@@ -101,9 +102,19 @@ def test_an_error_in_the_block_leaves_the_gradient_as_it_was():
         assert all(torch.equal(a, b) for a, b in zip(res[True]["params"], res[False]["params"]))
 
 
+def test_master_weights_keep_the_float32_values_the_block_leaves():
+    """Under master_weights the block's p.grad is the float32 slice rounded to bfloat16;
+    after a clip (values bfloat16 cannot hold) the elements it zeroes are 0 and every
+    other element keeps its float32 value bit for bit (edits against torch DDP with
+    float32 masters: tests/test_master_weights.py)."""
+    for rank, res in enumerate(two_ranks()[(masters_partly_edited,)]):
+        assert res["dtypes"] == ["torch.bfloat16"], f"rank {rank}"
+        assert res["grad_dtype"] == "torch.float32"
+        assert not res["representable_before"], f"rank {rank}: the case tests nothing"
+        assert res["zeroed"] and res["kept"], f"rank {rank}"
+
+
 @pytest.mark.parametrize("case,expected", [
-    ("master_weights", "ValueError: fgpsdp: opt.summon_full_grads() is not supported with "
-                       "master_weights=True"),
     ("join", "RuntimeError: fgpsdp: opt.summon_full_grads() is not supported inside "
              "model.join()"),
     ("set_to_none", "RuntimeError: fgpsdp: summon_full_grads(): p.grad of '1.bias' was set "

@@ -53,12 +53,12 @@ class SummonedGrad:
 @dataclass
 class SummonedGrads:
     """What one block gathered: whole buckets (by bucket index) in the parameters'
-    dtype, which the parameters' ``.grad`` point into, and where the reduced slices are
-    float32 beside 16-bit parameters (master weights), the float32 whole too."""
+    dtype, which the parameters' ``.grad`` point into; ``rounded``: the buckets whose
+    reduced slices are float32 beside 16-bit parameters (master weights), shown rounded."""
 
     wholes: dict[int, torch.Tensor]
     grads: list[SummonedGrad]
-    float32_wholes: dict[int, torch.Tensor]
+    rounded: frozenset[int]
 
 
 def agree_on_the_selection(model: "DistributedDataParallel", indices: Sequence[int],
@@ -90,13 +90,12 @@ def gather(model: "DistributedDataParallel", indices: Sequence[int],
         found = model.reducer.slot.get(index)
         if found is not None and has_gradient(found[0], index):
             wanted.setdefault(found[0], []).append(index)
-    wholes, float32_wholes = {}, {}
+    wholes = {}
     for b in sorted(wanted):
-        whole = _whole_bucket(model, b)
-        if whole.dtype != model.buckets[b].dtype:  # float32 beside 16-bit parameters
-            float32_wholes[b] = whole
-            whole = whole.to(model.buckets[b].dtype)
-        wholes[b] = whole
+        # (float32 beside 16-bit parameters: rounded, the float32 whole freed at once)
+        wholes[b] = _whole_bucket(model, b).to(model.buckets[b].dtype)
+    rounded = frozenset(b for b in wanted if model.buckets[b].grad_shard.dtype
+                        != model.buckets[b].dtype)
     grads: list[SummonedGrad] = []
     for b in sorted(wanted):
         for index in wanted[b]:
@@ -105,12 +104,12 @@ def gather(model: "DistributedDataParallel", indices: Sequence[int],
             view = span_as_param(wholes[b][span.bucket_offset:span.bucket_end], param.shape,
                                  span.strides)
             if param.grad is not None:  # (the reduce-scatters took every p.grad first)
-                restore(SummonedGrads(wholes, grads, float32_wholes))
+                restore(SummonedGrads(wholes, grads, rounded))
                 raise RuntimeError(f"fgpsdp: summon_full_grads(): {name!r} holds a p.grad of "
                                    "its own after the reduce-scatters; nothing should set it")
             param.grad = view
             grads.append(SummonedGrad(name, param, view))
-    return SummonedGrads(wholes, grads, float32_wholes)
+    return SummonedGrads(wholes, grads, rounded)
 
 
 def _whole_bucket(model: "DistributedDataParallel", b: int) -> torch.Tensor:
@@ -152,7 +151,7 @@ def write_back(model: "DistributedDataParallel", summoned: SummonedGrads) -> boo
         storage = model.buckets[b]
         mine = whole[storage.shard_start:storage.shard_end]
         shard = storage.grad_shard
-        if b in summoned.float32_wholes:
+        if b in summoned.rounded:
             # The block saw the float32 slice rounded: the elements it left at that
             # rounding keep their float32 value, the others take what it wrote.
             width = _INTEGER_OF_WIDTH[mine.element_size()]

@@ -448,6 +448,7 @@ class DistributedDataParallel(nn.Module):
     # -- forward -------------------------------------------------------------
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        self.refuse_inside_summoned_grads("a forward")
         if is_traced_by_dynamo():
             # [Note: torch.compile]
             # Traced by torch.compile: our bookkeeping runs eagerly at every call
@@ -708,6 +709,7 @@ class DistributedDataParallel(nn.Module):
         for the next backward to add to. Loops may call this or
         ``ShardedOptimizer.zero_grad``, as with torch DDP.
         """
+        self.refuse_inside_summoned_grads("model.zero_grad()")
         self.zero_reduced_gradients(set_to_none)
         # (Before, an expert's gradient added up over the steps of a loop that
         # zeroes through the model.)
@@ -1078,6 +1080,19 @@ class DistributedDataParallel(nn.Module):
 
     def param_index(self, param: torch.Tensor) -> Optional[int]:
         return self._param_index.get(id(param))
+
+    def refuse_inside_summoned_grads(self, what: str) -> None:
+        """Raised locally (every rank's loop is in the block alike): inside
+        opt.summon_full_grads() the parameters' ``.grad`` are copies of the reduced
+        gradient, which the block's end writes back over the slices, so a call that
+        reads or changes the slices would see stale values or be undone."""
+        if self.grads_summoned:
+            raise RuntimeError(
+                f"fgpsdp: {what} inside `with opt.summon_full_grads():`: p.grad there holds "
+                "copies of the gradient, which the block's end writes back over this rank's "
+                "slices, so the call would read stale values or be undone; make it before or "
+                "after the block (torch.nn.utils.clip_grad_norm_ over the parameters works "
+                "inside it)")
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         """Blocking sum of a small tensor (norms, flags) over the wrapper's group."""

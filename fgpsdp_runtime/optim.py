@@ -330,6 +330,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @torch.compiler.disable
     @on_itself
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.model.refuse_inside_summoned_grads("opt.zero_grad()")
         self._clipped_at = None
         self.model.zero_reduced_gradients(set_to_none=set_to_none)
         for group in self.optim.param_groups:
@@ -529,6 +530,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError(
                 f"fgpsdp: ShardedOptimizer.clip_grad_norm_ supports only the L2 norm "
                 f"(norm_type=2), not norm_type={norm_type!r}")
+        self.model.refuse_inside_summoned_grads("opt.clip_grad_norm_()")
         self._refuse_while_unfinished("clip_grad_norm_()")
         self._announce(AnnouncedCall.CLIP, float(max_norm))
         self._clip_called = True
@@ -541,6 +543,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`")
         self._apply_clip(float(max_norm))
         self._clipped_at = self.model.reducer.reduce_scatters_launched
+        self._note_ignored_grads_may_have_changed()
         return self._norm_tensor(total)
 
     @on_itself
@@ -559,6 +562,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Clamp the reduced gradient to [-clip_value, clip_value], as
         torch.nn.utils.clip_grad_value_ would on DDP's gradients. A collective."""
         clip_value = float(clip_value)
+        self.model.refuse_inside_summoned_grads("opt.clip_grad_value_()")
         self._refuse_while_unfinished("clip_grad_value_()")
         self._announce(AnnouncedCall.CLIP_VALUE, clip_value)
         self._clip_called = True
@@ -569,6 +573,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             shard.clamp_(-clip_value, clip_value)
         self._note_grads_edited(changed)
         self._clipped_at = self.model.reducer.reduce_scatters_launched
+        self._note_ignored_grads_may_have_changed()
 
     @torch.compiler.disable
     @torch.no_grad()
@@ -629,11 +634,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._masters_take_param_writes()
             return optim_checkpoint.param_state(self, index)
 
-    @torch.compiler.disable
     @on_itself
-    @contextlib.contextmanager
     def summon_full_grads(self, params: Optional[Sequence[torch.Tensor]] = None,
-                          writeback: bool = True) -> Iterator[None]:
+                          writeback: bool = True) -> "_SummonedGradsBlock":
         """Inside the block each trainable parameter's ``p.grad`` holds its whole
         reduced gradient, bit for bit torch DDP's ``p.grad`` at this point of the loop
         (None where that is None); at the end each rank takes its own slices back from
@@ -645,10 +648,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         all-reduce of whether any element changed (the step then measures the norm
         again and redoes two_stage's speculative steps, as after clip_grad_value_).
         Holds the gathered buckets' gradients whole while it lasts (as much memory as
-        torch DDP's ``p.grad``). An exception in the block leaves the slices as they
-        were. Under ``master_weights`` ``p.grad`` holds the float32 gradient rounded to
-        the parameter's dtype, and an element the block leaves at that rounding keeps
-        its float32 value. See [Note: summoned gradients] in summoned_grads.py."""
+        torch DDP's ``p.grad``). The optimizer's own calls and a forward are refused
+        inside it (the end would write over what they did). An exception in the block
+        leaves the slices as they were. Under ``master_weights`` ``p.grad`` holds the
+        float32 gradient rounded to the parameter's dtype, and an element the block
+        leaves at that rounding keeps its float32 value. See [Note: summoned gradients]
+        in summoned_grads.py."""
+        return _SummonedGradsBlock(self, params, writeback)
+
+    def _enter_summoned_block(self, params: Optional[Sequence[torch.Tensor]]
+                              ) -> summoned_grads.SummonedGrads:
         what = "opt.summon_full_grads()"
         indices, problem = self._summoned_indices(params)
         if self.model._uneven_inputs is not None:
@@ -670,16 +679,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 lambda b, index: grad_reads.has_gradient(self.model, self._globally_used, b,
                                                           index))
         self.model.grads_summoned = True
+        return summoned
+
+    def _leave_summoned_block(self, summoned: summoned_grads.SummonedGrads, writeback: bool,
+                              raised: bool) -> None:
         try:
-            yield
             with torch.no_grad():
-                changed = writeback and summoned_grads.write_back(self.model, summoned)
+                changed = writeback and not raised and \
+                    summoned_grads.write_back(self.model, summoned)
         finally:
             summoned_grads.restore(summoned)
             self.model.grads_summoned = False
-        if writeback:
+        if writeback and not raised:
             self._note_grads_edited(torch.tensor([float(changed)], dtype=torch.float64,
                                                  device=self._device))
+            # The block may have edited the gradients of parameters left to the user,
+            # which the norm counts with clip_ignored_parameters.
+            self._note_ignored_grads_may_have_changed()
 
     def _summoned_indices(self, params: Optional[Sequence[torch.Tensor]]
                           ) -> tuple[list[int], Optional[str]]:
@@ -739,6 +755,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         and, for a parameter the buckets hold, after what a clip does first (every
         reduce-scatter landed, the used parameters known). Of the optimizer state:
         not of two_stage's speculative updates."""
+        self.model.refuse_inside_summoned_grads(what)
         self._refuse_while_unfinished(what)
         uneven = self.model._uneven_inputs
         unreduced = gradients and self.model.reducer.holds_unreduced_gradients()
@@ -760,6 +777,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if call is AnnouncedCall.FULL_GRAD:
                     self._full_grad_read.add(index)
             yield
+        self._note_ignored_grads_may_have_changed()
 
     def _read_every_gradient(self) -> bool:
         """full_grad() read every trainable parameter's gradient this step: the loop
@@ -800,6 +818,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @on_itself
     def _step_with(self, closure: Optional[Callable[[], Any]]) -> Any:
+        self.model.refuse_inside_summoned_grads("opt.step()")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -1126,6 +1145,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """
         if any(s.grad_shard.dtype == torch.float16 for s in self.model.buckets):
             raise ValueError("Attempting to unscale FP16 gradients.")  # torch's refusal
+        self.model.refuse_inside_summoned_grads("the scaler's unscale_(opt)")
         self._refuse_while_unfinished("unscale_gradients_() (the scaler's unscale_)")
         if self.model._uneven_inputs is not None:
             # A joined rank's scaler would miss the others' update(): its scale
@@ -1156,7 +1176,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._reduced = False
         self._clipped_norm = None
         self._loss_unscaled = True
-        return not math.isfinite(self._reduce_and_measure())
+        found_inf = not math.isfinite(self._reduce_and_measure())
+        self._note_ignored_grads_may_have_changed()
+        return found_inf
 
     def _announce(self, call: AnnouncedCall, *args: float) -> Optional[UnevenInputs]:
         """Under model.join() (see uneven_inputs.py): announce a call that finishes
@@ -1187,6 +1209,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._clipped_norm: Optional[float] = None  # the norm measured after the last clip
         # clip_grad_value_ or summon_full_grads changed an element on some rank
         self._grads_edited = False
+        # The norm was measured before the loop could change ignored parameters' gradients.
+        self._ignored_grads_stale = False
         self._clip_called = False  # clip_grad_norm_ or clip_grad_value_ ran this step
         self._full_grad_read: set[int] = set()  # the parameters full_grad() read this step
         # Some rank's speculative steps ran with other hyperparameters than the step's.
@@ -1578,6 +1602,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._applied_coefficient *= coefficient
             self._clipped_norm = None  # measured again when asked for
 
+    def _note_ignored_grads_may_have_changed(self) -> None:
+        """Where a call that measured the norm returns to the loop: with
+        ``clip_ignored_parameters`` the loop may change the gradients of the parameters
+        left to the user (their own ``p.grad``: an expert's all-reduce, an edit) before
+        it clips or steps, so the norm is measured again then, as torch's clip would
+        measure what they hold at that point. The same on every rank (the settings and
+        the measurement are)."""
+        if self._reduced and self.clip_ignored_parameters \
+                and self.model.named_ignored_parameters():
+            self._ignored_grads_stale = True
+            self._clipped_norm = None
+
     def _ignored_grads(self) -> list[torch.Tensor]:
         """With ``clip_ignored_parameters``: this rank's gradients of the parameters
         the wrapper leaves to the user, which the norm covers and the clip scales."""
@@ -1642,9 +1678,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         second clip_grad_norm_ measures the clipped gradient: the
         total times the coefficient differs from that by the clipped elements'
         rounding, and a second coefficient taken from it would be off in the last
-        bits. A collective then (every rank clipped alike: the decision used only
-        all-reduced figures)."""
-        if self._applied_coefficient == 1.0 and not self._grads_edited:
+        bits. So is it where the loop may have changed the gradients of the parameters
+        left to the user since it was measured (_note_ignored_grads_may_have_changed). A
+        collective then (every rank clipped alike: the decision used only all-reduced
+        figures)."""
+        if self._ignored_grads_stale:  # (see _note_ignored_grads_may_have_changed)
+            self._ignored_grads_stale = False
+            self._clipped_norm = None
+        elif self._applied_coefficient == 1.0 and not self._grads_edited \
+                and self._clipped_norm is None:
             return self._total_norm
         if self._clipped_norm is None:
             local = torch.zeros(2, dtype=torch.float64, device=self._device)
@@ -1664,6 +1706,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
         dtypes = {s.grad_shard.dtype for s in self.model.buckets} or {torch.float32}
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
         return torch.tensor(total, dtype=dtype, device=self._device)
+
+
+class _SummonedGradsBlock:
+    """``with opt.summon_full_grads():`` (a class, not a generator: both ends run as
+    they are under torch.compile, as the optimizer's other calls do)."""
+
+    def __init__(self, optimizer: ShardedOptimizer,
+                 params: Optional[Sequence[torch.Tensor]], writeback: bool):
+        self.optimizer, self.params, self.writeback = optimizer, params, writeback
+        self.summoned: Optional[summoned_grads.SummonedGrads] = None
+
+    @torch.compiler.disable
+    def __enter__(self) -> None:
+        if self.summoned is not None:
+            raise RuntimeError("fgpsdp: a summon_full_grads() block entered twice")
+        self.summoned = self.optimizer._enter_summoned_block(self.params)
+
+    @torch.compiler.disable
+    def __exit__(self, kind, value, traceback) -> None:
+        summoned, self.summoned = self.summoned, None
+        self.optimizer._leave_summoned_block(summoned, self.writeback, raised=kind is not None)
 
 
 def _norm_from(sq_sum: float, nonfinite: float) -> float:

@@ -261,3 +261,93 @@ def masters_partly_edited(rank: int, world_size: int) -> dict:
         torch.equal(_bits(a), _bits(b)) for a, b in zip(after[1:], before[1:]))
     return {"dtypes": sorted(dtypes), "representable_before": representable,
             "zeroed": zeroed, "kept": kept, "grad_dtype": str(after[0].dtype)}
+
+
+def calls_inside_the_block(rank: int, world_size: int) -> dict:
+    """Each call that reads or changes the reduced slices, made inside the block: refused
+    (before, a clip or the scaler's unscale_ there was undone by the block's end, and
+    a read said the gradients were unreduced). The block ends without writing back, no
+    p.grad stays set, and the loop goes on: the step after the refusals trains as a run
+    without them (torch DDP's parameters)."""
+    torch.manual_seed(0)
+    module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(module))
+    model = fgp.DistributedDataParallel(module, schedule="two_stage", overlap_plan="layout")
+    opt = fgp.ShardedOptimizer(model, torch.optim.SGD, lr=0.1)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    scaler = fgp.ShardedGradScaler("cpu", init_scale=1.0)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(rank))
+    calls = {
+        "clip_grad_norm_": lambda: opt.clip_grad_norm_(0.05),
+        "clip_grad_value_": lambda: opt.clip_grad_value_(0.01),
+        "unscale_": lambda: scaler.unscale_(opt),
+        "step": lambda: opt.step(),
+        "zero_grad": lambda: opt.zero_grad(),
+        "model.zero_grad": lambda: model.zero_grad(),
+        "grad_norms": lambda: opt.grad_norms(),
+        "full_grad": lambda: opt.full_grad(module[0].weight),
+        "nested": lambda: opt.summon_full_grads().__enter__(),
+        "forward": lambda: model(x),
+    }
+    said = {}
+    params = list(module.parameters())  # (read before backward: no clip warning)
+    scaler.scale(model(x).pow(2).sum()).backward()  # (a scale of 1: the same gradient)
+    ref(x).pow(2).sum().backward()
+    for name, call in calls.items():
+        try:
+            with opt.summon_full_grads():
+                for p in module.parameters():
+                    p.grad.mul_(0.5)  # (dropped: the block raises)
+                call()
+            said[name] = "no error"
+        except RuntimeError as error:
+            said[name] = str(error)
+    leftover = any(p.grad is not None for p in params)
+    opt.step()
+    ref_opt.step()
+    model.synchronize()
+    return {"said": said, "leftover": leftover,
+            "equal": all(torch.equal(a, b) for a, b in zip(module.parameters(),
+                                                           ref.module.parameters()))}
+
+
+def ignored_gradients_edited_after_a_read(rank: int, world_size: int, where: str,
+                                          schedule: str) -> float:
+    """clip_ignored_parameters with max_grad_norm: each rank's own expert (named in
+    torch's ignore list) beside replicated layers; after backward the loop reads the
+    gradient norms (``where="after_read"``) or enters a block that edits nothing of the
+    slices (``"in_block"``), then multiplies the expert's gradient by 20 (in the block
+    there), and steps. The step must clip by the norm the gradients hold then (before,
+    it clipped by the one measured at the read). Returns the largest difference from
+    torch DDP clipped by one norm over every rank's gradients."""
+    from .expert_scenarios import EXPERT_NAMES, _expert_model, _expert_params, _global_clip
+    base = _expert_model(rank)
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    ours = fgp.DistributedDataParallel(base, schedule=schedule)
+    opt = fgp.ShardedOptimizer(ours, torch.optim.SGD, lr=0.1, clip_ignored_parameters=True,
+                               max_grad_norm=0.05)
+    expert_opt = torch.optim.SGD(_expert_params(base), lr=0.1)
+    shared_ref = [p for n, p in ref.module.named_parameters() if n not in EXPERT_NAMES]
+    ref_opt = torch.optim.SGD(list(ref.module.parameters()), lr=0.1)
+    for step in range(3):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+        nn.functional.mse_loss(ours(x), y).backward()
+        nn.functional.mse_loss(ref(x), y).backward()
+        if where == "after_read":
+            opt.grad_norms()
+            base.expert.weight.grad.mul_(20.0)
+        else:
+            with opt.summon_full_grads():
+                base.expert.weight.grad.mul_(20.0)
+        ref.module.expert.weight.grad.mul_(20.0)
+        _global_clip(shared_ref, _expert_params(ref.module), 0.05)
+        opt.step()
+        expert_opt.step()
+        ref_opt.step()
+        opt.zero_grad()
+        expert_opt.zero_grad()
+        ref_opt.zero_grad()
+    ours.synchronize()
+    return max(float((a - b).abs().max())
+               for a, b in zip(base.parameters(), ref.module.parameters()))

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from .dist_harness import run_calls
-from .summoned_grad_scenarios import (blocks_that_change_nothing, edits_beside_torch_ddp,
-                                      error_in_the_block, masters_partly_edited, refusals,
-                                      some_parameters)
+from .summoned_grad_scenarios import (blocks_that_change_nothing, calls_inside_the_block,
+                                      edits_beside_torch_ddp, error_in_the_block,
+                                      ignored_gradients_edited_after_a_read,
+                                      masters_partly_edited, refusals, some_parameters)
 
 SCHEDULES = ("serial", "overlap_backward", "next_forward", "two_stage")
 # The tied embedding, parameters no backward reaches, channels_last layouts.
@@ -24,7 +25,10 @@ REFUSALS = ("join", "set_to_none", "stranger", "different")
 def two_ranks():
     return run_calls(2, EDIT_CALLS
                      + [(blocks_that_change_nothing, b) for b in ("none", "read", "unwritten")]
-                     + [(some_parameters,), (error_in_the_block,), (masters_partly_edited,)]
+                     + [(some_parameters,), (error_in_the_block,), (masters_partly_edited,),
+                        (calls_inside_the_block,)]
+                     + [(ignored_gradients_edited_after_a_read, w, s)
+                        for w in ("after_read", "in_block") for s in ("serial", "two_stage")]
                      + [(refusals, case) for case in REFUSALS],
                      timeout_s=600)
 
@@ -130,3 +134,24 @@ def test_refusals(case, expected):
     leaves no p.grad set."""
     for rank, said in enumerate(two_ranks()[(refusals, case)]):
         assert said.startswith(expected), f"rank {rank}: {said}"
+
+
+def test_calls_that_read_or_change_the_slices_are_refused_inside_the_block():
+    """The optimizer's clips, the scaler's unscale_, step, zero_grad, the reads, a nested
+    block and a forward raise inside the block, saying so (the block's end would write
+    its copies over what they did); the loop then goes on as torch DDP's."""
+    for rank, res in enumerate(two_ranks()[(calls_inside_the_block,)]):
+        for call, said in res["said"].items():
+            assert said.startswith("fgpsdp: ") and \
+                "inside `with opt.summon_full_grads():`" in said, (rank, call, said)
+        assert not res["leftover"] and res["equal"], rank
+
+
+@pytest.mark.parametrize("schedule", ("serial", "two_stage"))
+@pytest.mark.parametrize("where", ("after_read", "in_block"))
+def test_ignored_gradients_edited_after_the_norm_was_measured(where, schedule):
+    """clip_ignored_parameters: an expert's gradient changed after a read or in a block
+    (both measure the norm) counts in the step's clip, as in torch DDP's."""
+    for rank, largest in enumerate(
+            two_ranks()[(ignored_gradients_edited_after_a_read, where, schedule)]):
+        assert largest <= 1e-6, f"rank {rank}: {largest}"

@@ -52,6 +52,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         # Keyed by the optimizer itself: Lightning unscales through its wrapper and
         # steps the optimizer (see optimizer_itself.py).
         optimizer = itself(optimizer)
+        optimizer.model.refuse_inside_summoned_grads("the scaler's unscale_(opt)")
         self._check_scale_growth_tracker("unscale_")
         state = self._per_optimizer_states[id(optimizer)]
         self.__dict__.setdefault("_sharded_this_round", {})[id(optimizer)] = optimizer
@@ -84,6 +85,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not currently supported if GradScaler is enabled.")
         optimizer = itself(optimizer)
+        optimizer.model.refuse_inside_summoned_grads("the scaler's step(opt)")
         self._check_scale_growth_tracker("step")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:

@@ -267,8 +267,8 @@ def calls_inside_the_block(rank: int, world_size: int) -> dict:
     """Each call that reads or changes the reduced slices, made inside the block: refused
     (before, a clip or the scaler's unscale_ there was undone by the block's end, and
     a read said the gradients were unreduced). The block ends without writing back, no
-    p.grad stays set, and the loop goes on: the step after the refusals trains as a run
-    without them (torch DDP's parameters)."""
+    p.grad stays set, and the loop goes on: the scaler unscales (by 1) and the step after
+    the refusals trains as a run without them (torch DDP's parameters)."""
     torch.manual_seed(0)
     module = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(module))
@@ -281,6 +281,7 @@ def calls_inside_the_block(rank: int, world_size: int) -> dict:
         "clip_grad_norm_": lambda: opt.clip_grad_norm_(0.05),
         "clip_grad_value_": lambda: opt.clip_grad_value_(0.01),
         "unscale_": lambda: scaler.unscale_(opt),
+        "scaler.step": lambda: scaler.step(opt),
         "step": lambda: opt.step(),
         "zero_grad": lambda: opt.zero_grad(),
         "model.zero_grad": lambda: model.zero_grad(),
@@ -303,6 +304,7 @@ def calls_inside_the_block(rank: int, world_size: int) -> dict:
         except RuntimeError as error:
             said[name] = str(error)
     leftover = any(p.grad is not None for p in params)
+    scaler.unscale_(opt)  # (the refused one left the scaler's state as it was)
     opt.step()
     ref_opt.step()
     model.synchronize()

@@ -28,6 +28,9 @@ optimizer returned alone is converted into one by the strategy
   on any device (``--comm-hook``).
 - Float16 loss scaling takes fgpsdp's scaler through Lightning's plugin
   (``--precision 16-mixed-scaler``); torch's is refused at the step.
+- ``precision="bf16-true"`` (a bfloat16 model, stepped in bfloat16 as under torch
+  DDP) needs nothing; clipping by norm rounds apart there: torch's clip takes its
+  coefficient in bfloat16, fgpsdp's in float64.
 - Per-parameter gradient norms (Lightning's ``grad_norm(module, 2)``, logged in
   ``on_before_optimizer_step``) read ``p.grad``, which is None here: they would log
   nothing. ``optimizer.grad_norms()`` gives them, a collective every rank's hook
@@ -224,7 +227,7 @@ def main() -> None:
     parser.add_argument("--resume", help="resume from this checkpoint")
     parser.add_argument("--accumulate", type=int, default=1, help="accumulate_grad_batches")
     parser.add_argument("--precision", default="32-true",
-                        choices=["32-true", "bf16-mixed", "16-mixed-scaler"])
+                        choices=["32-true", "bf16-mixed", "bf16-true", "16-mixed-scaler"])
     parser.add_argument("--clip-algorithm", default="norm", choices=["norm", "value"],
                         help="gradient_clip_algorithm")
     parser.add_argument("--refit", action="store_true",

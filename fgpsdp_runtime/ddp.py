@@ -1082,17 +1082,20 @@ class DistributedDataParallel(nn.Module):
         return self._param_index.get(id(param))
 
     def refuse_inside_summoned_grads(self, what: str) -> None:
-        """Raised locally (every rank's loop is in the block alike): inside
-        opt.summon_full_grads() the parameters' ``.grad`` are copies of the reduced
-        gradient, which the block's end writes back over the slices, so a call that
-        reads or changes the slices would see stale values or be undone."""
+        """Raises, locally (every rank's loop is in the block alike), inside
+        opt.summon_full_grads(): the parameters' ``.grad`` are copies of the reduced
+        gradient there, which the block's end writes back over the slices, so a call
+        that reads or changes the slices would see stale values or be undone."""
         if self.grads_summoned:
+            hint = " (torch.nn.utils.clip_grad_norm_ over the parameters works inside it)" \
+                if "clip" in what else \
+                " (to zero gradients in it, zero p.grad in place)" if "zero_grad" in what \
+                else ""
             raise RuntimeError(
                 f"fgpsdp: {what} inside `with opt.summon_full_grads():`: p.grad there holds "
                 "copies of the gradient, which the block's end writes back over this rank's "
                 "slices, so the call would read stale values or be undone; make it before or "
-                "after the block (torch.nn.utils.clip_grad_norm_ over the parameters works "
-                "inside it)")
+                f"after the block{hint}")
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> None:
         """Blocking sum of a small tensor (norms, flags) over the wrapper's group."""

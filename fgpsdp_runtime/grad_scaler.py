@@ -92,6 +92,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
             raise RuntimeError("step() has already been called since the last update().")
         if state["stage"] is OptState.READY:
             self.unscale_(optimizer)
+            # No loop code ran since: what unscale_ measured stands for the step.
+            optimizer.measured_norm_stands()
         result = None
         if sum(v.item() for v in state["found_inf_per_device"].values()):
             # Skipped on every rank (the flag is all-reduced); its step hooks do

@@ -665,11 +665,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.model._uneven_inputs.refuse(
                 f"fgpsdp: {what} is not supported inside model.join() (a joined rank "
                 "would not take the block's edits into its slices)", RuntimeError)
-        # The read's agreement takes whether the ranks named all parameters, some, or
+        # The read's agreement takes whether the ranks named every parameter, some, or
         # a tensor not of the model (every rank raises then); which ones, the next.
-        code = 0 if params is None else 1
-        with self._read(what, AnnouncedCall.FULL_GRADS,
-                        grad_reads.NOT_A_PARAMETER if problem else code), torch.no_grad():
+        selection = grad_reads.NOT_A_PARAMETER if problem else \
+            _EVERY_PARAMETER if params is None else _SOME_PARAMETERS
+        with self._read(what, AnnouncedCall.FULL_GRADS, selection), torch.no_grad():
             if problem:
                 raise ValueError(problem)
             if params is not None:
@@ -691,11 +691,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             summoned_grads.restore(summoned)
             self.model.grads_summoned = False
         if writeback and not raised:
+            # (The block's edits of the gradients of parameters left to the user, which
+            # the norm counts with clip_ignored_parameters: entering it, a read, marked
+            # the norm for measuring again.)
             self._note_grads_edited(torch.tensor([float(changed)], dtype=torch.float64,
                                                  device=self._device))
-            # The block may have edited the gradients of parameters left to the user,
-            # which the norm counts with clip_ignored_parameters.
-            self._note_ignored_grads_may_have_changed()
 
     def _summoned_indices(self, params: Optional[Sequence[torch.Tensor]]
                           ) -> tuple[list[int], Optional[str]]:
@@ -1609,10 +1609,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         it clips or steps, so the norm is measured again then, as torch's clip would
         measure what they hold at that point. The same on every rank (the settings and
         the measurement are)."""
-        if self._reduced and self.clip_ignored_parameters \
-                and self.model.named_ignored_parameters():
+        # (Not whether this rank holds such parameters now: one that froze its own
+        # expert since wrapping would skip the measure's all-reduce the others make.)
+        if self._reduced and self.clip_ignored_parameters:
             self._ignored_grads_stale = True
             self._clipped_norm = None
+
+    def measured_norm_stands(self) -> None:
+        """For ShardedGradScaler.step's own unscale_: no loop code ran between it and
+        the step, so the gradients of the parameters left to the user are as measured
+        (no second measure: an all-reduce saved)."""
+        self._ignored_grads_stale = False
 
     def _ignored_grads(self) -> list[torch.Tensor]:
         """With ``clip_ignored_parameters``: this rank's gradients of the parameters
@@ -1706,6 +1713,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         dtypes = {s.grad_shard.dtype for s in self.model.buckets} or {torch.float32}
         dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
         return torch.tensor(total, dtype=dtype, device=self._device)
+
+
+# summon_full_grads' selection in the read's agreement (see _enter_summoned_block).
+_EVERY_PARAMETER, _SOME_PARAMETERS = 0, 1
 
 
 class _SummonedGradsBlock:

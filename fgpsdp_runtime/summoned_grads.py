@@ -53,12 +53,12 @@ class SummonedGrad:
 @dataclass
 class SummonedGrads:
     """What one block gathered: whole buckets (by bucket index) in the parameters'
-    dtype, which the parameters' ``.grad`` point into; ``rounded``: the buckets whose
+    dtype, which the parameters' ``.grad`` point into; ``rounded_buckets``: those whose
     reduced slices are float32 beside 16-bit parameters (master weights), shown rounded."""
 
-    wholes: dict[int, torch.Tensor]
+    whole_buckets: dict[int, torch.Tensor]
     grads: list[SummonedGrad]
-    rounded: frozenset[int]
+    rounded_buckets: frozenset[int]
 
 
 def agree_on_the_selection(model: "DistributedDataParallel", indices: Sequence[int],
@@ -90,26 +90,24 @@ def gather(model: "DistributedDataParallel", indices: Sequence[int],
         found = model.reducer.slot.get(index)
         if found is not None and has_gradient(found[0], index):
             wanted.setdefault(found[0], []).append(index)
-    wholes = {}
+    whole_buckets = {}
     for b in sorted(wanted):
-        # (float32 beside 16-bit parameters: rounded, the float32 whole freed at once)
-        wholes[b] = _whole_bucket(model, b).to(model.buckets[b].dtype)
-    rounded = frozenset(b for b in wanted if model.buckets[b].grad_shard.dtype
-                        != model.buckets[b].dtype)
+        # (float32 beside 16-bit parameters: the block sees them rounded)
+        whole_buckets[b] = _whole_bucket(model, b).to(model.buckets[b].dtype)
+    rounded_buckets = frozenset(b for b in wanted if model.buckets[b].grad_shard.dtype
+                                != model.buckets[b].dtype)
     grads: list[SummonedGrad] = []
     for b in sorted(wanted):
         for index in wanted[b]:
             name, param = named[index]
             span = model.reducer.slot[index][1]
-            view = span_as_param(wholes[b][span.bucket_offset:span.bucket_end], param.shape,
-                                 span.strides)
-            if param.grad is not None:  # (the reduce-scatters took every p.grad first)
-                restore(SummonedGrads(wholes, grads, rounded))
-                raise RuntimeError(f"fgpsdp: summon_full_grads(): {name!r} holds a p.grad of "
-                                   "its own after the reduce-scatters; nothing should set it")
+            view = span_as_param(whole_buckets[b][span.bucket_offset:span.bucket_end],
+                                 param.shape, span.strides)
+            # (p.grad is None here: the reduce-scatters took every p.grad, and the read
+            # before refused, on every rank, one a backward under no_sync() left.)
             param.grad = view
             grads.append(SummonedGrad(name, param, view))
-    return SummonedGrads(wholes, grads, rounded)
+    return SummonedGrads(whole_buckets, grads, rounded_buckets)
 
 
 def _whole_bucket(model: "DistributedDataParallel", b: int) -> torch.Tensor:
@@ -121,7 +119,8 @@ def _whole_bucket(model: "DistributedDataParallel", b: int) -> torch.Tensor:
         return shard.clone()
     gathered = torch.empty(world * shard.numel(), dtype=shard.dtype, device=shard.device)
     all_gather_single(gathered, shard, group=model.process_group)
-    # Kept past gloo's thread until the next block (see group_collectives.py).
+    # Kept past gloo's thread until the next block (see group_collectives.py): on CPU
+    # the last bucket gathered outlives the block.
     hold_past_gloo_worker("summoned gradients", gathered)
     # Group rank r's slice lands at chunk r; it belongs at chunk slice_index(r), which
     # differs under a hierarchical topology.
@@ -147,11 +146,11 @@ def write_back(model: "DistributedDataParallel", summoned: SummonedGrads) -> boo
         if current is not grad.view:
             grad.view.copy_(current)
     changed = False
-    for b, whole in summoned.wholes.items():
+    for b, whole in summoned.whole_buckets.items():
         storage = model.buckets[b]
         mine = whole[storage.shard_start:storage.shard_end]
         shard = storage.grad_shard
-        if b in summoned.rounded:
+        if b in summoned.rounded_buckets:
             # The block saw the float32 slice rounded: the elements it left at that
             # rounding keep their float32 value, the others take what it wrote.
             width = _INTEGER_OF_WIDTH[mine.element_size()]

@@ -316,12 +316,14 @@ def calls_inside_the_block(rank: int, world_size: int) -> dict:
 def ignored_gradients_edited_after_a_read(rank: int, world_size: int, where: str,
                                           schedule: str) -> float:
     """clip_ignored_parameters with max_grad_norm: each rank's own expert (named in
-    torch's ignore list) beside replicated layers; after backward the loop reads the
-    gradient norms (``where="after_read"``) or enters a block that edits nothing of the
-    slices (``"in_block"``), then multiplies the expert's gradient by 20 (in the block
-    there), and steps. The step must clip by the norm the gradients hold then (before,
-    it clipped by the one measured at the read). Returns the largest difference from
-    torch DDP clipped by one norm over every rank's gradients."""
+    torch's ignore list) beside replicated layers; after backward the loop makes a call
+    that measures the norm (``where``: "after_read", opt.grad_norms(); "after_full_grad";
+    "after_clip", opt.clip_grad_norm_ at a bound it stays under; "after_unscale", the
+    scaler's unscale_ at a scale of 1; "in_block", a block that edits nothing of the
+    slices), then multiplies the expert's gradient by 20 (in the block there), and
+    steps. The step must clip by the norm the gradients hold then (before, it clipped
+    by the one measured at that call). Returns the largest difference from torch DDP
+    clipped by one norm over every rank's gradients."""
     from .expert_scenarios import EXPERT_NAMES, _expert_model, _expert_params, _global_clip
     base = _expert_model(rank)
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
@@ -331,21 +333,36 @@ def ignored_gradients_edited_after_a_read(rank: int, world_size: int, where: str
     expert_opt = torch.optim.SGD(_expert_params(base), lr=0.1)
     shared_ref = [p for n, p in ref.module.named_parameters() if n not in EXPERT_NAMES]
     ref_opt = torch.optim.SGD(list(ref.module.parameters()), lr=0.1)
+    scaler = fgp.ShardedGradScaler("cpu", init_scale=1.0) if where == "after_unscale" else None
     for step in range(3):
         g = torch.Generator().manual_seed(10 * step + rank)
         x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
-        nn.functional.mse_loss(ours(x), y).backward()
+        loss = nn.functional.mse_loss(ours(x), y)
+        (loss if scaler is None else scaler.scale(loss)).backward()
         nn.functional.mse_loss(ref(x), y).backward()
-        if where == "after_read":
-            opt.grad_norms()
-            base.expert.weight.grad.mul_(20.0)
-        else:
+        if where == "in_block":
             with opt.summon_full_grads():
                 base.expert.weight.grad.mul_(20.0)
+        else:
+            if where == "after_read":
+                opt.grad_norms()
+            elif where == "after_full_grad":
+                opt.full_grad(base.body.weight)
+            elif where == "after_clip":
+                opt.clip_grad_norm_(1e9)
+            elif where == "after_unscale":
+                scaler.unscale_(expert_opt)  # (a scale of 1: nothing changes)
+                scaler.unscale_(opt)
+            base.expert.weight.grad.mul_(20.0)
         ref.module.expert.weight.grad.mul_(20.0)
         _global_clip(shared_ref, _expert_params(ref.module), 0.05)
-        opt.step()
-        expert_opt.step()
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.step(expert_opt)
+            scaler.update()
+        else:
+            opt.step()
+            expert_opt.step()
         ref_opt.step()
         opt.zero_grad()
         expert_opt.zero_grad()
@@ -353,3 +370,32 @@ def ignored_gradients_edited_after_a_read(rank: int, world_size: int, where: str
     ours.synchronize()
     return max(float((a - b).abs().max())
                for a, b in zip(base.parameters(), ref.module.parameters()))
+
+
+def an_expert_frozen_on_one_rank(rank: int, world_size: int, call: str) -> list[float]:
+    """clip_ignored_parameters: rank 1 freezes its own expert after wrapping, rank 0
+    trains its own; after backward a call that measures the norm (``call``:
+    "clip", opt.clip_grad_norm_; "grad_norms"), then the step. Every rank measures the
+    norm again alike (before, only rank 0, which still held such parameters, did: its
+    step waited in an all-reduce rank 1 never made). Returns the norms clipped by."""
+    from .expert_scenarios import _expert_model, _expert_params
+    base = _expert_model(rank)
+    ours = fgp.DistributedDataParallel(base)
+    opt = fgp.ShardedOptimizer(ours, torch.optim.SGD, lr=0.1, clip_ignored_parameters=True,
+                               max_grad_norm=1e9)
+    if rank == 1:
+        for p in _expert_params(base):
+            p.requires_grad_(False)
+    norms = []
+    for step in range(3):
+        g = torch.Generator().manual_seed(10 * step + rank)
+        x, y = torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)
+        nn.functional.mse_loss(ours(x), y).backward()
+        if call == "clip":
+            norms.append(float(opt.clip_grad_norm_(1e9)))
+        else:
+            norms.append(sum(float(v) ** 2 for v in opt.grad_norms().values()))
+        opt.step()
+        opt.zero_grad()
+    ours.synchronize()
+    return norms

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from .dist_harness import run_calls
-from .summoned_grad_scenarios import (blocks_that_change_nothing, calls_inside_the_block,
-                                      edits_beside_torch_ddp, error_in_the_block,
+from .summoned_grad_scenarios import (an_expert_frozen_on_one_rank, blocks_that_change_nothing,
+                                      calls_inside_the_block, edits_beside_torch_ddp,
+                                      error_in_the_block,
                                       ignored_gradients_edited_after_a_read,
                                       masters_partly_edited, refusals, some_parameters)
 
@@ -18,6 +19,8 @@ MODELS = ("mlp", "tied", "unused", "channels_last")
 CLIPS = ("none", "ours", "torch_inside")
 EDIT_CALLS = [(edits_beside_torch_ddp, s, m, c) for s in SCHEDULES for m in MODELS
               for c in CLIPS]
+# Calls that measure the norm, after which the loop changes an expert's gradient.
+WHERE_MEASURED = ("after_read", "after_full_grad", "after_clip", "after_unscale", "in_block")
 REFUSALS = ("join", "set_to_none", "stranger", "different")
 
 
@@ -28,7 +31,8 @@ def two_ranks():
                      + [(some_parameters,), (error_in_the_block,), (masters_partly_edited,),
                         (calls_inside_the_block,)]
                      + [(ignored_gradients_edited_after_a_read, w, s)
-                        for w in ("after_read", "in_block") for s in ("serial", "two_stage")]
+                        for w in WHERE_MEASURED for s in ("serial", "two_stage")]
+                     + [(an_expert_frozen_on_one_rank, c) for c in ("clip", "grad_norms")]
                      + [(refusals, case) for case in REFUSALS],
                      timeout_s=600)
 
@@ -148,10 +152,19 @@ def test_calls_that_read_or_change_the_slices_are_refused_inside_the_block():
 
 
 @pytest.mark.parametrize("schedule", ("serial", "two_stage"))
-@pytest.mark.parametrize("where", ("after_read", "in_block"))
+@pytest.mark.parametrize("where", WHERE_MEASURED)
 def test_ignored_gradients_edited_after_the_norm_was_measured(where, schedule):
     """clip_ignored_parameters: an expert's gradient changed after a read or in a block
     (both measure the norm) counts in the step's clip, as in torch DDP's."""
     for rank, largest in enumerate(
             two_ranks()[(ignored_gradients_edited_after_a_read, where, schedule)]):
         assert largest <= 1e-6, f"rank {rank}: {largest}"
+
+
+@pytest.mark.parametrize("call", ("clip", "grad_norms"))
+def test_an_expert_frozen_on_one_rank_measures_alike(call):
+    """clip_ignored_parameters with one rank's expert frozen after wrapping: every rank
+    measures the norm again alike (no rank waits in an all-reduce the others skip), and
+    each step's norm is the same on both."""
+    norms = two_ranks()[(an_expert_frozen_on_one_rank, call)]
+    assert len(norms[0]) == 3 and norms[0] == norms[1]

@@ -16,11 +16,29 @@ import fgpsdp_runtime as fgp
 from .scenarios import MODELS, loss_fn, make_batch, reference_clip_
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def bits(t: torch.Tensor) -> torch.Tensor:
     """``t``'s elements as integers of their width: equal only if bit for bit (-0.0
     apart from 0.0, a NaN equal to itself), which torch.equal and differences miss."""
     widths = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
     return t.detach().contiguous().view(widths[t.element_size()])
+
+
+def adamw_beside_torch_ddp(base: nn.Module, model_name: str, schedule: str,
+                           local_size: int = 0) -> tuple:
+    """fgpsdp's wrapper of ``base`` (tiny buckets; under two_stage the layout plan, which
+    speculates from the first step) with AdamW, and torch DDP over a copy with AdamW:
+    (ours, opt, ref, ref_opt). The "unused" model finds unused parameters on both."""
+    find_unused = model_name == "unused"
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base),
+                                              find_unused_parameters=find_unused)
+    kw = {"topology": fgp.Topology(local_size=local_size)} if local_size else {}
+    ours = fgp.DistributedDataParallel(
+        base, bucket_cap_mb=0.0001, schedule=schedule, find_unused_parameters=find_unused,
+        overlap_plan="layout" if schedule == "two_stage" else "auto", **kw)
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in ref.module.parameters() if p.requires_grad],
+                                lr=1e-2)
+    return ours, opt, ref, ref_opt
 
 
 def _compare(opt, ours, ref, where: str, found: list[str], worst: list[float]) -> None:
@@ -48,7 +66,7 @@ def _compare(opt, ours, ref, where: str, found: list[str], worst: list[float]) -
                          f"{full.dtype}, p.grad {tuple(ref_grad.shape)} {ref_grad.stride()}")
             continue
         worst[0] = max(worst[0], float((full - ref_grad).abs().max()) if full.numel() else 0.0)
-        worst[1] += not torch.equal(_bits(full), _bits(ref_grad))
+        worst[1] += not torch.equal(bits(full), bits(ref_grad))
         if name in norms:
             norm, ref_norm = float(norms[name]), float(ref_grad.norm())
             if abs(norm - ref_norm) > 1e-6 * max(ref_norm, 1e-30):
@@ -69,7 +87,7 @@ def _compare_state(opt, ours, ref, ref_opt, where: str, found: list[str]) -> flo
         state, ref_state = opt.full_state(param), ref_opt.state.get(ref_named[name], {})
         other = gathered.get(number, {})
         if list(state) != list(other) or any(
-                not torch.equal(_bits(value.cpu()), _bits(other[key]))
+                not torch.equal(bits(value.cpu()), bits(other[key]))
                 for key, value in state.items()):
             found.append(f"{where}: {name}: full_state() is not full_state_dict()'s entry")
         if param.numel() == 0:  # no slice holds it: never stepped here (docs/semantics.md)
@@ -107,16 +125,7 @@ def grads_beside_torch_ddp(rank: int, world_size: int, schedule: str, model_name
     torch.manual_seed(1234)
     base = EmptyParameterNet() if model_name == "empty_parameter" else MODELS[model_name]()
     model_name = "mlp" if model_name == "empty_parameter" else model_name  # (its batches)
-    find_unused = model_name == "unused"
-    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base),
-                                              find_unused_parameters=find_unused)
-    kw = {"topology": fgp.Topology(local_size=local_size)} if local_size else {}
-    ours = fgp.DistributedDataParallel(
-        base, bucket_cap_mb=0.0001, schedule=schedule, find_unused_parameters=find_unused,
-        overlap_plan="layout" if schedule == "two_stage" else "auto", **kw)
-    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
-    ref_opt = torch.optim.AdamW([p for p in ref.module.parameters() if p.requires_grad],
-                                lr=1e-2)
+    ours, opt, ref, ref_opt = adamw_beside_torch_ddp(base, model_name, schedule, local_size)
     found: list[str] = []
     worst = [0.0, 0]
     state_differences: list[float] = []
@@ -134,6 +143,18 @@ def grads_beside_torch_ddp(rank: int, world_size: int, schedule: str, model_name
             "state_differences": state_differences}
 
 
+def backward_both(ours, ref, model_name: str, step: int, rank: int) -> None:
+    """Step ``step``'s backward on both sides: two micro-batches in step 1 (the first
+    under no_sync()), one otherwise."""
+    micro = 2 if step == 1 else 1
+    for m in range(micro):
+        x, y = make_batch(model_name, step, m, rank)
+        for model in (ours, ref):
+            ctx = model.no_sync() if m < micro - 1 else contextlib.nullcontext()
+            with ctx:
+                (loss_fn(model_name, model(x), y) / micro).backward()
+
+
 def _train_and_compare(opt, ours, ref, ref_opt, model_name: str, rank: int,
                        found: list[str], worst: list[float], reads: bool,
                        state_differences: list[float]) -> None:
@@ -141,13 +162,7 @@ def _train_and_compare(opt, ours, ref, ref_opt, model_name: str, rank: int,
         if reads:
             _compare(opt, ours, ref, where, found, worst)
     for step in range(3):
-        micro = 2 if step == 1 else 1
-        for m in range(micro):
-            x, y = make_batch(model_name, step, m, rank)
-            for model in (ours, ref):
-                ctx = model.no_sync() if m < micro - 1 else contextlib.nullcontext()
-                with ctx:
-                    (loss_fn(model_name, model(x), y) / micro).backward()
+        backward_both(ours, ref, model_name, step, rank)
         compare(f"step {step} after backward")
         if step == 1:
             opt.clip_grad_norm_(1e-3)
@@ -283,9 +298,9 @@ def grads_under_join(rank: int, world_size: int, schedule: str) -> dict:
         if set(norms) != set(ref_norms) or any(
                 abs(norms[n] - ref_norms[n]) > 1e-6 * ref_norms[n] for n in norms):
             found.append(f"step {step}: norms {norms}, torch's {ref_norms}")
-        if any(not torch.equal(_bits(g), _bits(r)) for g, r in zip(grads, ref_grads)):
+        if any(not torch.equal(bits(g), bits(r)) for g, r in zip(grads, ref_grads)):
             found.append(f"step {step}: a whole gradient differs from torch DDP's p.grad")
-        if any(not torch.equal(_bits(a), _bits(b)) for a, b in zip(states, ref_states)):
+        if any(not torch.equal(bits(a), bits(b)) for a, b in zip(states, ref_states)):
             found.append(f"step {step}: an exp_avg differs from torch's after the step")
     return {"mismatches": found, "reads": len(ours_reads)}
 

@@ -5,7 +5,6 @@ Imported by the spawned ranks (module-level functions only).
 """
 from __future__ import annotations
 
-import contextlib
 import copy
 import warnings
 
@@ -13,12 +12,8 @@ import torch
 from torch import nn
 
 import fgpsdp_runtime as fgp
-from .scenarios import MODELS, loss_fn, make_batch, reference_clip_
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    widths = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-    return t.detach().contiguous().view(widths[t.element_size()])
+from .grad_read_scenarios import adamw_beside_torch_ddp, backward_both, bits
+from .scenarios import MODELS, reference_clip_
 
 
 def edit_grads(module: nn.Module, step: int) -> list[str]:
@@ -53,29 +48,14 @@ def edits_beside_torch_ddp(rank: int, world_size: int, schedule: str, model_name
     after the block, "warnings": fgpsdp's, "rollbacks": two_stage's}."""
     torch.manual_seed(1234)
     base = MODELS[model_name]()
-    find_unused = model_name == "unused"
-    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base),
-                                              find_unused_parameters=find_unused)
-    kw = {"topology": fgp.Topology(local_size=local_size)} if local_size else {}
-    ours = fgp.DistributedDataParallel(
-        base, bucket_cap_mb=0.0001, schedule=schedule, find_unused_parameters=find_unused,
-        overlap_plan="layout" if schedule == "two_stage" else "auto", **kw)
-    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
-    ref_opt = torch.optim.AdamW([p for p in ref.module.parameters() if p.requires_grad],
-                                lr=1e-2)
+    ours, opt, ref, ref_opt = adamw_beside_torch_ddp(base, model_name, schedule, local_size)
     held = list(base.parameters())  # (read before any backward: no clip warning)
     found: list[str] = []
     differences, largest, inside_bits, after = [], 0.0, 0, False
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(3):
-            micro = 2 if step == 1 else 1
-            for m in range(micro):
-                x, y = make_batch(model_name, step, m, rank)
-                for model in (ours, ref):
-                    ctx = model.no_sync() if m < micro - 1 else contextlib.nullcontext()
-                    with ctx:
-                        (loss_fn(model_name, model(x), y) / micro).backward()
+            backward_both(ours, ref, model_name, step, rank)
             with opt.summon_full_grads():
                 ref_named = dict(ref.module.named_parameters())
                 for name, param in ours.module.named_parameters():
@@ -86,7 +66,7 @@ def edits_beside_torch_ddp(rank: int, world_size: int, schedule: str, model_name
                                      f"torch DDP's {'None' if theirs is None else 'set'}")
                     elif mine is not None:
                         inside_bits += mine.stride() != theirs.stride() or \
-                            not torch.equal(_bits(mine), _bits(theirs))
+                            not torch.equal(bits(mine), bits(theirs))
                 edited = edit_grads(ours.module, step)
                 if clip == "torch_inside":
                     torch.nn.utils.clip_grad_norm_(ours.parameters(), 1e-3)
@@ -104,7 +84,7 @@ def edits_beside_torch_ddp(rank: int, world_size: int, schedule: str, model_name
             ref_opt.zero_grad()
             ours.synchronize()
             pairs = list(zip(ours.module.parameters(), ref.module.parameters()))
-            differences.append(sum(not torch.equal(_bits(a), _bits(b)) for a, b in pairs))
+            differences.append(sum(not torch.equal(bits(a), bits(b)) for a, b in pairs))
             largest = max([largest] + [float((a - b).abs().max()) for a, b in pairs
                                        if a.numel()])
     scheduler = ours.scheduler
@@ -257,8 +237,8 @@ def masters_partly_edited(rank: int, world_size: int) -> dict:
     opt.step()
     model.synchronize()
     zeroed = bool((after[0][mask] == 0).all())
-    kept = torch.equal(_bits(after[0][~mask]), _bits(before[0][~mask])) and all(
-        torch.equal(_bits(a), _bits(b)) for a, b in zip(after[1:], before[1:]))
+    kept = torch.equal(bits(after[0][~mask]), bits(before[0][~mask])) and all(
+        torch.equal(bits(a), bits(b)) for a, b in zip(after[1:], before[1:]))
     return {"dtypes": sorted(dtypes), "representable_before": representable,
             "zeroed": zeroed, "kept": kept, "grad_dtype": str(after[0].dtype)}
 

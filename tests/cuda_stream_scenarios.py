@@ -73,7 +73,8 @@ def hierarchical_partial_sum() -> dict:
 
 
 def _train(module_seed: int, schedule: str, delay_cycles: int, steps: int = 6,
-           reduce_dtype=None, late_optimizer: bool = False, master_weights: bool = False):
+           reduce_dtype=None, late_optimizer: bool = False, master_weights: bool = False,
+           summoned: bool = False):
     _slow_link(delay_cycles)
     torch.manual_seed(module_seed)
     device = torch.device("cuda", torch.cuda.current_device())
@@ -91,6 +92,10 @@ def _train(module_seed: int, schedule: str, delay_cycles: int, steps: int = 6,
         model(x).float().square().mean().backward()
         if opt is None:  # built between the first backward and its step
             opt = fgp.ShardedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+        if summoned:  # an edit of every p.grad (half the elements zeroed)
+            with opt.summon_full_grads():
+                for p in module.parameters():
+                    p.grad.view(-1)[::2] = 0
         opt.step()
         opt.zero_grad(set_to_none=True)
     model.synchronize()
@@ -114,7 +119,12 @@ def slow_link_same_result() -> dict:
                 "two_stage_late_optimizer": dict(schedule="two_stage", late_optimizer=True),
                 # bfloat16 parameters: float32 masters stepped and written back on the
                 # speculation stream, before that bucket's all-gather reads the slice
-                "two_stage_bf16_masters": dict(schedule="two_stage", master_weights=True)}
+                "two_stage_bf16_masters": dict(schedule="two_stage", master_weights=True),
+                # gradients edited in opt.summon_full_grads() after the speculative steps
+                # (undone, stepped again), with float32 and with master weights
+                "two_stage_summoned": dict(schedule="two_stage", summoned=True),
+                "two_stage_bf16_masters_summoned": dict(schedule="two_stage",
+                                                        master_weights=True, summoned=True)}
     for name, kwargs in variants.items():
         fast, _, _ = _train(0, delay_cycles=0, **kwargs)
         slow, _, _ = _train(0, delay_cycles=int(2e8), **kwargs)

@@ -36,7 +36,8 @@ def test_slow_link_changes_no_parameter():
     result = _run("slow_link_same_result")
     assert result == {"two_stage": 0.0, "next_forward": 0.0, "serial": 0.0,
                       "two_stage_bf16": 0.0, "two_stage_fp16": 0.0,
-                      "two_stage_late_optimizer": 0.0, "two_stage_bf16_masters": 0.0}
+                      "two_stage_late_optimizer": 0.0, "two_stage_bf16_masters": 0.0,
+                      "two_stage_summoned": 0.0, "two_stage_bf16_masters_summoned": 0.0}
 
 
 def test_optimizer_shard_round_trip_on_nccl():

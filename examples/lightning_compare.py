@@ -16,8 +16,9 @@ per-parameter gradient norms logged in ``on_before_optimizer_step`` (with the
 parameters: ``opt.grad_norms()`` against ``p.grad.norm()``), and resumed from
 a checkpoint saved after the first epoch (a resumed run that lost the optimizer's
 state, Adam's moments, would differ from the uninterrupted one); and that a torch
-optimizer returned with a scheduler is refused. ``--check`` exits 1 when a pair with fgpsdp differs by more than 1e-6 (the float16
-hook's 1e-5, the bfloat16 model clipped by norm 1e-2), or the refusal is missing.
+optimizer returned with a scheduler is refused. ``--check`` exits 1 when a pair with
+fgpsdp differs by more than 1e-6 (the float16 hook's 1e-5, the bfloat16 model clipped
+by norm 1e-2), or the refusal is missing.
 """
 from __future__ import annotations
 

@@ -168,7 +168,7 @@ class SlicePieces:
             # written would wait for the GPU, every bucket, every step. On the CPU the
             # select (a compare, a cast, a select over the slice) would cost a third of
             # a step: first whether any bit changed at all, as 64-bit words.
-            if shard.is_cuda or not _same_bits(shard, last):
+            if shard.is_cuda or not same_bits(shard, last):
                 written = shard != last
                 torch.where(written, shard.to(master.dtype), master, out=master)
                 last.copy_(shard)
@@ -224,9 +224,21 @@ class SlicePieces:
                 self._versions_written[b] = master._version
 
 
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two 16-bit tensors of one size hold the same bits: compared as 64-bit
-    words where both are aligned for it (a quarter of the elements to compare)."""
-    if a.numel() % 4 == 0 and a.storage_offset() % 4 == 0 and b.storage_offset() % 4 == 0:
+_INTEGER_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def as_integers(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s elements as integers of their width: equal only if bit for bit (-0.0
+    apart from 0.0, a NaN equal to itself), which comparing the floats is not."""
+    return t.view(_INTEGER_OF_WIDTH[t.element_size()])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two flat tensors of one size and dtype hold the same bits: compared as
+    64-bit words where both are aligned for it (a quarter of the 16-bit elements to
+    compare), else element by element."""
+    per_word = 8 // a.element_size()
+    if per_word > 1 and a.numel() % per_word == 0 and a.storage_offset() % per_word == 0 \
+            and b.storage_offset() % per_word == 0:
         return torch.equal(a.view(torch.int64), b.view(torch.int64))
-    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+    return torch.equal(as_integers(a), as_integers(b))

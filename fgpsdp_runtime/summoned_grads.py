@@ -33,12 +33,10 @@ import torch.distributed as dist
 
 from .buckets import span_as_param
 from .group_collectives import all_gather_single, all_reduce_held, hold_past_gloo_worker
+from .slice_pieces import as_integers, same_bits
 
 if TYPE_CHECKING:  # imported for annotations only
     from .ddp import DistributedDataParallel
-
-_INTEGER_OF_WIDTH = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
 
 @dataclass
 class SummonedGrad:
@@ -53,12 +51,11 @@ class SummonedGrad:
 @dataclass
 class SummonedGrads:
     """What one block gathered: whole buckets (by bucket index) in the parameters'
-    dtype, which the parameters' ``.grad`` point into; ``rounded_buckets``: those whose
-    reduced slices are float32 beside 16-bit parameters (master weights), shown rounded."""
+    dtype, which the parameters' ``.grad`` point into (rounded where the reduced slices
+    are float32 beside 16-bit parameters: master weights)."""
 
     whole_buckets: dict[int, torch.Tensor]
     grads: list[SummonedGrad]
-    rounded_buckets: frozenset[int]
 
 
 def agree_on_the_selection(model: "DistributedDataParallel", indices: Sequence[int],
@@ -94,8 +91,6 @@ def gather(model: "DistributedDataParallel", indices: Sequence[int],
     for b in sorted(wanted):
         # (float32 beside 16-bit parameters: the block sees them rounded)
         whole_buckets[b] = _whole_bucket(model, b).to(model.buckets[b].dtype)
-    rounded_buckets = frozenset(b for b in wanted if model.buckets[b].grad_shard.dtype
-                                != model.buckets[b].dtype)
     grads: list[SummonedGrad] = []
     for b in sorted(wanted):
         for index in wanted[b]:
@@ -107,7 +102,7 @@ def gather(model: "DistributedDataParallel", indices: Sequence[int],
             # before refused, on every rank, one a backward under no_sync() left.)
             param.grad = view
             grads.append(SummonedGrad(name, param, view))
-    return SummonedGrads(whole_buckets, grads, rounded_buckets)
+    return SummonedGrads(whole_buckets, grads)
 
 
 def _whole_bucket(model: "DistributedDataParallel", b: int) -> torch.Tensor:
@@ -150,15 +145,14 @@ def write_back(model: "DistributedDataParallel", summoned: SummonedGrads) -> boo
         storage = model.buckets[b]
         mine = whole[storage.shard_start:storage.shard_end]
         shard = storage.grad_shard
-        if b in summoned.rounded_buckets:
+        if shard.dtype != mine.dtype:
             # The block saw the float32 slice rounded: the elements it left at that
             # rounding keep their float32 value, the others take what it wrote.
-            width = _INTEGER_OF_WIDTH[mine.element_size()]
-            edited = shard.to(mine.dtype).view(width) != mine.view(width)
+            edited = as_integers(shard.to(mine.dtype)) != as_integers(mine)
             if bool(edited.any()):
                 shard[edited] = mine[edited].to(shard.dtype)
                 changed = True
-        elif not _same_bits(mine, shard):
+        elif not same_bits(mine, shard):
             shard.copy_(mine)
             changed = True
     return changed
@@ -169,8 +163,3 @@ def restore(summoned: SummonedGrads) -> None:
     for grad in summoned.grads:
         grad.param.grad = None
 
-
-def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit (-0.0 apart from 0.0, a NaN equal to itself), which torch.equal is not."""
-    width = _INTEGER_OF_WIDTH[a.element_size()]
-    return torch.equal(a.view(width), b.view(width))

@@ -136,15 +136,15 @@ def test_same_bits_at_any_size_and_offset():
     # The CPU's test for writes to the parameters: 64-bit words where aligned, else
     # 16-bit ones; a changed last element and -0.0 against 0.0 both count.
     import torch
-    from fgpsdp_runtime.slice_pieces import _same_bits
+    from fgpsdp_runtime.slice_pieces import same_bits
     base = torch.arange(1, 24, dtype=torch.bfloat16)
     for lo, hi in [(0, 8), (1, 9), (0, 7), (3, 22), (4, 20)]:
         for at in (2, 4):  # b aligned otherwise, and alike
             a = base[lo:hi]
             b = torch.zeros(30, dtype=torch.bfloat16)[at:at + a.numel()]
             b.copy_(a)
-            assert _same_bits(a, a.clone()) and _same_bits(a, b), (lo, hi, at)
+            assert same_bits(a, a.clone()) and same_bits(a, b), (lo, hi, at)
             b[-1] = -b[-1]
-            assert not _same_bits(a, b), (lo, hi, at)
-    assert not _same_bits(torch.zeros(3, dtype=torch.bfloat16),
+            assert not same_bits(a, b), (lo, hi, at)
+    assert not same_bits(torch.zeros(3, dtype=torch.bfloat16),
                           -torch.zeros(3, dtype=torch.bfloat16))

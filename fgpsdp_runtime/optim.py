@@ -20,7 +20,8 @@ updates land in place in the model's storage (slice_pieces.py builds them
 and hands them their gradients). This is exact for
 element-wise optimizers (SGD, Adam, AdamW, RMSprop, Adagrad, ...); those whose
 update depends on a parameter's shape (LBFGS, Adafactor, SparseAdam) are
-refused (optimizer_kinds.py).
+refused by name (optimizer_kinds.py), and a class from outside torch.optim is
+tried on small tensors first (elementwise_probe.py).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from .ddp import DistributedDataParallel
 from .ops import multi_tensor_sq_norm
 from .optimizer_itself import on_itself, remember_itself
 from .optimizer_conversion import constructor_defaults, conversion_problem, param_groups_to_give
+from .elementwise_probe import refuse_unless_elementwise
 from .optimizer_kinds import refuse_unsliceable, refuse_unsliceable_settings
 from .ignored_params import (UnsteppedIgnoredParameters, check_ignored_parameter_replicas,
                              ignored_gradients, squares_of)
@@ -85,7 +87,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                  max_grad_norm: Optional[float] = None, master_weights: bool = False,
                  clip_ignored_parameters: bool = False, ignored_parameter_replicas: int = 1,
                  model_parallel_group: Optional[dist.ProcessGroup] = None,
-                 pipeline_parallel_group: Optional[dist.ProcessGroup] = None, **defaults: Any):
+                 pipeline_parallel_group: Optional[dist.ProcessGroup] = None,
+                 check_elementwise: bool = True, **defaults: Any):
         remember_itself(self)  # see optimizer_itself.py
         # torch.compile(wrapper) gives an OptimizedModule around it; torch DDP's
         # loops build their optimizer on that one's parameters alike.
@@ -126,6 +129,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 raise ValueError("differentiable=True is not supported: the inner optimizer "
                                  "steps this rank's bucket slices outside autograd, so no "
                                  "graph through the step reaches the model's parameters")
+            if check_elementwise:  # a class outside torch.optim, tried on small tensors
+                refuse_unless_elementwise(optimizer_class, groups, defaults, self._device)
         except (TypeError, ValueError) as error:
             problem = error
         # A rank clipping alone would roll back and send again what the others
@@ -225,8 +230,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                        clip_ignored_parameters: bool = False,
                        ignored_parameter_replicas: int = 1,
                        model_parallel_group: Optional[dist.ProcessGroup] = None,
-                       pipeline_parallel_group: Optional[dist.ProcessGroup] = None
-                       ) -> "ShardedOptimizer":
+                       pipeline_parallel_group: Optional[dist.ProcessGroup] = None,
+                       check_elementwise: bool = True) -> "ShardedOptimizer":
         """A ShardedOptimizer of ``optimizer``'s class, param groups and
         hyperparameters, for a torch.optim optimizer built over the wrapped module's
         parameters (by a trainer or a framework: Lightning Fabric's
@@ -267,6 +272,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         ignored_parameter_replicas=ignored_parameter_replicas,
                         model_parallel_group=model_parallel_group,
                         pipeline_parallel_group=pipeline_parallel_group,
+                        check_elementwise=check_elementwise,
                         **constructor_defaults(type(optimizer), optimizer.defaults))
         if stepped:
             # torch.optim's format, numbered as the groups were given: each rank

@@ -4,7 +4,11 @@ The slices of one parameter lie in several ranks' shards, each a 1-D view. An
 element-wise update (SGD, Adam, AdamW, RMSprop, Adagrad, ...) gives the same
 values on them as on the whole tensor; one that reads a tensor's shape or norm,
 all parameters, or blocks of quantized state would train differently, silently.
-Such optimizers are refused by name at construction, before any slice is made.
+Such optimizers are refused by name at construction, before any slice is made;
+one from outside torch.optim that is not named here is then tried on small
+tensors (elementwise_probe.py). The names stay: a refusal by name costs nothing,
+says why, and holds where the probe's few steps show nothing (an estimate that
+moves only after many steps, as D-Adaptation's and Shampoo's preconditioning do).
 """
 from __future__ import annotations
 
@@ -21,6 +25,14 @@ _NOT_ELEMENTWISE = {
     "adafactor", "muon", "shampoo", "distributedshampoo", "soap",  # a matrix's shape
     "lamb", "fusedlamb", "lars", "fusedlars", "novograd", "fusednovograd",  # per-tensor norms
     "prodigy", "dadaptadam", "dadaptsgd", "dadaptadagrad", "dadaptlion",  # whole-model sums
+    "dadaptadan",
+    "scalableshampoo",  # pytorch_optimizer's: grafted steps first, preconditioned later
+    # Each tensor's update against its gradient (a dot product) picks a group's switch
+    # from Adam to SGD and the SGD rate: each rank's slices would pick their own.
+    "swats",
+    # pytorch_optimizer's AdaShift: the second moment of each tensor's delayed gradient
+    # reduced to one number (reduce_func=torch.max by default), after a queue of 10 steps.
+    "adashift",
     "came", "adammini",  # factored second moments; a learning rate per block of a matrix
     "sm3",  # accumulators per row and column of a matrix
     # A tensor's norm or RMS: GrokAdamW clips each tensor by its norm (and weighs
@@ -46,7 +58,7 @@ _NOT_ELEMENTWISE_PARTS = ("8bit", "4bit", "galore")
 # Second-order ones differentiate the gradients (Hessian-vector products through
 # backward(create_graph=True)): the reduced slices carry no graph. timm's loops ask
 # an optimizer's ``is_second_order``; Adahessian implementations without it by name.
-_SECOND_ORDER = {"adahessian"}
+_SECOND_ORDER = {"adahessian", "sophiah"}  # (SophiaH: Hutchinson's estimate)
 
 
 def _is_second_order(optimizer_class: type) -> bool:

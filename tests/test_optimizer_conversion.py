@@ -253,9 +253,11 @@ def test_which_optimizers_are_refused_as_not_element_wise():
     for name in ("Ranger", "RangerQH", "RangerVA", "AdamW"):
         refuse_unsliceable(_named(name))
     for name in ("AdamP", "SGDP", "Nero", "Fromage", "Ranger21", "GrokAdamW", "StableAdamW",
-                 "SAM", "GSAM", "LookSAM"):
+                 "SAM", "GSAM", "LookSAM", "DAdaptAdan", "ScalableShampoo", "SWATS"):
         with pytest.raises(TypeError, match=f"{name} is not element-wise"):
             refuse_unsliceable(_named(name))
+    with pytest.raises(TypeError, match="SophiaH is a second-order optimizer"):
+        refuse_unsliceable(_named("SophiaH"))
     p = torch.nn.Parameter(torch.zeros(3, 4))
     refuse_unsliceable_settings(UsesGC([p], use_gc=False))
     with pytest.raises(TypeError, match="UsesGC was built with use_gc=True: gradient "

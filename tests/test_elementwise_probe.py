@@ -1,0 +1,177 @@
+"""The element-wise probe (fgpsdp_runtime/elementwise_probe.py): an optimizer class
+from outside torch.optim is stepped at construction on small tensors, whole and in
+flat pieces spread over instances, and refused where the two differ."""
+import warnings
+
+import pytest
+import torch
+from torch.optim.optimizer import (register_optimizer_step_post_hook,
+                                   register_optimizer_step_pre_hook)
+
+from fgpsdp_runtime import elementwise_probe
+from fgpsdp_runtime.elementwise_probe import refuse_unless_elementwise
+
+from . import elementwise_probe_scenarios as s
+from .dist_harness import run_distributed
+from .scenarios import AttributeCountingSGD, StepCountingSGD, TrainEvalSGD
+
+CPU = torch.device("cpu")
+
+
+def _probe(optimizer_class, groups=({},), **defaults):
+    """The probe's verdict: None where accepted silently, else the refusal's or the
+    warning's text (prefixed)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            refuse_unless_elementwise(optimizer_class, [dict(g) for g in groups], defaults, CPU)
+        except TypeError as error:
+            return "refused: " + str(error)
+    ours = [w for w in caught if "fgpsdp" in str(w.message)]
+    return "warned: " + str(ours[0].message) if ours else None
+
+
+@pytest.fixture
+def probing_torch_optim(monkeypatch):
+    """torch.optim's classes are not probed (tested here directly instead): probed."""
+    monkeypatch.setattr(elementwise_probe, "known_elementwise", lambda cls: False)
+
+
+@pytest.mark.parametrize("optimizer_class, defaults", [
+    (torch.optim.SGD, {"lr": 0.1}),
+    (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "nesterov": True, "weight_decay": 1e-2}),
+    (torch.optim.Adam, {"lr": 1e-3, "amsgrad": True}),
+    (torch.optim.AdamW, {"lr": 1e-5, "weight_decay": 0.1}),
+    (torch.optim.AdamW, {"lr": 1e-3, "foreach": False}),
+    (torch.optim.AdamW, {"lr": 1e-3, "fused": True}),
+    (torch.optim.Adamax, {}), (torch.optim.NAdam, {"decoupled_weight_decay": True}),
+    (torch.optim.RAdam, {}), (torch.optim.RMSprop, {"centered": True, "momentum": 0.9}),
+    (torch.optim.Adagrad, {}), (torch.optim.Adadelta, {}), (torch.optim.ASGD, {}),
+    (torch.optim.Rprop, {}),
+])
+def test_torch_optims_element_wise_classes_pass_the_probe(probing_torch_optim,
+                                                           optimizer_class, defaults):
+    """No false alarm where slices are known to train as whole tensors (fused
+    kernels round by an element's place: float64 keeps that below the tolerance)."""
+    assert _probe(optimizer_class, **defaults) is None
+
+
+def test_torch_optims_adafactor_and_muon_are_told_apart_by_the_probe(probing_torch_optim):
+    """(Refused by name before the probe; the probe would catch them too.)"""
+    verdict = _probe(torch.optim.Adafactor)
+    assert verdict.startswith("refused: Adafactor is not element-wise: stepped on flat "
+                              "pieces"), verdict
+    assert "129x9 tensor" in verdict
+    verdict = _probe(torch.optim.Muon)
+    assert verdict.startswith("refused: Muon cannot run on flat slices: its step raised on "
+                              "1-D pieces"), verdict
+
+
+def test_torch_optim_is_not_probed():
+    assert elementwise_probe.known_elementwise(torch.optim.AdamW)
+    assert not elementwise_probe.known_elementwise(s.HandWrittenLion)
+    assert not elementwise_probe.known_elementwise(StepCountingSGD)
+
+
+@pytest.mark.parametrize("optimizer_class", [
+    s.HandWrittenLion, StepCountingSGD, AttributeCountingSGD,
+    TrainEvalSGD,  # steps only in train mode: the probe enters it, as a loop would
+])
+def test_element_wise_optimizers_are_accepted(optimizer_class):
+    assert _probe(optimizer_class) is None
+
+
+@pytest.mark.parametrize("optimizer_class", [
+    s.TrustRatioSGD, s.PerTensorClipSGD, s.MatrixDecaySGD, s.FactoredRMSProp,
+    s.GlobalNormSGD,  # whole-instance sums: only the split over instances tells
+    s.NormHistorySGD,  # acts only where the probe's gradients change scale between steps
+    s.NoisySGD,
+])
+def test_optimizers_that_are_not_element_wise_are_refused(optimizer_class):
+    verdict = _probe(optimizer_class)
+    assert verdict is not None and verdict.startswith(
+        f"refused: {optimizer_class.__name__} is not element-wise: stepped on flat pieces "
+        "of its parameters spread over several instances"), verdict
+    assert "check_elementwise=False runs it anyway" in verdict
+
+
+def test_a_group_setting_is_probed_with_its_group():
+    assert _probe(s.CentralizedSGD) is None
+    assert _probe(s.CentralizedSGD, groups=({"centralize": False},)) is None
+    verdict = _probe(s.CentralizedSGD, groups=({"centralize": False}, {"centralize": True}))
+    assert verdict is not None and "CentralizedSGD is not element-wise" in verdict
+
+
+def test_one_that_cannot_step_a_flat_piece_is_refused_with_its_error():
+    verdict = _probe(s.MatrixOnlySGD)
+    assert verdict is not None and verdict.startswith(
+        "refused: MatrixOnlySGD cannot run on flat slices: its step raised on 1-D pieces"), \
+        verdict
+    assert "ValueError: only 2-D parameters" in verdict
+
+
+def test_one_that_cannot_step_the_whole_tensors_is_accepted_with_a_warning():
+    verdict = _probe(s.WholeShapeRefusingSGD)
+    assert verdict is not None and verdict.startswith(
+        "warned: fgpsdp: could not check that WholeShapeRefusingSGD is element-wise"), verdict
+    assert "ValueError: only up to 2-D parameters" in verdict
+
+
+def test_the_probe_leaves_no_trace():
+    """The random stream (NoisySGD draws from it), the global optimizer hooks (not
+    called, still registered) and a tensor in the user's group settings."""
+    calls = []
+    pre = register_optimizer_step_pre_hook(lambda *args: calls.append("pre"))
+    post = register_optimizer_step_post_hook(lambda *args: calls.append("post"))
+    try:
+        rng = torch.get_rng_state()
+        assert _probe(s.NoisySGD) is not None
+        assert torch.equal(rng, torch.get_rng_state())
+        count = torch.zeros(())
+        assert _probe(s.CountingGroupTensorSGD, groups=({"count": count},)) is None
+        assert float(count) == 0.0
+        assert calls == []
+        probe = torch.nn.Parameter(torch.zeros(2))
+        probe.grad = torch.ones(2)
+        torch.optim.SGD([probe], lr=0.1).step()
+        assert calls == ["pre", "post"]  # still registered
+    finally:
+        pre.remove()
+        post.remove()
+
+
+def test_the_cuts_fall_off_power_of_two_blocks():
+    total = sum(torch.Size(shape).numel() for shape in elementwise_probe._SHAPES)
+    cuts = elementwise_probe._cuts(total)
+    assert cuts[0] == 0 and cuts[-1] == total and cuts == sorted(set(cuts))
+    assert all(c % 2 == 1 for c in cuts[1:-1])
+    # Every "rank" holds a piece of the largest tensor's flat range or of the rest.
+    assert len(cuts) == elementwise_probe._RANKS + 1
+
+
+def test_through_the_wrapper_refused_on_every_rank_or_skipped():
+    for check, kwargs in ((True, {"lr": 0.1}), (False, {"lr": 0.1})):
+        results = run_distributed(2, s.built_with, s.TrustRatioSGD, check, kwargs)
+        if check:
+            assert all(r is not None and "TrustRatioSGD is not element-wise" in r
+                       for r in results), results
+        else:
+            assert results == [None, None]
+
+
+def test_from_optimizer_probes_too():
+    refused, built = (run_distributed(2, s.converted, check) for check in (True, False))
+    assert all(r is not None and "TrustRatioSGD is not element-wise" in r for r in refused)
+    assert built == [None, None]
+
+
+def test_each_group_is_probed_with_its_settings_through_the_wrapper():
+    refused = run_distributed(2, s.group_setting_reaches_the_probe, True)
+    assert all(r is not None and "CentralizedSGD is not element-wise" in r for r in refused)
+    assert run_distributed(2, s.group_setting_reaches_the_probe, False) == [None, None]
+
+
+def test_an_accepted_optimizer_trains_as_under_torch_ddp():
+    for res in run_distributed(2, s.lion_beside_torch_ddp):
+        assert res["same rng"]
+        assert res["max diff"] == 0.0, res

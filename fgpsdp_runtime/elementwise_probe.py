@@ -24,9 +24,11 @@ n x n for n elements, and decomposes it at a cost of n^3. So bitsandbytes' 8-bit
 state, from 4,096 elements, is not reached: optimizer_kinds.py refuses that by
 name and setting.
 
-It leaves no trace: the random number generators are restored, warnings and
-the global optimizer hooks (``torch.optim.optimizer.register_optimizer_step_pre_hook``)
-are held back while it runs, and tensors in the groups' settings are copied.
+It leaves no trace: the random number generators are restored (and seeded
+while it runs, so that a class that draws gets the same verdict everywhere),
+warnings and the global optimizer hooks
+(``torch.optim.optimizer.register_optimizer_step_pre_hook``) are held back
+while it runs, and tensors in the groups' settings are copied.
 The user's own step code does run (a class that logs each step logs the
 probe's), which ``check_elementwise=False`` avoids, as it skips the probe.
 The outcome is the same on every rank (same class, settings and inputs).
@@ -52,6 +54,7 @@ _STEP_SCALES = (1.0, 0.3, 2.0, 0.5, 1.5, 0.2)
 _STEPS = len(_STEP_SCALES)
 # (dtype, relative to how far the whole step moved a parameter, relative to the
 # parameters' size): the first that the class steps without raising is used.
+_SEED = 0x5EED  # the probe's tensors' and, while it runs, the random streams'
 _TOLERANCES = ((torch.float64, 1e-6, 1e-12), (torch.float32, 1e-3, 1e-5))
 
 
@@ -144,7 +147,7 @@ class _Probe:
 
     def __init__(self, settings: list[dict[str, Any]], dtype: torch.dtype,
                  device: torch.device):
-        generator = torch.Generator().manual_seed(0x5EED)
+        generator = torch.Generator().manual_seed(_SEED)
         self.settings = settings
         self.initial = [[(torch.randn(shape, generator=generator, dtype=torch.float64)
                           .to(device=device, dtype=dtype)) for shape in _SHAPES]
@@ -261,13 +264,21 @@ def _enter_train_mode(optimizer: torch.optim.Optimizer) -> None:
 
 @contextlib.contextmanager
 def _no_trace(device: torch.device) -> Iterator[None]:
-    """Random number generators restored, warnings and the global optimizer hooks
-    held back (a profiler's or a logger's would count the probe's steps)."""
+    """Random number generators seeded for the probe and restored after it (torch's
+    on the CPU and the probe's device, Python's, NumPy's where imported: a class that
+    draws then gives the same verdict, with the same figures, on every rank and run),
+    warnings and the global optimizer hooks held back (a profiler's or a logger's
+    would count the probe's steps)."""
+    import random
+    import sys
     import warnings
     from torch.optim import optimizer as torch_optimizer
     held = [getattr(torch_optimizer, name, None) for name in
             ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")]
     saved = [dict(hooks) if hooks is not None else None for hooks in held]
+    numpy = sys.modules.get("numpy")
+    python_state = random.getstate()
+    numpy_state = numpy.random.get_state() if numpy is not None else None
     devices = [device] if device.type == "cuda" else []
     try:
         for hooks in held:
@@ -275,9 +286,19 @@ def _no_trace(device: torch.device) -> Iterator[None]:
                 hooks.clear()
         with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
             warnings.simplefilter("ignore")
+            torch.random.default_generator.manual_seed(_SEED)
+            if device.type == "cuda":
+                with torch.cuda.device(device):
+                    torch.cuda.manual_seed(_SEED)
+            random.seed(_SEED)
+            if numpy is not None:
+                numpy.random.seed(_SEED)
             yield
     finally:
         for hooks, kept in zip(held, saved):
             if hooks is not None:
                 hooks.clear()
                 hooks.update(kept)
+        random.setstate(python_state)
+        if numpy is not None:
+            numpy.random.set_state(numpy_state)

@@ -152,6 +152,15 @@ class NoisySGD(_PlainSGD):
         return grad + 0.01 * torch.randn_like(grad)
 
 
+class NumPyNoisySGD(_PlainSGD):
+    """A step size drawn from NumPy's global generator at each step (as PSGD Kron
+    decides when to update its preconditioner)."""
+
+    def direction(self, p, grad, group):
+        import numpy
+        return grad * (1.0 + 0.1 * numpy.random.random())
+
+
 class MatrixOnlySGD(_PlainSGD):
     """Refuses anything but a matrix, as Muon does: it cannot step a 1-D piece."""
 

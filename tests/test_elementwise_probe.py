@@ -1,8 +1,10 @@
 """The element-wise probe (fgpsdp_runtime/elementwise_probe.py): an optimizer class
 from outside torch.optim is stepped at construction on small tensors, whole and in
 flat pieces spread over instances, and refused where the two differ."""
+import random
 import warnings
 
+import numpy
 import pytest
 import torch
 from torch.optim.optimizer import (register_optimizer_step_post_hook,
@@ -124,9 +126,14 @@ def test_the_probe_leaves_no_trace():
     pre = register_optimizer_step_pre_hook(lambda *args: calls.append("pre"))
     post = register_optimizer_step_post_hook(lambda *args: calls.append("post"))
     try:
-        rng = torch.get_rng_state()
+        rng, python_rng, numpy_rng = torch.get_rng_state(), random.getstate(), \
+            numpy.random.get_state()
         assert _probe(s.NoisySGD) is not None
+        assert _probe(s.NumPyNoisySGD) is not None
         assert torch.equal(rng, torch.get_rng_state())
+        assert python_rng == random.getstate()
+        assert all(numpy.array_equal(a, b) if isinstance(a, numpy.ndarray) else a == b
+                   for a, b in zip(numpy_rng, numpy.random.get_state()))
         count = torch.zeros(())
         assert _probe(s.CountingGroupTensorSGD, groups=({"count": count},)) is None
         assert float(count) == 0.0
@@ -138,6 +145,17 @@ def test_the_probe_leaves_no_trace():
     finally:
         pre.remove()
         post.remove()
+
+
+def test_a_class_that_draws_gets_the_same_verdict_whatever_the_random_state():
+    """As on ranks seeded apart: the refusal's text (its figures) is the same, so every
+    rank raises the same error (the constructor compares them)."""
+    verdicts = []
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        numpy.random.seed(seed)
+        verdicts.append((_probe(s.NoisySGD), _probe(s.NumPyNoisySGD)))
+    assert verdicts[0] == verdicts[1] and None not in verdicts[0]
 
 
 def test_the_cuts_fall_off_power_of_two_blocks():

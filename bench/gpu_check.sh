@@ -80,7 +80,7 @@ except RuntimeError as e:
 # test_bad_input fork ranks from a process that sees a GPU.
 # GPU_CHECK_TESTS (one pytest per ';'-separated entry) and GPU_CHECK_QUICK=1 (no
 # benchmarks) shorten a rerun that checks a fix within the session's device time.
-IFS=';' read -r -a test_runs <<< "${GPU_CHECK_TESTS:-tests/test_ops.py;tests/test_cuda_streams.py;tests/test_import.py tests/test_bad_input.py}"
+IFS=';' read -r -a test_runs <<< "${GPU_CHECK_TESTS:-tests/test_ops.py;tests/test_cuda_streams.py;tests/test_import.py tests/test_bad_input.py tests/test_elementwise_probe.py}"
 for tests in "${test_runs[@]}"; do
   # shellcheck disable=SC2086
   stage "tests ${tests//tests\//}" 150 "$OUT/tests.txt" -- "$PY" -m pytest -q -rs --durations=5 $tests

@@ -193,3 +193,18 @@ def test_an_accepted_optimizer_trains_as_under_torch_ddp():
     for res in run_distributed(2, s.lion_beside_torch_ddp):
         assert res["same rng"]
         assert res["max diff"] == 0.0, res
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("defaults", [{"lr": 1e-3}, {"lr": 1e-3, "fused": True},
+                                      {"lr": 1e-3, "capturable": True}])
+def test_on_cuda_torch_adamw_passes_and_a_layer_wise_one_does_not(probing_torch_optim,
+                                                                  defaults):
+    """The probe runs where the slices live (CUDA-only optimizers need it there), and
+    leaves the device's random stream as it was."""
+    cuda = torch.device("cuda")
+    rng = torch.cuda.get_rng_state(cuda)
+    refuse_unless_elementwise(torch.optim.AdamW, [{}], defaults, cuda)
+    with pytest.raises(TypeError, match="TrustRatioSGD is not element-wise"):
+        refuse_unless_elementwise(s.TrustRatioSGD, [{}], {"lr": 0.1}, cuda)
+    assert torch.equal(rng, torch.cuda.get_rng_state(cuda))

@@ -26,9 +26,10 @@ name and setting.
 
 It leaves no trace: the random number generators are restored (and seeded
 while it runs, so that a class that draws gets the same verdict everywhere),
-warnings and the global optimizer hooks
-(``torch.optim.optimizer.register_optimizer_step_pre_hook``) are held back
-while it runs, and tensors in the groups' settings are copied.
+warnings, the global optimizer hooks
+(``torch.optim.optimizer.register_optimizer_step_pre_hook``) and torch.compile
+are held back while it runs, and each instance gets its own copy of the
+groups' settings.
 The user's own step code does run (a class that logs each step logs the
 probe's), which ``check_elementwise=False`` avoids, as it skips the probe.
 The outcome is the same on every rank (same class, settings and inputs).
@@ -36,6 +37,7 @@ The outcome is the same on every rank (same class, settings and inputs).
 from __future__ import annotations
 
 import contextlib
+import copy
 import itertools
 from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
@@ -77,56 +79,82 @@ def refuse_unless_elementwise(optimizer_class: type, group_settings: Sequence[di
                               defaults: dict[str, Any], device: torch.device) -> None:
     """TypeError where ``optimizer_class``, built as the runtime builds it (groups of
     ``group_settings``, without their params, and ``defaults``), steps flat pieces
-    spread over instances otherwise than whole tensors; a RuntimeWarning where its
-    step raised on whole tensors too, so that nothing could be told."""
+    spread over instances otherwise than whole tensors, or raises on the pieces
+    where it stepped the whole tensors; a RuntimeWarning where it raised on the whole
+    tensors (nothing to compare with)."""
     if known_elementwise(optimizer_class):
         return
     name = getattr(optimizer_class, "__name__", repr(optimizer_class))
     settings = _distinct(group_settings)
-    whole_failure: Optional[BaseException] = None
-    pieces_failure: Optional[BaseException] = None
     with _no_trace(device):
-        for dtype, relative, absolute in _TOLERANCES:
-            probe = _Probe(settings, dtype, device)
-            whole = pieces = None
-            try:
-                whole = probe.step_whole(optimizer_class, defaults)
-            except Exception as error:  # noqa: BLE001 (said in the warning below)
-                whole_failure = error
-            try:
-                pieces = probe.step_pieces(optimizer_class, defaults)
-                pieces_failure = None
-            except Exception as error:  # noqa: BLE001 (the class is refused for it)
-                pieces_failure = error
-            if whole is not None and pieces is not None:
-                difference = _largest_difference(probe, whole, pieces, relative, absolute)
-                if difference is None:
-                    return
-                raise TypeError(
-                    f"{name} is not element-wise: stepped on flat pieces of its "
-                    "parameters spread over several instances, as this runtime steps each "
-                    "rank's slices, it moved them otherwise than stepped on the whole "
-                    f"tensors (by up to {difference.largest:.3g} on the "
-                    f"{'x'.join(map(str, difference.shape))} tensor, which the whole step "
-                    f"moved by up to {difference.moved:.3g}; {_STEPS} steps on small "
-                    f"{str(difference.dtype).replace('torch.', '')} tensors at "
-                    "construction). It reads a tensor's shape or norm, clips inside its "
-                    "step, sums over all its parameters or draws random numbers per "
-                    "tensor, and would train otherwise than under torch DDP, silently. "
-                    "check_elementwise=False runs it anyway.")
-    if pieces_failure is not None:
+        outcome = _tried(optimizer_class, settings, defaults, device, _SHAPES)
+        if outcome.whole_failure is not None:
+            # A class that takes matrices only (Muon's kind) refused the others: the
+            # matrix alone then shows whether it can step a 1-D piece of one.
+            matrices = tuple(shape for shape in _SHAPES if len(shape) == 2)
+            only_matrices = _tried(optimizer_class, settings, defaults, device, matrices)
+            if only_matrices.whole_failure is None:
+                outcome = only_matrices
+    if outcome.difference is not None:
+        difference = outcome.difference
+        raise TypeError(
+            f"{name} is not element-wise: stepped on flat pieces of its parameters spread "
+            "over several instances, as this runtime steps each rank's slices, it moved "
+            "them otherwise than stepped on the whole tensors (by up to "
+            f"{difference.largest:.3g} on the {'x'.join(map(str, difference.shape))} "
+            f"tensor, which the whole step moved by up to {difference.moved:.3g}; "
+            f"{_STEPS} steps on small {str(difference.dtype).replace('torch.', '')} "
+            "tensors at construction). Its update likely reads a tensor's shape or norm, "
+            "clips inside its step, sums over all its parameters or draws random numbers "
+            "per tensor, and would train otherwise than under torch DDP, silently. "
+            "check_elementwise=False runs it anyway.")
+    if outcome.whole_failure is None and outcome.pieces_failure is not None:
         # The runtime steps nothing but such pieces: its first step would raise alike.
+        failure = outcome.pieces_failure
         raise TypeError(
             f"{name} cannot run on flat slices: its step raised on 1-D pieces of its "
-            "parameters, as this runtime steps each rank's slices of them: "
-            f"{type(pieces_failure).__name__}: {pieces_failure} (a probe on small tensors "
-            "at construction; check_elementwise=False skips it)") from pieces_failure
-    warn_at_user_code(
-        f"fgpsdp: could not check that {name} is element-wise (its update must be, to run "
-        "on this rank's flat slices as under torch DDP): its step raised on a probe of "
-        f"small whole tensors at construction: {type(whole_failure).__name__}: "
-        f"{whole_failure}. check_elementwise=False skips the probe and this warning.",
-        RuntimeWarning)
+            "parameters (as this runtime steps each rank's slices of them) where it "
+            f"stepped the whole tensors: {type(failure).__name__}: {failure} (a probe on "
+            "small tensors at construction; check_elementwise=False skips it)") from failure
+    if outcome.whole_failure is not None:
+        failure = outcome.whole_failure
+        warn_at_user_code(
+            f"fgpsdp: could not check that {name} is element-wise (its update must be, to "
+            "run on this rank's flat slices as under torch DDP): its step raised on a "
+            f"probe of small whole tensors at construction: {type(failure).__name__}: "
+            f"{failure}. check_elementwise=False skips the probe and this warning.",
+            RuntimeWarning)
+
+
+@dataclass
+class _Outcome:
+    """What the probe saw, at the first dtype whose whole run stepped (or the last)."""
+    whole_failure: Optional[BaseException] = None
+    pieces_failure: Optional[BaseException] = None
+    difference: Optional[_Difference] = None
+
+
+def _tried(optimizer_class: type, settings: list[dict[str, Any]], defaults: dict[str, Any],
+           device: torch.device, shapes: tuple[tuple[int, ...], ...]) -> _Outcome:
+    outcome = _Outcome()
+    for dtype, relative, absolute in _TOLERANCES:
+        probe = _Probe(settings, dtype, device, shapes)
+        outcome = _Outcome()
+        whole = pieces = None
+        try:
+            whole = probe.step_whole(optimizer_class, defaults)
+        except Exception as error:  # noqa: BLE001 (said in the warning)
+            outcome.whole_failure = error
+        try:
+            pieces = probe.step_pieces(optimizer_class, defaults)
+        except Exception as error:  # noqa: BLE001 (said in the refusal)
+            outcome.pieces_failure = error
+        if whole is not None:
+            if pieces is not None:
+                outcome.difference = _largest_difference(probe, whole, pieces, relative,
+                                                         absolute)
+            return outcome
+    return outcome
 
 
 def _distinct(group_settings: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -146,16 +174,20 @@ class _Probe:
     gradients, the same for the whole run and the pieces."""
 
     def __init__(self, settings: list[dict[str, Any]], dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, shapes: tuple[tuple[int, ...], ...]):
+        # Drawn on the CPU (device= given: torch.set_default_device must not move
+        # them off the generator's device), then moved.
         generator = torch.Generator().manual_seed(_SEED)
-        self.settings = settings
-        self.initial = [[(torch.randn(shape, generator=generator, dtype=torch.float64)
-                          .to(device=device, dtype=dtype)) for shape in _SHAPES]
-                        for _ in settings]
+
+        def drawn(shape: tuple[int, ...], scale: float = 1.0) -> torch.Tensor:
+            values = torch.randn(shape, generator=generator, dtype=torch.float64,
+                                 device="cpu")
+            return (values * scale).to(device=device, dtype=dtype)
+
+        self.settings, self.shapes = settings, shapes
+        self.initial = [[drawn(shape) for shape in shapes] for _ in settings]
         # Each tensor's gradients of another size, so that its norm stands apart.
-        self.grads = [[[(torch.randn(shape, generator=generator, dtype=torch.float64)
-                         * (0.5 + 2 * i) * scale).to(device=device, dtype=dtype)
-                        for i, shape in enumerate(_SHAPES)]
+        self.grads = [[[drawn(shape, (0.5 + 2 * i) * scale) for i, shape in enumerate(shapes)]
                        for _ in settings] for scale in _STEP_SCALES]
         self.device, self.dtype = device, dtype
 
@@ -235,7 +267,7 @@ def _largest_difference(probe: _Probe, whole: list[list[torch.Tensor]],
     tolerance (None where all are within it)."""
     size = max(float(t.abs().max()) for tensors in probe.initial for t in tensors)
     worst: Optional[_Difference] = None
-    for g, i in itertools.product(range(len(whole)), range(len(_SHAPES))):
+    for g, i in itertools.product(range(len(whole)), range(len(probe.shapes))):
         a, b, start = whole[g][i], pieces[g][i], probe.initial[g][i]
         # Equal values (infinities too) and NaN in both agree; a NaN in one is a difference.
         agree = (a == b) | (torch.isnan(a) & torch.isnan(b))
@@ -249,10 +281,35 @@ def _largest_difference(probe: _Probe, whole: list[list[torch.Tensor]],
 
 
 def _copied(settings: dict[str, Any]) -> dict[str, Any]:
-    """Tensors copied: the probe's steps must not write into the user's (a step
-    count kept in a group, a learning rate as a tensor)."""
-    return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v
-            for k, v in settings.items()}
+    """Settings for one instance of the probe: its steps must not write into the
+    user's objects (a step count kept in a group as a tensor, a schedule object that
+    counts its calls, a generator), nor its instances share one."""
+    return {k: _copied_value(v) for k, v in settings.items()}
+
+
+def _copied_value(value: Any) -> Any:
+    """Tensors cloned and generators forked, inside tuples, lists and dicts too; any
+    other object copied shallowly (never deeply: a setting may reach a model), or
+    shared where it cannot be copied."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, torch.Generator):
+        forked = torch.Generator(device=value.device)
+        forked.set_state(value.get_state())
+        return forked
+    if isinstance(value, tuple):
+        items = [_copied_value(v) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    if isinstance(value, list):
+        return [_copied_value(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _copied_value(v) for k, v in value.items()}
+    if isinstance(value, (int, float, complex, str, bytes, type(None))):
+        return value
+    try:
+        return copy.copy(value)
+    except Exception:  # noqa: BLE001 (shared then)
+        return value
 
 
 def _enter_train_mode(optimizer: torch.optim.Optimizer) -> None:
@@ -266,9 +323,11 @@ def _enter_train_mode(optimizer: torch.optim.Optimizer) -> None:
 def _no_trace(device: torch.device) -> Iterator[None]:
     """Random number generators seeded for the probe and restored after it (torch's
     on the CPU and the probe's device, Python's, NumPy's where imported: a class that
-    draws then gives the same verdict, with the same figures, on every rank and run),
+    draws then gives the same verdict, with the same figures, on every rank and run);
     warnings and the global optimizer hooks held back (a profiler's or a logger's
-    would count the probe's steps)."""
+    would count the probe's steps; one that the class registers while built stays);
+    torch.compile held back (a compiled step would compile for the probe's float64
+    tensors, spending its recompile limit before the loop's first step)."""
     import random
     import sys
     import warnings
@@ -280,11 +339,13 @@ def _no_trace(device: torch.device) -> Iterator[None]:
     python_state = random.getstate()
     numpy_state = numpy.random.get_state() if numpy is not None else None
     devices = [device] if device.type == "cuda" else []
+    set_stance = getattr(torch.compiler, "set_stance", None)  # (torch >= 2.6)
+    eager = set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
     try:
         for hooks in held:
             if hooks is not None:
                 hooks.clear()
-        with torch.random.fork_rng(devices=devices), warnings.catch_warnings():
+        with torch.random.fork_rng(devices=devices), warnings.catch_warnings(), eager:
             warnings.simplefilter("ignore")
             torch.random.default_generator.manual_seed(_SEED)
             if device.type == "cuda":
@@ -297,8 +358,10 @@ def _no_trace(device: torch.device) -> Iterator[None]:
     finally:
         for hooks, kept in zip(held, saved):
             if hooks is not None:
+                registered_meanwhile = dict(hooks)
                 hooks.clear()
                 hooks.update(kept)
+                hooks.update(registered_meanwhile)
         random.setstate(python_state)
         if numpy is not None:
             numpy.random.set_state(numpy_state)

@@ -5,6 +5,7 @@ import copy
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import fgpsdp_runtime as fgp
 
@@ -56,6 +57,27 @@ class WholeShapeRefusingSGD(_PlainSGD):
         return grad
 
 
+class VectorOnlySGD(_PlainSGD):
+    """Element-wise, but refuses anything but a vector: the probe's whole matrix
+    too, so nothing can be compared."""
+
+    def direction(self, p, grad, group):
+        if p.dim() != 1:
+            raise ValueError("only 1-D parameters")
+        return grad
+
+
+class BFloat16OnlySGD(_PlainSGD):
+    """Element-wise, for bfloat16 parameters only (as a class written for one
+    model's dtype is): the probe's float64 and float32 tensors fail on whole and
+    pieces alike, while the runtime's bfloat16 slices would step."""
+
+    def direction(self, p, grad, group):
+        if p.dtype != torch.bfloat16:
+            raise TypeError("bfloat16 parameters only")
+        return grad
+
+
 class CountingGroupTensorSGD(_PlainSGD):
     """Element-wise; advances a tensor held in its group settings in place (as a
     step count kept there is), which must not be the user's tensor."""
@@ -65,6 +87,66 @@ class CountingGroupTensorSGD(_PlainSGD):
         for group in self.param_groups:
             group["count"] += 1
         super().step(closure)
+
+
+class Countdown:
+    """A schedule object kept in a group's settings, counting its calls."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self):
+        self.calls += 1
+        return 1.0 / (1 + 0.1 * self.calls)
+
+
+class ScheduledSGD(_PlainSGD):
+    """Element-wise; its group's schedule object scales each step. The probe's
+    instances must each call their own copy (three sharing one would count three
+    times as fast as the whole run's), and never the user's."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            factor = group["schedule"]()
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] * factor)
+
+
+class SelfRegisteringSGD(_PlainSGD):
+    """Registers a global optimizer step hook when first built, as a logging
+    library might: it must still be registered after the probe."""
+    calls = 0
+    registered = None
+
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, lr=lr)
+        if SelfRegisteringSGD.registered is None:
+            SelfRegisteringSGD.registered = \
+                register_optimizer_step_post_hook(self._count)
+
+    @staticmethod
+    def _count(*args):
+        SelfRegisteringSGD.calls += 1
+
+
+def _counting_backend(graph, example_inputs):
+    CompiledStepSGD.graphs += 1
+    return graph.forward
+
+
+class CompiledStepSGD(_PlainSGD):
+    """Its update compiled (torch.compile with a backend that counts the graphs)."""
+    graphs = 0
+
+    def direction(self, p, grad, group):
+        return _compiled_direction(grad)
+
+
+@torch.compile(backend=_counting_backend, dynamic=False)
+def _compiled_direction(grad):
+    return grad * 0.5
 
 
 # -- not element-wise: refused ------------------------------------------------

@@ -112,11 +112,24 @@ def test_one_that_cannot_step_a_flat_piece_is_refused_with_its_error():
     assert "ValueError: only 2-D parameters" in verdict
 
 
-def test_one_that_cannot_step_the_whole_tensors_is_accepted_with_a_warning():
-    verdict = _probe(s.WholeShapeRefusingSGD)
+def test_one_that_takes_fewer_shapes_is_compared_on_those_it_takes():
+    """WholeShapeRefusingSGD refuses the 3-D tensor: compared on the matrix alone."""
+    assert _probe(s.WholeShapeRefusingSGD) is None
+
+
+@pytest.mark.parametrize("optimizer_class, error", [
+    (s.VectorOnlySGD, "ValueError: only 1-D parameters"),
+    # Raises on the pieces too, yet is not refused: the runtime's slices would be of
+    # the model's dtype.
+    (s.BFloat16OnlySGD, "TypeError: bfloat16 parameters only"),
+])
+def test_one_that_cannot_step_the_whole_tensors_is_accepted_with_a_warning(optimizer_class,
+                                                                           error):
+    verdict = _probe(optimizer_class)
     assert verdict is not None and verdict.startswith(
-        "warned: fgpsdp: could not check that WholeShapeRefusingSGD is element-wise"), verdict
-    assert "ValueError: only up to 2-D parameters" in verdict
+        f"warned: fgpsdp: could not check that {optimizer_class.__name__} is "
+        "element-wise"), verdict
+    assert error in verdict
 
 
 def test_the_probe_leaves_no_trace():
@@ -145,6 +158,47 @@ def test_the_probe_leaves_no_trace():
     finally:
         pre.remove()
         post.remove()
+
+
+def test_objects_in_the_settings_are_copied_for_each_instance():
+    """The user's schedule object is not called; each instance calls its own copy
+    (shared, the pieces' three instances would advance it three times a step)."""
+    schedule = s.Countdown()
+    assert _probe(s.ScheduledSGD, groups=({"schedule": schedule},)) is None
+    assert schedule.calls == 0
+    generator = torch.Generator().manual_seed(3)
+    state = generator.get_state()
+    assert _probe(s.CentralizedSGD, groups=({"centralize": False, "generator": generator,
+                                              "betas": (torch.tensor(0.9), 0.99)},)) is None
+    assert torch.equal(state, generator.get_state())
+
+
+def test_a_hook_the_class_registers_while_built_stays_registered():
+    assert _probe(s.SelfRegisteringSGD) is None
+    try:
+        calls = s.SelfRegisteringSGD.calls
+        probe = torch.nn.Parameter(torch.zeros(2))
+        probe.grad = torch.ones(2)
+        torch.optim.SGD([probe], lr=0.1).step()
+        assert s.SelfRegisteringSGD.calls == calls + 1
+    finally:
+        s.SelfRegisteringSGD.registered.remove()
+
+
+def test_a_compiled_step_is_not_compiled_for_the_probe():
+    """(It would spend torch.compile's recompile limit on the probe's float64 tensors.)"""
+    torch._dynamo.reset()
+    assert _probe(s.CompiledStepSGD) is None
+    assert s.CompiledStepSGD.graphs == 0
+    p = torch.nn.Parameter(torch.zeros(4))
+    p.grad = torch.ones(4)
+    s.CompiledStepSGD([p]).step()
+    assert s.CompiledStepSGD.graphs == 1  # compiled outside the probe
+
+
+def test_the_probe_draws_on_the_cpu_under_another_default_device():
+    with torch.device("meta"):
+        assert _probe(s.HandWrittenLion) is None
 
 
 def test_a_class_that_draws_gets_the_same_verdict_whatever_the_random_state():

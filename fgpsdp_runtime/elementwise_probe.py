@@ -116,6 +116,13 @@ def refuse_unless_elementwise(optimizer_class: type, group_settings: Sequence[di
             "parameters (as this runtime steps each rank's slices of them) where it "
             f"stepped the whole tensors: {type(failure).__name__}: {failure} (a probe on "
             "small tensors at construction; check_elementwise=False skips it)") from failure
+    if outcome.whole_failure is None and not outcome.moved:
+        # (A class that steps pairs of matrices, LoRA factors, skips the matrix alone.)
+        warn_at_user_code(
+            f"fgpsdp: could not check that {name} is element-wise (its update must be, to "
+            "run on this rank's flat slices as under torch DDP): its step moved none of "
+            "the small tensors of a probe at construction. check_elementwise=False skips "
+            "the probe and this warning.", RuntimeWarning)
     if outcome.whole_failure is not None:
         failure = outcome.whole_failure
         warn_at_user_code(
@@ -132,6 +139,7 @@ class _Outcome:
     whole_failure: Optional[BaseException] = None
     pieces_failure: Optional[BaseException] = None
     difference: Optional[_Difference] = None
+    moved: bool = True  # did the whole run move any of the probe's tensors?
 
 
 def _tried(optimizer_class: type, settings: list[dict[str, Any]], defaults: dict[str, Any],
@@ -150,6 +158,8 @@ def _tried(optimizer_class: type, settings: list[dict[str, Any]], defaults: dict
         except Exception as error:  # noqa: BLE001 (said in the refusal)
             outcome.pieces_failure = error
         if whole is not None:
+            outcome.moved = any(not torch.equal(a, b) for tensors, starts in
+                                zip(whole, probe.initial) for a, b in zip(tensors, starts))
             if pieces is not None:
                 outcome.difference = _largest_difference(probe, whole, pieces, relative,
                                                          absolute)

@@ -78,6 +78,22 @@ class BFloat16OnlySGD(_PlainSGD):
         return grad
 
 
+class PairedSGD(_PlainSGD):
+    """Steps its parameters in pairs of matrices (as LoRA factors; pytorch_optimizer's
+    LoRARite): a pair of anything else raises, a lone tensor is skipped; so given the
+    probe's tensors, or its matrix alone, it moves none."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            params = group["params"]
+            for left, right in zip(params[0::2], params[1::2]):
+                if left.dim() != 2 or right.dim() != 2:
+                    raise ValueError("pairs of matrices only")
+                left.add_(left.grad, alpha=-group["lr"])
+                right.add_(right.grad, alpha=-group["lr"])
+
+
 class CountingGroupTensorSGD(_PlainSGD):
     """Element-wise; advances a tensor held in its group settings in place (as a
     step count kept there is), which must not be the user's tensor."""

@@ -125,8 +125,7 @@ def test_one_that_takes_fewer_shapes_is_compared_on_those_it_takes():
     # Stepped the lone matrix without moving it: nothing to compare either.
     (s.PairedSGD, "its step moved none of the small tensors"),
 ])
-def test_with_nothing_to_compare_it_is_accepted_with_a_warning(optimizer_class,
-                                                                           error):
+def test_with_nothing_to_compare_it_is_accepted_with_a_warning(optimizer_class, error):
     verdict = _probe(optimizer_class)
     assert verdict is not None and verdict.startswith(
         f"warned: fgpsdp: could not check that {optimizer_class.__name__} is "

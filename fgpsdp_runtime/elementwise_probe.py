@@ -54,9 +54,9 @@ _RANKS = 3
 # that a step compares its norm with, a spike clipped) does something in a few steps.
 _STEP_SCALES = (1.0, 0.3, 2.0, 0.5, 1.5, 0.2)
 _STEPS = len(_STEP_SCALES)
-# (dtype, relative to how far the whole step moved a parameter, relative to the
-# parameters' size): the first that the class steps without raising is used.
 _SEED = 0x5EED  # the probe's tensors' and, while it runs, the random streams'
+# (dtype, relative to how far the whole step moved a parameter, relative to the
+# parameters' size): the first that the class steps whole tensors of is used.
 _TOLERANCES = ((torch.float64, 1e-6, 1e-12), (torch.float32, 1e-3, 1e-5))
 
 
@@ -81,7 +81,7 @@ def refuse_unless_elementwise(optimizer_class: type, group_settings: Sequence[di
     ``group_settings``, without their params, and ``defaults``), steps flat pieces
     spread over instances otherwise than whole tensors, or raises on the pieces
     where it stepped the whole tensors; a RuntimeWarning where it raised on the whole
-    tensors (nothing to compare with)."""
+    tensors or moved none of them (nothing to compare with)."""
     if known_elementwise(optimizer_class):
         return
     name = getattr(optimizer_class, "__name__", repr(optimizer_class))
@@ -148,22 +148,20 @@ def _tried(optimizer_class: type, settings: list[dict[str, Any]], defaults: dict
     for dtype, relative, absolute in _TOLERANCES:
         probe = _Probe(settings, dtype, device, shapes)
         outcome = _Outcome()
-        whole = pieces = None
         try:
             whole = probe.step_whole(optimizer_class, defaults)
         except Exception as error:  # noqa: BLE001 (said in the warning)
             outcome.whole_failure = error
+            continue
+        outcome.moved = any(not torch.equal(a, b) for tensors, starts in
+                            zip(whole, probe.initial) for a, b in zip(tensors, starts))
         try:
             pieces = probe.step_pieces(optimizer_class, defaults)
         except Exception as error:  # noqa: BLE001 (said in the refusal)
             outcome.pieces_failure = error
-        if whole is not None:
-            outcome.moved = any(not torch.equal(a, b) for tensors, starts in
-                                zip(whole, probe.initial) for a, b in zip(tensors, starts))
-            if pieces is not None:
-                outcome.difference = _largest_difference(probe, whole, pieces, relative,
-                                                         absolute)
             return outcome
+        outcome.difference = _largest_difference(probe, whole, pieces, relative, absolute)
+        return outcome
     return outcome
 
 

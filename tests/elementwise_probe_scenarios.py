@@ -3,13 +3,12 @@ optimizer_kinds.py's lists, and the scenarios that build them through the wrappe
 import copy
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 import fgpsdp_runtime as fgp
 
-from .scenarios import MLP, loss_fn, make_batch
+from .scenarios import MLP, param_diff, train_both
 
 
 class _PlainSGD(torch.optim.Optimizer):
@@ -323,15 +322,6 @@ def lion_beside_torch_ddp(rank, world_size):
     opt = fgp.ShardedOptimizer(model, HandWrittenLion, lr=1e-2)
     same_rng = torch.equal(before, torch.get_rng_state())
     ref_opt = HandWrittenLion(ref.parameters(), lr=1e-2)
-    for step in range(3):
-        x, y = make_batch("mlp", step, 0, rank)
-        loss_fn("mlp", model(x), y).backward()
-        loss_fn("mlp", ref(x), y).backward()
-        opt.step()
-        ref_opt.step()
-        opt.zero_grad()
-        ref_opt.zero_grad()
+    train_both([(model, opt), (ref, ref_opt)], rank, steps=3)
     model.synchronize()
-    dist.barrier()
-    return {"same rng": same_rng, "max diff": max(
-        float((a - b).abs().max()) for a, b in zip(module.parameters(), ref.parameters()))}
+    return {"same rng": same_rng, "max diff": param_diff(model, ref)}

@@ -16,13 +16,17 @@ ranks. The two must agree within float rounding, or the class is refused.
 The probe runs in float64 (in float32 where the class refuses float64), so
 the rounding by an element's place that fused kernels show (see
 docs/semantics.md#matching-torch-ddp) stays far below any difference in the
-update itself. One of its tensors is a 129 x 9 matrix, so that optimizers
-that factor only from 128 rows take that path, and the cuts fall off every
-power-of-two block (state quantized in blocks shows). Sizes stay small: an
-optimizer that keeps a dense preconditioner per tensor makes one per 1-D piece,
-n x n for n elements, and decomposes it at a cost of n^3. So bitsandbytes' 8-bit
-state, from 4,096 elements, is not reached: optimizer_kinds.py refuses that by
-name and setting.
+update itself. One of its tensors is a 129 x 33 matrix, so that optimizers
+that factor a matrix only where two of its dimensions reach a size take that
+path (16 in timm's AdafactorBigVision, 32 in big_vision's: a 129 x 9 one let
+timm's through), and the cuts fall off every power-of-two block (state
+quantized in blocks shows). Sizes stay small otherwise: an optimizer that keeps
+a dense preconditioner per tensor makes one per 1-D piece, n x n for n elements,
+and decomposes it at a cost of n^3 (pytorch_optimizer's Kron took the longest
+probe of its library, over a second: docs/benchmarks/, the probe survey). So optax's
+factoring from 128 in both dimensions, and bitsandbytes' 8-bit state from 4,096
+elements, are not reached: optimizer_kinds.py refuses the latter by name and
+setting.
 
 It leaves no trace: the random number generators are restored (and seeded
 while it runs, so that a class that draws gets the same verdict everywhere),
@@ -46,9 +50,9 @@ import torch
 
 from .user_warnings import warn_at_user_code
 
-# The probe's parameters per group: a matrix above common size thresholds, a
-# vector, a 3-D tensor and a one-element one, of odd sizes.
-_SHAPES = ((129, 9), (131,), (3, 5, 7), (1,))
+# The probe's parameters per group: a matrix above common size thresholds (see the
+# note), a vector, a 3-D tensor and a one-element one, of odd sizes.
+_SHAPES = ((129, 33), (131,), (3, 5, 7), (1,))
 _RANKS = 3
 # Each step's gradients scaled apart, so that a history of norms (a running mean
 # that a step compares its norm with, a spike clipped) does something in a few steps.

@@ -214,6 +214,15 @@ class FactoredRMSProp(_PlainSGD):
         return grad / second.sqrt()
 
 
+class FactoredFrom32RMSProp(FactoredRMSProp):
+    """Factored only where two dimensions reach 32, as big_vision's Adafactor."""
+
+    def direction(self, p, grad, group):
+        if grad.dim() == 2 and min(grad.shape) < 32:
+            return grad / (grad * grad + 1e-30).sqrt()
+        return super().direction(p, grad, group)
+
+
 class GlobalNormSGD(_PlainSGD):
     """Every gradient divided by the norm of all of this instance's gradients:
     the same on whole tensors as on pieces held by one instance, so only the

@@ -63,7 +63,7 @@ def test_torch_optims_adafactor_and_muon_are_told_apart_by_the_probe(probing_tor
     verdict = _probe(torch.optim.Adafactor)
     assert verdict.startswith("refused: Adafactor is not element-wise: stepped on flat "
                               "pieces"), verdict
-    assert "129x9 tensor" in verdict
+    assert "129x33 tensor" in verdict
     verdict = _probe(torch.optim.Muon)
     assert verdict.startswith("refused: Muon cannot run on flat slices: its step raised on "
                               "1-D pieces"), verdict
@@ -85,6 +85,7 @@ def test_element_wise_optimizers_are_accepted(optimizer_class):
 
 @pytest.mark.parametrize("optimizer_class", [
     s.TrustRatioSGD, s.PerTensorClipSGD, s.MatrixDecaySGD, s.FactoredRMSProp,
+    s.FactoredFrom32RMSProp,  # factors where two dimensions reach 32 (big_vision's rule)
     s.GlobalNormSGD,  # whole-instance sums: only the split over instances tells
     s.NormHistorySGD,  # acts only where the probe's gradients change scale between steps
     s.NoisySGD,

@@ -33,10 +33,11 @@ while it runs, so that a class that draws gets the same verdict everywhere),
 warnings, the global optimizer hooks
 (``torch.optim.optimizer.register_optimizer_step_pre_hook``) and torch.compile
 are held back while it runs, and each instance gets its own copy of the
-groups' settings.
-The user's own step code does run (a class that logs each step logs the
-probe's), which ``check_elementwise=False`` avoids, as it skips the probe.
-The outcome is the same on every rank (same class, settings and inputs).
+groups' settings. The user's own step code does run (a class that logs each
+step logs the probe's), which ``check_elementwise=False`` avoids, as it skips
+the probe. The outcome is the same on every rank (same class, settings and
+inputs); where it is not (a class that draws from a source the probe does not
+seed), the constructor's agreement on its arguments raises on every rank.
 """
 from __future__ import annotations
 

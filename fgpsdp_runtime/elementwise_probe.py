@@ -37,7 +37,10 @@ groups' settings. The user's own step code does run (a class that logs each
 step logs the probe's), which ``check_elementwise=False`` avoids, as it skips
 the probe. The outcome is the same on every rank (same class, settings and
 inputs); where it is not (a class that draws from a source the probe does not
-seed), the constructor's agreement on its arguments raises on every rank.
+seed), the constructor's agreement on its arguments raises on every rank. What
+it holds back is process-wide (the CPU generator, the warning filters, the
+compile stance, the global hooks): another thread working meanwhile (a second
+wrapper's scheduler stepping) sees the probe's settings for those milliseconds.
 """
 from __future__ import annotations
 

@@ -52,6 +52,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
+from .step_wide_state import copy_value
 from .user_warnings import warn_at_user_code
 
 # The probe's parameters per group: a matrix above common size thresholds (see the
@@ -152,7 +153,6 @@ class _Outcome:
 
 def _tried(optimizer_class: type, settings: list[dict[str, Any]], defaults: dict[str, Any],
            device: torch.device, shapes: tuple[tuple[int, ...], ...]) -> _Outcome:
-    outcome = _Outcome()
     for dtype, relative, absolute in _TOLERANCES:
         probe = _Probe(settings, dtype, device, shapes)
         outcome = _Outcome()
@@ -299,29 +299,19 @@ def _largest_difference(probe: _Probe, whole: list[list[torch.Tensor]],
 def _copied(settings: dict[str, Any]) -> dict[str, Any]:
     """Settings for one instance of the probe: its steps must not write into the
     user's objects (a step count kept in a group as a tensor, a schedule object that
-    counts its calls, a generator), nor its instances share one."""
-    return {k: _copied_value(v) for k, v in settings.items()}
+    counts its calls, a generator), nor its instances share one. Tensors cloned
+    inside tuples, lists and dicts (step_wide_state.copy_value); any other object
+    there copied too (_own_copy)."""
+    return {k: copy_value(v, _own_copy) for k, v in settings.items()}
 
 
-def _copied_value(value: Any) -> Any:
-    """Tensors cloned and generators forked, inside tuples, lists and dicts too; any
-    other object copied shallowly (never deeply: a setting may reach a model), or
-    shared where it cannot be copied."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
+def _own_copy(value: Any) -> Any:
+    """A generator forked; another object copied shallowly (never deeply: a setting
+    may reach a model), or shared where it cannot be copied."""
     if isinstance(value, torch.Generator):
         forked = torch.Generator(device=value.device)
         forked.set_state(value.get_state())
         return forked
-    if isinstance(value, tuple):
-        items = [_copied_value(v) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    if isinstance(value, list):
-        return [_copied_value(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _copied_value(v) for k, v in value.items()}
-    if isinstance(value, (int, float, complex, str, bytes, type(None))):
-        return value
     try:
         return copy.copy(value)
     except Exception:  # noqa: BLE001 (shared then)

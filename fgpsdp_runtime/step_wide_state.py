@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -77,28 +77,28 @@ def untouched(source: Any, versions: Optional[tuple[int, ...]], value: Any) -> b
     return versions is not None and value is source and tensor_versions(value) == versions
 
 
-def copy_value(value: Any) -> Any:
+def copy_value(value: Any, other: Callable[[Any], Any] = lambda value: value) -> Any:
     """A copy a run cannot change: tensors cloned, lists, tuples and dicts copied entry
     by entry (a count kept in a dict and increased in place, ``state["meta"]["n"] +=
     1``; a tensor in Adam's ``betas`` filled in place by a momentum schedule). Any
-    other object (a module, a config object in a param group) is the same object, as
-    in torch's param groups: copying it would hand the loop back a copy, and a run's
-    changes inside it are the optimizer's own business."""
+    other object (a module, a config object in a param group) is ``other(value)``: by
+    default the same object, as in torch's param groups: copying it would hand the
+    loop back a copy, and a run's changes inside it are the optimizer's own business."""
     if isinstance(value, torch.Tensor):
         return value.clone()
     if isinstance(value, IMMUTABLE) or (
             type(value) is tuple and all(isinstance(v, IMMUTABLE) for v in value)):
         return value
     if type(value) is tuple:
-        return tuple(copy_value(v) for v in value)
+        return tuple(copy_value(v, other) for v in value)
     if isinstance(value, tuple) and hasattr(value, "_fields"):  # a namedtuple
-        return type(value)(*(copy_value(v) for v in value))
+        return type(value)(*(copy_value(v, other) for v in value))
     if isinstance(value, (list, dict)):  # subclasses too: OrderedDict, defaultdict
         new = copy.copy(value)
         for k in (range(len(value)) if isinstance(value, list) else value):
-            new[k] = copy_value(value[k])
+            new[k] = copy_value(value[k], other)
         return new
-    return value
+    return other(value)
 
 
 # The attribute types kept step-wide: plain numbers (a count, a running scale). Not

@@ -32,6 +32,7 @@ from .ddp_options import (buffer_sync, checked_arguments, ignored_names, named_d
 from .layout import (BucketLayout, ParamInfo, default_bucket_cap_mb, first_bucket_cap_bytes,
                      owned_numel, param_alignment_for, plan_buckets)
 from .forward_waits import ForwardParamWaiter, is_traced_by_dynamo
+from .held_param_reads import ParamsInFlight
 from .gpu_setup import connect_nccl_groups, make_current_device
 from .ignored_params import ignored_places, note_wrapper_leaving_parameters, parameters_at
 from .group_collectives import all_reduce_held
@@ -359,8 +360,13 @@ class DistributedDataParallel(nn.Module):
         # steps under the other schedules.)
         self._attribute_read_guards = None if self._forward_waiter is None else \
             land_gathers_on_attribute_reads(
-                lifecycle.weak_call(self._land_for_an_attribute_read),
+                lifecycle.weak_call(self.land_for_a_read),
                 self._gathers.in_flight_table, self._forward_waiter, module)
+        # And parameters the loop holds from before the step (an EMA's list): a torch
+        # call that reads one lands it (held_param_reads.py).
+        if self._forward_waiter is not None:
+            self._gathers.params_in_flight = ParamsInFlight(self.param_versions.params_of_bucket,
+                                                            buckets_of)
 
     # -- set-up --------------------------------------------------------------
 
@@ -968,11 +974,12 @@ class DistributedDataParallel(nn.Module):
         if warn:
             self._read_for_a_clip = True
 
-    def _land_for_an_attribute_read(self, param: torch.Tensor) -> None:
+    def land_for_a_read(self, param: torch.Tensor) -> None:
         """``module.weight`` read outside a forward while all-gathers are in flight
-        (module_guards.land_gathers_on_attribute_reads tests both): its bucket lands
-        where a read through ``parameters()`` would land it. Not noted for the
-        warning about torch's clip, which reads ``parameters()``."""
+        (module_guards.land_gathers_on_attribute_reads tests both), or a torch call
+        reading a parameter held from before the step (held_param_reads.py): its
+        bucket lands where a read through ``parameters()`` would land it. Not noted
+        for the warning about torch's clip, which reads ``parameters()``."""
         land, _ = self._before_parameters_read()
         if land:
             for b in self._buckets_of_param.get(id(param), ()):
@@ -1129,6 +1136,9 @@ class DistributedDataParallel(nn.Module):
             handles = self.__dict__.get(guards)
             if handles is not None:
                 handles.remove()
+        gathers = self.__dict__.get("_gathers")
+        if gathers is not None and gathers.params_in_flight is not None:
+            gathers.params_in_flight.release()
         # Stops and joins this model's threads (bounded), so that a later
         # destroy_process_group() finds none of them still ending.
         self._finish_communication()

@@ -259,7 +259,7 @@ class ForwardParamWaiter:
 # Calls that read a tensor's metadata, not its values: a model may look at a
 # parameter's dtype or device long before it reads it (a dtype for its masks
 # at the top of forward), which must not pull the wait forward.
-_METADATA_ONLY = frozenset(
+METADATA_ONLY_CALLS = frozenset(
     [getattr(torch.Tensor, name).__get__
      for name in ("dtype", "shape", "device", "requires_grad", "ndim", "is_cuda", "layout",
                   "is_leaf", "is_sparse", "is_quantized", "is_meta")]
@@ -278,8 +278,8 @@ class _ParamReadRecorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in _METADATA_ONLY:
-            for tensor in _tensors_in((args, kwargs)):
+        if func not in METADATA_ONLY_CALLS:
+            for tensor in tensors_in((args, kwargs)):
                 self._waiter._note_read(tensor)
             if func in _DETACHING and args:
                 self._waiter._note_detached(args[0])
@@ -292,12 +292,12 @@ class _ParamReadRecorder(TorchFunctionMode):
 _DETACHING = frozenset([torch.Tensor.detach, torch.detach, torch.Tensor.data.__get__])
 
 
-def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, (list, tuple)):
         for item in value:
-            yield from _tensors_in(item)
+            yield from tensors_in(item)
     elif isinstance(value, dict):
         for item in value.values():
-            yield from _tensors_in(item)
+            yield from tensors_in(item)

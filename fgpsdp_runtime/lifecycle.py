@@ -29,7 +29,8 @@ if TYPE_CHECKING:  # pragma: no cover
 _WRAPPER_OF_PARAM: dict[int, tuple[weakref.ref, weakref.ref]] = {}
 
 
-def _live_wrapper_of(param: torch.Tensor) -> Optional["DistributedDataParallel"]:
+def wrapper_of(param: torch.Tensor) -> Optional["DistributedDataParallel"]:
+    """The live wrapper whose buckets hold ``param``, if any."""
     entry = _WRAPPER_OF_PARAM.get(id(param))
     if entry is None or entry[0]() is not param:
         return None
@@ -40,10 +41,10 @@ def wrapped_elsewhere(trainable: Sequence[tuple[str, nn.Parameter]]) -> list[str
     """Parameters a live wrapper holds in its buckets: both would take their
     gradients. A wrapper the loop dropped may wait in a reference cycle for
     the garbage collector: collected first."""
-    if not any(_live_wrapper_of(p) is not None for _, p in trainable):
+    if not any(wrapper_of(p) is not None for _, p in trainable):
         return []
     gc.collect()
-    taken = [n for n, p in trainable if _live_wrapper_of(p) is not None]
+    taken = [n for n, p in trainable if wrapper_of(p) is not None]
     if not taken:
         return []
     # Two cases: the module wrapped again, or two models sharing a module (an

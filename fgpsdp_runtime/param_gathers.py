@@ -15,7 +15,18 @@ from __future__ import annotations
 import threading
 from typing import Optional, Sequence
 
+from .held_param_reads import ParamsInFlight
 from .link_worker import PendingOp
+
+
+class _Pending:
+    """Buckets in flight or queued (a container for ParamsInFlight.landed)."""
+
+    def __init__(self, in_flight: dict, queued: list):
+        self._in_flight, self._queued = in_flight, queued
+
+    def __contains__(self, bucket: int) -> bool:
+        return bucket in self._in_flight or bucket in self._queued
 
 
 class ParamGathers:
@@ -46,6 +57,9 @@ class ParamGathers:
         # Not started yet, in the order they will be.
         self._queued: list[int] = []
         self.lookahead: Optional[int] = None  # None: no limit
+        # Told as a bucket becomes pending (queued or started) and as it lands, under
+        # the lock (held_param_reads.py: the parameters' class while pending).
+        self.params_in_flight: Optional[ParamsInFlight] = None
 
     @property
     def queued(self) -> bool:
@@ -78,11 +92,16 @@ class ParamGathers:
             self._in_flight[bucket] = op
             if from_the_queue:
                 self._ahead.add(bucket)
+            if self.params_in_flight is not None:
+                self.params_in_flight.pending(bucket)
 
     def queue(self, bucket: int) -> None:
         """Queue ``bucket`` behind the step's earlier ones; under the
         forward-overlapped schedules start it now if the lookahead allows."""
-        self._queued.append(bucket)
+        with self._lock:
+            self._queued.append(bucket)
+            if self.params_in_flight is not None:
+                self.params_in_flight.pending(bucket)
         if self._overlaps_forward:
             self.start_queued()
 
@@ -157,6 +176,9 @@ class ParamGathers:
                     del self._in_flight[bucket]
                     if not by_the_loop and op.waits_per_stream:
                         self._owed[bucket] = op
+                    if self.params_in_flight is not None:
+                        self.params_in_flight.landed(
+                            bucket, _Pending(self._in_flight, self._queued))
         if by_the_loop:
             with self._lock:
                 self._ahead.discard(bucket)

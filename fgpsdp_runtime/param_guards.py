@@ -342,14 +342,14 @@ class ParamVersions:
 
     def __init__(self, params_of_bucket: Sequence[Sequence[torch.Tensor]],
                  names: dict[int, str]):
-        self._params_of_bucket = params_of_bucket
+        self.params_of_bucket = params_of_bucket
         self._names = names  # id(param) -> name
         self._after_change = [[p._version for p in params] for params in params_of_bucket]
 
     def mark_changed(self, buckets: Sequence[int]) -> None:
         bump = getattr(torch.autograd.graph, "increment_version", None)  # torch >= 2.1
         for b in buckets:
-            params = self._params_of_bucket[b]
+            params = self.params_of_bucket[b]
             if bump is not None and params:
                 if _BUMPS_A_LIST:  # one call for the bucket (torch >= 2.4 takes a list)
                     bump(params)
@@ -361,7 +361,7 @@ class ParamVersions:
     def written_since_change(self, b: int) -> Optional[str]:
         """The name of a parameter of bucket b written in place since our last change
         (said once: the change is taken as known afterwards)."""
-        params = self._params_of_bucket[b]
+        params = self.params_of_bucket[b]
         now = list(map(_VERSION, params))
         before, self._after_change[b] = self._after_change[b], now
         return next((self._names[id(p)] for p, v, w in zip(params, now, before) if v != w), None)

@@ -4,6 +4,7 @@ Imported by the spawned ranks (module-level functions only).
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import time
@@ -176,7 +177,9 @@ def clamp_after_step(rank: int, world_size: int, schedule: str, synchronize_firs
                      via: str = "held", steps: int = 4) -> float:
     """WGAN's weight clipping (OpenCLIP clamps logit_scale alike): parameters written in
     place right after opt.step(), ``via`` a list of them taken before training
-    (``held``), ``model.module.parameters()`` read then (``module``), each
+    (``held``; ``held_not_landed``: written with the torch functions of tensor
+    subclasses disabled, which land them), ``model.module.parameters()`` read then
+    (``module``), each
     submodule's (``submodules``), or each read as an attribute then, as OpenCLIP
     reads ``model.module.logit_scale`` (``attributes``; ``attribute_data``: its
     ``.data``). Largest parameter difference to torch DDP."""
@@ -184,7 +187,7 @@ def clamp_after_step(rank: int, world_size: int, schedule: str, synchronize_firs
     held = {id(m): list(m.module.parameters()) for m in (ours, ref)}
 
     def params(model):
-        if via == "held":
+        if via in ("held", "held_not_landed"):
             return held[id(model)]
         if via == "module":
             return model.module.parameters()
@@ -201,7 +204,8 @@ def clamp_after_step(rank: int, world_size: int, schedule: str, synchronize_firs
             optimizer.zero_grad()
             if model is ours and synchronize_first:
                 ours.synchronize()
-            with torch.no_grad():
+            with torch.no_grad(), (torch._C.DisableTorchFunctionSubclass()
+                                   if via == "held_not_landed" else contextlib.nullcontext()):
                 for p in params(model):
                     p.clamp_(-0.1, 0.1)
     ours.synchronize()

@@ -374,11 +374,44 @@ def moved_to_the_cpu_right_after_the_step() -> dict:
             "diff": max(float((a - b).abs().max()) for a, b in zip(moved, expected))}
 
 
+def held_read_right_after_the_step() -> dict:
+    """torch_ema's update over parameters held from before the step, right after it,
+    the all-gathers behind a GPU sleep on the link stream: the torch call lands them
+    first (held_param_reads.py), and orders the reading stream after them."""
+    cycles = int(1e9)
+    model, opt, x = _four_layers_next_forward()
+    held = list(model.module.parameters())
+    shadow = [p.detach().clone() for p in held]
+    model(x).square().mean().backward()
+    _slow_all_gathers(cycles)
+    try:
+        opt.step()  # starts every all-gather, each behind the sleep on the link stream
+        ops = list(model._gathers._in_flight.values())
+        for op in ops:
+            op.future.result()  # (host side: every collective was issued)
+        conclusive = len(ops) >= 2 and not all(op.done_event.query() for op in ops)
+        with torch.no_grad():
+            for s, p in zip(shadow, held):
+                s.copy_(p)  # as torch_ema's update reads them
+    finally:
+        _slow_all_gathers(0)
+    torch.cuda.synchronize()
+    expected_model, expected_opt, _ = _four_layers_next_forward()
+    expected_model(x).square().mean().backward()
+    expected_opt.step()
+    expected_model.synchronize()
+    torch.cuda.synchronize()
+    expected = [p.detach() for p in expected_model.module.parameters()]
+    return {"conclusive": conclusive,
+            "diff": max(float((a - b).abs().max()) for a, b in zip(shadow, expected))}
+
+
 CASES = {f.__name__: f for f in (hierarchical_partial_sum, slow_link_same_result,
                                  shard_round_trip, profile_reads_gpu_time,
                                  profile_times_forward_waits_on_gpu, timeline_enabled_mid_run,
                                  side_stream_read_orders_the_forward,
-                                 moved_to_the_cpu_right_after_the_step)}
+                                 moved_to_the_cpu_right_after_the_step,
+                                 held_read_right_after_the_step)}
 
 if __name__ == "__main__":
     torch.cuda.set_device(0)

@@ -78,3 +78,8 @@ def test_a_module_moved_to_the_cpu_right_after_the_step_holds_the_update():
     result = _run("moved_to_the_cpu_right_after_the_step")
     assert result["conclusive"], "the all-gathers landed before the move"
     assert result == {"conclusive": True, "on_the_cpu": True, "diff": 0.0}
+
+
+def test_parameters_held_from_before_the_step_read_right_after_it_hold_the_update():
+    result = _run("held_read_right_after_the_step")
+    assert result == {"conclusive": True, "diff": 0.0}, result

@@ -28,7 +28,7 @@ seen (nor is a view or ``.data`` taken before the step).
 """
 from __future__ import annotations
 
-from typing import Container, Optional, Sequence
+from typing import Container, Sequence
 
 import torch
 from torch import nn
@@ -115,7 +115,7 @@ class ParamsInFlight:
                     param.__class__ = nn.Parameter
 
 
-def plain_class(param: Optional[torch.Tensor]) -> None:
+def plain_class(param: torch.Tensor) -> None:
     """``param`` back to ``nn.Parameter`` (no live wrapper holds it any more)."""
     if type(param) is ParameterInFlight:
         param.__class__ = nn.Parameter

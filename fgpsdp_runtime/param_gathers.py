@@ -83,6 +83,9 @@ class ParamGathers:
         with self._lock:
             previous = self._in_flight.pop(bucket, None)
             owed = self._owed.pop(bucket, None)
+            if self.params_in_flight is not None:
+                # Before the all-gather may write: a read from now on lands it.
+                self.params_in_flight.pending(bucket)
         for earlier in (previous, owed):
             if earlier is not None:
                 earlier.wait()
@@ -92,8 +95,6 @@ class ParamGathers:
             self._in_flight[bucket] = op
             if from_the_queue:
                 self._ahead.add(bucket)
-            if self.params_in_flight is not None:
-                self.params_in_flight.pending(bucket)
 
     def queue(self, bucket: int) -> None:
         """Queue ``bucket`` behind the step's earlier ones; under the

@@ -1057,8 +1057,9 @@ class DistributedDataParallel(nn.Module):
             if not state.get("_warned_parameters_while_gathers_queued"):
                 self._warned_parameters_while_gathers_queued = True
                 warn_at_user_code(
-                    "fgpsdp: parameters read (through parameters(), or as a module's "
-                    "attributes) while all-gathers wait to start (a plan with a small "
+                    "fgpsdp: parameters read (through parameters(), as a module's "
+                    "attributes, or held from before the step) while all-gathers wait to "
+                    "start (a plan with a small "
                     "lookahead): their values may be those before the "
                     "step; call model.synchronize() on every rank first")
             return False, warn

@@ -39,6 +39,7 @@ weight read): such a forward must be synchronised by the caller.
 """
 from __future__ import annotations
 
+import threading
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -85,6 +86,7 @@ class ForwardParamWaiter:
         # Off until the first: a loop may call model.module(...) before it, or
         # never call the wrapper, and such calls must land the gathers.
         self._mode = "off"
+        self._forward_thread: Optional[int] = None  # threading.get_ident() of the forward's
         self.deviations = 0  # forwards whose module order differed from the recording
         self._modules = [m for m in root.modules() if any(True for _ in m.parameters())]
         # First among the module's pre-hooks: those registered before wrapping
@@ -102,8 +104,10 @@ class ForwardParamWaiter:
 
     @property
     def in_forward(self) -> bool:
-        """A forward of the wrapper is running."""
-        return self._mode != "off"
+        """A forward of the wrapper is running on this thread. (Its pre-hooks wait
+        for what it reads; another thread reading then, a logger's, waits for what
+        it reads itself.)"""
+        return self._mode != "off" and self._forward_thread == threading.get_ident()
 
     # -- per forward -----------------------------------------------------------
 
@@ -111,6 +115,7 @@ class ForwardParamWaiter:
         """``landed``: the caller has landed every all-gather, and the modules hold
         other tensors than the parameters (a functional_call's): this forward
         neither records nor follows (a recording would find no bucket for them)."""
+        self._forward_thread = threading.get_ident()
         if landed:
             self._wait_all()
             self._mode = "landed"

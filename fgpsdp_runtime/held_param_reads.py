@@ -17,6 +17,10 @@ the same rules as an attribute read (the wrapper's; none inside a forward,
 whose pre-hooks wait, or a backward, or between backward and step under
 ``two_stage``). The class goes back to ``nn.Parameter`` as the bucket lands.
 
+Under torch.compile the landing is a graph break: a compiled function that
+reads a pending parameter runs that call eagerly, and under ``fullgraph=True``
+raises, saying to synchronize first.
+
 Why a class and not a TorchFunctionMode: a mode sees every torch call of the
 thread, the next forward's included, until the last bucket lands, and would
 be pushed at the step and popped at that landing, out of stack order with a
@@ -32,7 +36,6 @@ from typing import Container, Sequence
 
 import torch
 from torch import nn
-from torch._C import _disabled_torch_function_impl
 
 from .forward_waits import METADATA_ONLY_CALLS, tensors_in
 from .lifecycle import wrapper_of
@@ -44,7 +47,8 @@ from .module_guards import is_traced_by_dynamo
 # counter is compared when a bucket lands; a parameter is hashed as a dict key).
 _READS_NO_VALUES = METADATA_ONLY_CALLS | frozenset(
     [torch.Tensor.grad.__get__, torch.Tensor.grad.__set__, torch.Tensor.grad.__delete__,
-     torch.Tensor._version.__get__, torch.Tensor.__hash__])
+     torch.Tensor._version.__get__, torch.Tensor.__hash__,
+     torch.Tensor.requires_grad.__set__, torch.Tensor.requires_grad_])
 
 
 class ParameterInFlight(nn.Parameter):
@@ -55,11 +59,17 @@ class ParameterInFlight(nn.Parameter):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if kwargs is None:
             kwargs = {}
-        if func not in _READS_NO_VALUES and not is_traced_by_dynamo():
+        # Traced by dynamo, the landing is a graph break (the call runs eagerly). Not
+        # while dynamo itself looks at the inputs as it compiles (a tracing context
+        # but no tracing): landed there, the graph would be guarded on nn.Parameter
+        # and compiled again at every step, whose parameters are pending.
+        if func not in _READS_NO_VALUES and (is_traced_by_dynamo()
+                                             or torch._guards.TracingContext.try_get() is None):
             for tensor in tensors_in((args, kwargs)):
                 if type(tensor) is cls:
                     land(tensor)
-        return _disabled_torch_function_impl(func, types, args, kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
 
     def __deepcopy__(self, memo):
         # nn.Parameter's would make the copy of type(self): land first, and copy
@@ -73,6 +83,9 @@ class ParameterInFlight(nn.Parameter):
         return result
 
 
+@torch.compiler.disable(reason="fgpsdp: a parameter whose updated values are still being "
+                        "all-gathered after opt.step() lands first, outside compiled code; "
+                        "under fullgraph=True call model.synchronize() before this function")
 def land(param: torch.Tensor) -> None:
     """Land ``param``'s buckets through the wrapper holding it, as a read of
     ``module.weight`` would."""

@@ -189,10 +189,12 @@ def dropped_wrapper_gives_the_class_back(rank: int, world_size: int) -> list:
     return [before, sorted({type(p).__name__ for p in held})]
 
 
-def compiled_read_of_held_parameters(rank: int, world_size: int, schedule: str) -> dict:
+def compiled_read_of_held_parameters(rank: int, world_size: int, schedule: str,
+                                     fullgraph: bool = False) -> dict:
     """An EMA update compiled apart, over held parameters, right after each step: it
-    reads the updated values (dynamo's own look at the inputs lands them; the
-    function is compiled again at each step, whose parameters were pending)."""
+    reads the updated values (the landing is a graph break), or under
+    ``fullgraph=True`` raises, saying what to do (returns the message). Also how
+    many graphs were compiled by the end of each step."""
     base = _base()
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     ours = fgp.DistributedDataParallel(base, schedule=schedule, bucket_cap_mb=0.001)
@@ -205,16 +207,60 @@ def compiled_read_of_held_parameters(rank: int, world_size: int, schedule: str) 
     def backend(graph, _example_inputs):
         compiles.append(1)
         return graph.forward
-    ema = torch.compile(lambda s, h: torch._foreach_lerp_(s, h, 0.1), backend=backend)
-    for step in range(3):
+    def update(shadow, held):
+        if fullgraph:
+            for s, p in zip(shadow, held):
+                s.lerp_(p, 0.1)
+        else:
+            torch._foreach_lerp_(shadow, held, 0.1)
+    ema = torch.compile(update, backend=backend, fullgraph=fullgraph)
+    compiled_by_step = []
+    for step in range(4):
         x, y = _batch(step, rank)
         for model, o, held, shadow in zip((ours, ref), (opt, ref_opt), helds, shadows):
             nn.functional.mse_loss(model(x), y).backward()
             o.step()
             o.zero_grad()
             with torch.no_grad():
-                ema(shadow, held)
+                try:
+                    ema(shadow, held)
+                except Exception as error:  # (fullgraph)
+                    ours.synchronize()
+                    return {"raised": str(error)}
+        compiled_by_step.append(len(compiles))
     ours.synchronize()
     with torch.no_grad():
         diff = max(float((a - b).abs().max()) for a, b in zip(shadows[0], shadows[1]))
-    return {"diff": diff, "compiles": len(compiles)}
+    return {"diff": diff, "compiled_by_step": compiled_by_step}
+
+
+def thread_reads_during_the_forward(rank: int, world_size: int, schedule: str) -> float:
+    """Another thread (a logger's, an asynchronous checkpoint's) reads the held
+    parameters while the next forward runs, from the first layer's pre-hook, so most
+    buckets have not landed yet: the largest difference of what it read from what
+    torch DDP's thread reads. (Before, reads off the forward's thread landed
+    nothing while a forward ran, by any path: about 1e-2 off.)"""
+    base = _base()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    ours = fgp.DistributedDataParallel(base, schedule=schedule, bucket_cap_mb=0.001)
+    opts = [fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2),
+            torch.optim.AdamW(ref.parameters(), lr=1e-2)]
+    read = []
+    for model, o in zip((ours, ref), opts):
+        held = list(model.module.parameters())
+        got: list = []
+
+        def copy_on_a_thread(_module, _args, held=held, got=got):
+            reader = threading.Thread(target=lambda: got.append([p.detach().clone() for p in held]))
+            reader.start()
+            reader.join()
+        for step in range(2):
+            x, y = _batch(step, rank)
+            hook = model.module[0].register_forward_pre_hook(copy_on_a_thread) if step else None
+            nn.functional.mse_loss(model(x), y).backward()
+            if hook is not None:
+                hook.remove()
+            o.step()
+            o.zero_grad()
+        read.append(got[0])
+    return max(float((a - b).abs().max()) for a, b in zip(*read))

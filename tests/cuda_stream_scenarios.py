@@ -8,6 +8,7 @@ tensors. A GPU sleep before each reduce-scatter stands in for a slow link, so
 that the compute stream runs ahead of the link streams, as it does on a real
 cluster: correct stream code gives the same numbers with and without it.
 """
+import contextlib
 import json
 import statistics
 import sys
@@ -264,6 +265,33 @@ def _four_layers_next_forward():
     return model, opt, torch.randn(64, 512, device=device)
 
 
+@contextlib.contextmanager
+def _stepped_behind_slow_all_gathers(model, opt):
+    """``opt.step()`` with every all-gather behind a GPU sleep on the link stream,
+    issued on the host side; the block runs while they have not landed. Yields
+    whether the case is conclusive: two all-gathers or more, not all landed."""
+    _slow_all_gathers(int(1e9))
+    try:
+        opt.step()
+        ops = list(model._gathers._in_flight.values())
+        for op in ops:
+            op.future.result()  # (host side: every collective was issued)
+        yield len(ops) >= 2 and not all(op.done_event.query() for op in ops)
+    finally:
+        _slow_all_gathers(0)
+
+
+def _four_layers_after_one_step(x: torch.Tensor) -> list:
+    """What one step on ``x`` writes, on a copy of the four layers trained alike and
+    synchronized."""
+    model, opt, _ = _four_layers_next_forward()
+    model(x).square().mean().backward()
+    opt.step()
+    model.synchronize()
+    torch.cuda.synchronize()
+    return [p.detach() for p in model.module.parameters()]
+
+
 def timeline_enabled_mid_run() -> dict:
     """model.timeline.enable() after the first step, with no plan profiler to pin
     the CUDA clock: no link worker synchronises the device (across ranks that can
@@ -349,27 +377,12 @@ def moved_to_the_cpu_right_after_the_step() -> dict:
     hold the updated parameters (``nn.Module._apply`` reads the ``_parameters``
     tables, which land the all-gathers first; before 2026-12-06 the copies held the
     old values of every bucket but this rank's slices)."""
-    cycles = int(1e9)
     model, opt, x = _four_layers_next_forward()
     model(x).square().mean().backward()
-    _slow_all_gathers(cycles)
-    try:
-        opt.step()  # starts every all-gather, each behind the sleep on the link stream
-        ops = list(model._gathers._in_flight.values())
-        for op in ops:
-            op.future.result()  # (host side: every collective was issued)
-        conclusive = len(ops) >= 2 and not all(op.done_event.query() for op in ops)
+    with _stepped_behind_slow_all_gathers(model, opt) as conclusive:
         model.module.cpu()
-    finally:
-        _slow_all_gathers(0)
     moved = [p.detach().clone() for p in model.module.parameters()]
-    # What the step wrote, on a copy of the module trained alike and synchronized.
-    expected_model, expected_opt, _ = _four_layers_next_forward()
-    expected_model(x).square().mean().backward()
-    expected_opt.step()
-    expected_model.synchronize()
-    torch.cuda.synchronize()
-    expected = [p.detach().cpu() for p in expected_model.module.parameters()]
+    expected = [p.cpu() for p in _four_layers_after_one_step(x)]
     return {"conclusive": conclusive, "on_the_cpu": all(p.device.type == "cpu" for p in moved),
             "diff": max(float((a - b).abs().max()) for a, b in zip(moved, expected))}
 
@@ -378,30 +391,15 @@ def held_read_right_after_the_step() -> dict:
     """torch_ema's update over parameters held from before the step, right after it,
     the all-gathers behind a GPU sleep on the link stream: the torch call lands them
     first (held_param_reads.py), and orders the reading stream after them."""
-    cycles = int(1e9)
     model, opt, x = _four_layers_next_forward()
     held = list(model.module.parameters())
     shadow = [p.detach().clone() for p in held]
     model(x).square().mean().backward()
-    _slow_all_gathers(cycles)
-    try:
-        opt.step()  # starts every all-gather, each behind the sleep on the link stream
-        ops = list(model._gathers._in_flight.values())
-        for op in ops:
-            op.future.result()  # (host side: every collective was issued)
-        conclusive = len(ops) >= 2 and not all(op.done_event.query() for op in ops)
-        with torch.no_grad():
-            for s, p in zip(shadow, held):
-                s.copy_(p)  # as torch_ema's update reads them
-    finally:
-        _slow_all_gathers(0)
+    with _stepped_behind_slow_all_gathers(model, opt) as conclusive, torch.no_grad():
+        for s, p in zip(shadow, held):
+            s.copy_(p)  # as torch_ema's update reads them
     torch.cuda.synchronize()
-    expected_model, expected_opt, _ = _four_layers_next_forward()
-    expected_model(x).square().mean().backward()
-    expected_opt.step()
-    expected_model.synchronize()
-    torch.cuda.synchronize()
-    expected = [p.detach() for p in expected_model.module.parameters()]
+    expected = _four_layers_after_one_step(x)
     return {"conclusive": conclusive,
             "diff": max(float((a - b).abs().max()) for a, b in zip(shadow, expected))}
 

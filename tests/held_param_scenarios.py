@@ -61,19 +61,27 @@ def _read_held(how: str, shadow: list, held: list) -> None:
             raise ValueError(how)
 
 
-def held_reads_after_the_step(rank: int, world_size: int, schedule: str, how: str) -> float:
-    """The largest difference, against torch DDP, of what the held reads gave and
-    of the models after 4 steps."""
+def _side_by_side(schedule: str):
+    """Ours and torch DDP over copies of one model, AdamW each, the parameter lists
+    held from the start, and a copy of each list (an EMA's shadow):
+    ``(ours, ref), (opt, ref_opt), helds, shadows``."""
     base = _base()
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     ours = fgp.DistributedDataParallel(base, schedule=schedule, bucket_cap_mb=0.001)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
-    helds = [list(m.module.parameters()) for m in (ours, ref)]  # held from the start
+    opts = (fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2),
+            torch.optim.AdamW(ref.parameters(), lr=1e-2))
+    helds = [list(m.module.parameters()) for m in (ours, ref)]
     shadows = [[p.detach().clone() for p in held] for held in helds]
+    return (ours, ref), opts, helds, shadows
+
+
+def held_reads_after_the_step(rank: int, world_size: int, schedule: str, how: str) -> float:
+    """The largest difference, against torch DDP, of what the held reads gave and
+    of the models after 4 steps."""
+    (ours, ref), opts, helds, shadows = _side_by_side(schedule)
     for step in range(4):
         x, y = _batch(step, rank)
-        for model, o, held, shadow in zip((ours, ref), (opt, ref_opt), helds, shadows):
+        for model, o, held, shadow in zip((ours, ref), opts, helds, shadows):
             nn.functional.mse_loss(model(x), y).backward()
             o.step()
             o.zero_grad()
@@ -195,13 +203,7 @@ def compiled_read_of_held_parameters(rank: int, world_size: int, schedule: str,
     reads the updated values (the landing is a graph break), or under
     ``fullgraph=True`` raises, saying what to do (returns the message). Also how
     many graphs were compiled by the end of each step."""
-    base = _base()
-    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-    ours = fgp.DistributedDataParallel(base, schedule=schedule, bucket_cap_mb=0.001)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
-    helds = [list(m.module.parameters()) for m in (ours, ref)]
-    shadows = [[p.detach().clone() for p in held] for held in helds]
+    (ours, ref), opts, helds, shadows = _side_by_side(schedule)
     compiles = []
 
     def backend(graph, _example_inputs):
@@ -217,7 +219,7 @@ def compiled_read_of_held_parameters(rank: int, world_size: int, schedule: str,
     compiled_by_step = []
     for step in range(4):
         x, y = _batch(step, rank)
-        for model, o, held, shadow in zip((ours, ref), (opt, ref_opt), helds, shadows):
+        for model, o, held, shadow in zip((ours, ref), opts, helds, shadows):
             nn.functional.mse_loss(model(x), y).backward()
             o.step()
             o.zero_grad()
@@ -240,14 +242,9 @@ def thread_reads_during_the_forward(rank: int, world_size: int, schedule: str) -
     buckets have not landed yet: the largest difference of what it read from what
     torch DDP's thread reads. (Before, reads off the forward's thread landed
     nothing while a forward ran, by any path: about 1e-2 off.)"""
-    base = _base()
-    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-    ours = fgp.DistributedDataParallel(base, schedule=schedule, bucket_cap_mb=0.001)
-    opts = [fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2),
-            torch.optim.AdamW(ref.parameters(), lr=1e-2)]
+    (ours, ref), opts, helds, _ = _side_by_side(schedule)
     read = []
-    for model, o in zip((ours, ref), opts):
-        held = list(model.module.parameters())
+    for model, o, held in zip((ours, ref), opts, helds):
         got: list = []
 
         def copy_on_a_thread(_module, _args, held=held, got=got):

@@ -16,7 +16,7 @@ this rank's model) sums the norm over the stages as well: every stage's
 parameters are its own, so all of them count (Megatron's model-parallel group is
 both together; its replica rule takes the tensor-parallel rank).
 
-Pure: which elements of this rank's slices count (the optimizer does the sums).
+Pure: which elements of this rank's slices count (grad_norm_figures.py does the sums).
 """
 from __future__ import annotations
 

@@ -38,14 +38,12 @@ import torch.distributed as dist
 from . import grad_reads, optim_checkpoint, summoned_grads
 from .collective_watch import warn_if_the_others_are_late
 from .ddp import DistributedDataParallel
-from .ops import multi_tensor_sq_norm
 from .optimizer_itself import on_itself, remember_itself
 from .optimizer_conversion import constructor_defaults, conversion_problem, param_groups_to_give
 from .elementwise_probe import refuse_unless_elementwise
 from .optimizer_kinds import refuse_unsliceable, refuse_unsliceable_settings
-from .ignored_params import (UnsteppedIgnoredParameters, check_ignored_parameter_replicas,
-                             ignored_gradients, squares_of)
-from .group_collectives import all_reduce_held
+from .ignored_params import UnsteppedIgnoredParameters, check_ignored_parameter_replicas
+from .grad_norm_figures import NormFigures, norm_from
 from .model_parallel_norm import GROUP_KEYWORDS, check_model_parallel_group, counted_ranges
 from .param_group_args import read_param_groups
 from .profiling import nvtx_range
@@ -176,8 +174,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # what of this rank's slice it counts.
         self.model_parallel_group = model_parallel_group
         self.pipeline_parallel_group = pipeline_parallel_group
-        self._counted_ranges = counted_ranges(model, self._slice_pieces,
-                                              model_parallel_group)
+        self._norm_figures = NormFigures(
+            model, counted_ranges(model, self._slice_pieces, model_parallel_group),
+            self.clip_ignored_parameters, self.ignored_parameter_replicas,
+            model_parallel_group, pipeline_parallel_group)
         slice_groups = []
         for group in groups:
             pieces = [piece for p in group["params"]
@@ -727,7 +727,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         steps (every rank decides alike; with a model_parallel_group or
         pipeline_parallel_group, every rank of it too: that measure is a collective)."""
         self.model.all_reduce_sum(changed)
-        changed = self._summed_over_model_parallel(changed)
+        changed = self._norm_figures.summed_over_model_parallel(changed)
         if changed.item() > 0:
             self._grads_edited = True
             self._clipped_norm = None
@@ -1098,7 +1098,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def speculative_step(self, b: int) -> SliceBackup:
         """Stage 1: step bucket b's slice before the global norm is known; return the undo record."""
         storage = self.model.buckets[b]
-        sq = self._bucket_squares(b)  # before any update
+        sq = self._norm_figures.of_bucket(b)  # before any update
         self.model.finish_param_all_gather(b)
         self._slice_pieces.follow_param_writes([b])
         backup = SliceBackup(storage.param_shard, storage.grad_shard,
@@ -1521,8 +1521,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             part = self._bucket_sq.get(b)
             stale = b in speculated and \
                 speculated[b][1] != model.reducer.reduce_scatters_since_reset[b]
-            local += part if part is not None and not stale else self._bucket_squares(b)
-        self._add_ignored_squares(local)
+            local += part if part is not None and not stale \
+                else self._norm_figures.of_bucket(b)
+        self._norm_figures.add_ignored(local)
         # The host-side figures in one CPU tensor and one copy: on CUDA a copy from
         # pageable memory (torch.tensor(..., device=cuda), .to(cuda)) waits for the
         # whole stream; from pinned memory it is queued behind the norms.
@@ -1535,14 +1536,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         packet = torch.cat([local, flags.to(local.device, non_blocking=True)])
         with model.timeline.span("compute", "norm all-reduce"):
             model.all_reduce_sum(packet)
-            if self._model_parallel_groups():  # (no copy onto itself otherwise)
-                packet[:2] = self._summed_over_model_parallel(packet[:2])
+            if self._norm_figures.sums_over_model_parallel:  # (no copy onto itself otherwise)
+                packet[:2] = self._norm_figures.summed_over_model_parallel(packet[:2])
         packet = packet.cpu()
         sq_sum, nonfinite = float(packet[0]), float(packet[1])
         self._speculated_with_other_hyperparameters = float(packet[2]) > 0
         self._speculation_failures = int(round(float(packet[3])))
         self._globally_used = (packet[4:] > 0).tolist()
-        self._total_norm = _norm_from(sq_sum, nonfinite)
+        self._total_norm = norm_from(sq_sum, nonfinite)
         self._reduced = True
         return self._total_norm
 
@@ -1600,7 +1601,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             # kernel's compute precision, as g.mul_(coefficient) is (float32 for
             # bfloat16, float64 for float64). CUDA takes it as a scalar alike.
             scale = torch.tensor(coefficient, dtype=torch.float64)
-            ignored = self._ignored_grads()
+            ignored = self._norm_figures.ignored_grads()
             torch._foreach_mul_(shards + [g for g in ignored if not g.is_sparse], scale)
             for g in ignored:
                 if g.is_sparse:
@@ -1627,59 +1628,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         (no second measure: an all-reduce saved)."""
         self._ignored_grads_stale = False
 
-    def _ignored_grads(self) -> list[torch.Tensor]:
-        """With ``clip_ignored_parameters``: this rank's gradients of the parameters
-        the wrapper leaves to the user, which the norm covers and the clip scales."""
-        if not self.clip_ignored_parameters:
-            return []
-        return ignored_gradients(self.model.named_ignored_parameters())
-
-    def _add_ignored_squares(self, local: torch.Tensor) -> None:
-        """Adds to ``local`` (float64 [sum of squares, non-finite flag]) those of
-        ``_ignored_grads()``, after this rank's slices': each rank's own are counted
-        once, or 1/r each where r ranks hold them (``ignored_parameter_replicas``).
-        Nothing to do (no tensor made) without ``clip_ignored_parameters``."""
-        grads = self._ignored_grads()
-        if grads:
-            mine = multi_tensor_sq_norm(squares_of(grads)).to(self._device)
-            if self.ignored_parameter_replicas != 1:  # (exact for a power of 2)
-                mine[0] /= self.ignored_parameter_replicas
-            local += mine
-
-    def _bucket_squares(self, b: int) -> torch.Tensor:
-        """float64 [sum of squares, non-finite flag] of what the norm counts of bucket
-        b's reduced slice: all of it, but with a model_parallel_group only the
-        parameters this rank counts (see model_parallel_norm.py)."""
-        shard = self.model.buckets[b].grad_shard
-        ranges = self._counted_ranges[b]
-        if ranges is None:
-            return multi_tensor_sq_norm([shard])
-        figures = multi_tensor_sq_norm([shard[lo:hi] for lo, hi in ranges]) if ranges \
-            else torch.zeros(2, dtype=torch.float64, device=shard.device)
-        # An inf or NaN counts wherever it is, as Megatron's found_inf: a replica's
-        # gradient that differs from the first rank's must still skip the step.
-        figures[1] += (~torch.isfinite(shard)).any().to(torch.float64)
-        return figures
-
-    def _model_parallel_groups(self) -> list[tuple[dist.ProcessGroup, str]]:
-        """The groups the norm is summed over after the wrapper's, in that order."""
-        return [(group, what) for group, what in (
-            (self.model_parallel_group, "norm over the model-parallel group"),
-            (self.pipeline_parallel_group, "norm over the pipeline-parallel group"))
-            if group is not None]
-
-    def _summed_over_model_parallel(self, figures: torch.Tensor) -> torch.Tensor:
-        """``figures`` (float64 [sum of squares, non-finite flag], summed over the
-        wrapper's group) summed over the model_parallel_group, then over the
-        pipeline_parallel_group, where given."""
-        groups = self._model_parallel_groups()
-        if not groups:
-            return figures
-        figures = figures.clone()
-        for group, what in groups:
-            all_reduce_held(figures, dist.ReduceOp.SUM, group, what)
-        return figures
-
     def _valid_grad_shards(self) -> list[torch.Tensor]:
         """This rank's reduced gradient slices, bucket by bucket, but those holding no
         gradient since zero_grad(set_to_none=True)."""
@@ -1705,13 +1653,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             local = torch.zeros(2, dtype=torch.float64, device=self._device)
             for b, storage in enumerate(self.model.buckets):  # in bucket order, as the first
                 if storage.grad_shard_valid:
-                    local += self._bucket_squares(b)
-            self._add_ignored_squares(local)
+                    local += self._norm_figures.of_bucket(b)
+            self._norm_figures.add_ignored(local)
             with self.model.timeline.span("compute", "norm all-reduce"):
                 self.model.all_reduce_sum(local)
-                local = self._summed_over_model_parallel(local)
+                local = self._norm_figures.summed_over_model_parallel(local)
             sq_sum, nonfinite = (float(v) for v in local.cpu())
-            self._clipped_norm = _norm_from(sq_sum, nonfinite)
+            self._clipped_norm = norm_from(sq_sum, nonfinite)
         return self._clipped_norm
 
     def _norm_tensor(self, total: float) -> torch.Tensor:
@@ -1744,15 +1692,6 @@ class _SummonedGradsBlock:
     def __exit__(self, kind, value, traceback) -> None:
         summoned, self.summoned = self.summoned, None
         self.optimizer._leave_summoned_block(summoned, self.writeback, raised=kind is not None)
-
-
-def _norm_from(sq_sum: float, nonfinite: float) -> float:
-    """The L2 norm from all-reduced [sum of squares, non-finite flag]: NaN where an
-    element is NaN, as torch's clip_grad_norm_ returns then (also once
-    clip_grad_value_ has clamped the infs beside it), inf where one is inf."""
-    if math.isnan(sq_sum):
-        return math.nan
-    return math.inf if nonfinite else math.sqrt(sq_sum)
 
 
 @dataclass

@@ -127,7 +127,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
         unless their optimizer was unscaled first (its norm came out ~scale times too
         large, the clip ~scale times too hard). Said once, on this rank: no optimizer
         of this round is unscaled yet."""
-        if self.__dict__.get("_warned_ignored_scaled") or not optimizer._norm_figures.ignored_grads():
+        if self.__dict__.get("_warned_ignored_scaled") \
+                or not optimizer._norm_figures.ignored_grads():
             return
         if any(state["stage"] is OptState.UNSCALED and key not in self._sharded_this_round
                for key, state in self._per_optimizer_states.items()):

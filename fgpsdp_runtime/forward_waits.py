@@ -154,12 +154,14 @@ class ForwardParamWaiter:
             # compiled by torch.compile(m) waits in the pre-hook of the
             # OptimizedModule around it (which runs eagerly) for its subtree.
             return
-        if self._mode == "off":
+        if self._mode == "off" or self._forward_thread != threading.get_ident():
             # Outside the wrapper's forward: the root or a submodule called
             # directly (an eval, generate(), CLIP's model.module.encode_image(x)
             # calling self.visual) would read what the gathers have not yet
-            # written. (Activation checkpointing's recomputation runs in
-            # backward, which the wrapper lets through.)
+            # written. So is a call on another thread while the loop's forward
+            # runs (a logger's eval): it must not move that forward's place in the
+            # recording, nor wait as the loop. (Activation checkpointing's
+            # recomputation runs in backward, which the wrapper lets through.)
             self._direct_call()
         elif self._mode == "record":
             self._recording.append(id(module))
@@ -178,7 +180,8 @@ class ForwardParamWaiter:
     def _post_hook(self, module: nn.Module, args, output) -> None:
         # Between here and the next pre-hook only the caller's code runs: what the
         # next recorded module needs is waited for now (see [Note: one module ahead]).
-        if self._mode == "follow" and not is_traced_by_dynamo():
+        if self._mode == "follow" and not is_traced_by_dynamo() \
+                and self._forward_thread == threading.get_ident():
             self._wait_through(self._cursor)
 
     def _wait_through(self, position: int) -> None:

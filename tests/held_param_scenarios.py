@@ -261,3 +261,39 @@ def thread_reads_during_the_forward(rank: int, world_size: int, schedule: str) -
             o.zero_grad()
         read.append(got[0])
     return max(float((a - b).abs().max()) for a, b in zip(*read))
+
+
+def module_called_on_a_thread_during_the_forward(rank: int, world_size: int,
+                                                 schedule: str) -> dict:
+    """``model.module(x)`` on another thread (a logger's eval) while the loop's forward
+    runs, from the third layer's pre-hook: its output against torch DDP's, and how
+    many of the loop's forwards were taken for another module order. (Before, the
+    thread's pre-hooks ran as the loop forward's: a deviation each time, and the
+    thread waited as the loop.)"""
+    (ours, ref), opts, _, _ = _side_by_side(schedule)
+    outputs = []
+    loop_thread = threading.get_ident()
+    for model, o in zip((ours, ref), opts):
+        got: list = []
+
+        def eval_on_a_thread(_module, _args, model=model, got=got):
+            if threading.get_ident() != loop_thread:
+                return  # (the eval's own call of that layer)
+
+            def run():
+                with torch.no_grad():
+                    got.append(model.module(torch.ones(2, 16)))
+            reader = threading.Thread(target=run)
+            reader.start()
+            reader.join()
+        for step in range(4):
+            x, y = _batch(step, rank)
+            hook = model.module[2].register_forward_pre_hook(eval_on_a_thread) if step else None
+            nn.functional.mse_loss(model(x), y).backward()
+            if hook is not None:
+                hook.remove()
+            o.step()
+            o.zero_grad()
+        outputs.append(got)
+    return {"diff": max(float((a - b).abs().max()) for a, b in zip(*outputs)),
+            "evals": len(outputs[0]), "deviations": ours._forward_waiter.deviations}

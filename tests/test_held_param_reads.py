@@ -16,6 +16,7 @@ from .held_param_scenarios import (
     dropped_wrapper_gives_the_class_back,
     held_copies_and_pickles,
     held_reads_after_the_step,
+    module_called_on_a_thread_during_the_forward,
     thread_reads_during_the_forward,
 )
 
@@ -34,6 +35,12 @@ def test_held_parameters_read_right_after_the_step_hold_the_update(schedule, how
 @pytest.mark.parametrize("schedule", ["two_stage", "next_forward"])
 def test_a_thread_reading_held_parameters_during_the_forward_reads_the_update(schedule):
     assert run_distributed(2, thread_reads_during_the_forward, schedule) == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("schedule", ["two_stage", "next_forward"])
+def test_the_module_called_on_another_thread_during_the_forward_is_a_direct_call(schedule):
+    for res in run_distributed(2, module_called_on_a_thread_during_the_forward, schedule):
+        assert res == {"diff": 0.0, "evals": 3, "deviations": 0}, res
 
 
 @pytest.mark.parametrize("model", ["mlp", "attention"])

@@ -236,31 +236,53 @@ def compiled_read_of_held_parameters(rank: int, world_size: int, schedule: str,
     return {"diff": diff, "compiled_by_step": compiled_by_step}
 
 
+def _on_a_thread_inside_the_forward(rank: int, schedule: str, layer: int, steps: int,
+                                    call) -> tuple:
+    """``call(model, held)`` run on another thread from ``layer``'s forward pre-hook
+    (so while the loop's forward runs, most buckets not landed yet), in every
+    forward but the first, of ours and of torch DDP: ``(ours, [what each call
+    returned] for ours and for torch DDP)``."""
+    (ours, ref), opts, helds, _ = _side_by_side(schedule)
+    loop_thread = threading.get_ident()
+    returned = []
+    for model, o, held in zip((ours, ref), opts, helds):
+        got: list = []
+
+        def on_a_thread(_module, _args, model=model, held=held, got=got):
+            if threading.get_ident() != loop_thread:
+                return  # (the layer called by ``call`` itself)
+            other = threading.Thread(target=lambda: got.append(call(model, held)))
+            other.start()
+            other.join()
+        for step in range(steps):
+            x, y = _batch(step, rank)
+            hook = model.module[layer].register_forward_pre_hook(on_a_thread) if step else None
+            nn.functional.mse_loss(model(x), y).backward()
+            if hook is not None:
+                hook.remove()
+            o.step()
+            o.zero_grad()
+        returned.append(got)
+    return ours, returned
+
+
+def _copies(_model, held) -> list:
+    return [p.detach().clone() for p in held]
+
+
+def _eval_of_the_module(model, _held) -> torch.Tensor:
+    with torch.no_grad():
+        return model.module(torch.ones(2, 16))
+
+
 def thread_reads_during_the_forward(rank: int, world_size: int, schedule: str) -> float:
     """Another thread (a logger's, an asynchronous checkpoint's) reads the held
     parameters while the next forward runs, from the first layer's pre-hook, so most
     buckets have not landed yet: the largest difference of what it read from what
     torch DDP's thread reads. (Before, reads off the forward's thread landed
     nothing while a forward ran, by any path: about 1e-2 off.)"""
-    (ours, ref), opts, helds, _ = _side_by_side(schedule)
-    read = []
-    for model, o, held in zip((ours, ref), opts, helds):
-        got: list = []
-
-        def copy_on_a_thread(_module, _args, held=held, got=got):
-            reader = threading.Thread(target=lambda: got.append([p.detach().clone() for p in held]))
-            reader.start()
-            reader.join()
-        for step in range(2):
-            x, y = _batch(step, rank)
-            hook = model.module[0].register_forward_pre_hook(copy_on_a_thread) if step else None
-            nn.functional.mse_loss(model(x), y).backward()
-            if hook is not None:
-                hook.remove()
-            o.step()
-            o.zero_grad()
-        read.append(got[0])
-    return max(float((a - b).abs().max()) for a, b in zip(*read))
+    _, (mine, theirs) = _on_a_thread_inside_the_forward(rank, schedule, 0, 2, _copies)
+    return max(float((a - b).abs().max()) for a, b in zip(mine[0], theirs[0]))
 
 
 def module_called_on_a_thread_during_the_forward(rank: int, world_size: int,
@@ -270,30 +292,7 @@ def module_called_on_a_thread_during_the_forward(rank: int, world_size: int,
     many of the loop's forwards were taken for another module order. (Before, the
     thread's pre-hooks ran as the loop forward's: a deviation each time, and the
     thread waited as the loop.)"""
-    (ours, ref), opts, _, _ = _side_by_side(schedule)
-    outputs = []
-    loop_thread = threading.get_ident()
-    for model, o in zip((ours, ref), opts):
-        got: list = []
-
-        def eval_on_a_thread(_module, _args, model=model, got=got):
-            if threading.get_ident() != loop_thread:
-                return  # (the eval's own call of that layer)
-
-            def run():
-                with torch.no_grad():
-                    got.append(model.module(torch.ones(2, 16)))
-            reader = threading.Thread(target=run)
-            reader.start()
-            reader.join()
-        for step in range(4):
-            x, y = _batch(step, rank)
-            hook = model.module[2].register_forward_pre_hook(eval_on_a_thread) if step else None
-            nn.functional.mse_loss(model(x), y).backward()
-            if hook is not None:
-                hook.remove()
-            o.step()
-            o.zero_grad()
-        outputs.append(got)
-    return {"diff": max(float((a - b).abs().max()) for a, b in zip(*outputs)),
-            "evals": len(outputs[0]), "deviations": ours._forward_waiter.deviations}
+    ours, (mine, theirs) = _on_a_thread_inside_the_forward(rank, schedule, 2, 4,
+                                                           _eval_of_the_module)
+    return {"diff": max(float((a - b).abs().max()) for a, b in zip(mine, theirs)),
+            "evals": len(mine), "deviations": ours._forward_waiter.deviations}

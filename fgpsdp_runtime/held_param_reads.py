@@ -13,9 +13,9 @@ So while a bucket's all-gather is pending (queued or in flight), each of its
 parameters is of class ``ParameterInFlight``, a subclass of ``nn.Parameter``
 whose ``__torch_function__`` lands the buckets of every such parameter a torch
 call takes (not for a read of its metadata: dtype, shape, ``.grad``), through
-the same rules as an attribute read (the wrapper's; none inside a forward,
-whose pre-hooks wait, or a backward, or between backward and step under
-``two_stage``). The class goes back to ``nn.Parameter`` as the bucket lands.
+the same rules as an attribute read (the wrapper's; none inside a forward on
+its own thread, whose pre-hooks wait, or a backward, or between backward and
+step under ``two_stage``). The class goes back to ``nn.Parameter`` as the bucket lands.
 
 Under torch.compile the landing is a graph break: a compiled function that
 reads a pending parameter runs that call eagerly, and under ``fullgraph=True``

@@ -60,6 +60,7 @@ class ParamGathers:
         # Told as a bucket becomes pending (queued or started) and as it lands, under
         # the lock (held_param_reads.py: the parameters' class while pending).
         self.params_in_flight: Optional[ParamsInFlight] = None
+        self._pending = _Pending(self._in_flight, self._queued)
 
     @property
     def queued(self) -> bool:
@@ -83,8 +84,9 @@ class ParamGathers:
         with self._lock:
             previous = self._in_flight.pop(bucket, None)
             owed = self._owed.pop(bucket, None)
-            if self.params_in_flight is not None:
+            if self.params_in_flight is not None and not from_the_queue:
                 # Before the all-gather may write: a read from now on lands it.
+                # (A queued one was told so when queued, and stays pending since.)
                 self.params_in_flight.pending(bucket)
         for earlier in (previous, owed):
             if earlier is not None:
@@ -178,8 +180,7 @@ class ParamGathers:
                     if not by_the_loop and op.waits_per_stream:
                         self._owed[bucket] = op
                     if self.params_in_flight is not None:
-                        self.params_in_flight.landed(
-                            bucket, _Pending(self._in_flight, self._queued))
+                        self.params_in_flight.landed(bucket, self._pending)
         if by_the_loop:
             with self._lock:
                 self._ahead.discard(bucket)

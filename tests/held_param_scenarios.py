@@ -75,17 +75,25 @@ def _side_by_side(schedule: str):
     return (ours, ref), opts, helds, shadows
 
 
+def _train_reading_after_each_step(rank: int, models, opts, helds, shadows, read,
+                                   after_each_step=lambda: None) -> None:
+    """4 steps of ours and of torch DDP, ``read(shadow, held)`` right after each."""
+    for step in range(4):
+        x, y = _batch(step, rank)
+        for model, o, held, shadow in zip(models, opts, helds, shadows):
+            nn.functional.mse_loss(model(x), y).backward()
+            o.step()
+            o.zero_grad()
+            read(shadow, held)
+        after_each_step()
+
+
 def held_reads_after_the_step(rank: int, world_size: int, schedule: str, how: str) -> float:
     """The largest difference, against torch DDP, of what the held reads gave and
     of the models after 4 steps."""
     (ours, ref), opts, helds, shadows = _side_by_side(schedule)
-    for step in range(4):
-        x, y = _batch(step, rank)
-        for model, o, held, shadow in zip((ours, ref), opts, helds, shadows):
-            nn.functional.mse_loss(model(x), y).backward()
-            o.step()
-            o.zero_grad()
-            _read_held(how, shadow, held)
+    _train_reading_after_each_step(rank, (ours, ref), opts, helds, shadows,
+                                   lambda shadow, held: _read_held(how, shadow, held))
     ours.synchronize()
     with torch.no_grad():
         pairs = list(zip(shadows[0], shadows[1])) + list(
@@ -215,21 +223,14 @@ def compiled_read_of_held_parameters(rank: int, world_size: int, schedule: str,
                 s.lerp_(p, 0.1)
         else:
             torch._foreach_lerp_(shadow, held, 0.1)
-    ema = torch.compile(update, backend=backend, fullgraph=fullgraph)
+    ema = torch.no_grad()(torch.compile(update, backend=backend, fullgraph=fullgraph))
     compiled_by_step = []
-    for step in range(4):
-        x, y = _batch(step, rank)
-        for model, o, held, shadow in zip((ours, ref), opts, helds, shadows):
-            nn.functional.mse_loss(model(x), y).backward()
-            o.step()
-            o.zero_grad()
-            with torch.no_grad():
-                try:
-                    ema(shadow, held)
-                except Exception as error:  # (fullgraph)
-                    ours.synchronize()
-                    return {"raised": str(error)}
-        compiled_by_step.append(len(compiles))
+    try:
+        _train_reading_after_each_step(rank, (ours, ref), opts, helds, shadows, ema,
+                                       lambda: compiled_by_step.append(len(compiles)))
+    except Exception as error:  # (fullgraph)
+        ours.synchronize()
+        return {"raised": str(error)}
     ours.synchronize()
     with torch.no_grad():
         diff = max(float((a - b).abs().max()) for a, b in zip(shadows[0], shadows[1]))

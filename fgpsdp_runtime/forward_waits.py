@@ -286,6 +286,18 @@ class _ParamReadRecorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if is_traced_by_dynamo():
+            # A module compiled apart (torch.compile(block), as torchtitan compiles
+            # each block) traced during the recording forward: its tensors are
+            # dynamo's proxies, with no storage or autograd history to look at,
+            # and such a look would break the graph (an error under
+            # fullgraph=True). Its parameters are waited for at the pre-hook of
+            # the OptimizedModule around it, which runs eagerly (its subtree's).
+            # A parameter's .detach() is still seen (dynamo replays the flag's
+            # write after the graph runs); a view's, taken without history, not.
+            if func in _DETACHING and args and isinstance(args[0], nn.Parameter):
+                self._waiter.reads_detached_params = True
+            return func(*args, **kwargs)
         if func not in METADATA_ONLY_CALLS:
             for tensor in tensors_in((args, kwargs)):
                 self._waiter._note_read(tensor)

@@ -20,7 +20,7 @@ BACKEND = "aot_eager"  # dynamo and AOTAutograd as inductor sees them, without i
 
 
 def compiled_side_by_side(rank: int, world_size: int, how: str, schedule: str,
-                          accumulate: int = 1, steps: int = 4) -> dict:
+                          accumulate: int = 1, fullgraph: bool = False, steps: int = 4) -> dict:
     """fgpsdp's parameters after ``steps`` steps and their largest difference to
     torch DDP's (compiled around its wrapper), fgpsdp compiled ``how``:
 
@@ -32,17 +32,20 @@ def compiled_side_by_side(rank: int, world_size: int, how: str, schedule: str,
 
     ``accumulate`` > 1 runs that many forward/backward pairs per step without
     no_sync(): forwards between backward and step, which undo two_stage's
-    speculative steps and send the restored slices again.
+    speculative steps and send the restored slices again. ``fullgraph``: every
+    compile but the wrapper's is ``fullgraph=True`` (torchtitan compiles each block
+    so, before wrapping it).
     """
     torch.manual_seed(0)
     base = MLP()
     reference = copy.deepcopy(base)
+    options = {"backend": BACKEND, "fullgraph": fullgraph}
     if how == "module":
-        base = torch.compile(base, backend=BACKEND)
+        base = torch.compile(base, **options)
     elif how == "submodule":
-        base.net[2] = torch.compile(base.net[2], backend=BACKEND)
+        base.net[2] = torch.compile(base.net[2], **options)
     elif how == "module_in_place":
-        base.compile(backend=BACKEND)
+        base.compile(**options)
     # overlap_plan="layout": two_stage speculates from the first step.
     kw = {"overlap_plan": "layout"} if schedule == "two_stage" else {}
     ours = fgp.DistributedDataParallel(base, schedule=schedule, bucket_cap_mb=0.0001, **kw)
@@ -53,9 +56,9 @@ def compiled_side_by_side(rank: int, world_size: int, how: str, schedule: str,
     run_ref = torch.compile(ref, backend=BACKEND)
     for step in range(steps):
         if step == 1 and how == "module_in_place_later":
-            ours.module.compile(backend=BACKEND)
+            ours.module.compile(**options)
         if step == 1 and how == "submodule_in_place_later":
-            ours.module.net[2].compile(backend=BACKEND)
+            ours.module.net[2].compile(**options)
         for m in range(accumulate):
             x, y = make_batch("mlp", step, m, rank)
             nn.functional.mse_loss(run_ours(x), y).backward()
@@ -314,3 +317,54 @@ def compiled_step_leaves_our_hooks_untraced(rank: int, world_size: int, schedule
             "dynamo_warnings": sorted({str(w.message)[:120] for w in caught
                                        if "Dynamo" in str(w.message)}),
             "recompile_limit_hit": "recompile_limit" in log.getvalue()}
+
+
+class _ReadsAnotherModulesWeightDetached(nn.Module):
+    """``F.linear(h, other.weight.detach())``: saved for the gradient of ``h`` only,
+    read by backward after ``other.weight``'s own gradient is complete."""
+
+    def __init__(self, other: nn.Linear):
+        super().__init__()
+        self._other = [other]  # not a submodule: the weight is not in this subtree
+
+    def forward(self, h):
+        return nn.functional.linear(h, self._other[0].weight.detach())
+
+
+class _NetWithADetachedReadCompiledApart(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(13, 32)
+        self.body = nn.Sequential(*[nn.Sequential(nn.Linear(32, 32), nn.Tanh())
+                                    for _ in range(3)])
+        self.out = nn.Linear(32, 5)
+        self.side = _ReadsAnotherModulesWeightDetached(self.out)
+
+    def forward(self, x):
+        h0 = torch.tanh(self.inp(x))
+        return self.out(self.body(h0)) + 0.5 * torch.tanh(self.side(h0))
+
+
+def detached_read_in_a_block_compiled_apart(rank: int, world_size: int,
+                                            steps: int = 4) -> dict:
+    """The block that takes a parameter's ``.detach()`` is compiled apart with
+    ``fullgraph=True``: the recording forward still notices the read (the
+    speculative steps then wait for backward's end, as in eager mode)."""
+    torch.manual_seed(1234 + rank)
+    base = _NetWithADetachedReadCompiledApart()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    base.side = torch.compile(base.side, backend=BACKEND, fullgraph=True)
+    ours = fgp.DistributedDataParallel(base, bucket_cap_mb=0.0001, schedule="two_stage",
+                                       overlap_plan="layout")
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(steps):
+        x, y = make_batch("mlp", step, 0, rank)
+        for model, optimizer in ((ours, opt), (ref, ref_opt)):
+            optimizer.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+    ours.synchronize()
+    return {"diff_to_ddp": param_diff(ours, ref),
+            "noticed": ours.backward_may_read_detached_params,
+            "commits": ours.scheduler.commits}

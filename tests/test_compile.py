@@ -19,6 +19,14 @@ HOWS = ("wrapper", "module", "submodule", "module_in_place", "module_in_place_la
 CASES = [(how, schedule, 1) for how in HOWS for schedule in ("two_stage", "next_forward")]
 # Forwards between backward and step: two_stage undoes its speculative steps.
 CASES += [("wrapper", "two_stage", 2), ("module_in_place", "two_stage", 2)]
+# fullgraph=True, as torchtitan compiles each block before wrapping. Before, the
+# recording forward's read recorder looked at a traced tensor's grad_fn and storage:
+# "Unsupported: Tensor with grad_fn()" (submodule) or "... data_ptr of class
+# UntypedStorage" (module), at the first forward.
+FULLGRAPH = [(how, schedule, 1, True) for how in ("module", "submodule")
+             for schedule in ("two_stage", "next_forward")]
+FULLGRAPH += [("submodule_in_place_later", "two_stage", 1, True)]
+CASES += FULLGRAPH
 EAGER = [("eager", "two_stage", 1), ("eager", "next_forward", 1), ("eager", "two_stage", 2)]
 
 
@@ -27,9 +35,10 @@ def results():
     return run_distributed(2, compile_scenarios.compiled_many, CASES + EAGER, timeout_s=600)
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{h}-{s}-accumulate{a}" for h, s, a in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[0]}-{c[1]}-accumulate{c[2]}"
+                                             + ("-fullgraph" if c[3:] else "") for c in CASES])
 def test_compiled_training_matches_eager_and_torch_ddp(results, case):
-    _, schedule, accumulate = case
+    _, schedule, accumulate = case[:3]
     for rank, per_case in enumerate(results):
         eager = per_case[("eager", schedule, accumulate)]
         compiled = per_case[case]
@@ -162,3 +171,13 @@ def test_a_compiled_read_of_a_parameter_attribute_is_not_guarded_on_the_gathers(
         regulariser(module)
     assert compiles == 1
     torch._dynamo.reset()
+
+
+def test_a_parameters_detach_in_a_block_compiled_apart_is_noticed():
+    """The recording forward's read recorder lets dynamo trace a block compiled apart
+    (fullgraph=True) and still notices a parameter's ``.detach()`` there, so the
+    speculative steps wait for backward's end, as they do in eager mode."""
+    for rank, res in enumerate(run_distributed(
+            2, compile_scenarios.detached_read_in_a_block_compiled_apart, timeout_s=300)):
+        assert res["noticed"], (rank, res)
+        assert res["diff_to_ddp"] == 0.0 and res["commits"] > 0, (rank, res)

@@ -277,7 +277,6 @@ class DistributedDataParallel(nn.Module):
             for layout in self.bucket_layouts]
         self._param_places = ParamPlaces(module, self._param_names, self._params, self._buckets,
                                          self._ignored_names)
-        self._modules_in_tree = list(module.modules())  # see _compiled_in_place
         self.param_versions = ParamVersions(
             [[self._params[s.param_index] for s in layout.spans] for layout in self.bucket_layouts],
             {id(p): name for name, p in zip(self._param_names, self._params)})
@@ -466,8 +465,6 @@ class DistributedDataParallel(nn.Module):
             self._after_forward_eagerly(output)
             return output
         waiter = self._forward_waiter
-        if waiter is not None and self._compiled_in_place():
-            waiter = None  # its pre-hooks would be no-ops in the compiled modules
         inputs, kwargs = self._before_forward(inputs, kwargs, wait_all=waiter is None)
         with nvtx_range("fgpsdp.forward"), self.timeline.span("compute", "forward"):
             self._forwards_running += 1  # its own parameter reads are no loop's clip
@@ -583,12 +580,6 @@ class DistributedDataParallel(nn.Module):
     def mark_params_changed(self, buckets: Sequence[int]) -> None:
         """The parameters of ``buckets`` changed in place (a step, an undo)."""
         self.param_versions.mark_changed(buckets)
-
-    def _compiled_in_place(self) -> bool:
-        """Some module was compiled by ``nn.Module.compile()``: its own pre-hooks,
-        ours among them, then run inside compiled code (and do nothing there)."""
-        return any(m.__dict__.get("_compiled_call_impl") is not None
-                   for m in self._modules_in_tree)
 
     # What a compiled forward calls: dynamo runs them as they are, every call.
     _before_forward_eagerly = torch.compiler.disable(_before_forward)

@@ -101,6 +101,24 @@ class ForwardParamWaiter:
 
     def remove(self) -> None:
         self._handles.remove()
+        for m in self._modules:
+            hooks = m.__dict__.get("_compiled_call_impl")
+            if isinstance(hooks, _EagerHooksAround):
+                m._compiled_call_impl = hooks.compiled
+
+    def _hook_calls_compiled_in_place(self) -> None:
+        """A module compiled by ``nn.Module.compile()`` runs its hooks, ours among
+        them, inside compiled code, where ours do nothing: its calls get our hooks
+        around them, eagerly. (Before, the wrapper waited for every bucket before
+        such a forward: torchtune compiles each layer so.)"""
+        for m in self._modules:
+            compiled = m.__dict__.get("_compiled_call_impl")
+            if compiled is not None and not isinstance(compiled, _EagerHooksAround):
+                m._compiled_call_impl = _EagerHooksAround(compiled, m, self)
+                # Compiled since the recording: the pre-hooks of the modules inside
+                # no longer run eagerly, so the recording's waits there would never
+                # come, nor would a deviation be seen. Learn the order again.
+                self._recorded = None
 
     @property
     def in_forward(self) -> bool:
@@ -116,6 +134,7 @@ class ForwardParamWaiter:
         other tensors than the parameters (a functional_call's): this forward
         neither records nor follows (a recording would find no bucket for them)."""
         self._forward_thread = threading.get_ident()
+        self._hook_calls_compiled_in_place()
         if landed:
             self._wait_all()
             self._mode = "landed"
@@ -149,10 +168,11 @@ class ForwardParamWaiter:
         if is_traced_by_dynamo():
             # Traced by torch.compile, this would run once at tracing and never
             # again. Compiled code waits earlier instead: the wrapper's compiled
-            # forward waits for everything, as does its eager forward when some
-            # module was compiled in place (nn.Module.compile()); a submodule
-            # compiled by torch.compile(m) waits in the pre-hook of the
-            # OptimizedModule around it (which runs eagerly) for its subtree.
+            # forward waits for everything; a submodule compiled by
+            # torch.compile(m) waits in the pre-hook of the OptimizedModule around
+            # it (which runs eagerly) for its subtree, and one compiled in place
+            # (nn.Module.compile()) in this hook, called eagerly around it
+            # (_EagerHooksAround).
             return
         if self._mode == "off" or self._forward_thread != threading.get_ident():
             # Outside the wrapper's forward: the root or a submodule called
@@ -262,6 +282,32 @@ class ForwardParamWaiter:
                     seen_bucket.add(b)
                     needs[position].append(b)
         return needs
+
+
+class _EagerHooksAround:
+    """Stands in for ``module._compiled_call_impl``, which ``nn.Module.compile()``
+    sets and ``module(...)`` calls instead of its ``_call_impl``: runs the waiter's
+    pre- and post-hook for the module eagerly around the compiled call, so the
+    module waits for its subtree's buckets as a module compiled by
+    ``torch.compile(m)`` does in the pre-hook of the OptimizedModule around it.
+    Traced itself (the module called from other compiled code), both hooks do
+    nothing: that code's own waits cover it."""
+
+    def __init__(self, compiled: Callable, module: nn.Module, waiter: ForwardParamWaiter):
+        self.compiled = compiled
+        self._module = module
+        self._waiter = waiter
+
+    def __call__(self, *args, **kwargs):
+        self._waiter._pre_hook(self._module, args)
+        output = self.compiled(*args, **kwargs)
+        self._waiter._post_hook(self._module, args, output)
+        return output
+
+    def __deepcopy__(self, memo):
+        # Reached only by a class's own __deepcopy__ that copies __dict__ (torch's
+        # __getstate__ drops _compiled_call_impl): the copy is not wrapped.
+        return self.compiled
 
 
 # Calls that read a tensor's metadata, not its values: a model may look at a

@@ -368,3 +368,69 @@ def detached_read_in_a_block_compiled_apart(rank: int, world_size: int,
     return {"diff_to_ddp": param_diff(ours, ref),
             "noticed": ours.backward_may_read_detached_params,
             "commits": ours.scheduler.commits}
+
+
+class _Layers(nn.Module):
+    """Residual layers, each compiled apart in the scenario below; the root counts,
+    after the first layer, the parameters of the others still being all-gathered."""
+
+    def __init__(self, width: int = 16, depth: int = 4):
+        super().__init__()
+        self.inp = nn.Linear(13, width)
+        self.layers = nn.ModuleList(
+            nn.Sequential(nn.Linear(width, width), nn.Tanh(), nn.Linear(width, width))
+            for _ in range(depth))
+        self.out = nn.Linear(width, 5)
+        self.watched: list = []  # parameters, held as a loop holds them
+        self.in_flight_after_the_first_layer: list[int] = []
+
+    def forward(self, x):
+        from fgpsdp_runtime.held_param_reads import ParameterInFlight
+        h = torch.tanh(self.inp(x))
+        for i, layer in enumerate(self.layers):
+            h = h + layer(h)
+            if i == 0:  # (type() reads the class: it lands nothing)
+                self.in_flight_after_the_first_layer.append(
+                    sum(type(p) is ParameterInFlight for p in self.watched))
+        return self.out(h)
+
+
+def compiled_per_layer(rank: int, world_size: int, how: str, schedule: str,
+                       steps: int = 4) -> dict:
+    """Each layer compiled apart (fullgraph=True), ``how``: "in_place"
+    (``layer.compile()`` before wrapping, as torchtune compiles each layer),
+    "in_place_later" (after the first step), "apart" (``torch.compile(layer)``
+    before wrapping, as torchtitan), or "eager". Also how many parameters of the
+    later layers were still in flight after the first layer, per forward."""
+    torch.manual_seed(0)
+    base = _Layers()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    base.watched = list(base.parameters())
+    options = {"backend": BACKEND, "fullgraph": True}
+    if how == "in_place":
+        for layer in base.layers:
+            layer.compile(**options)
+    elif how == "apart":
+        for i, layer in enumerate(base.layers):
+            base.layers[i] = torch.compile(layer, **options)
+    kw = {"overlap_plan": "layout"} if schedule == "two_stage" else {}
+    ours = fgp.DistributedDataParallel(base, schedule=schedule, bucket_cap_mb=0.0001, **kw)
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for step in range(steps):
+        if step == 1 and how == "in_place_later":
+            for layer in ours.module.layers:
+                layer.compile(**options)
+        x, y = make_batch("mlp", step, 0, rank)
+        for model, optimizer in ((ours, opt), (ref, ref_opt)):
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    result = _params_and_diff(ours, ref)
+    result["in_flight_after_the_first_layer"] = base.in_flight_after_the_first_layer
+    result["deviations"] = ours._forward_waiter.deviations
+    return result
+
+
+def compiled_per_layer_many(rank: int, world_size: int, cases: list[tuple]) -> dict:
+    return {case: compiled_per_layer(rank, world_size, *case) for case in cases}

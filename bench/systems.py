@@ -209,7 +209,7 @@ class FGPSDP(System):
 
     def __init__(self, model, loss_fn, bucket_cap_mb=None, calls_in_flight=None,
                  first_bucket_at_cap=False, shm_barrier=None, training_thread_nice=None,
-                 **ddp_kwargs):
+                 compiled=None, **ddp_kwargs):
         # Raised after the first step, once every communication thread exists
         # (threads inherit their creator's nice value): see train_step.
         self.training_thread_nice = training_thread_nice
@@ -219,14 +219,20 @@ class FGPSDP(System):
             os.environ["FGPSDP_SHM_BARRIER"] = shm_barrier
         if first_bucket_at_cap:  # read when the wrapper builds its buckets
             fgp.layout.FIRST_BUCKET_CAP_MB = None
+        if compiled == "layers":
+            for layer in compiled_layers(model):
+                layer.compile(backend=COMPILE_BACKEND)
         # None: fgpsdp's own default (sized to the model, 1-25 MB).
         self.model = fgp.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb, **ddp_kwargs)
+        self.run_model = self.model
+        if compiled == "wrapper":
+            self.run_model = torch.compile(self.model, backend=COMPILE_BACKEND)
         self.opt = fgp.ShardedOptimizer(self.model, torch.optim.AdamW, max_grad_norm=MAX_NORM,
                                         **ADAMW)
         self.loss_fn = loss_fn
 
     def train_step(self, x, y):
-        loss = self.loss_fn(self.model(x), y)
+        loss = self.loss_fn(self.run_model(x), y)
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -259,6 +265,28 @@ class FGPSDP(System):
                 "plan": self.model.plan.to_json(),
                 "speculative_commits": scheduler.commits,
                 "speculative_rollbacks": scheduler.rollbacks}
+
+
+# The fgpsdp_compiled_* systems compile with AOTAutograd and no code generation:
+# the compute is eager's, so only where the forward waits for all-gathers changes
+# (inductor on these CPUs would time its own C++ build and kernels too).
+COMPILE_BACKEND = "aot_eager"
+
+
+def compiled_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers ``fgpsdp_compiled_layers`` compiles in place, one at a time, as
+    torchtune compiles each decoder layer: every module with parameters that is an
+    item of an ``nn.Sequential`` or ``nn.ModuleList`` (a block of GPT-2, an encoder
+    layer, a ResNet bottleneck), the outermost where they nest."""
+    layers, inside = [], set()
+    for parent in model.modules():
+        if id(parent) in inside or not isinstance(parent, (nn.Sequential, nn.ModuleList)):
+            continue
+        for child in parent.children():
+            if any(True for _ in child.parameters()) and id(child) not in inside:
+                layers.append(child)
+                inside.update(id(m) for m in child.modules())
+    return layers
 
 
 def node_groups():
@@ -406,7 +434,11 @@ def fgpsdp_variant(name: str):
     ``fgpsdp_first_bucket_at_cap`` (the first bucket closes at the bucket cap,
     not at layout.FIRST_BUCKET_CAP_MB), ``fgpsdp_comm_first`` (after the first
     step the training thread runs at nice 10, every other thread of the rank at
-    its nice 0, so communication threads win the shared cores), ``fgpsdp_<schedule>``.
+    its nice 0, so communication threads win the shared cores),
+    ``fgpsdp_compiled_wrapper`` (``torch.compile`` of the wrapper: its forward
+    waits for every all-gather first), ``fgpsdp_compiled_layers`` (each of
+    ``compiled_layers(model)`` compiled in place before wrapping: each waits for
+    its own), ``fgpsdp_<schedule>``.
     """
     if name == "fgpsdp":
         return {}
@@ -420,6 +452,8 @@ def fgpsdp_variant(name: str):
         return {"training_thread_nice": 10}
     if name == "fgpsdp_flat":
         return {"topology": "flat"}
+    if name in ("fgpsdp_compiled_wrapper", "fgpsdp_compiled_layers"):
+        return {"compiled": name[len("fgpsdp_compiled_"):]}
     if name == "fgpsdp_gloo_intra":
         return {"topology": fgp.Topology(shared_memory=False)}
     schedule = name[len("fgpsdp_"):] if name.startswith("fgpsdp_") else None

@@ -491,7 +491,10 @@ class DistributedDataParallel(nn.Module):
             synchronised = torch.is_grad_enabled() and self.reducer.sync_enabled
             self._uneven_inputs.notify(AnnouncedCall.FORWARD, float(buffers_first),
                                        float(synchronised))
+        tree_changed = self._param_places.tree_changed
         substitutes = self._param_places.check()
+        if tree_changed and self._forward_waiter is not None:
+            self._forward_waiter.hook_modules_compiled_apart()
         self._forward_reads_substitutes = bool(substitutes)
         if substitutes:
             self._note_substitutes(substitutes)

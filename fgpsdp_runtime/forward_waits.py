@@ -91,13 +91,35 @@ class ForwardParamWaiter:
         self._modules = [m for m in root.modules() if any(True for _ in m.parameters())]
         # First among the module's pre-hooks: those registered before wrapping
         # (weight_norm's, pruning's, a user's) may read the parameters too.
-        hook = ModuleHook(self._pre_hook)
+        self._hook = ModuleHook(self._pre_hook)
         # First among its forward hooks too: a user's may read the next module's.
-        post_hook = ModuleHook(self._post_hook)
+        self._post_hook_of_ours = ModuleHook(self._post_hook)
         self._handles = HookHandles()
         for m in self._modules:
-            self._handles.add(m.register_forward_pre_hook(hook, prepend=True))
-            self._handles.add(m.register_forward_hook(post_hook, prepend=True))
+            self._add_hooks(m)
+        self._hooked = {id(m) for m in self._modules}
+
+    def _add_hooks(self, module: nn.Module) -> None:
+        self._handles.add(module.register_forward_pre_hook(self._hook, prepend=True))
+        self._handles.add(module.register_forward_hook(self._post_hook_of_ours, prepend=True))
+
+    def hook_modules_compiled_apart(self) -> None:
+        """After the module tree changed: a module of ours set back into it compiled
+        by ``torch.compile(m)`` (``layers[i] = torch.compile(layers[i])`` after
+        wrapping) gets our hooks on the OptimizedModule around it, whose hooks run
+        eagerly, as one compiled so before wrapping has them: the hooks of the
+        modules inside run in compiled code, where ours do nothing."""
+        try:
+            from torch._dynamo.eval_frame import OptimizedModule
+        except ImportError:  # a torch without dynamo
+            return
+        for m in self._root.modules():
+            if isinstance(m, OptimizedModule) and id(m) not in self._hooked \
+                    and any(True for _ in m.parameters()):
+                self._add_hooks(m)
+                self._modules.append(m)
+                self._hooked.add(id(m))
+                self._recorded = None  # (see _hook_calls_compiled_in_place)
 
     def remove(self) -> None:
         self._handles.remove()

@@ -400,7 +400,8 @@ def compiled_per_layer(rank: int, world_size: int, how: str, schedule: str,
     """Each layer compiled apart (fullgraph=True), ``how``: "in_place"
     (``layer.compile()`` before wrapping, as torchtune compiles each layer),
     "in_place_later" (after the first step), "apart" (``torch.compile(layer)``
-    before wrapping, as torchtitan), or "eager". Also how many parameters of the
+    before wrapping, as torchtitan), "apart_later" (set into the module so after
+    the first step), or "eager". Also how many parameters of the
     later layers were still in flight after the first layer, per forward."""
     torch.manual_seed(0)
     base = _Layers()
@@ -421,6 +422,9 @@ def compiled_per_layer(rank: int, world_size: int, how: str, schedule: str,
         if step == 1 and how == "in_place_later":
             for layer in ours.module.layers:
                 layer.compile(**options)
+        if step == 1 and how == "apart_later":
+            for i, layer in enumerate(ours.module.layers):
+                ours.module.layers[i] = torch.compile(layer, **options)
         x, y = make_batch("mlp", step, 0, rank)
         for model, optimizer in ((ours, opt), (ref, ref_opt)):
             nn.functional.mse_loss(model(x), y).backward()

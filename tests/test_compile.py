@@ -183,7 +183,8 @@ def test_a_parameters_detach_in_a_block_compiled_apart_is_noticed():
         assert res["diff_to_ddp"] == 0.0 and res["commits"] > 0, (rank, res)
 
 
-PER_LAYER = [(how, schedule) for how in ("eager", "in_place", "in_place_later", "apart")
+PER_LAYER = [(how, schedule)
+             for how in ("eager", "in_place", "in_place_later", "apart", "apart_later")
              for schedule in ("two_stage", "next_forward")]
 
 
@@ -202,7 +203,10 @@ def test_layers_compiled_apart_train_as_eager_and_keep_waiting_layer_by_layer(pe
     the first). Before, a layer compiled in place made every forward wait for
     every bucket first (none in flight there). Compiled in place after the first
     step, the next forward records again: kept, the eager recording's waits for
-    the layer's children never ran (0.016 off torch DDP)."""
+    the layer's children never ran (0.016 off torch DDP). Compiled apart and set
+    into the module after the first step, the OptimizedModule around each layer
+    gets our hooks: before, the compiled layer read parameters still in flight,
+    which under fullgraph=True raised."""
     how, schedule = case
     for rank, per_case in enumerate(per_layer):
         ours, eager = per_case[case], per_case[("eager", schedule)]

@@ -36,6 +36,20 @@ pooling), and moves the waits the plan is profiled from: VGG-16 a median 3%
 (docs/benchmarks/2026-12-04-forward-waits-ahead.md). A read, in that gap, of
 a module further ahead is not covered (two modules skipped, the second's
 weight read): such a forward must be synchronised by the caller.
+
+[Note: modules compiled apart]
+Compiled code runs the hooks of the modules inside it at tracing only, and its
+reads of parameters are no torch calls a mode sees (inductor's kernels). So a
+module compiled apart, by ``torch.compile(m)`` (the OptimizedModule around it)
+or in place (``m.compile()``: its calls get our hooks around them,
+_EagerHooksAround), stands for its whole subtree: it takes one place in the
+recording, waits there for all its subtree's buckets and for what its code read
+first, and the modules inside it neither record nor follow. The recording
+forward runs every compiled frame eagerly (``torch.compiler.set_stance
+("force_eager")``), so that those reads, a parameter of another module's
+included, are seen as in eager mode; the next forward compiles. (Before, a read
+in compiled code of a parameter outside the module's subtree went unseen, and
+under inductor read the old values.)
 """
 from __future__ import annotations
 
@@ -81,6 +95,9 @@ class ForwardParamWaiter:
         # from its gradient (see scheduler.py).
         self.reads_detached_params = False
         self._cursor = 0
+        # Calls of modules compiled apart under way (see [Note: modules compiled apart]).
+        self._compiled_depth = 0
+        self._eager_stance: Any = None  # while a forward records
         # "record" or "follow" (this forward), "landed" (this forward, after a
         # deviation landed everything), or "off" (no forward of the wrapper).
         # Off until the first: a loop may call model.module(...) before it, or
@@ -156,7 +173,10 @@ class ForwardParamWaiter:
         other tensors than the parameters (a functional_call's): this forward
         neither records nor follows (a recording would find no bucket for them)."""
         self._forward_thread = threading.get_ident()
+        self._compiled_depth = 0
         self._hook_calls_compiled_in_place()
+        if not landed and _force_eager is None and any(map(_compiled_apart, self._modules)):
+            landed = True  # no eager recording possible: wait for everything first
         if landed:
             self._wait_all()
             self._mode = "landed"
@@ -166,6 +186,9 @@ class ForwardParamWaiter:
             self._mode = "record"
             self._recording = []
             self._first_read = {}
+            if _force_eager is not None:
+                self._eager_stance = _force_eager()
+                self._eager_stance.__enter__()
             # Thread-local: only this forward's calls are seen.
             self._read_recorder = _ParamReadRecorder(self)
             self._read_recorder.__enter__()
@@ -178,6 +201,9 @@ class ForwardParamWaiter:
         if self._read_recorder is not None:
             recorder, self._read_recorder = self._read_recorder, None
             recorder.__exit__(None, None, None)
+        if self._eager_stance is not None:
+            stance, self._eager_stance = self._eager_stance, None
+            stance.__exit__(None, None, None)
         if self._mode == "record":
             self._recorded = self._recording
             self._needs = self._assign(self._recording)
@@ -205,7 +231,13 @@ class ForwardParamWaiter:
             # recording, nor wait as the loop. (Activation checkpointing's
             # recomputation runs in backward, which the wrapper lets through.)
             self._direct_call()
-        elif self._mode == "record":
+            return
+        inside_compiled = self._compiled_depth > 0
+        if _compiled_apart(module):
+            self._compiled_depth += 1
+        if inside_compiled:
+            return  # see [Note: modules compiled apart]
+        if self._mode == "record":
             self._recording.append(id(module))
         elif self._mode == "follow":
             position = self._cursor
@@ -220,10 +252,14 @@ class ForwardParamWaiter:
                 self._mode = "landed"
 
     def _post_hook(self, module: nn.Module, args, output) -> None:
+        if self._mode == "off" or is_traced_by_dynamo() \
+                or self._forward_thread != threading.get_ident():
+            return
+        if self._compiled_depth > 0 and _compiled_apart(module):
+            self._compiled_depth -= 1
         # Between here and the next pre-hook only the caller's code runs: what the
         # next recorded module needs is waited for now (see [Note: one module ahead]).
-        if self._mode == "follow" and not is_traced_by_dynamo() \
-                and self._forward_thread == threading.get_ident():
+        if self._mode == "follow" and self._compiled_depth == 0:
             self._wait_through(self._cursor)
 
     def _wait_through(self, position: int) -> None:
@@ -306,6 +342,35 @@ class ForwardParamWaiter:
         return needs
 
 
+def _optimized_module_class() -> type | tuple:
+    try:
+        from torch._dynamo.eval_frame import OptimizedModule
+    except ImportError:  # a torch without dynamo
+        return ()
+    return OptimizedModule
+
+
+_OptimizedModule = _optimized_module_class()
+
+
+def _compiled_apart(module: nn.Module) -> bool:
+    """``module`` runs compiled code with hooks of its own that run eagerly: an
+    OptimizedModule (``torch.compile(m)``) or one compiled in place whose calls
+    we hooked (``_EagerHooksAround``)."""
+    return isinstance(module, _OptimizedModule) \
+        or isinstance(module.__dict__.get("_compiled_call_impl"), _EagerHooksAround)
+
+
+def _force_eager_stance():
+    return torch.compiler.set_stance("force_eager")
+
+
+# A recording forward runs every compiled frame eagerly (torch >= 2.6): None
+# without the stance, and a forward then waits for everything first where a
+# module is compiled apart.
+_force_eager = _force_eager_stance if hasattr(torch.compiler, "set_stance") else None
+
+
 class _EagerHooksAround:
     """Stands in for ``module._compiled_call_impl``, which ``nn.Module.compile()``
     sets and ``module(...)`` calls instead of its ``_call_impl``: runs the waiter's
@@ -354,18 +419,6 @@ class _ParamReadRecorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if is_traced_by_dynamo():
-            # A module compiled apart (torch.compile(block), as torchtitan compiles
-            # each block) traced during the recording forward: its tensors are
-            # dynamo's proxies, with no storage or autograd history to look at,
-            # and such a look would break the graph (an error under
-            # fullgraph=True). Its parameters are waited for at the pre-hook of
-            # the OptimizedModule around it, which runs eagerly (its subtree's).
-            # A parameter's .detach() is still seen (dynamo replays the flag's
-            # write after the graph runs); a view's, taken without history, not.
-            if func in _DETACHING and args and isinstance(args[0], nn.Parameter):
-                self._waiter.reads_detached_params = True
-            return func(*args, **kwargs)
         if func not in METADATA_ONLY_CALLS:
             for tensor in tensors_in((args, kwargs)):
                 self._waiter._note_read(tensor)

@@ -438,3 +438,75 @@ def compiled_per_layer(rank: int, world_size: int, how: str, schedule: str,
 
 def compiled_per_layer_many(rank: int, world_size: int, cases: list[tuple]) -> dict:
     return {case: compiled_per_layer(rank, world_size, *case) for case in cases}
+
+
+def graph_outside_torch_functions(gm, example_inputs):
+    """A dynamo backend whose compiled code, as inductor's kernels, makes no torch
+    calls a TorchFunctionMode sees (without inductor's C++ build)."""
+    def run(*args):
+        with torch._C.DisableTorchFunction():
+            return gm(*args)
+    return run
+
+
+class _ReadsAnotherModulesWeight(nn.Module):
+    def __init__(self, other: nn.Linear):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self._other = [other]  # not a submodule: its weight is outside this subtree
+
+    def forward(self, h):
+        return torch.tanh(self.a(h)) + nn.functional.linear(h, self._other[0].weight)
+
+
+class _NetWithALayerReadingALaterOne(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(13, 16)
+        post = nn.Linear(16, 16)
+        self.layer = _ReadsAnotherModulesWeight(post)
+        # Registered after the layer, as it runs: its all-gather goes after the layer's.
+        self.post = post
+        self.out = nn.Linear(16, 5)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = h + self.layer(h)
+        return self.out(torch.tanh(self.post(h)))
+
+
+def layer_compiled_apart_reading_outside_its_subtree(rank: int, world_size: int, how: str,
+                                                     schedule: str, fullgraph: bool,
+                                                     steps: int = 4) -> float:
+    """The compiled layer reads the weight of a module that runs after it, its
+    compiled code invisible to a mode (as inductor's), ``how``: "in_place" or
+    "apart"; torch DDP's layer is compiled alike. The largest difference to it."""
+    from .profile_window_scenarios import slow_all_gathers
+    torch.manual_seed(0)
+    base = _NetWithALayerReadingALaterOne()
+    ref_base = copy.deepcopy(base)
+    options = {"backend": graph_outside_torch_functions, "fullgraph": fullgraph}
+    ref_base.layer.compile(**options)
+    if how == "in_place":
+        base.layer.compile(**options)
+    else:
+        base.layer = torch.compile(base.layer, **options)
+    kw = {"overlap_plan": "layout"} if schedule == "two_stage" else {}
+    ours = fgp.DistributedDataParallel(base, schedule=schedule, bucket_cap_mb=0.0001, **kw)
+    ref = nn.parallel.DistributedDataParallel(ref_base)
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    with slow_all_gathers(0.01):  # still in flight when the layer runs
+        for step in range(steps):
+            x, y = make_batch("mlp", step, 0, rank)
+            for model, optimizer in ((ours, opt), (ref, ref_opt)):
+                nn.functional.mse_loss(model(x), y).backward()
+                optimizer.step()
+                optimizer.zero_grad()
+        ours.synchronize()
+    return param_diff(ours, ref)
+
+
+def outside_reads_many(rank: int, world_size: int, cases: list[tuple]) -> dict:
+    return {case: layer_compiled_apart_reading_outside_its_subtree(rank, world_size, *case)
+            for case in cases}

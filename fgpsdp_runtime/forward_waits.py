@@ -98,6 +98,10 @@ class ForwardParamWaiter:
         # Calls of modules compiled apart under way (see [Note: modules compiled apart]).
         self._compiled_depth = 0
         self._eager_stance: Any = None  # while a forward records
+        # Without the force_eager stance (torch < 2.6): a recording forward ran
+        # compiled code, whose reads it cannot see. Every forward then waits for
+        # everything first.
+        self.compiled_code_unseen = False
         # "record" or "follow" (this forward), "landed" (this forward, after a
         # deviation landed everything), or "off" (no forward of the wrapper).
         # Off until the first: a loop may call model.module(...) before it, or
@@ -126,12 +130,8 @@ class ForwardParamWaiter:
         wrapping) gets our hooks on the OptimizedModule around it, whose hooks run
         eagerly, as one compiled so before wrapping has them: the hooks of the
         modules inside run in compiled code, where ours do nothing."""
-        try:
-            from torch._dynamo.eval_frame import OptimizedModule
-        except ImportError:  # a torch without dynamo
-            return
         for m in self._root.modules():
-            if isinstance(m, OptimizedModule) and id(m) not in self._hooked \
+            if isinstance(m, _OptimizedModule) and id(m) not in self._hooked \
                     and any(True for _ in m.parameters()):
                 self._add_hooks(m)
                 self._modules.append(m)
@@ -175,8 +175,10 @@ class ForwardParamWaiter:
         self._forward_thread = threading.get_ident()
         self._compiled_depth = 0
         self._hook_calls_compiled_in_place()
-        if not landed and _force_eager is None and any(map(_compiled_apart, self._modules)):
-            landed = True  # no eager recording possible: wait for everything first
+        if _force_eager is None and any(map(_compiled_apart, self._modules)):
+            self.compiled_code_unseen = True
+        if self.compiled_code_unseen:
+            landed = True  # no recording sees into compiled code: wait for everything first
         if landed:
             self._wait_all()
             self._mode = "landed"
@@ -204,7 +206,7 @@ class ForwardParamWaiter:
         if self._eager_stance is not None:
             stance, self._eager_stance = self._eager_stance, None
             stance.__exit__(None, None, None)
-        if self._mode == "record":
+        if self._mode == "record" and not self.compiled_code_unseen:
             self._recorded = self._recording
             self._needs = self._assign(self._recording)
             self._next_is_inside = self._next_inside(self._recording)
@@ -366,8 +368,8 @@ def _force_eager_stance():
 
 
 # A recording forward runs every compiled frame eagerly (torch >= 2.6): None
-# without the stance, and a forward then waits for everything first where a
-# module is compiled apart.
+# without the stance, and a forward then waits for everything first where
+# compiled code runs (ForwardParamWaiter.compiled_code_unseen).
 _force_eager = _force_eager_stance if hasattr(torch.compiler, "set_stance") else None
 
 
@@ -419,6 +421,16 @@ class _ParamReadRecorder(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if is_traced_by_dynamo():
+            # Compiled code traced in a recording forward: only without the
+            # force_eager stance (torch < 2.6). Its tensors are dynamo's proxies,
+            # with no storage or autograd history to look at (a look would break
+            # the graph, an error under fullgraph=True), and its reads are unseen.
+            # Dynamo replays these writes after its graph runs.
+            self._waiter.compiled_code_unseen = True
+            if func in _DETACHING and args and isinstance(args[0], nn.Parameter):
+                self._waiter.reads_detached_params = True
+            return func(*args, **kwargs)
         if func not in METADATA_ONLY_CALLS:
             for tensor in tensors_in((args, kwargs)):
                 self._waiter._note_read(tensor)

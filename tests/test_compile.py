@@ -173,14 +173,19 @@ def test_a_compiled_read_of_a_parameter_attribute_is_not_guarded_on_the_gathers(
     torch._dynamo.reset()
 
 
-def test_a_parameters_detach_in_a_block_compiled_apart_is_noticed():
-    """The recording forward's read recorder lets dynamo trace a block compiled apart
-    (fullgraph=True) and still notices a parameter's ``.detach()`` there, so the
-    speculative steps wait for backward's end, as they do in eager mode."""
+@pytest.mark.parametrize("without_force_eager", (False, True))
+def test_a_parameters_detach_in_a_block_compiled_apart_is_noticed(without_force_eager):
+    """A block compiled apart (fullgraph=True, no parameters of its own) takes a
+    parameter's ``.detach()``: the recording forward notices it, so the
+    speculative steps wait for backward's end, as they do in eager mode. It runs
+    the block eagerly; without the force_eager stance (torch < 2.6) it traces it,
+    notes the detach there, and every forward waits for everything first."""
     for rank, res in enumerate(run_distributed(
-            2, compile_scenarios.detached_read_in_a_block_compiled_apart, timeout_s=300)):
+            2, compile_scenarios.detached_read_in_a_block_compiled_apart,
+            without_force_eager, timeout_s=300)):
         assert res["noticed"], (rank, res)
         assert res["diff_to_ddp"] == 0.0 and res["commits"] > 0, (rank, res)
+        assert res["waits_for_all"] == without_force_eager, (rank, res)
 
 
 PER_LAYER = [(how, schedule)
@@ -221,6 +226,9 @@ def test_layers_compiled_apart_train_as_eager_and_keep_waiting_layer_by_layer(pe
 
 OUTSIDE_READS = [(how, schedule, fullgraph) for how in ("in_place", "apart")
                  for schedule in ("next_forward", "two_stage") for fullgraph in (False, True)]
+# As on torch < 2.6 (no force_eager stance): every forward waits for everything first.
+OUTSIDE_READS_OLD_TORCH = [(how, "next_forward", fullgraph, True)
+                           for how in ("in_place", "apart") for fullgraph in (False, True)]
 
 
 def test_a_compiled_layer_reading_a_later_modules_parameter_reads_it_updated():
@@ -233,4 +241,14 @@ def test_a_compiled_layer_reading_a_later_modules_parameter_reads_it_updated():
                                timeout_s=600)
     for rank, per_case in enumerate(per_rank):
         for case in OUTSIDE_READS:
-            assert per_case[case] == 0.0, (rank, case, per_case[case])
+            assert per_case[case] == {"diff_to_ddp": 0.0, "waits_for_all": False}, \
+                (rank, case, per_case[case])
+
+
+def test_without_the_force_eager_stance_compiled_layers_wait_for_everything_first():
+    per_rank = run_distributed(2, compile_scenarios.outside_reads_many,
+                               OUTSIDE_READS_OLD_TORCH, timeout_s=600)
+    for rank, per_case in enumerate(per_rank):
+        for case in OUTSIDE_READS_OLD_TORCH:
+            assert per_case[case] == {"diff_to_ddp": 0.0, "waits_for_all": True}, \
+                (rank, case, per_case[case])

@@ -38,18 +38,18 @@ a module further ahead is not covered (two modules skipped, the second's
 weight read): such a forward must be synchronised by the caller.
 
 [Note: modules compiled apart]
-Compiled code runs the hooks of the modules inside it at tracing only, and its
-reads of parameters are no torch calls a mode sees (inductor's kernels). So a
-module compiled apart, by ``torch.compile(m)`` (the OptimizedModule around it)
-or in place (``m.compile()``: its calls get our hooks around them,
-_EagerHooksAround), stands for its whole subtree: it takes one place in the
-recording, waits there for all its subtree's buckets and for what its code read
-first, and the modules inside it neither record nor follow. The recording
-forward runs every compiled frame eagerly (``torch.compiler.set_stance
-("force_eager")``), so that those reads, a parameter of another module's
-included, are seen as in eager mode; the next forward compiles. (Before, a read
-in compiled code of a parameter outside the module's subtree went unseen, and
-under inductor read the old values.)
+Compiled code runs the hooks of the modules inside it at tracing only (ours do
+nothing there), and its reads of parameters are no torch calls a mode sees at
+run time (inductor's kernels). So the recording forward's mode notes, while
+dynamo traces, every parameter a traced call takes (dynamo replays the list's
+growth after its graph runs, with the parameters themselves: no guard on
+their identity), as read at the place of the module running then: the one whose hooks
+ran last, eagerly. And a module compiled apart, by ``torch.compile(m)`` (the
+OptimizedModule around it) or in place (``m.compile()``: its calls get our hooks
+around them, _EagerHooksAround), stands for its whole subtree: it takes one
+place in the recording and waits there for its subtree's buckets and for what
+its code read first; modules inside it whose hooks run eagerly (a graph break)
+neither record nor follow.
 """
 from __future__ import annotations
 
@@ -97,11 +97,9 @@ class ForwardParamWaiter:
         self._cursor = 0
         # Calls of modules compiled apart under way (see [Note: modules compiled apart]).
         self._compiled_depth = 0
-        self._eager_stance: Any = None  # while a forward records
-        # Without the force_eager stance (torch < 2.6): a recording forward ran
-        # compiled code, whose reads it cannot see. Every forward then waits for
-        # everything first.
-        self.compiled_code_unseen = False
+        # The parameters compiled code read while a forward records, in order,
+        # not yet given a place (see [Note: modules compiled apart]).
+        self.traced_reads: list[torch.Tensor] = []
         # "record" or "follow" (this forward), "landed" (this forward, after a
         # deviation landed everything), or "off" (no forward of the wrapper).
         # Off until the first: a loop may call model.module(...) before it, or
@@ -175,10 +173,6 @@ class ForwardParamWaiter:
         self._forward_thread = threading.get_ident()
         self._compiled_depth = 0
         self._hook_calls_compiled_in_place()
-        if _force_eager is None and any(map(_compiled_apart, self._modules)):
-            self.compiled_code_unseen = True
-        if self.compiled_code_unseen:
-            landed = True  # no recording sees into compiled code: wait for everything first
         if landed:
             self._wait_all()
             self._mode = "landed"
@@ -188,9 +182,7 @@ class ForwardParamWaiter:
             self._mode = "record"
             self._recording = []
             self._first_read = {}
-            if _force_eager is not None:
-                self._eager_stance = _force_eager()
-                self._eager_stance.__enter__()
+            self.traced_reads = []
             # Thread-local: only this forward's calls are seen.
             self._read_recorder = _ParamReadRecorder(self)
             self._read_recorder.__enter__()
@@ -203,10 +195,8 @@ class ForwardParamWaiter:
         if self._read_recorder is not None:
             recorder, self._read_recorder = self._read_recorder, None
             recorder.__exit__(None, None, None)
-        if self._eager_stance is not None:
-            stance, self._eager_stance = self._eager_stance, None
-            stance.__exit__(None, None, None)
-        if self._mode == "record" and not self.compiled_code_unseen:
+        if self._mode == "record":
+            self._place_traced_reads()
             self._recorded = self._recording
             self._needs = self._assign(self._recording)
             self._next_is_inside = self._next_inside(self._recording)
@@ -240,6 +230,7 @@ class ForwardParamWaiter:
         if inside_compiled:
             return  # see [Note: modules compiled apart]
         if self._mode == "record":
+            self._place_traced_reads()
             self._recording.append(id(module))
         elif self._mode == "follow":
             position = self._cursor
@@ -294,6 +285,16 @@ class ForwardParamWaiter:
             # The module whose pre-hook ran last is running, or has called
             # modules that already returned: either way no later than the read.
             self._first_read[key] = len(self._recording) - 1
+
+    def _place_traced_reads(self) -> None:
+        """Compiled code that ran since the last pre-hook read these parameters:
+        at the place of the module running then (the last recorded)."""
+        reads, self.traced_reads = self.traced_reads, []
+        if not self._recording:
+            return
+        for key in map(id, reads):
+            if key in self._bucket_of_param and key not in self._first_read:
+                self._first_read[key] = len(self._recording) - 1
 
     def _aliases_a_bucket(self, tensor: torch.Tensor) -> bool:
         return storage_address(tensor) in self._bucket_storages
@@ -363,16 +364,6 @@ def _compiled_apart(module: nn.Module) -> bool:
         or isinstance(module.__dict__.get("_compiled_call_impl"), _EagerHooksAround)
 
 
-def _force_eager_stance():
-    return torch.compiler.set_stance("force_eager")
-
-
-# A recording forward runs every compiled frame eagerly (torch >= 2.6): None
-# without the stance, and a forward then waits for everything first where
-# compiled code runs (ForwardParamWaiter.compiled_code_unseen).
-_force_eager = _force_eager_stance if hasattr(torch.compiler, "set_stance") else None
-
-
 class _EagerHooksAround:
     """Stands in for ``module._compiled_call_impl``, which ``nn.Module.compile()``
     sets and ``module(...)`` calls instead of its ``_call_impl``: runs the waiter's
@@ -422,12 +413,15 @@ class _ParamReadRecorder(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if is_traced_by_dynamo():
-            # Compiled code traced in a recording forward: only without the
-            # force_eager stance (torch < 2.6). Its tensors are dynamo's proxies,
-            # with no storage or autograd history to look at (a look would break
-            # the graph, an error under fullgraph=True), and its reads are unseen.
-            # Dynamo replays these writes after its graph runs.
-            self._waiter.compiled_code_unseen = True
+            # Compiled code traced in a recording forward: its tensors are dynamo's
+            # proxies, with no storage or autograd history to look at (a look would
+            # break the graph, an error under fullgraph=True). Dynamo replays these
+            # writes after its graph runs, with the parameters themselves (see
+            # [Note: modules compiled apart]).
+            for value in (*args, *kwargs.values()):
+                for tensor in (value if isinstance(value, (list, tuple)) else (value,)):
+                    if isinstance(tensor, nn.Parameter):
+                        self._waiter.traced_reads.append(tensor)
             if func in _DETACHING and args and isinstance(args[0], nn.Parameter):
                 self._waiter.reads_detached_params = True
             return func(*args, **kwargs)

@@ -346,12 +346,10 @@ class _NetWithADetachedReadCompiledApart(nn.Module):
 
 
 def detached_read_in_a_block_compiled_apart(rank: int, world_size: int,
-                                            without_force_eager: bool = False,
                                             steps: int = 4) -> dict:
     """The block that takes a parameter's ``.detach()`` is compiled apart with
     ``fullgraph=True``: the recording forward still notices the read (the
     speculative steps then wait for backward's end, as in eager mode)."""
-    _without_force_eager(without_force_eager)
     torch.manual_seed(1234 + rank)
     base = _NetWithADetachedReadCompiledApart()
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
@@ -369,8 +367,7 @@ def detached_read_in_a_block_compiled_apart(rank: int, world_size: int,
     ours.synchronize()
     return {"diff_to_ddp": param_diff(ours, ref),
             "noticed": ours.backward_may_read_detached_params,
-            "commits": ours.scheduler.commits,
-            "waits_for_all": ours._forward_waiter.compiled_code_unseen}
+            "commits": ours.scheduler.commits}
 
 
 class _Layers(nn.Module):
@@ -404,7 +401,7 @@ def compiled_per_layer(rank: int, world_size: int, how: str, schedule: str,
     (``layer.compile()`` before wrapping, as torchtune compiles each layer),
     "in_place_later" (after the first step), "apart" (``torch.compile(layer)``
     before wrapping, as torchtitan), "apart_later" (set into the module so after
-    the first step), or "eager". Also how many parameters of the
+    the first step), "forward" (each layer's ``forward`` compiled), or "eager". Also how many parameters of the
     later layers were still in flight after the first layer, per forward."""
     torch.manual_seed(0)
     base = _Layers()
@@ -417,6 +414,9 @@ def compiled_per_layer(rank: int, world_size: int, how: str, schedule: str,
     elif how == "apart":
         for i, layer in enumerate(base.layers):
             base.layers[i] = torch.compile(layer, **options)
+    elif how == "forward":
+        for layer in base.layers:
+            layer.forward = torch.compile(layer.forward, **options)
     kw = {"overlap_plan": "layout"} if schedule == "two_stage" else {}
     ours = fgp.DistributedDataParallel(base, schedule=schedule, bucket_cap_mb=0.0001, **kw)
     opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
@@ -478,22 +478,13 @@ class _NetWithALayerReadingALaterOne(nn.Module):
         return self.out(torch.tanh(self.post(h)))
 
 
-def _without_force_eager(really: bool):
-    """As on a torch without ``torch.compiler.set_stance`` (before 2.6)."""
-    from fgpsdp_runtime import forward_waits
-    if really:
-        forward_waits._force_eager = None
-
-
 def layer_compiled_apart_reading_outside_its_subtree(rank: int, world_size: int, how: str,
                                                      schedule: str, fullgraph: bool,
-                                                     without_force_eager: bool = False,
-                                                     steps: int = 4) -> dict:
+                                                     steps: int = 4) -> float:
     """The compiled layer reads the weight of a module that runs after it, its
     compiled code invisible to a mode (as inductor's), ``how``: "in_place" or
     "apart"; torch DDP's layer is compiled alike. The largest difference to it."""
     from .profile_window_scenarios import slow_all_gathers
-    _without_force_eager(without_force_eager)
     torch.manual_seed(0)
     base = _NetWithALayerReadingALaterOne()
     ref_base = copy.deepcopy(base)
@@ -516,8 +507,7 @@ def layer_compiled_apart_reading_outside_its_subtree(rank: int, world_size: int,
                 optimizer.step()
                 optimizer.zero_grad()
         ours.synchronize()
-    return {"diff_to_ddp": param_diff(ours, ref),
-            "waits_for_all": ours._forward_waiter.compiled_code_unseen}
+    return param_diff(ours, ref)
 
 
 def outside_reads_many(rank: int, world_size: int, cases: list[tuple]) -> dict:

@@ -173,23 +173,19 @@ def test_a_compiled_read_of_a_parameter_attribute_is_not_guarded_on_the_gathers(
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("without_force_eager", (False, True))
-def test_a_parameters_detach_in_a_block_compiled_apart_is_noticed(without_force_eager):
+def test_a_parameters_detach_in_a_block_compiled_apart_is_noticed():
     """A block compiled apart (fullgraph=True, no parameters of its own) takes a
-    parameter's ``.detach()``: the recording forward notices it, so the
-    speculative steps wait for backward's end, as they do in eager mode. It runs
-    the block eagerly; without the force_eager stance (torch < 2.6) it traces it,
-    notes the detach there, and every forward waits for everything first."""
+    parameter's ``.detach()``: the recording forward's mode, traced there, notes
+    it, so the speculative steps wait for backward's end, as in eager mode."""
     for rank, res in enumerate(run_distributed(
-            2, compile_scenarios.detached_read_in_a_block_compiled_apart,
-            without_force_eager, timeout_s=300)):
+            2, compile_scenarios.detached_read_in_a_block_compiled_apart, timeout_s=300)):
         assert res["noticed"], (rank, res)
         assert res["diff_to_ddp"] == 0.0 and res["commits"] > 0, (rank, res)
-        assert res["waits_for_all"] == without_force_eager, (rank, res)
 
 
 PER_LAYER = [(how, schedule)
-             for how in ("eager", "in_place", "in_place_later", "apart", "apart_later")
+             for how in ("eager", "in_place", "in_place_later", "apart", "apart_later",
+                         "forward")
              for schedule in ("two_stage", "next_forward")]
 
 
@@ -211,7 +207,10 @@ def test_layers_compiled_apart_train_as_eager_and_keep_waiting_layer_by_layer(pe
     the layer's children never ran (0.016 off torch DDP). Compiled apart and set
     into the module after the first step, the OptimizedModule around each layer
     gets our hooks: before, the compiled layer read parameters still in flight,
-    which under fullgraph=True raised."""
+    which under fullgraph=True raised. Each layer's forward compiled: its children's
+    hooks never run eagerly, in the forward that records as in the others (a
+    recording that ran compiled frames eagerly left them unwaited: read in flight,
+    under fullgraph=True an error)."""
     how, schedule = case
     for rank, per_case in enumerate(per_layer):
         ours, eager = per_case[case], per_case[("eager", schedule)]
@@ -226,29 +225,16 @@ def test_layers_compiled_apart_train_as_eager_and_keep_waiting_layer_by_layer(pe
 
 OUTSIDE_READS = [(how, schedule, fullgraph) for how in ("in_place", "apart")
                  for schedule in ("next_forward", "two_stage") for fullgraph in (False, True)]
-# As on torch < 2.6 (no force_eager stance): every forward waits for everything first.
-OUTSIDE_READS_OLD_TORCH = [(how, "next_forward", fullgraph, True)
-                           for how in ("in_place", "apart") for fullgraph in (False, True)]
 
 
 def test_a_compiled_layer_reading_a_later_modules_parameter_reads_it_updated():
     """A layer compiled apart reads the weight of a module that runs after it. Its
     compiled code makes no torch calls the recording forward's mode sees (as
-    inductor's kernels), so that forward runs compiled frames eagerly. Before,
-    the read went unseen: under next_forward the layer read the weight still in
-    flight (1.6e-3 to 2.0e-3 off torch DDP)."""
+    inductor's kernels): the recording forward's mode notes the parameters traced
+    calls take. Before, the read went unseen: under next_forward the layer read
+    the weight still in flight (1.6e-3 to 2.0e-3 off torch DDP)."""
     per_rank = run_distributed(2, compile_scenarios.outside_reads_many, OUTSIDE_READS,
                                timeout_s=600)
     for rank, per_case in enumerate(per_rank):
         for case in OUTSIDE_READS:
-            assert per_case[case] == {"diff_to_ddp": 0.0, "waits_for_all": False}, \
-                (rank, case, per_case[case])
-
-
-def test_without_the_force_eager_stance_compiled_layers_wait_for_everything_first():
-    per_rank = run_distributed(2, compile_scenarios.outside_reads_many,
-                               OUTSIDE_READS_OLD_TORCH, timeout_s=600)
-    for rank, per_case in enumerate(per_rank):
-        for case in OUTSIDE_READS_OLD_TORCH:
-            assert per_case[case] == {"diff_to_ddp": 0.0, "waits_for_all": True}, \
-                (rank, case, per_case[case])
+            assert per_case[case] == 0.0, (rank, case, per_case[case])

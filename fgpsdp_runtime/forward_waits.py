@@ -42,14 +42,14 @@ Compiled code runs the hooks of the modules inside it at tracing only (ours do
 nothing there), and its reads of parameters are no torch calls a mode sees at
 run time (inductor's kernels). So the recording forward's mode notes, while
 dynamo traces, every parameter a traced call takes (dynamo replays the list's
-growth after its graph runs, with the parameters themselves: no guard on
-their identity), as read at the place of the module running then: the one whose hooks
-ran last, eagerly. And a module compiled apart, by ``torch.compile(m)`` (the
-OptimizedModule around it) or in place (``m.compile()``: its calls get our hooks
-around them, _EagerHooksAround), stands for its whole subtree: it takes one
-place in the recording and waits there for its subtree's buckets and for what
-its code read first; modules inside it whose hooks run eagerly (a graph break)
-neither record nor follow.
+growth after its graph runs, with the parameters themselves: no guard on their
+identity), as read at the place of the module running then, the last whose
+hooks ran eagerly. And a module compiled apart, by ``torch.compile(m)`` (the
+OptimizedModule around it) or in place (``m.compile()``: its calls get our
+hooks around them, _EagerHooksAround), stands for its whole subtree: it takes
+one place in the recording and waits there for its subtree's buckets and for
+what its code read first; modules inside it whose hooks run eagerly (a graph
+break) neither record nor follow.
 """
 from __future__ import annotations
 

@@ -40,16 +40,16 @@ weight read): such a forward must be synchronised by the caller.
 [Note: modules compiled apart]
 Compiled code runs the hooks of the modules inside it at tracing only (ours do
 nothing there), and its reads of parameters are no torch calls a mode sees at
-run time (inductor's kernels). So the recording forward's mode notes, while
-dynamo traces, every parameter a traced call takes (dynamo replays the list's
-growth after its graph runs, with the parameters themselves: no guard on their
-identity), as read at the place of the module running then, the last whose
-hooks ran eagerly. And a module compiled apart, by ``torch.compile(m)`` (the
-OptimizedModule around it) or in place (``m.compile()``: its calls get our
-hooks around them, _EagerHooksAround), stands for its whole subtree: it takes
-one place in the recording and waits there for its subtree's buckets and for
-what its code read first; modules inside it whose hooks run eagerly (a graph
-break) neither record nor follow.
+run time (inductor's kernels). So the recording forward's mode marks, while
+dynamo traces, every parameter a traced call takes (an attribute dynamo sets
+again after its graph runs, with no guard on it), as read at the place of the
+module running then, the last whose hooks ran eagerly. (Not seen: a parameter's
+``.data`` there, which dynamo takes without a torch call.) And a module compiled
+apart, by ``torch.compile(m)`` (the OptimizedModule around it) or in place
+(``m.compile()``: its calls get our hooks around them, _EagerHooksAround),
+stands for its whole subtree: it takes one place in the recording and waits
+there for its subtree's buckets and for what its code read first; modules
+inside it whose hooks run eagerly (a graph break) neither record nor follow.
 """
 from __future__ import annotations
 
@@ -97,9 +97,9 @@ class ForwardParamWaiter:
         self._cursor = 0
         # Calls of modules compiled apart under way (see [Note: modules compiled apart]).
         self._compiled_depth = 0
-        # The parameters compiled code read while a forward records, in order,
-        # not yet given a place (see [Note: modules compiled apart]).
-        self.traced_reads: list[torch.Tensor] = []
+        # The wrapper's parameters, where compiled code that ran in a recording
+        # forward leaves its mark (see [Note: modules compiled apart]).
+        self._params = [p for _, p in plain_named_parameters(root) if id(p) in bucket_of_param]
         # "record" or "follow" (this forward), "landed" (this forward, after a
         # deviation landed everything), or "off" (no forward of the wrapper).
         # Off until the first: a loop may call model.module(...) before it, or
@@ -182,7 +182,6 @@ class ForwardParamWaiter:
             self._mode = "record"
             self._recording = []
             self._first_read = {}
-            self.traced_reads = []
             # Thread-local: only this forward's calls are seen.
             self._read_recorder = _ParamReadRecorder(self)
             self._read_recorder.__enter__()
@@ -287,14 +286,11 @@ class ForwardParamWaiter:
             self._first_read[key] = len(self._recording) - 1
 
     def _place_traced_reads(self) -> None:
-        """Compiled code that ran since the last pre-hook read these parameters:
-        at the place of the module running then (the last recorded)."""
-        reads, self.traced_reads = self.traced_reads, []
-        if not self._recording:
-            return
-        for key in map(id, reads):
-            if key in self._bucket_of_param and key not in self._first_read:
-                self._first_read[key] = len(self._recording) - 1
+        """Compiled code that ran since the last pre-hook read the parameters it
+        marked: at the place of the module running then (the last recorded)."""
+        for param in self._params:
+            if param.__dict__.pop(_READ_IN_COMPILED_CODE, False) and self._recording:
+                self._first_read.setdefault(id(param), len(self._recording) - 1)
 
     def _aliases_a_bucket(self, tensor: torch.Tensor) -> bool:
         return storage_address(tensor) in self._bucket_storages
@@ -415,13 +411,12 @@ class _ParamReadRecorder(TorchFunctionMode):
         if is_traced_by_dynamo():
             # Compiled code traced in a recording forward: its tensors are dynamo's
             # proxies, with no storage or autograd history to look at (a look would
-            # break the graph, an error under fullgraph=True). Dynamo replays these
-            # writes after its graph runs, with the parameters themselves (see
-            # [Note: modules compiled apart]).
+            # break the graph, an error under fullgraph=True). Dynamo replays the
+            # marks after its graph runs (see [Note: modules compiled apart]).
             for value in (*args, *kwargs.values()):
                 for tensor in (value if isinstance(value, (list, tuple)) else (value,)):
                     if isinstance(tensor, nn.Parameter):
-                        self._waiter.traced_reads.append(tensor)
+                        setattr(tensor, _READ_IN_COMPILED_CODE, True)
             if func in _DETACHING and args and isinstance(args[0], nn.Parameter):
                 self._waiter.reads_detached_params = True
             return func(*args, **kwargs)
@@ -432,6 +427,11 @@ class _ParamReadRecorder(TorchFunctionMode):
                 self._waiter._note_detached(args[0])
         return func(*args, **kwargs)
 
+
+# The mark compiled code traced in a recording forward leaves on a parameter it
+# reads: an attribute, which dynamo sets again each time its graph runs and does
+# not guard on (a list it would guard on, a new graph for each length).
+_READ_IN_COMPILED_CODE = "_fgpsdp_read_in_compiled_code"
 
 # Calls that alias a tensor's memory without its autograd history: a parameter
 # read so may be saved for backward apart from its own gradient (see

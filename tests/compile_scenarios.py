@@ -513,3 +513,46 @@ def layer_compiled_apart_reading_outside_its_subtree(rank: int, world_size: int,
 def outside_reads_many(rank: int, world_size: int, cases: list[tuple]) -> dict:
     return {case: layer_compiled_apart_reading_outside_its_subtree(rank, world_size, *case)
             for case in cases}
+
+
+def _apply(h, w):
+    return torch.tanh(h @ w)
+
+
+class _LoopOverAParameterList(nn.Module):
+    """One compiled function called once per weight, with no module hook between
+    the calls (the recording's marks must not change what dynamo guards on)."""
+
+    def __init__(self, compiled, width: int = 16, depth: int = 12):
+        super().__init__()
+        self.inp = nn.Linear(13, width)
+        self.weights = nn.ParameterList(nn.Parameter(torch.randn(width, width) / width**0.5)
+                                        for _ in range(depth))
+        self.out = nn.Linear(width, 5)
+        self._compiled = [compiled]
+
+    def forward(self, x):
+        h = self.inp(x)
+        for w in self.weights:
+            h = self._compiled[0](h, w)
+        return self.out(h)
+
+
+def compiled_function_called_in_a_loop(rank: int, world_size: int, steps: int = 4) -> dict:
+    import torch._dynamo.utils
+    torch.manual_seed(0)
+    compiled = torch.compile(_apply, backend=graph_outside_torch_functions, fullgraph=True)
+    base = _LoopOverAParameterList(compiled)
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    ours = fgp.DistributedDataParallel(base, schedule="next_forward", bucket_cap_mb=0.0001)
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    for step in range(steps):
+        x, y = make_batch("mlp", step, 0, rank)
+        for model, optimizer in ((ours, opt), (ref, ref_opt)):
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    return {"diff_to_ddp": param_diff(ours, ref),
+            "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before}

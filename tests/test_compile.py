@@ -238,3 +238,14 @@ def test_a_compiled_layer_reading_a_later_modules_parameter_reads_it_updated():
     for rank, per_case in enumerate(per_rank):
         for case in OUTSIDE_READS:
             assert per_case[case] == 0.0, (rank, case, per_case[case])
+
+
+def test_a_compiled_function_called_in_a_loop_compiles_once_per_forward_kind():
+    """The recording forward marks the parameters compiled code reads on the
+    parameters themselves: a list on the waiter, which dynamo guarded on, made a
+    new graph for each call of one function over a ParameterList (the recompile
+    limit, then an error under fullgraph=True)."""
+    for rank, res in enumerate(run_distributed(
+            2, compile_scenarios.compiled_function_called_in_a_loop, timeout_s=300)):
+        # One graph with the recording's mode on the stack, one without.
+        assert res == {"diff_to_ddp": 0.0, "graphs": 2}, (rank, res)

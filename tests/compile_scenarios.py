@@ -70,6 +70,18 @@ def compiled_side_by_side(rank: int, world_size: int, how: str, schedule: str,
     return _params_and_diff(ours, ref)
 
 
+def _train_side_by_side(rank: int, ours: tuple, ref: tuple, steps: int,
+                        before_step=lambda step: None) -> None:
+    """``steps`` steps of (model, optimizer) ``ours`` and ``ref`` on the same batches."""
+    for step in range(steps):
+        before_step(step)
+        x, y = make_batch("mlp", step, 0, rank)
+        for model, optimizer in (ours, ref):
+            nn.functional.mse_loss(model(x), y).backward()
+            optimizer.step()
+            optimizer.zero_grad()
+
+
 def _params_and_diff(ours, ref) -> dict:
     """Our parameters once landed, and their largest difference to torch DDP's."""
     ours.synchronize()
@@ -358,12 +370,7 @@ def detached_read_in_a_block_compiled_apart(rank: int, world_size: int,
                                        overlap_plan="layout")
     opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for step in range(steps):
-        x, y = make_batch("mlp", step, 0, rank)
-        for model, optimizer in ((ours, opt), (ref, ref_opt)):
-            optimizer.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
-            optimizer.step()
+    _train_side_by_side(rank, (ours, opt), (ref, ref_opt), steps)
     ours.synchronize()
     return {"diff_to_ddp": param_diff(ours, ref),
             "noticed": ours.backward_may_read_detached_params,
@@ -421,18 +428,16 @@ def compiled_per_layer(rank: int, world_size: int, how: str, schedule: str,
     ours = fgp.DistributedDataParallel(base, schedule=schedule, bucket_cap_mb=0.0001, **kw)
     opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    for step in range(steps):
+
+    def compile_later(step: int) -> None:
         if step == 1 and how == "in_place_later":
             for layer in ours.module.layers:
                 layer.compile(**options)
         if step == 1 and how == "apart_later":
             for i, layer in enumerate(ours.module.layers):
                 ours.module.layers[i] = torch.compile(layer, **options)
-        x, y = make_batch("mlp", step, 0, rank)
-        for model, optimizer in ((ours, opt), (ref, ref_opt)):
-            nn.functional.mse_loss(model(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+
+    _train_side_by_side(rank, (ours, opt), (ref, ref_opt), steps, before_step=compile_later)
     result = _params_and_diff(ours, ref)
     result["in_flight_after_the_first_layer"] = base.in_flight_after_the_first_layer
     result["deviations"] = ours._forward_waiter.deviations
@@ -500,12 +505,7 @@ def layer_compiled_apart_reading_outside_its_subtree(rank: int, world_size: int,
     opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     with slow_all_gathers(0.01):  # still in flight when the layer runs
-        for step in range(steps):
-            x, y = make_batch("mlp", step, 0, rank)
-            for model, optimizer in ((ours, opt), (ref, ref_opt)):
-                nn.functional.mse_loss(model(x), y).backward()
-                optimizer.step()
-                optimizer.zero_grad()
+        _train_side_by_side(rank, (ours, opt), (ref, ref_opt), steps)
         ours.synchronize()
     return param_diff(ours, ref)
 
@@ -548,11 +548,6 @@ def compiled_function_called_in_a_loop(rank: int, world_size: int, steps: int = 
     opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
-    for step in range(steps):
-        x, y = make_batch("mlp", step, 0, rank)
-        for model, optimizer in ((ours, opt), (ref, ref_opt)):
-            nn.functional.mse_loss(model(x), y).backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    _train_side_by_side(rank, (ours, opt), (ref, ref_opt), steps)
     return {"diff_to_ddp": param_diff(ours, ref),
             "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before}

@@ -341,15 +341,10 @@ class ForwardParamWaiter:
         return needs
 
 
-def _optimized_module_class() -> type | tuple:
-    try:
-        from torch._dynamo.eval_frame import OptimizedModule
-    except ImportError:  # a torch without dynamo
-        return ()
-    return OptimizedModule
-
-
-_OptimizedModule = _optimized_module_class()
+try:
+    from torch._dynamo.eval_frame import OptimizedModule as _OptimizedModule
+except ImportError:  # a torch without dynamo: isinstance(m, ()) is False
+    _OptimizedModule = ()
 
 
 def _compiled_apart(module: nn.Module) -> bool:
@@ -413,10 +408,9 @@ class _ParamReadRecorder(TorchFunctionMode):
             # proxies, with no storage or autograd history to look at (a look would
             # break the graph, an error under fullgraph=True). Dynamo replays the
             # marks after its graph runs (see [Note: modules compiled apart]).
-            for value in (*args, *kwargs.values()):
-                for tensor in (value if isinstance(value, (list, tuple)) else (value,)):
-                    if isinstance(tensor, nn.Parameter):
-                        setattr(tensor, _READ_IN_COMPILED_CODE, True)
+            for tensor in tensors_in((args, kwargs)):
+                if isinstance(tensor, nn.Parameter):
+                    setattr(tensor, _READ_IN_COMPILED_CODE, True)
             if func in _DETACHING and args and isinstance(args[0], nn.Parameter):
                 self._waiter.reads_detached_params = True
             return func(*args, **kwargs)

@@ -50,6 +50,21 @@ apart, by ``torch.compile(m)`` (the OptimizedModule around it) or in place
 stands for its whole subtree: it takes one place in the recording and waits
 there for its subtree's buckets and for what its code read first; modules
 inside it whose hooks run eagerly (a graph break) neither record nor follow.
+
+[Note: one graph per compiled code]
+Dynamo guards a graph on the torch function modes on the stack when it was
+traced. The recording forward's mode is on the stack while compiled code runs
+there; were it missing from the forwards after, each compiled module's code
+would be traced a second time, doubling the compile time and halving dynamo's
+recompile budget per code object (its recompile limit, an error under
+fullgraph=True, came sooner: a block warmed up before wrapping). So the same
+mode, one per waiter, is pushed around every call of compiled code we hook (a
+module compiled in place, an OptimizedModule's forward, a module's forward
+compiled by ``m.forward = torch.compile(m.forward)``), in every forward and in
+calls outside it; outside a recording forward its eager calls (graph breaks)
+pass through untouched, and the marks its graph leaves are dropped when the
+next recording begins. A function compiled apart and called from eager code
+(not a module) still gets a graph of each kind.
 """
 from __future__ import annotations
 
@@ -90,6 +105,9 @@ class ForwardParamWaiter:
         self._recording: list[int] = []
         self._first_read: dict[int, int] = {}  # id(param) -> recording position
         self._read_recorder: Optional[_ParamReadRecorder] = None
+        # The one mode of this waiter, on the stack in a recording forward and
+        # around compiled calls (see [Note: one graph per compiled code]).
+        self._recorder = _ParamReadRecorder(self)
         # A recording forward took a parameter's .detach() or .data, or read a view
         # of one without autograd history: it may be saved for backward apart
         # from its gradient (see scheduler.py).
@@ -142,6 +160,9 @@ class ForwardParamWaiter:
             hooks = m.__dict__.get("_compiled_call_impl")
             if isinstance(hooks, _EagerHooksAround):
                 m._compiled_call_impl = hooks.compiled
+            forward = m.__dict__.get("forward")
+            if isinstance(forward, _RecorderAround):
+                m.__dict__["forward"] = forward.compiled
 
     def _hook_calls_compiled_in_place(self) -> None:
         """A module compiled by ``nn.Module.compile()`` runs its hooks, ours among
@@ -156,6 +177,30 @@ class ForwardParamWaiter:
                 # no longer run eagerly, so the recording's waits there would never
                 # come, nor would a deviation be seen. Learn the order again.
                 self._recorded = None
+            forward = m.__dict__.get("forward")
+            if forward is not None and not isinstance(forward, _RecorderAround) and (
+                    isinstance(m, _OptimizedModule)
+                    or hasattr(forward, "_torchdynamo_orig_callable")):
+                # An OptimizedModule's forward, or one compiled by
+                # m.forward = torch.compile(m.forward): see [Note: one graph per
+                # compiled code]. (Compiled since the recording: as above.)
+                m.__dict__["forward"] = _RecorderAround(forward, self)
+                self._recorded = None
+
+    def call_compiled(self, compiled: Callable, *args, **kwargs):
+        """Calls compiled code with this waiter's mode on the stack, as in the
+        recording forward: see [Note: one graph per compiled code]."""
+        if is_traced_by_dynamo() or self._recorder_on_this_thread():
+            return compiled(*args, **kwargs)  # (inside other compiled code, or recording)
+        with self._recorder:
+            return compiled(*args, **kwargs)
+
+    def _recorder_on_this_thread(self) -> bool:
+        return any(mode is self._recorder for mode in _function_mode_stack())
+
+    def recording_here(self) -> bool:
+        """A recording forward runs on this thread."""
+        return self._mode == "record" and self._forward_thread == threading.get_ident()
 
     @property
     def in_forward(self) -> bool:
@@ -182,8 +227,9 @@ class ForwardParamWaiter:
             self._mode = "record"
             self._recording = []
             self._first_read = {}
+            self._place_traced_reads()  # marks left since the last recording: dropped
             # Thread-local: only this forward's calls are seen.
-            self._read_recorder = _ParamReadRecorder(self)
+            self._read_recorder = self._recorder
             self._read_recorder.__enter__()
         else:
             self._mode = "follow"
@@ -244,8 +290,9 @@ class ForwardParamWaiter:
                 self._mode = "landed"
 
     def _post_hook(self, module: nn.Module, args, output) -> None:
-        if self._mode == "off" or is_traced_by_dynamo() \
-                or self._forward_thread != threading.get_ident():
+        if is_traced_by_dynamo():
+            return  # first: a look at our state in traced code would be guarded on
+        if self._mode == "off" or self._forward_thread != threading.get_ident():
             return
         if self._compiled_depth > 0 and _compiled_apart(module):
             self._compiled_depth -= 1
@@ -371,13 +418,32 @@ class _EagerHooksAround:
 
     def __call__(self, *args, **kwargs):
         self._waiter._pre_hook(self._module, args)
-        output = self.compiled(*args, **kwargs)
+        output = self._waiter.call_compiled(self.compiled, *args, **kwargs)
         self._waiter._post_hook(self._module, args, output)
         return output
 
     def __deepcopy__(self, memo):
         # Reached only by a class's own __deepcopy__ that copies __dict__ (torch's
         # __getstate__ drops _compiled_call_impl): the copy is not wrapped.
+        return self.compiled
+
+
+class _RecorderAround:
+    """Stands in for a module's compiled ``forward`` (an OptimizedModule's, or one
+    set by ``m.forward = torch.compile(m.forward)``): calls it with the waiter's
+    mode on the stack (see [Note: one graph per compiled code]). The module's own
+    hooks, ours among them, run eagerly around it as before."""
+
+    def __init__(self, compiled: Callable, waiter: ForwardParamWaiter):
+        self.compiled = compiled
+        self._waiter = waiter
+
+    def __call__(self, *args, **kwargs):
+        return self._waiter.call_compiled(self.compiled, *args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        # A copy of the module (an OptimizedModule's __getstate__ drops forward;
+        # another's copies it): not wrapped, as before wrapping.
         return self.compiled
 
 
@@ -414,6 +480,8 @@ class _ParamReadRecorder(TorchFunctionMode):
             if func in _DETACHING and args and isinstance(args[0], nn.Parameter):
                 self._waiter.reads_detached_params = True
             return func(*args, **kwargs)
+        if not self._waiter.recording_here():
+            return func(*args, **kwargs)  # around compiled code, outside a recording
         if func not in METADATA_ONLY_CALLS:
             for tensor in tensors_in((args, kwargs)):
                 self._waiter._note_read(tensor)
@@ -431,6 +499,13 @@ _READ_IN_COMPILED_CODE = "_fgpsdp_read_in_compiled_code"
 # read so may be saved for backward apart from its own gradient (see
 # scheduler.py, [Note: parameters the backward still reads]).
 _DETACHING = frozenset([torch.Tensor.detach, torch.detach, torch.Tensor.data.__get__])
+
+
+try:
+    from torch.overrides import _get_current_function_mode_stack as _function_mode_stack
+except ImportError:  # (private in torch; present since 2.0)
+    def _function_mode_stack() -> list:
+        return []
 
 
 def tensors_in(value: Any) -> Iterator[torch.Tensor]:

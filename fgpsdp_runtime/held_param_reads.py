@@ -39,7 +39,7 @@ from torch import nn
 
 from .forward_waits import METADATA_ONLY_CALLS, tensors_in
 from .lifecycle import wrapper_of
-from .module_guards import is_traced_by_dynamo
+from .module_guards import eager_only, is_traced_by_dynamo
 
 # Besides the metadata a forward's recording ignores: what the loop and the
 # library touch on every parameter between the step and the next forward
@@ -83,9 +83,9 @@ class ParameterInFlight(nn.Parameter):
         return result
 
 
-@torch.compiler.disable(reason="fgpsdp: a parameter whose updated values are still being "
-                        "all-gathered after opt.step() lands first, outside compiled code; "
-                        "under fullgraph=True call model.synchronize() before this function")
+@eager_only("fgpsdp: a parameter whose updated values are still being all-gathered "
+            "after opt.step() lands first, outside compiled code; under fullgraph=True "
+            "call model.synchronize() before this function")
 def land(param: torch.Tensor) -> None:
     """Land ``param``'s buckets through the wrapper holding it, as a read of
     ``module.weight`` would."""

@@ -45,6 +45,17 @@ is_traced_by_dynamo = getattr(torch.compiler, "is_dynamo_compiling", None) or \
     torch._dynamo.is_compiling
 
 
+def eager_only(reason: str, disable: Optional[Callable] = None) -> Callable:
+    """``torch.compiler.disable(reason=...)``: the function runs eagerly, a graph
+    break in compiled code, and under fullgraph=True dynamo's error gives
+    ``reason``. Older torch (2.4) takes no reason: there, the plain decorator."""
+    disable = disable or torch.compiler.disable
+    try:
+        return disable(reason=reason)
+    except TypeError:
+        return disable
+
+
 class ModuleHook:
     """A hook of ours on the user's module; a copy or a pickle of the module gets an
     inert one. ``copy.deepcopy(model.module)`` (``swa_utils.AveragedModel``, EMA

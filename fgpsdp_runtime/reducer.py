@@ -66,7 +66,9 @@ def _in_compiled_autograd() -> bool:
         from torch._dynamo import compiled_autograd
     except ImportError:
         return False
-    return bool(getattr(compiled_autograd, "in_compiled_autograd_region", False))
+    # (torch 2.4 names it compiled_autograd_enabled)
+    return bool(getattr(compiled_autograd, "in_compiled_autograd_region",
+                        getattr(compiled_autograd, "compiled_autograd_enabled", False)))
 
 
 class GradientReducer:

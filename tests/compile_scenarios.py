@@ -407,9 +407,14 @@ def compiled_per_layer(rank: int, world_size: int, how: str, schedule: str,
     """Each layer compiled apart (fullgraph=True), ``how``: "in_place"
     (``layer.compile()`` before wrapping, as torchtune compiles each layer),
     "in_place_later" (after the first step), "apart" (``torch.compile(layer)``
-    before wrapping, as torchtitan), "apart_later" (set into the module so after
-    the first step), "forward" (each layer's ``forward`` compiled), or "eager". Also how many parameters of the
-    later layers were still in flight after the first layer, per forward."""
+    before wrapping, as torchtitan), "apart_warm" (so, and run once before
+    wrapping), "apart_later" (set into the module so after the first step),
+    "forward" (each layer's ``forward`` compiled), or "eager". Also how many
+    parameters of the later layers were still in flight after the first layer, per
+    forward, and how many graphs dynamo made."""
+    import torch._dynamo.utils
+    torch._dynamo.reset()  # graphs of this case only (the cases share one process)
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     torch.manual_seed(0)
     base = _Layers()
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
@@ -418,9 +423,13 @@ def compiled_per_layer(rank: int, world_size: int, how: str, schedule: str,
     if how == "in_place":
         for layer in base.layers:
             layer.compile(**options)
-    elif how == "apart":
+    elif how in ("apart", "apart_warm"):
         for i, layer in enumerate(base.layers):
             base.layers[i] = torch.compile(layer, **options)
+        if how == "apart_warm":
+            x, y = make_batch("mlp", 0, 0, rank)
+            nn.functional.mse_loss(base(x), y).backward()
+            base.zero_grad(set_to_none=True)
     elif how == "forward":
         for layer in base.layers:
             layer.forward = torch.compile(layer.forward, **options)
@@ -440,7 +449,9 @@ def compiled_per_layer(rank: int, world_size: int, how: str, schedule: str,
     _train_side_by_side(rank, (ours, opt), (ref, ref_opt), steps, before_step=compile_later)
     result = _params_and_diff(ours, ref)
     result["in_flight_after_the_first_layer"] = base.in_flight_after_the_first_layer
-    result["deviations"] = ours._forward_waiter.deviations
+    waiter = ours._forward_waiter  # (none under serial)
+    result["deviations"] = 0 if waiter is None else waiter.deviations
+    result["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
     return result
 
 

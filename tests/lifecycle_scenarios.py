@@ -20,6 +20,10 @@ import fgpsdp_runtime as fgp
 from .dist_harness import destroys_its_group
 from .scenarios import MLP, loss_fn, make_batch, wrapped_for
 
+# The class of a module's parameter table as torch makes it (dict; OrderedDict on
+# torch 2.4): what the wrapper leaves there when it goes.
+_PLAIN_TABLE = type(vars(nn.Module())["_parameters"])
+
 
 def _train(model, opt, rank: int, steps: range) -> None:
     for step in steps:
@@ -97,8 +101,8 @@ def dropped_wrapper_is_freed(rank: int, world_size: int, schedule: str) -> dict[
     # The copy, read and zero_grad guards (instance attributes).
     hooks += sum(name in vars(m) for m in module.modules()
                  for name in ("__getstate__", "named_parameters", "zero_grad"))
-    # The parameter tables that land attribute reads: plain dicts again.
-    hooks += sum(type(vars(m)["_parameters"]) is not dict for m in module.modules())
+    # The parameter tables that land attribute reads: plain ones again.
+    hooks += sum(type(vars(m)["_parameters"]) is not _PLAIN_TABLE for m in module.modules())
     module.load_state_dict(copy.deepcopy(module.state_dict()), assign=True)
     return {"freed": freed, "counts": counts, "python_threads": threading.active_count(),
             "hooks_left": hooks}
@@ -123,13 +127,13 @@ def shared_frozen_submodule_tables(rank: int, world_size: int) -> list[str]:
     del first
     gc.collect()
     seen.append("second's" if vars(shared)["_parameters"] is vars(second.module[0])[
-        "_parameters"] and type(vars(shared)["_parameters"]) is not dict else "other")
+        "_parameters"] and type(vars(shared)["_parameters"]) is not _PLAIN_TABLE else "other")
     # (Its table, under the second's, held its waiter, which holds its module.)
     seen.append("first freed" if first_module() is None else "first's module alive")
     del second
     gc.collect()
     table = vars(shared)["_parameters"]
-    seen.append("own" if table is own and type(table) is dict else type(table).__name__)
+    seen.append("own" if table is own and type(table) is _PLAIN_TABLE else type(table).__name__)
     seen.append("shared" if vars(shallow)["_parameters"] is table else "apart")
     return seen
 

@@ -183,9 +183,15 @@ def test_a_parameters_detach_in_a_block_compiled_apart_is_noticed():
         assert res["diff_to_ddp"] == 0.0 and res["commits"] > 0, (rank, res)
 
 
+# The graph counts below are those of a dynamo that inlines nn modules (one graph
+# for layers of one class) and traces torch function modes: torch 2.5 and later.
+# Torch 2.4's compiles each layer apart and runs modes outside its graphs (its
+# counts differ; the training is the same, docs/compatibility.md).
+INLINES_MODULES = torch.__version__ >= (2, 5)
+
 PER_LAYER = [(how, schedule)
-             for how in ("eager", "in_place", "in_place_later", "apart", "apart_later",
-                         "forward")
+             for how in ("eager", "in_place", "in_place_later", "apart", "apart_warm",
+                         "apart_later", "forward")
              for schedule in ("two_stage", "next_forward")]
 
 
@@ -210,7 +216,12 @@ def test_layers_compiled_apart_train_as_eager_and_keep_waiting_layer_by_layer(pe
     which under fullgraph=True raised. Each layer's forward compiled: its children's
     hooks never run eagerly, in the forward that records as in the others (a
     recording that ran compiled frames eagerly left them unwaited: read in flight,
-    under fullgraph=True an error)."""
+    under fullgraph=True an error). Dynamo compiles the layers' code once, as
+    without the wrapper (the recording forward's mode is on the stack around every
+    compiled call; before, the forwards after the recording compiled it again, and
+    layers compiled apart, run once before wrapping and then three ways, hit
+    dynamo's recompile limit, an error under fullgraph=True), and once more for
+    layers run before wrapping (it gives their parameter dicts a class of ours)."""
     how, schedule = case
     for rank, per_case in enumerate(per_layer):
         ours, eager = per_case[case], per_case[("eager", schedule)]
@@ -221,6 +232,9 @@ def test_layers_compiled_apart_train_as_eager_and_keep_waiting_layer_by_layer(pe
         followed = ours["in_flight_after_the_first_layer"][2:]
         assert followed and all(n > 0 for n in followed), (rank, case, ours)
         assert ours["deviations"] == 0, (rank, case)
+        if INLINES_MODULES:
+            assert ours["graphs"] == (2 if how == "apart_warm" else 1), \
+                (rank, case, ours["graphs"])
 
 
 OUTSIDE_READS = [(how, schedule, fullgraph) for how in ("in_place", "apart")
@@ -248,4 +262,6 @@ def test_a_compiled_function_called_in_a_loop_compiles_once_per_forward_kind():
     for rank, res in enumerate(run_distributed(
             2, compile_scenarios.compiled_function_called_in_a_loop, timeout_s=300)):
         # One graph with the recording's mode on the stack, one without.
-        assert res == {"diff_to_ddp": 0.0, "graphs": 2}, (rank, res)
+        assert res["diff_to_ddp"] == 0.0, (rank, res)
+        if INLINES_MODULES:
+            assert res["graphs"] == 2, (rank, res)

@@ -1,6 +1,7 @@
 """Parameters held from before the step (torch_ema's list) land their all-gather when
 a torch call reads them (held_param_reads.py)."""
 import copy
+import inspect
 
 import pytest
 import torch
@@ -168,6 +169,8 @@ def test_a_compiled_read_of_held_parameters_reads_the_update(schedule):
         assert res["compiled_by_step"][1:] == res["compiled_by_step"][1:2] * 3, res
 
 
+@pytest.mark.skipif("reason" not in inspect.signature(torch.compiler.disable).parameters,
+                    reason="this torch's compiler.disable takes no reason to show (2.4)")
 def test_a_fullgraph_compile_reading_held_parameters_says_to_synchronize_first():
     # (A first version failed there on torch's _disabled_torch_function_impl, which
     # dynamo cannot trace, saying nothing of what to do.)

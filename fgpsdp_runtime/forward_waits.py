@@ -68,6 +68,7 @@ next recording begins. A function compiled apart and called from eager code
 """
 from __future__ import annotations
 
+import functools
 import threading
 from typing import Any, Callable, Iterator, Optional
 
@@ -178,12 +179,15 @@ class ForwardParamWaiter:
                 # come, nor would a deviation be seen. Learn the order again.
                 self._recorded = None
             forward = m.__dict__.get("forward")
-            if forward is not None and not isinstance(forward, _RecorderAround) and (
-                    isinstance(m, _OptimizedModule)
-                    or hasattr(forward, "_torchdynamo_orig_callable")):
+            if forward is not None and not isinstance(forward, _RecorderAround) \
+                    and not getattr(forward, "_torchdynamo_disable", False) and (
+                        isinstance(m, _OptimizedModule)
+                        or hasattr(forward, "_torchdynamo_orig_callable")):
                 # An OptimizedModule's forward, or one compiled by
                 # m.forward = torch.compile(m.forward): see [Note: one graph per
-                # compiled code]. (Compiled since the recording: as above.)
+                # compiled code]. (Compiled since the recording: as above. Not one
+                # torch.compiler.disable made: its eager calls would all pass
+                # through the mode.)
                 m.__dict__["forward"] = _RecorderAround(forward, self)
                 self._recorded = None
 
@@ -227,7 +231,7 @@ class ForwardParamWaiter:
             self._mode = "record"
             self._recording = []
             self._first_read = {}
-            self._place_traced_reads()  # marks left since the last recording: dropped
+            self._place_traced_reads(keep=False)
             # Thread-local: only this forward's calls are seen.
             self._read_recorder = self._recorder
             self._read_recorder.__enter__()
@@ -332,11 +336,18 @@ class ForwardParamWaiter:
             # modules that already returned: either way no later than the read.
             self._first_read[key] = len(self._recording) - 1
 
-    def _place_traced_reads(self) -> None:
+    def _place_traced_reads(self, keep: bool = True) -> None:
         """Compiled code that ran since the last pre-hook read the parameters it
-        marked: at the place of the module running then (the last recorded)."""
+        marked: at the place of the module running then (the last recorded), and
+        took a ``.detach()`` of those it marked so. ``keep=False``: the marks
+        left since the last recording (compiled code runs outside recordings
+        too) are dropped."""
         for param in self._params:
-            if param.__dict__.pop(_READ_IN_COMPILED_CODE, False) and self._recording:
+            read = param.__dict__.pop(_READ_IN_COMPILED_CODE, False)
+            detached = param.__dict__.pop(_DETACHED_IN_COMPILED_CODE, False)
+            if keep and detached:
+                self.reads_detached_params = True
+            if keep and read and self._recording:
                 self._first_read.setdefault(id(param), len(self._recording) - 1)
 
     def _aliases_a_bucket(self, tensor: torch.Tensor) -> bool:
@@ -435,6 +446,9 @@ class _RecorderAround:
     hooks, ours among them, run eagerly around it as before."""
 
     def __init__(self, compiled: Callable, waiter: ForwardParamWaiter):
+        # Its name, signature (through __wrapped__) and attributes: a Trainer
+        # reads forward's signature to choose the dataset's columns.
+        functools.update_wrapper(self, compiled)
         self.compiled = compiled
         self._waiter = waiter
 
@@ -478,7 +492,7 @@ class _ParamReadRecorder(TorchFunctionMode):
                 if isinstance(tensor, nn.Parameter):
                     setattr(tensor, _READ_IN_COMPILED_CODE, True)
             if func in _DETACHING and args and isinstance(args[0], nn.Parameter):
-                self._waiter.reads_detached_params = True
+                setattr(args[0], _DETACHED_IN_COMPILED_CODE, True)
             return func(*args, **kwargs)
         if not self._waiter.recording_here():
             return func(*args, **kwargs)  # around compiled code, outside a recording
@@ -494,6 +508,9 @@ class _ParamReadRecorder(TorchFunctionMode):
 # reads: an attribute, which dynamo sets again each time its graph runs and does
 # not guard on (a list it would guard on, a new graph for each length).
 _READ_IN_COMPILED_CODE = "_fgpsdp_read_in_compiled_code"
+# And on one whose .detach() it takes (not the waiter's flag: the graph sets its
+# marks at every run, outside recording forwards too, an eval's).
+_DETACHED_IN_COMPILED_CODE = "_fgpsdp_detached_in_compiled_code"
 
 # Calls that alias a tensor's memory without its autograd history: a parameter
 # read so may be saved for backward apart from its own gradient (see

@@ -5,6 +5,7 @@ Imported by the spawned ranks (module-level functions only).
 from __future__ import annotations
 
 import copy
+import inspect
 import threading
 import time
 
@@ -377,6 +378,64 @@ def detached_read_in_a_block_compiled_apart(rank: int, world_size: int,
             "commits": ours.scheduler.commits}
 
 
+class _DetachesInEvals(nn.Module):
+    """Takes its weight's ``.detach()`` in evaluation (no_grad) calls only."""
+
+    def __init__(self, width: int = 16):
+        super().__init__()
+        self.lin = nn.Linear(width, width)
+
+    def forward(self, h):
+        if not torch.is_grad_enabled():
+            return torch.tanh(nn.functional.linear(h, self.lin.weight.detach()))
+        return torch.tanh(self.lin(h))
+
+
+def detach_in_compiled_evals_only(rank: int, world_size: int, compiled: bool,
+                                  steps: int = 3) -> list[bool]:
+    """A layer (compiled apart, or eager) takes a parameter's ``.detach()`` only in an
+    eval through ``model.module`` between steps, outside the wrapper's forwards: per
+    step, whether the wrapper then took the backward for one that may read detached
+    parameters (the speculative steps would wait for its end from then on)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    base = _Layers()
+    base.layers[1] = _DetachesInEvals()
+    if compiled:
+        base.layers[1] = torch.compile(base.layers[1], backend=BACKEND, fullgraph=True)
+    ours = fgp.DistributedDataParallel(base, schedule="two_stage", bucket_cap_mb=0.0001,
+                                       overlap_plan="layout")
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
+    flags = []
+    for step in range(steps):
+        x, y = make_batch("mlp", step, 0, rank)
+        nn.functional.mse_loss(ours(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        with torch.no_grad():
+            ours.module(x)
+        flags.append(ours.backward_may_read_detached_params)
+    return flags
+
+
+def compiled_forwards_keep_their_signature(rank: int, world_size: int) -> dict:
+    """A layer whose ``forward`` is compiled (``m.forward = torch.compile(m.forward)``),
+    and one left eager by ``torch.compiler.disable(layer)``, after two steps."""
+    from fgpsdp_runtime.forward_waits import _RecorderAround
+    torch.manual_seed(0)
+    base = _Layers()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    base.layers[0].forward = torch.compile(base.layers[0].forward, backend=BACKEND)
+    base.layers[1] = torch.compiler.disable(base.layers[1])
+    ours = fgp.DistributedDataParallel(base, schedule="next_forward", bucket_cap_mb=0.0001)
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
+    _train_side_by_side(rank, (ours, opt), (ref, torch.optim.AdamW(ref.parameters(), lr=1e-2)),
+                        2)
+    return {"diff_to_ddp": param_diff(ours, ref),
+            "signature": str(inspect.signature(base.layers[0].forward)),
+            "disabled_one_wrapped": isinstance(vars(base.layers[1])["forward"], _RecorderAround)}
+
+
 class _Layers(nn.Module):
     """Residual layers, each compiled apart in the scenario below; the root counts,
     after the first layer, the parameters of the others still being all-gathered."""
@@ -562,3 +621,8 @@ def compiled_function_called_in_a_loop(rank: int, world_size: int, steps: int = 
     _train_side_by_side(rank, (ours, opt), (ref, ref_opt), steps)
     return {"diff_to_ddp": param_diff(ours, ref),
             "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before}
+
+
+def detach_in_compiled_evals_many(rank: int, world_size: int) -> dict:
+    return {"eager": detach_in_compiled_evals_only(rank, world_size, False),
+            "compiled": detach_in_compiled_evals_only(rank, world_size, True)}

@@ -183,6 +183,27 @@ def test_a_parameters_detach_in_a_block_compiled_apart_is_noticed():
         assert res["diff_to_ddp"] == 0.0 and res["commits"] > 0, (rank, res)
 
 
+def test_a_detach_in_compiled_evals_between_steps_is_not_taken_for_the_trainings():
+    """A compiled layer takes its weight's ``.detach()`` only in evals through
+    ``model.module`` between steps: as in eager mode, the speculative steps keep
+    their overlap. Before, once compiled code ran outside the recording forward too
+    with the recording's mode around it, its graph set the waiter's flag at every
+    eval (the speculative steps waited for backward's end from the first)."""
+    for rank, res in enumerate(run_distributed(2, compile_scenarios.detach_in_compiled_evals_many,
+                                               timeout_s=300)):
+        assert res == {"eager": [False] * 3, "compiled": [False] * 3}, (rank, res)
+
+
+def test_a_compiled_forward_keeps_its_signature_and_a_disabled_layer_is_left_alone():
+    """A layer's compiled ``forward`` under the recording's mode still shows its own
+    signature (a Trainer picks the dataset's columns from it), and a layer that
+    ``torch.compiler.disable`` left eager gets no mode around its calls."""
+    for rank, res in enumerate(run_distributed(
+            2, compile_scenarios.compiled_forwards_keep_their_signature, timeout_s=300)):
+        assert res == {"diff_to_ddp": 0.0, "signature": "(input)",
+                       "disabled_one_wrapped": False}, (rank, res)
+
+
 # The graph counts below are those of a dynamo that inlines nn modules (one graph
 # for layers of one class) and traces torch function modes: torch 2.5 and later.
 # Torch 2.4's compiles each layer apart and runs modes outside its graphs (its

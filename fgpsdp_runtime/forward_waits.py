@@ -63,8 +63,10 @@ module compiled in place, an OptimizedModule's forward, a module's forward
 compiled by ``m.forward = torch.compile(m.forward)``), in every forward and in
 calls outside it; outside a recording forward its eager calls (graph breaks)
 pass through untouched, and the marks its graph leaves are dropped when the
-next recording begins. A function compiled apart and called from eager code
-(not a module) still gets a graph of each kind.
+next recording begins. Still traced twice, with the mode and without: a function
+compiled apart and called from eager code (not a module), a compiled module with
+no parameters of its own (not hooked), and compiled code called inside a mode the
+forward enters itself (dynamo guards on the modes' order, which differs then).
 """
 from __future__ import annotations
 
@@ -153,7 +155,7 @@ class ForwardParamWaiter:
                 self._add_hooks(m)
                 self._modules.append(m)
                 self._hooked.add(id(m))
-                self._recorded = None  # (see _hook_calls_compiled_in_place)
+                self._recorded = None  # (see _hook_compiled_calls)
 
     def remove(self) -> None:
         self._handles.remove()
@@ -165,11 +167,13 @@ class ForwardParamWaiter:
             if isinstance(forward, _RecorderAround):
                 m.__dict__["forward"] = forward.compiled
 
-    def _hook_calls_compiled_in_place(self) -> None:
+    def _hook_compiled_calls(self) -> None:
         """A module compiled by ``nn.Module.compile()`` runs its hooks, ours among
         them, inside compiled code, where ours do nothing: its calls get our hooks
         around them, eagerly. (Before, the wrapper waited for every bucket before
-        such a forward: torchtune compiles each layer so.)"""
+        such a forward: torchtune compiles each layer so.) And the compiled calls
+        of these and of the modules whose ``forward`` is compiled get our mode
+        around them (see [Note: one graph per compiled code])."""
         for m in self._modules:
             compiled = m.__dict__.get("_compiled_call_impl")
             if compiled is not None and not isinstance(compiled, _EagerHooksAround):
@@ -221,7 +225,7 @@ class ForwardParamWaiter:
         neither records nor follows (a recording would find no bucket for them)."""
         self._forward_thread = threading.get_ident()
         self._compiled_depth = 0
-        self._hook_calls_compiled_in_place()
+        self._hook_compiled_calls()
         if landed:
             self._wait_all()
             self._mode = "landed"
@@ -475,7 +479,9 @@ METADATA_ONLY_CALLS = frozenset(
 
 
 class _ParamReadRecorder(TorchFunctionMode):
-    """Tells the waiter which tensors each torch call of a recording forward reads."""
+    """Tells the waiter which tensors each torch call of a recording forward reads.
+    Also on the stack around compiled calls outside recording forwards, where its
+    eager calls pass through (see [Note: one graph per compiled code])."""
 
     def __init__(self, waiter: ForwardParamWaiter):
         super().__init__()

@@ -63,10 +63,12 @@ module compiled in place, an OptimizedModule's forward, a module's forward
 compiled by ``m.forward = torch.compile(m.forward)``), in every forward and in
 calls outside it; outside a recording forward its eager calls (graph breaks)
 pass through untouched, and the marks its graph leaves are dropped when the
-next recording begins. Still traced twice, with the mode and without: a function
-compiled apart and called from eager code (not a module), a compiled module with
-no parameters of its own (not hooked), and compiled code called inside a mode the
-forward enters itself (dynamo guards on the modes' order, which differs then).
+next recording begins. Compiled modules with no parameters of their own get the
+mode the same way (no hooks), those found at wrapping and when the tree changes.
+Still traced twice, with the mode and without: a function compiled apart and
+called from eager code (not a module), one such parameterless module compiled in
+place after wrapping, and compiled code called inside a mode the forward enters
+itself (dynamo guards on the modes' order, which differs then).
 """
 from __future__ import annotations
 
@@ -138,6 +140,17 @@ class ForwardParamWaiter:
         for m in self._modules:
             self._add_hooks(m)
         self._hooked = {id(m) for m in self._modules}
+        # Compiled modules with no parameters of their own: no hooks (nothing to
+        # wait for), only our mode around their compiled calls. Looked for here and
+        # when the tree changes (see [Note: one graph per compiled code]).
+        self._compiled_without_params: list[nn.Module] = []
+        self._find_compiled_without_params()
+
+    def _find_compiled_without_params(self) -> None:
+        self._compiled_without_params = [
+            m for m in self._root.modules()
+            if not any(True for _ in m.parameters())
+            and ("_compiled_call_impl" in m.__dict__ or _compiled_forward(m) is not None)]
 
     def _add_hooks(self, module: nn.Module) -> None:
         self._handles.add(module.register_forward_pre_hook(self._hook, prepend=True))
@@ -156,12 +169,13 @@ class ForwardParamWaiter:
                 self._modules.append(m)
                 self._hooked.add(id(m))
                 self._recorded = None  # (see _hook_compiled_calls)
+        self._find_compiled_without_params()
 
     def remove(self) -> None:
         self._handles.remove()
-        for m in self._modules:
+        for m in self._modules + self._compiled_without_params:
             hooks = m.__dict__.get("_compiled_call_impl")
-            if isinstance(hooks, _EagerHooksAround):
+            if isinstance(hooks, (_EagerHooksAround, _RecorderAround)):
                 m._compiled_call_impl = hooks.compiled
             forward = m.__dict__.get("forward")
             if isinstance(forward, _RecorderAround):
@@ -182,18 +196,19 @@ class ForwardParamWaiter:
                 # no longer run eagerly, so the recording's waits there would never
                 # come, nor would a deviation be seen. Learn the order again.
                 self._recorded = None
-            forward = m.__dict__.get("forward")
-            if forward is not None and not isinstance(forward, _RecorderAround) \
-                    and not getattr(forward, "_torchdynamo_disable", False) and (
-                        isinstance(m, _OptimizedModule)
-                        or hasattr(forward, "_torchdynamo_orig_callable")):
-                # An OptimizedModule's forward, or one compiled by
-                # m.forward = torch.compile(m.forward): see [Note: one graph per
-                # compiled code]. (Compiled since the recording: as above. Not one
-                # torch.compiler.disable made: its eager calls would all pass
-                # through the mode.)
+            forward = _compiled_forward(m)
+            if forward is not None:
+                # See [Note: one graph per compiled code]. (Compiled since the
+                # recording: as above.)
                 m.__dict__["forward"] = _RecorderAround(forward, self)
                 self._recorded = None
+        for m in self._compiled_without_params:  # (nothing inside them records)
+            compiled = m.__dict__.get("_compiled_call_impl")
+            if compiled is not None and not isinstance(compiled, _RecorderAround):
+                m._compiled_call_impl = _RecorderAround(compiled, self)
+            forward = _compiled_forward(m)
+            if forward is not None:
+                m.__dict__["forward"] = _RecorderAround(forward, self)
 
     def call_compiled(self, compiled: Callable, *args, **kwargs):
         """Calls compiled code with this waiter's mode on the stack, as in the
@@ -409,6 +424,20 @@ except ImportError:  # a torch without dynamo: isinstance(m, ()) is False
     _OptimizedModule = ()
 
 
+def _compiled_forward(module: nn.Module) -> Optional[Callable]:
+    """The module's compiled ``forward`` that our mode is not yet around: an
+    OptimizedModule's, or one set by ``m.forward = torch.compile(m.forward)``; not
+    one ``torch.compiler.disable`` made (its eager calls would all pass through
+    the mode)."""
+    forward = module.__dict__.get("forward")
+    if forward is None or isinstance(forward, _RecorderAround) \
+            or getattr(forward, "_torchdynamo_disable", False):
+        return None
+    if isinstance(module, _OptimizedModule) or hasattr(forward, "_torchdynamo_orig_callable"):
+        return forward
+    return None
+
+
 def _compiled_apart(module: nn.Module) -> bool:
     """``module`` runs compiled code with hooks of its own that run eagerly: an
     OptimizedModule (``torch.compile(m)``) or one compiled in place whose calls
@@ -445,9 +474,10 @@ class _EagerHooksAround:
 
 class _RecorderAround:
     """Stands in for a module's compiled ``forward`` (an OptimizedModule's, or one
-    set by ``m.forward = torch.compile(m.forward)``): calls it with the waiter's
-    mode on the stack (see [Note: one graph per compiled code]). The module's own
-    hooks, ours among them, run eagerly around it as before."""
+    set by ``m.forward = torch.compile(m.forward)``), or for the compiled call of a
+    module with no parameters compiled in place: calls it with the waiter's mode on
+    the stack (see [Note: one graph per compiled code]). The module's own hooks,
+    ours among them, run eagerly around it as before."""
 
     def __init__(self, compiled: Callable, waiter: ForwardParamWaiter):
         # Its name, signature (through __wrapped__) and attributes: a Trainer

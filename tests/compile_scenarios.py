@@ -362,7 +362,10 @@ def detached_read_in_a_block_compiled_apart(rank: int, world_size: int,
                                             steps: int = 4) -> dict:
     """The block that takes a parameter's ``.detach()`` is compiled apart with
     ``fullgraph=True``: the recording forward still notices the read (the
-    speculative steps then wait for backward's end, as in eager mode)."""
+    speculative steps then wait for backward's end, as in eager mode). Also how
+    many graphs dynamo made."""
+    import torch._dynamo.utils
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     torch.manual_seed(1234 + rank)
     base = _NetWithADetachedReadCompiledApart()
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
@@ -375,7 +378,8 @@ def detached_read_in_a_block_compiled_apart(rank: int, world_size: int,
     ours.synchronize()
     return {"diff_to_ddp": param_diff(ours, ref),
             "noticed": ours.backward_may_read_detached_params,
-            "commits": ours.scheduler.commits}
+            "commits": ours.scheduler.commits,
+            "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before}
 
 
 class _DetachesInEvals(nn.Module):

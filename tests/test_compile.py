@@ -14,6 +14,12 @@ import torch
 from . import compile_scenarios
 from .dist_harness import run_distributed
 
+# The graph counts in these tests are those of a dynamo that inlines nn modules (one graph
+# for layers of one class) and traces torch function modes: torch 2.5 and later.
+# Torch 2.4's compiles each layer apart and runs modes outside its graphs (its
+# counts differ; the training is the same, docs/compatibility.md).
+INLINES_MODULES = torch.__version__ >= (2, 5)
+
 HOWS = ("wrapper", "module", "submodule", "module_in_place", "module_in_place_later",
         "submodule_in_place_later")
 CASES = [(how, schedule, 1) for how in HOWS for schedule in ("two_stage", "next_forward")]
@@ -176,11 +182,15 @@ def test_a_compiled_read_of_a_parameter_attribute_is_not_guarded_on_the_gathers(
 def test_a_parameters_detach_in_a_block_compiled_apart_is_noticed():
     """A block compiled apart (fullgraph=True, no parameters of its own) takes a
     parameter's ``.detach()``: the recording forward's mode, traced there, notes
-    it, so the speculative steps wait for backward's end, as in eager mode."""
+    it, so the speculative steps wait for backward's end, as in eager mode. Its
+    code compiles once: a compiled module with no parameters of its own gets our
+    mode around its calls too (before, a second graph without it)."""
     for rank, res in enumerate(run_distributed(
             2, compile_scenarios.detached_read_in_a_block_compiled_apart, timeout_s=300)):
         assert res["noticed"], (rank, res)
         assert res["diff_to_ddp"] == 0.0 and res["commits"] > 0, (rank, res)
+        if INLINES_MODULES:
+            assert res["graphs"] == 1, (rank, res)
 
 
 def test_a_detach_in_compiled_evals_between_steps_is_not_taken_for_the_trainings():
@@ -203,12 +213,6 @@ def test_a_compiled_forward_keeps_its_signature_and_a_disabled_layer_is_left_alo
         assert res == {"diff_to_ddp": 0.0, "signature": "(input)",
                        "disabled_one_wrapped": False}, (rank, res)
 
-
-# The graph counts below are those of a dynamo that inlines nn modules (one graph
-# for layers of one class) and traces torch function modes: torch 2.5 and later.
-# Torch 2.4's compiles each layer apart and runs modes outside its graphs (its
-# counts differ; the training is the same, docs/compatibility.md).
-INLINES_MODULES = torch.__version__ >= (2, 5)
 
 PER_LAYER = [(how, schedule)
              for how in ("eager", "in_place", "in_place_later", "apart", "apart_warm",

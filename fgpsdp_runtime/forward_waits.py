@@ -64,11 +64,12 @@ compiled by ``m.forward = torch.compile(m.forward)``), in every forward and in
 calls outside it; outside a recording forward its eager calls (graph breaks)
 pass through untouched, and the marks its graph leaves are dropped when the
 next recording begins. Compiled modules with no parameters of their own get the
-mode the same way (no hooks), those found at wrapping and when the tree changes.
-Still traced twice, with the mode and without: a function compiled apart and
-called from eager code (not a module), one such parameterless module compiled in
-place after wrapping, and compiled code called inside a mode the forward enters
-itself (dynamo guards on the modes' order, which differs then).
+mode the same way (no hooks), those found at wrapping and when the parameters'
+places change. Still traced twice, with the mode and without: a function compiled
+apart and called from eager code (not a module), a parameterless module compiled
+after wrapping (in place, or set into the tree so), and compiled code called
+inside a mode the forward enters itself (dynamo guards on the modes' order,
+which differs then).
 """
 from __future__ import annotations
 
@@ -142,7 +143,7 @@ class ForwardParamWaiter:
         self._hooked = {id(m) for m in self._modules}
         # Compiled modules with no parameters of their own: no hooks (nothing to
         # wait for), only our mode around their compiled calls. Looked for here and
-        # when the tree changes (see [Note: one graph per compiled code]).
+        # when the parameters' places change (see [Note: one graph per compiled code]).
         self._compiled_without_params: list[nn.Module] = []
         self._find_compiled_without_params()
 

@@ -110,10 +110,10 @@ class ForwardParamWaiter:
         self._waited_through = -1
         self._recording: list[int] = []
         self._first_read: dict[int, int] = {}  # id(param) -> recording position
-        self._read_recorder: Optional[_ParamReadRecorder] = None
         # The one mode of this waiter, on the stack in a recording forward and
         # around compiled calls (see [Note: one graph per compiled code]).
         self._recorder = _ParamReadRecorder(self)
+        self._recorder_entered = False  # by begin_forward, for the recording forward
         # A recording forward took a parameter's .detach() or .data, or read a view
         # of one without autograd history: it may be saved for backward apart
         # from its gradient (see scheduler.py).
@@ -253,17 +253,17 @@ class ForwardParamWaiter:
             self._first_read = {}
             self._place_traced_reads(keep=False)
             # Thread-local: only this forward's calls are seen.
-            self._read_recorder = self._recorder
-            self._read_recorder.__enter__()
+            self._recorder.__enter__()
+            self._recorder_entered = True
         else:
             self._mode = "follow"
             self._cursor = 0
             self._waited_through = -1
 
     def end_forward(self) -> None:
-        if self._read_recorder is not None:
-            recorder, self._read_recorder = self._read_recorder, None
-            recorder.__exit__(None, None, None)
+        if self._recorder_entered:
+            self._recorder_entered = False
+            self._recorder.__exit__(None, None, None)
         if self._mode == "record":
             self._place_traced_reads()
             self._recorded = self._recording

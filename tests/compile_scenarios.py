@@ -20,6 +20,12 @@ from .scenarios import MLP, make_batch, param_diff
 BACKEND = "aot_eager"  # dynamo and AOTAutograd as inductor sees them, without its C++ build
 
 
+def _unique_graphs() -> int:
+    """The graphs dynamo has made in this process so far."""
+    import torch._dynamo.utils
+    return torch._dynamo.utils.counters["stats"]["unique_graphs"]
+
+
 def compiled_side_by_side(rank: int, world_size: int, how: str, schedule: str,
                           accumulate: int = 1, fullgraph: bool = False, steps: int = 4) -> dict:
     """fgpsdp's parameters after ``steps`` steps and their largest difference to
@@ -364,8 +370,7 @@ def detached_read_in_a_block_compiled_apart(rank: int, world_size: int,
     ``fullgraph=True``: the recording forward still notices the read (the
     speculative steps then wait for backward's end, as in eager mode). Also how
     many graphs dynamo made."""
-    import torch._dynamo.utils
-    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    graphs_before = _unique_graphs()
     torch.manual_seed(1234 + rank)
     base = _NetWithADetachedReadCompiledApart()
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
@@ -379,7 +384,7 @@ def detached_read_in_a_block_compiled_apart(rank: int, world_size: int,
     return {"diff_to_ddp": param_diff(ours, ref),
             "noticed": ours.backward_may_read_detached_params,
             "commits": ours.scheduler.commits,
-            "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before}
+            "graphs": _unique_graphs() - graphs_before}
 
 
 class _DetachesInEvals(nn.Module):
@@ -475,9 +480,8 @@ def compiled_per_layer(rank: int, world_size: int, how: str, schedule: str,
     "forward" (each layer's ``forward`` compiled), or "eager". Also how many
     parameters of the later layers were still in flight after the first layer, per
     forward, and how many graphs dynamo made."""
-    import torch._dynamo.utils
     torch._dynamo.reset()  # graphs of this case only (the cases share one process)
-    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    graphs_before = _unique_graphs()
     torch.manual_seed(0)
     base = _Layers()
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
@@ -514,7 +518,7 @@ def compiled_per_layer(rank: int, world_size: int, how: str, schedule: str,
     result["in_flight_after_the_first_layer"] = base.in_flight_after_the_first_layer
     waiter = ours._forward_waiter  # (none under serial)
     result["deviations"] = 0 if waiter is None else waiter.deviations
-    result["graphs"] = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
+    result["graphs"] = _unique_graphs() - graphs_before
     return result
 
 
@@ -613,7 +617,6 @@ class _LoopOverAParameterList(nn.Module):
 
 
 def compiled_function_called_in_a_loop(rank: int, world_size: int, steps: int = 4) -> dict:
-    import torch._dynamo.utils
     torch.manual_seed(0)
     compiled = torch.compile(_apply, backend=graph_outside_torch_functions, fullgraph=True)
     base = _LoopOverAParameterList(compiled)
@@ -621,10 +624,10 @@ def compiled_function_called_in_a_loop(rank: int, world_size: int, steps: int = 
     ours = fgp.DistributedDataParallel(base, schedule="next_forward", bucket_cap_mb=0.0001)
     opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    graphs_before = _unique_graphs()
     _train_side_by_side(rank, (ours, opt), (ref, ref_opt), steps)
     return {"diff_to_ddp": param_diff(ours, ref),
-            "graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before}
+            "graphs": _unique_graphs() - graphs_before}
 
 
 def detach_in_compiled_evals_many(rank: int, world_size: int) -> dict:

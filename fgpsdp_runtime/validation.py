@@ -117,6 +117,15 @@ def local_problems(module: torch.nn.Module,
         listing = ", ".join(f"{n} on {p.device}" for n, p in trainable[:8])
         problems.append(f"trainable parameters are on several devices ({listing}); "
                         "a module must live on one device")
+    sync_bn = next((name for name, m in module.named_modules()
+                    if isinstance(m, torch.nn.SyncBatchNorm)), None)
+    if sync_bn is not None and devices and all(d.type == "cpu" for d in devices):
+        # As torch DDP, at construction: its forward would raise on every rank (it
+        # takes GPU inputs only), while an eval forward would run.
+        problems.append(f"SyncBatchNorm layers only work with GPU modules (layer '{sync_bn}' "
+                        "of a module on the CPU, which torch DDP refuses too): keep "
+                        "nn.BatchNorm layers for CPU ranks, or move the module to its GPU "
+                        "first")
     for name, param in trainable:
         if _is_dtensor(param):
             # Its local shard is what the buckets would hold; torch DDP first turns a

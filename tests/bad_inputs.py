@@ -333,6 +333,13 @@ def all_parameters_frozen(rank, world_size):
     fgp.DistributedDataParallel(model)
 
 
+def sync_batchnorm_on_cpu(rank, world_size):
+    # torch DDP refuses it at construction; the forward would raise on every rank
+    # (SyncBatchNorm takes GPU inputs only), an eval forward not.
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU())
+    fgp.DistributedDataParallel(nn.SyncBatchNorm.convert_sync_batchnorm(model))
+
+
 def no_parameters(rank, world_size):
     fgp.DistributedDataParallel(nn.Sequential(nn.ReLU(), nn.Flatten()))
 

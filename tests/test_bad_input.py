@@ -219,6 +219,8 @@ CASES = [
      [r"parameter 'bias_rows' has elements that share memory \(stride 0"]),
     (bad_inputs.built_under_inference_mode, "ValueError",
      [r"rank 1: the wrapper was built under torch\.inference_mode\(\)"]),
+    (bad_inputs.sync_batchnorm_on_cpu, "ValueError",
+     [r"SyncBatchNorm layers only work with GPU modules", r"layer '1'"]),
     (bad_inputs.inference_tensor_parameter, "ValueError",
      [r"rank 2: parameter 'net\.0\.weight' is an inference tensor"]),
     (bad_inputs.float8_reduce_dtype, "ValueError",

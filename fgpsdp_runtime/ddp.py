@@ -76,7 +76,8 @@ class DistributedDataParallel(nn.Module):
     rank's full replica.
     """
 
-    # torch 2.13 DDP's parameters, in its order (see ddp_options.py), then ours.
+    # torch DDP's parameters (of 2.15; 2.13's end at forward_sync_buffers), in its
+    # order (see ddp_options.py), then ours.
     def __init__(self, module: nn.Module, device_ids: Optional[Sequence[Any]] = None,
                  output_device: Any = None, dim: int = 0,
                  broadcast_buffers: Optional[bool] = None, init_sync: bool = True,
@@ -89,7 +90,8 @@ class DistributedDataParallel(nn.Module):
                  device_mesh: Any = None, skip_all_reduce_unused_params: bool = False,
                  bucket_cap_mb_list: Optional[Sequence[float]] = None,
                  batched_grad_copy: bool = False,
-                 forward_sync_buffers: Optional[bool] = None, *,
+                 forward_sync_buffers: Optional[bool] = None,
+                 lazy_bucket_allocation: bool = False, *,
                  topology: TopologyArg = None, schedule: str = "two_stage",
                  overlap_plan: Union[str, OverlapPlan] = "auto",
                  reduce_dtype: Optional[torch.dtype] = None,
@@ -119,7 +121,8 @@ class DistributedDataParallel(nn.Module):
                 raise ValueError("fgpsdp: " + "; ".join(argument_problems))
             raise RuntimeError("fgpsdp: call torch.distributed.init_process_group() first")
         # output_device, dim, check_reduction, gradient_as_bucket_view,
-        # static_graph, skip_all_reduce_unused_params and batched_grad_copy are
+        # static_graph, skip_all_reduce_unused_params, batched_grad_copy and
+        # lazy_bucket_allocation are
         # accepted for drop-in compatibility and change nothing: outputs stay
         # where the single-device module puts them, gradients are released into
         # the send buffer as soon as they are ready, packed by one fused copy per
@@ -143,6 +146,9 @@ class DistributedDataParallel(nn.Module):
         self.dim = dim
         self.static_graph = static_graph
         self.gradient_as_bucket_view = gradient_as_bucket_view
+        self.lazy_bucket_allocation = lazy_bucket_allocation
+        # torch DDP's manual backward finalization (torch 2.15): see finalize_backward.
+        self._require_manual_backward_finalization = False
         self.mixed_precision = None
         self.require_forward_param_sync = True
         self.world_size = dist.get_world_size(process_group)
@@ -640,6 +646,39 @@ class DistributedDataParallel(nn.Module):
         raise NotImplementedError(
             "fgpsdp: torch.distributed.algorithms.Join([...]) is not supported; use "
             "`with model.join():` (one wrapped model; the ShardedOptimizer needs no joining)")
+
+    @property
+    def require_manual_backward_finalization(self) -> bool:
+        """torch DDP's (torch 2.15): the loop calls ``finalize_backward()`` after each
+        synchronized backward. Accepted: see finalize_backward."""
+        return self._require_manual_backward_finalization
+
+    @require_manual_backward_finalization.setter
+    def require_manual_backward_finalization(self, required: bool) -> None:
+        self._require_manual_backward_finalization = bool(required)
+
+    @property
+    def should_finalize_after_backward(self) -> bool:
+        """torch DDP's: whether ``finalize_backward()`` must wait until backward has
+        returned. Never here: it may be called from a backward hook as well."""
+        return False
+
+    def finalize_backward(self) -> None:
+        """torch DDP's (torch 2.15), under ``require_manual_backward_finalization``: torch
+        waits there for the gradients' all-reduce and writes them into ``param.grad``.
+        Here nothing is written back (the reduced gradients are this rank's slices,
+        see docs/semantics.md#gradients), and what reads them (``opt.step()``, the
+        clip, ``opt.full_grad()``) waits for their reduce-scatters itself: it returns
+        at once, and the reduce-scatters go on overlapping until then. Misuse torch
+        refuses is refused alike."""
+        if not self._require_manual_backward_finalization:
+            raise RuntimeError(
+                "fgpsdp: finalize_backward() is called only with "
+                "model.require_manual_backward_finalization = True (as in torch DDP)")
+        if not self.require_backward_grad_sync:
+            raise RuntimeError(
+                "fgpsdp: finalize_backward() inside no_sync(): no gradient is reduced "
+                "there (as in torch DDP, call it after the synchronized backward)")
 
     def _set_static_graph(self) -> None:
         """torch DDP's late ``static_graph=True`` (trainers' strategies call it after

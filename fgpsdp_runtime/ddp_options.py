@@ -1,7 +1,7 @@
 """The wrapper's constructor keywords: torch DDP's and what each means here, and
 the checks of this library's own.
 
-The wrapper takes torch DDP's keywords (torch 2.13's, in its positional
+The wrapper takes torch DDP's keywords (torch 2.15's, in its positional
 order), so that a loop written for torch DDP runs unchanged. Each one either
 means here what it means there, is accepted and has nothing to do here (said
 where it is taken), or is refused with a sentence saying what to use instead.

@@ -66,7 +66,11 @@ def train_with_keywords(rank: int, world_size: int, cfg: dict[str, Any]) -> dict
             "require_forward_param_sync", "require_backward_grad_sync", "mixed_precision",
             "forward_sync_buffers")] + [
             ("will_sync_module_buffers()", ours.will_sync_module_buffers(),
-             ref.will_sync_module_buffers())],
+             ref.will_sync_module_buffers()),
+            # torch 2.15's; on an older torch, what the wrapper was given.
+            ("lazy_bucket_allocation", ours.lazy_bucket_allocation,
+             getattr(ref, "lazy_bucket_allocation",
+                     {**kw, **cfg.get("ours_kw", {})}.get("lazy_bucket_allocation", False)))],
         # The group object itself, never None (code calls model.process_group.size()).
         "same_process_group": ours.process_group is ref.process_group,
     }
@@ -89,6 +93,64 @@ def train_with_keywords(rank: int, world_size: int, cfg: dict[str, Any]) -> dict
 def train_many_with_keywords(rank: int, world_size: int,
                              cfgs: dict[str, dict]) -> dict[str, dict]:
     return {name: train_with_keywords(rank, world_size, cfg) for name, cfg in cfgs.items()}
+
+
+def _raised(call) -> Any:
+    try:
+        call()
+    except RuntimeError as error:
+        return str(error)
+    return None
+
+
+def manual_backward_finalization(rank: int, world_size: int, schedule: str) -> dict[str, Any]:
+    """torch 2.15 DDP's ``require_manual_backward_finalization`` loop: 4 AdamW steps of
+    two micro-batches (the first under no_sync()), ``finalize_backward()`` after the
+    synchronized backward; torch DDP runs the same loop where its torch has the
+    API, else without it. Also the misuse torch refuses: the call without the flag,
+    and inside no_sync()."""
+    torch.manual_seed(1234)
+    base = BatchNormNet()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    speculate = {"overlap_plan": "layout", "bucket_cap_mb": 0.0001} \
+        if schedule == "two_stage" else {}
+    ours = fgp.DistributedDataParallel(base, schedule=schedule, **speculate)
+    models = [ours] + ([ref] if hasattr(ref, "finalize_backward") else [])
+    out: dict[str, Any] = {"torch_has_it": len(models) == 2,
+                           "unrequested": [_raised(m.finalize_backward) for m in models]}
+    for model in models:
+        model.require_manual_backward_finalization = True
+    out["required"] = ours.require_manual_backward_finalization
+    opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
+    ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+    # Per wrapper, ours first: what each call raised (None: nothing).
+    out["inside_no_sync"] = [[] for _ in models]
+    out["after_backward"] = [[] for _ in models]
+    for step in range(4):
+        for model, optimizer in ((ours, opt), (ref, ref_opt)):
+            x, y = make_batch("bn_frozen", step, 0, rank)
+            with model.no_sync():
+                loss_fn("bn_frozen", model(x), y).backward()
+                if model in models:
+                    out["inside_no_sync"][models.index(model)].append(
+                        _raised(model.finalize_backward))
+            x, y = make_batch("bn_frozen", step, 1, rank)
+            loss_fn("bn_frozen", model(x), y).backward()
+            if model in models:
+                out["after_backward"][models.index(model)].append(
+                    (model.should_finalize_after_backward, _raised(model.finalize_backward)))
+            optimizer.step()
+            optimizer.zero_grad()
+    ours.synchronize()
+    out["speculated"] = ours.scheduler.commits + ours.scheduler.rollbacks \
+        if ours.scheduler is not None else 0
+    out["param_diff"] = _max_diff(ours.module.parameters(), ref.module.parameters())
+    return out
+
+
+def manual_backward_finalization_by_schedule(rank: int, world_size: int,
+                                             schedules: list[str]) -> dict[str, dict]:
+    return {s: manual_backward_finalization(rank, world_size, s) for s in schedules}
 
 
 

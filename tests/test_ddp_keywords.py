@@ -32,7 +32,11 @@ CONFIGS = {
     "params_and_buffers_to_ignore": {"kw": {}, "ignore": ["frozen.weight", "bn.running_mean"]},
     "accepted_unneeded": {"kw": {"skip_all_reduce_unused_params": True,
                                  "batched_grad_copy": True, "static_graph": True,
-                                 "gradient_as_bucket_view": True}},
+                                 "gradient_as_bucket_view": True},
+                          # torch 2.15's: given to torch DDP too where it takes it.
+                          ("kw" if "lazy_bucket_allocation" in inspect.signature(
+                              torch.nn.parallel.DistributedDataParallel).parameters
+                           else "ours_kw"): {"lazy_bucket_allocation": True}},
     "late_static_graph": {"kw": {}, "late_static_graph": True},
 }
 
@@ -80,6 +84,31 @@ def test_signature_takes_torch_ddps_parameters_in_its_order():
     ours = [n for n, p in inspect.signature(fgp.DistributedDataParallel).parameters.items()
             if p.kind is not inspect.Parameter.KEYWORD_ONLY]
     assert ours[:len(theirs)] == theirs
+
+
+def test_manual_backward_finalization_trains_as_torch_ddp():
+    """torch 2.15 DDP's ``require_manual_backward_finalization`` / ``finalize_backward()``
+    (torch writes the reduced gradients back there): a loop calling them trains as
+    torch DDP's, and their misuse raises as in torch. Before, the call raised
+    AttributeError."""
+    schedules = ["serial", "two_stage"]
+    for rank, per_schedule in enumerate(run_distributed(
+            2, ddp_keyword_scenarios.manual_backward_finalization_by_schedule, schedules)):
+        for schedule, res in per_schedule.items():
+            where = (rank, schedule)
+            assert res["param_diff"] == 0.0, (where, res)
+            assert res["required"] is True
+            ours, *theirs = res["unrequested"]
+            assert "require_manual_backward_finalization" in ours, where
+            assert all(t is not None for t in theirs), (where, theirs)  # torch refuses too
+            ours, *theirs = res["inside_no_sync"]
+            assert len(ours) == 4 and all("no_sync" in m for m in ours), (where, ours)
+            assert all(m is not None for t in theirs for m in t), (where, theirs)
+            ours, *theirs = res["after_backward"]
+            assert ours == [(False, None)] * 4, (where, ours)
+            assert all(raised is None for t in theirs for _, raised in t), (where, theirs)
+            if schedule == "two_stage":
+                assert res["speculated"] > 0, where  # the overlap ran beside the calls
 
 
 def test_device_ids_name_a_gpu_by_index_of_any_integer_type():

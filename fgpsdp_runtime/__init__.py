@@ -6,9 +6,10 @@
 from .ddp import DistributedDataParallel
 from .topology import Topology
 from .optim import ShardedOptimizer
+from .muon import MuonWithAdamW  # ShardedOptimizer(model, MuonWithAdamW, param_groups=...)
 from .grad_scaler import ShardedGradScaler
 from .plan import OverlapPlan  # DistributedDataParallel(overlap_plan=...), model.plan
 
-__all__ = ["DistributedDataParallel", "OverlapPlan", "ShardedGradScaler", "ShardedOptimizer",
-           "Topology"]
+__all__ = ["DistributedDataParallel", "MuonWithAdamW", "OverlapPlan", "ShardedGradScaler",
+           "ShardedOptimizer", "Topology"]
 __version__ = "0.1.0"

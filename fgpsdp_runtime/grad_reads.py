@@ -9,7 +9,8 @@ the same figures together from the pieces, each with one all-reduce over the
 wrapper's group. The optimizer calls them once every reduce-scatter has landed
 (``ShardedOptimizer.grad_norms`` and ``full_grad``), after agree_on_the_read's
 check that every rank makes the same read. ``full_state`` makes that check too, and
-puts a parameter's per-element optimizer state together with whole_from_pieces.
+puts a parameter's per-element optimizer state together with whole_from_pieces, and
+MuonWithAdamW's step its matrices with wholes_from_pieces (whole_matrices.py).
 """
 from __future__ import annotations
 
@@ -108,15 +109,38 @@ def whole_from_pieces(model: "DistributedDataParallel", index: int, dtype: torch
     so the sum is that rank's byte, with no carry. Every value arrives bit for bit,
     -0.0 and a NaN's payload included, which a sum of floats (x + 0.0) would not
     keep for -0.0."""
-    bucket, span = model.reducer.slot[index]
-    whole = torch.zeros(span.numel, dtype=dtype, device=model.buckets[bucket].device)
-    for start, values in mine:
-        offset = start - span.bucket_offset
-        whole[offset:offset + values.numel()].copy_(values)
-    if model.world_size > 1:
-        all_reduce_held(whole.view(torch.uint8), dist.ReduceOp.SUM, model.process_group, site)
-    param = model.named_trainable_parameters()[index][1]
-    return span_as_param(whole, param.shape, span.strides)
+    return wholes_from_pieces(model, [(index, dtype, mine)], site)[0]
+
+
+def wholes_from_pieces(model: "DistributedDataParallel",
+                       requests: Sequence[tuple[int, torch.dtype,
+                                                Sequence[tuple[int, torch.Tensor]]]],
+                       site: str) -> list[torch.Tensor]:
+    """whole_from_pieces for several parameters, ``(index, dtype, mine)`` each (the
+    same list on every rank), in one all-reduce of their bytes."""
+    # Each parameter's bytes start at a multiple of 16, so that every region can be
+    # viewed in its dtype.
+    places, total = [], 0
+    for index, dtype, _ in requests:
+        _, span = model.reducer.slot[index]
+        nbytes = span.numel * torch.empty((), dtype=dtype).element_size()
+        places.append((total, nbytes))
+        total += -(-nbytes // 16) * 16
+    device = model.buckets[model.reducer.slot[requests[0][0]][0]].device if requests else None
+    buffer = torch.zeros(total, dtype=torch.uint8, device=device)
+    wholes = []
+    for (index, dtype, mine), (start_byte, nbytes) in zip(requests, places):
+        _, span = model.reducer.slot[index]
+        whole = buffer[start_byte:start_byte + nbytes].view(dtype)
+        for start, values in mine:
+            offset = start - span.bucket_offset
+            whole[offset:offset + values.numel()].copy_(values)
+        wholes.append(whole)
+    if model.world_size > 1 and total:
+        all_reduce_held(buffer, dist.ReduceOp.SUM, model.process_group, site)
+    named = model.named_trainable_parameters()
+    return [span_as_param(whole, named[index][1].shape, model.reducer.slot[index][1].strides)
+            for (index, _, _), whole in zip(requests, wholes)]
 
 
 def agree_on_the_read(model: "DistributedDataParallel", what: str, kind: int, index: int,

@@ -26,6 +26,7 @@ tried on small tensors first (elementwise_probe.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import operator
 from collections import defaultdict
@@ -57,6 +58,7 @@ from .step_wide_state import StepWideState
 from .uneven_inputs import AnnouncedCall, UnevenInputs
 from .user_warnings import user_code_line, warn_at_user_code
 from .validation import settings_agree_or_raise
+from .whole_matrices import matrices_in, orthogonalised, put_together
 
 
 def _group_size(group: object) -> Any:
@@ -103,6 +105,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.model = model
         problem: Optional[Exception] = None
         groups = None
+        # MuonWithAdamW (muon.py): its matrices are put together from every rank's
+        # slices, and checked to be matrices here (its pieces are 1-D).
+        self._steps_whole_matrices = bool(getattr(optimizer_class, "steps_whole_matrices",
+                                                  False))
         try:
             refuse_unsliceable(optimizer_class)  # see optimizer_kinds.py
             if max_grad_norm is not None and not (max_grad_norm > 0):
@@ -127,7 +133,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 raise ValueError("differentiable=True is not supported: the inner optimizer "
                                  "steps this rank's bucket slices outside autograd, so no "
                                  "graph through the step reaches the model's parameters")
-            if check_elementwise:  # a class outside torch.optim, tried on small tensors
+            if self._steps_whole_matrices:
+                _refuse_muon_groups_over_non_matrices(model, groups)
+            elif check_elementwise:  # a class outside torch.optim, tried on small tensors
                 refuse_unless_elementwise(optimizer_class, groups, defaults, self._device)
         except (TypeError, ValueError) as error:
             problem = error
@@ -190,6 +198,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             slice_groups.append({**{k: v for k, v in group.items() if k != "params"},
                                  "params": pieces})
         self.optim = optimizer_class(slice_groups, **defaults)
+        # The buckets and the used parameters of the inner step running now (an
+        # inner step that puts matrices together reads them: see whole_matrices.py).
+        self._inner_run: Optional[tuple[Sequence[int], Optional[Sequence[bool]]]] = None
+        if self._steps_whole_matrices:
+            self._indices_by_group = [[model.param_index(p) for p in g["params"]]
+                                      for g in groups]
+            self.optim.matrices_of_group = self._matrices_of_group
+            self.optim.put_together = functools.partial(put_together, model)
+            self.optim.orthogonalised = functools.partial(orthogonalised, model)
         # (Every rank alike: the class and the groups agree, and so do the
         # arguments of a loop that builds the same optimizer on every rank.)
         refuse_unsliceable_settings(self.optim)
@@ -222,6 +239,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._reset_step_measurements()
         self._unstepped_ignored = UnsteppedIgnoredParameters(model.named_ignored_parameters())
         model.attach_optimizer(self)
+        if self._steps_whole_matrices and model.scheduler is not None:
+            # A speculative step runs on the scheduler thread, where the collective
+            # that puts a matrix together would not pair with the other ranks'.
+            model.scheduler.stop_speculating(
+                f"{optimizer_class.__name__} puts matrices together from every rank's "
+                "slices in its step, a collective", warn=False)
+            model.scheduler.suspend_speculation()  # from now, not from the step's end
 
     @classmethod
     def from_optimizer(cls, model: DistributedDataParallel, optimizer: torch.optim.Optimizer,
@@ -281,6 +305,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return converted
 
     # -- construction helpers ------------------------------------------------
+
+    def _matrices_of_group(self, position: int) -> list:
+        """MuonWithAdamW's matrices of group ``position`` in the inner step running now."""
+        if self._inner_run is None:
+            raise RuntimeError("fgpsdp: an inner step that puts matrices together ran "
+                               "outside opt.step()'s chunks")
+        buckets, globally_used = self._inner_run
+        return matrices_in(self.model, self._slice_pieces, self._indices_by_group[position],
+                           buckets, globally_used)
 
     def _placeholder(self, params) -> torch.Tensor:
         candidates = list(params) + [p for _, p in self.model.named_trainable_parameters()]
@@ -983,10 +1016,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 chunk = unfinished.chunks[0]
                 self._slice_pieces.assign_grads(unfinished.globally_used, chunk)
                 self._slice_pieces.follow_param_writes(chunk)
+                self._inner_run = (chunk, unfinished.globally_used)
                 try:
                     with nvtx_range("fgpsdp.optimizer_step"):
                         self._inner_step()
                 finally:
+                    self._inner_run = None
                     self._slice_pieces.write_back(chunk)
                     model.mark_params_changed(chunk)  # (one that raised may have written some)
                 unfinished.chunks.pop(0)
@@ -1717,3 +1752,19 @@ class _UnfinishedStep:
     # What the first call stepped with (speculation.hyperparameters), taken when it raised.
     hyperparameters: Any = None
     save_warned: bool = False  # a save of the module said it holds part of this step
+
+
+def _refuse_muon_groups_over_non_matrices(model: DistributedDataParallel,
+                                          groups: Sequence[dict[str, Any]]) -> None:
+    """torch.optim.Muon's own check, on the parameters (the inner optimizer sees 1-D
+    pieces): a use_muon group takes 2-D parameters only."""
+    names = {id(p): n for n, p in model.named_trainable_parameters()}
+    for group in groups:
+        if group.get("use_muon") is True:
+            for p in group["params"]:
+                if p.ndim != 2:
+                    raise ValueError(
+                        f"parameter {names.get(id(p), '?')!r} of shape {tuple(p.shape)} is "
+                        "in a use_muon=True group: Muon takes 2-D parameters only; put "
+                        "the others (biases, norms, embeddings as you choose) in a "
+                        "use_muon=False group (AdamW)")

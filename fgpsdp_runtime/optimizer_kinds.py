@@ -78,10 +78,14 @@ def refuse_unsliceable(optimizer_class: object) -> None:
                         f"(for example torch.optim.AdamW), got {optimizer_class!r}")
     name = getattr(optimizer_class, "__name__", "").lower()
     if name in _NOT_ELEMENTWISE or any(part in name for part in _NOT_ELEMENTWISE_PARTS):
+        hint = ("; for Muon on the matrices and AdamW on the rest, as a torch DDP loop "
+                "pairs torch.optim.Muon with torch.optim.AdamW, use "
+                "fgpsdp_runtime.MuonWithAdamW with use_muon=True / False param groups"
+                if name == "muon" else "")
         raise TypeError(f"{optimizer_class.__name__} is not element-wise (its update reads "
                         "a whole tensor's shape or norm, or all parameters, or blocks of "
                         "quantized state, or it needs a closure or sparse gradients); it "
-                        "cannot run on flat slices")
+                        f"cannot run on flat slices{hint}")
     if _is_second_order(optimizer_class):
         raise TypeError(f"{optimizer_class.__name__} is a second-order optimizer: it "
                         "differentiates the gradients (backward(create_graph=True), "

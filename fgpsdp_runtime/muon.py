@@ -1,0 +1,220 @@
+"""Muon for the hidden matrices, AdamW for the rest: the inner optimizer for a Muon loop.
+
+torch.optim.Muon updates each matrix by its momentum orthogonalised as a whole
+(Newton-Schulz iterations on the matrix, after dividing it by its norm), so it cannot
+run on flat slices alone, and it takes 2-D parameters only: a torch DDP loop pairs it
+with a second optimizer (AdamW) for the biases, norms and embeddings. A
+ShardedOptimizer runs one inner optimizer, so this class is both, by param group, as
+DeepSpeed's and Keller Jordan's ``MuonWithAuxAdam`` are: ``use_muon=True`` groups take
+torch.optim.Muon's update and its settings, the others torch.optim.AdamW's.
+
+On a rank's slices ([Note: whole matrices from slices]), the momentum is element-wise
+and stays on the pieces; the matrix that Newton-Schulz needs is put together from
+every rank's pieces, orthogonalised on one rank, and each rank steps its pieces with
+their part of the result. The
+parameters end bit for bit where torch.optim.Muon's step on the whole matrices puts
+them: the same element-wise operations on the same values, and the same
+orthogonalisation of the same matrix.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Optional, Sequence
+
+import torch
+
+# [Note: whole matrices from slices]
+# An inner step runs once per chunk of buckets (step_chunks.py). For each matrix of a
+# use_muon group in those buckets that has a gradient (the same list on every rank,
+# taken from the layout, not from this rank's pieces: a rank holding no piece of a
+# matrix still takes part in putting it together), each rank updates its pieces'
+# momentum, and one collective sums every rank's pieces of the update into the whole
+# matrix (grad_reads.wholes_from_pieces: bytes, so every value arrives unchanged; one
+# all-reduce for every matrix of the inner step).
+# Each matrix is then orthogonalised by one rank, chosen alike on every rank so that
+# each gets about 1/N of the work (under torch DDP every rank orthogonalises every
+# matrix), and a second collective gives every rank each result, bit for bit; each
+# rank steps its pieces with their part. The traffic is two all-reduces per inner
+# step, of the matrices' updates (their gradients' dtype) and of the results
+# (bfloat16), on the wrapper's group, blocking the training thread; speculative steps, which run on the scheduler thread before the norm is
+# known, are off (a collective there would not pair with the other ranks').
+
+
+@dataclass
+class MatrixPieces:
+    """One matrix of a use_muon group, as this rank's step sees it."""
+
+    shape: torch.Size
+    # This rank's pieces of it (the optimizer's tensors, with their .grad): the whole
+    # parameter when stepped without a wrapper.
+    pieces: list[torch.Tensor]
+    # A matrix-shaped tensor -> its values on this rank's pieces, shaped as each.
+    parts: Callable[[torch.Tensor], list[torch.Tensor]]
+    # What the ShardedOptimizer's put_together reads (None for a whole parameter).
+    handle: Any = None
+
+
+def _each_whole(matrices: Sequence[MatrixPieces],
+                values: Sequence[list[torch.Tensor]]) -> list[torch.Tensor]:
+    # Whole parameters (no wrapper): the update computed on the one piece is the matrix.
+    return [v[0] for v in values]
+
+
+def _each_here(matrices: Sequence[MatrixPieces], dtypes: Sequence[torch.dtype],
+               orthogonalise: Callable[[int], torch.Tensor]) -> list[torch.Tensor]:
+    # Whole parameters (no wrapper): every matrix is orthogonalised here.
+    return [orthogonalise(i) for i in range(len(matrices))]
+
+
+_RESULT_DTYPES: dict[torch.dtype, torch.dtype] = {}
+
+
+def newton_schulz_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What torch's Newton-Schulz returns for an update of ``dtype`` (bfloat16 in
+    torch 2.9 to 2.15): every rank must lay out the results alike before any
+    computes one."""
+    if dtype not in _RESULT_DTYPES:
+        from torch.optim._muon import _zeropower_via_newtonschulz
+        _RESULT_DTYPES[dtype] = _zeropower_via_newtonschulz(
+            torch.ones(2, 2, dtype=dtype), (1.0, 0.0, 0.0), 1, 1e-7).dtype
+    return _RESULT_DTYPES[dtype]
+
+
+def _filled_group(optimizer_class: type, group: dict[str, Any]) -> dict[str, Any]:
+    """``group``'s settings with ``optimizer_class``'s defaults for the ones it leaves
+    out, checked by the class's own constructor (over a stand-in matrix)."""
+    settings = {k: v for k, v in group.items() if k not in ("params", "use_muon")}
+    stand_in = torch.zeros(2, 2, requires_grad=True)
+    try:
+        built = optimizer_class([stand_in], **settings)
+    except TypeError as error:
+        raise TypeError(f"a use_muon={optimizer_class is torch.optim.Muon} group: "
+                        f"{optimizer_class.__name__} takes no such setting ({error})") from None
+    filled = {k: v for k, v in built.param_groups[0].items() if k != "params"}
+    return {**group, **filled}
+
+
+def _step_unhooked(optimizer: torch.optim.Optimizer) -> None:
+    # The outer optimizer's step runs torch's step hooks once; this one runs inside it.
+    step = type(optimizer).step
+    if getattr(step, "hooked", False):  # torch's patch (Optimizer._patch_step_function)
+        step.__wrapped__(optimizer)
+    else:
+        optimizer.step()
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """torch.optim.Muon's update for param groups with ``use_muon=True`` (2-D
+    parameters), torch.optim.AdamW's for those with ``use_muon=False``; each group's
+    settings default to its class's. Run by ``ShardedOptimizer(model, MuonWithAdamW,
+    param_groups=[...])``; on whole tensors (no wrapper) it steps as those two
+    torch optimizers would."""
+
+    # ShardedOptimizer: the update reads whole matrices (see the module's note).
+    steps_whole_matrices = True
+
+    def __init__(self, params: Iterable[Any], **defaults: Any):
+        if not hasattr(torch.optim, "Muon"):
+            raise TypeError("MuonWithAdamW needs torch.optim.Muon (torch >= 2.9)")
+        if defaults:
+            raise TypeError("MuonWithAdamW takes its settings per param group (each "
+                            "with use_muon=True or False), not as keywords: got "
+                            + ", ".join(sorted(defaults)))
+        groups = list(params)
+        if not groups or not all(isinstance(g, dict) for g in groups):
+            raise TypeError("MuonWithAdamW takes param groups (dicts), each with "
+                            "use_muon=True (Muon, 2-D parameters) or False (AdamW)")
+        filled = []
+        for group in groups:
+            if group.get("use_muon") not in (True, False):
+                raise ValueError("every MuonWithAdamW param group says use_muon=True "
+                                 "(Muon, 2-D parameters) or use_muon=False (AdamW)")
+            kind = torch.optim.Muon if group["use_muon"] else torch.optim.AdamW
+            filled.append(_filled_group(kind, group))
+        super().__init__(filled, {})
+        # Steps the AdamW groups: given this optimizer's groups and state at each
+        # step (the outer optimizer may have handed out copies of the group dicts).
+        self._adamw = torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
+        # Set by the ShardedOptimizer running this one over slices: group position ->
+        # the matrices of this inner step (None: each parameter is a whole matrix);
+        # and (matrices, the update's values on this rank's pieces of each) -> each
+        # whole update, shaped as its matrix: one collective for them all.
+        self.matrices_of_group: Optional[Callable[[int], Sequence[MatrixPieces]]] = None
+        self.put_together: Callable[[Sequence[MatrixPieces], Sequence[list[torch.Tensor]]],
+                                    list[torch.Tensor]] = _each_whole
+        # (matrices, the dtype of each one's result, i -> matrix i orthogonalised) ->
+        # every result: each computed on one rank alone, and shared (one collective).
+        self.orthogonalised: Callable[[Sequence[MatrixPieces], Sequence[torch.dtype],
+                                       Callable[[int], torch.Tensor]],
+                                      list[torch.Tensor]] = _each_here
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        adamw_groups = [g for g in self.param_groups if not g["use_muon"]]
+        if adamw_groups:
+            self._adamw.param_groups = adamw_groups
+            self._adamw.state = self.state
+            _step_unhooked(self._adamw)
+        # torch.optim._muon._single_tensor_muon per matrix, in phases: every group's
+        # momentum, the matrices put together at once, each orthogonalised (on one
+        # rank, shared with the others), each rank's pieces stepped.
+        todo = [(group, matrix) for position, group in enumerate(self.param_groups)
+                if group["use_muon"] for matrix in self._matrices(position, group)]
+        matrices = [matrix for _, matrix in todo]
+        wholes = self.put_together(
+            matrices, [self._momentum_step(group, matrix) for group, matrix in todo])
+
+        def orthogonalise(i: int) -> torch.Tensor:
+            from torch.optim._muon import _zeropower_via_newtonschulz
+            group = todo[i][0]
+            return _zeropower_via_newtonschulz(wholes[i], group["ns_coefficients"],
+                                               group["ns_steps"], group["eps"])
+        results = self.orthogonalised(
+            matrices, [newton_schulz_dtype(w.dtype) for w in wholes], orthogonalise)
+        for (group, matrix), update in zip(todo, results):
+            self._orthogonalised_step(group, matrix, update)
+        return loss
+
+    def _matrices(self, position: int, group: dict[str, Any]) -> Sequence[MatrixPieces]:
+        if self.matrices_of_group is not None:
+            return self.matrices_of_group(position)
+        found = []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.ndim != 2:
+                raise ValueError("Muon only supports 2D parameters whereas we found a "
+                                 f"parameter with size: {p.size()}")
+            found.append(MatrixPieces(p.shape, [p], lambda whole: [whole]))
+        return found
+
+    def _momentum_step(self, group: dict[str, Any],
+                       matrix: MatrixPieces) -> list[torch.Tensor]:
+        """The momentum's update on this rank's pieces; the values to orthogonalise."""
+        momentum = group["momentum"]
+        updates = []
+        for piece in matrix.pieces:
+            grad = piece.grad
+            state = self.state[piece]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(grad,
+                                                            memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            buf.lerp_(grad, 1 - momentum)
+            updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
+        return updates
+
+    def _orthogonalised_step(self, group: dict[str, Any], matrix: MatrixPieces,
+                             update: torch.Tensor) -> None:
+        """This rank's pieces stepped with their part of the orthogonalised update."""
+        from torch.optim._muon import _adjust_lr
+        from torch.optim.optimizer import _to_scalar
+        lr = _to_scalar(group["lr"])
+        adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], matrix.shape)
+        for piece, part in zip(matrix.pieces, matrix.parts(update)):
+            piece.mul_(1 - lr * group["weight_decay"])
+            piece.add_(part, alpha=-adjusted_lr)

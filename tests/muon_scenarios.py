@@ -1,0 +1,198 @@
+"""MuonWithAdamW under the wrapper beside torch DDP with torch.optim.Muon + AdamW.
+
+Imported by the spawned ranks (module-level functions only).
+"""
+from __future__ import annotations
+
+import copy
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+import fgpsdp_runtime as fgp
+
+from .scenarios import reference_clip_
+
+
+class MuonNet(nn.Module):
+    """Matrices of both orientations, one stored transposed (its bucket keeps its
+    strides), beside an embedding, biases and a norm for AdamW."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 12)
+        self.up = nn.Linear(12, 40)
+        self.norm = nn.LayerNorm(40)
+        self.down = nn.Linear(40, 12, bias=False)
+        self.mix = nn.Parameter(torch.randn(40, 12).t())  # (12, 40), column-major
+        self.head = nn.Linear(12, 5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.emb(tokens).mean(1)
+        h = h + self.down(nn.functional.gelu(self.norm(self.up(h))))
+        h = h + 0.1 * torch.tanh(h @ self.mix) @ self.up.weight
+        return self.head(h)
+
+
+def _groups(module: MuonNet, muon_flag: bool) -> tuple[list[dict], list[dict]]:
+    """(Muon groups, AdamW groups), each a list of param-group dicts; with
+    ``muon_flag`` each carries use_muon as MuonWithAdamW takes it."""
+    muon = [{"params": [module.up.weight, module.down.weight], "lr": 0.02,
+             "momentum": 0.95, "weight_decay": 0.01},
+            # Muon's defaults otherwise (weight decay 0.1).
+            {"params": [module.mix], "lr": 0.01, "nesterov": False,
+             "adjust_lr_fn": "match_rms_adamw"}]
+    adamw = [{"params": [module.emb.weight, module.head.weight], "lr": 3e-3,
+              "weight_decay": 0.1},
+             {"params": [module.up.bias, module.norm.weight, module.norm.bias,
+                         module.head.bias], "lr": 3e-3, "weight_decay": 0.0}]
+    if muon_flag:
+        muon = [{**g, "use_muon": True} for g in muon]
+        adamw = [{**g, "use_muon": False} for g in adamw]
+    return muon, adamw
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randint(0, 20, (6, 5), generator=g), torch.randn(6, 5, generator=g)
+
+
+def _max_diff(a, b) -> float:
+    return max(float((x.detach().double() - y.detach().double()).abs().max())
+               for x, y in zip(a, b))
+
+
+def trains_as_torch_ddp(rank: int, world_size: int, schedule: str,
+                        max_norm: Optional[float]) -> dict[str, Any]:
+    """4 steps of fgpsdp's MuonWithAdamW and of torch DDP's Muon + AdamW (float64
+    clip), from the same weights and data; then a checkpoint round trip."""
+    torch.manual_seed(0)
+    base = MuonNet()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    ref_muon_groups, ref_adamw_groups = _groups(ref.module, muon_flag=False)
+    ref_opts = [torch.optim.Muon(ref_muon_groups), torch.optim.AdamW(ref_adamw_groups)]
+    # Small buckets: each matrix in a bucket of its own, cut between the ranks.
+    model = fgp.DistributedDataParallel(base, schedule=schedule, bucket_cap_mb=0.0005,
+                                        overlap_plan="layout")
+    muon_groups, adamw_groups = _groups(model.module, muon_flag=True)
+    opt = fgp.ShardedOptimizer(model, fgp.MuonWithAdamW, max_grad_norm=max_norm,
+                               param_groups=muon_groups + adamw_groups)
+    totals = []
+    for step in range(4):
+        x, y = _batch(step, rank)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        if max_norm is not None:
+            totals.append(reference_clip_(list(ref.parameters()), max_norm))
+        for o in ref_opts:
+            o.step()
+            o.zero_grad()
+    model.synchronize()
+    out: dict[str, Any] = {
+        "param_diff": _max_diff(model.module.parameters(), ref.module.parameters()),
+        "totals": totals,
+        "clipped_steps": sum(t > max_norm for t in totals),
+        "n_buckets": len(model.buckets),
+        "speculation_stopped": (model.scheduler.stopped_because
+                                if model.scheduler is not None else None),
+        "speculated": (model.scheduler.commits + model.scheduler.rollbacks
+                       if model.scheduler is not None else 0)}
+    # The whole state, as torch.optim's state dict numbers it (groups in the order
+    # given): the momentum of each matrix is torch Muon's, bit for bit.
+    full = opt.full_state_dict()
+    muon_params = [p for g in ref_muon_groups for p in g["params"]]
+    out["momentum_diff"] = max(
+        float((full["state"][i]["momentum_buffer"] - ref_opts[0].state[p]["momentum_buffer"])
+              .abs().max()) for i, p in enumerate(muon_params))
+    # Resumed from it in a wrapper of a copy of the module: two more steps alike.
+    resumed_model = fgp.DistributedDataParallel(copy.deepcopy(model.module), schedule=schedule,
+                                                bucket_cap_mb=0.0005, overlap_plan="layout")
+    muon_groups, adamw_groups = _groups(resumed_model.module, muon_flag=True)
+    resumed = fgp.ShardedOptimizer(resumed_model, fgp.MuonWithAdamW, max_grad_norm=max_norm,
+                                   param_groups=muon_groups + adamw_groups)
+    resumed.load_state_dict(full)
+    for step in range(4, 6):
+        x, y = _batch(step, rank)
+        for m, o in ((model, opt), (resumed_model, resumed)):
+            nn.functional.mse_loss(m(x), y).backward()
+            o.step()
+            o.zero_grad()
+    model.synchronize()
+    resumed_model.synchronize()
+    out["resumed_diff"] = _max_diff(model.module.parameters(),
+                                    resumed_model.module.parameters())
+    return out
+
+
+def trains_as_torch_ddp_by_case(rank: int, world_size: int,
+                                cases: list[tuple[str, Optional[float]]]) -> dict:
+    return {case: trains_as_torch_ddp(rank, world_size, *case) for case in cases}
+
+
+def refusals(rank: int, world_size: int) -> dict[str, str]:
+    """What a wrong MuonWithAdamW setup raises, on every rank."""
+    model = fgp.DistributedDataParallel(MuonNet())
+    module = model.module
+    out = {}
+    for name, groups in {
+        "vector_in_muon_group": [{"params": [module.up.weight, module.up.bias],
+                                  "use_muon": True},
+                                 {"params": [p for n, p in module.named_parameters()
+                                             if n not in ("up.weight", "up.bias")],
+                                  "use_muon": False}],
+        "no_flag": [{"params": list(module.parameters())}],
+        "adamw_setting_in_muon_group": [{"params": [module.up.weight], "use_muon": True,
+                                         "betas": (0.9, 0.95)},
+                                        {"params": [p for n, p in module.named_parameters()
+                                                    if n != "up.weight"],
+                                         "use_muon": False}],
+    }.items():
+        try:
+            fgp.ShardedOptimizer(model, fgp.MuonWithAdamW, param_groups=groups)
+            out[name] = "accepted"
+        except (TypeError, ValueError) as error:
+            out[name] = f"{type(error).__name__}: {error}"
+    return out
+
+
+def master_weights_as_torch_ddp(rank: int, world_size: int, schedule: str) -> float:
+    """A bfloat16 model stepped through float32 master weights (master_weights=True)
+    against torch DDP over the bfloat16 model with Muon + AdamW over float32 copies,
+    rounded back after each step: the largest parameter difference after 4 steps."""
+    torch.manual_seed(0)
+    base = MuonNet().to(torch.bfloat16)
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    masters = {p: p.detach().float().clone() for p in ref.parameters()}
+    muon_groups, adamw_groups = _groups(ref.module, muon_flag=False)
+    for g in muon_groups + adamw_groups:
+        g["params"] = [masters[p] for p in g["params"]]
+    ref_opts = [torch.optim.Muon(muon_groups), torch.optim.AdamW(adamw_groups)]
+    model = fgp.DistributedDataParallel(base, schedule=schedule, bucket_cap_mb=0.0005,
+                                        overlap_plan="layout")
+    muon_groups, adamw_groups = _groups(model.module, muon_flag=True)
+    opt = fgp.ShardedOptimizer(model, fgp.MuonWithAdamW, master_weights=True,
+                               param_groups=muon_groups + adamw_groups)
+    for step in range(4):
+        x, y = _batch(step, rank)
+        nn.functional.mse_loss(model(x).float(), y).backward()
+        opt.step()
+        opt.zero_grad()
+        nn.functional.mse_loss(ref(x).float(), y).backward()
+        for p, m in masters.items():
+            m.grad = p.grad.float()
+            p.grad = None
+        for o in ref_opts:
+            o.step()
+            o.zero_grad()
+        with torch.no_grad():
+            for p, m in masters.items():
+                p.copy_(m)
+    model.synchronize()
+    return _max_diff(model.module.parameters(), ref.module.parameters())
+
+
+def master_weights_by_schedule(rank: int, world_size: int, schedules: list[str]) -> dict:
+    return {s: master_weights_as_torch_ddp(rank, world_size, s) for s in schedules}

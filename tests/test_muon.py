@@ -1,0 +1,113 @@
+"""Muon for the matrices, AdamW for the rest (fgp.MuonWithAdamW): trains as torch DDP
+with torch.optim.Muon and torch.optim.AdamW. Before, Muon was refused (it is not
+element-wise: it orthogonalises each matrix as a whole)."""
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fgpsdp_runtime as fgp
+
+from . import muon_scenarios
+from .dist_harness import run_distributed
+
+pytestmark = pytest.mark.skipif(not hasattr(torch.optim, "Muon"),
+                                reason="torch.optim.Muon came with torch 2.9")
+
+
+def test_on_whole_tensors_it_steps_as_torchs_muon_and_adamw():
+    """Without a wrapper (each parameter a whole matrix): the two torch optimizers'
+    steps, bit for bit, with the settings each group leaves out at their defaults."""
+    torch.manual_seed(0)
+    ours_module = muon_scenarios.MuonNet()
+    theirs_module = copy.deepcopy(ours_module)
+    muon_groups, adamw_groups = muon_scenarios._groups(ours_module, muon_flag=True)
+    ours = fgp.MuonWithAdamW(muon_groups + adamw_groups)
+    muon_groups, adamw_groups = muon_scenarios._groups(theirs_module, muon_flag=False)
+    theirs = [torch.optim.Muon(muon_groups), torch.optim.AdamW(adamw_groups)]
+    assert ours.param_groups[1]["weight_decay"] == 0.1  # Muon's default
+    assert ours.param_groups[3]["betas"] == (0.9, 0.999)  # AdamW's
+    for step in range(3):
+        x, y = muon_scenarios._batch(step, 0)
+        for module, opts in ((ours_module, [ours]), (theirs_module, theirs)):
+            nn.functional.mse_loss(module(x), y).backward()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+    for a, b in zip(ours_module.parameters(), theirs_module.parameters()):
+        assert torch.equal(a, b)
+
+
+CASES = [("serial", None), ("serial", 1.0), ("next_forward", 1.0), ("two_stage", None),
+         ("two_stage", 1.0)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_distributed(2, muon_scenarios.trains_as_torch_ddp_by_case, CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{s}-clip{c}" for s, c in CASES])
+def test_trains_bitwise_as_torch_ddp_with_torchs_muon_and_adamw(two_ranks, case):
+    """2 ranks, every matrix cut between them: parameters and Muon's momentum bit for
+    bit torch DDP's with torch.optim.Muon + AdamW (clipping at 1.0 triggers on some
+    steps), under each schedule; two_stage does not speculate; a resume from
+    full_state_dict() trains on as the uninterrupted run."""
+    for rank, per_case in enumerate(two_ranks):
+        res = per_case[case]
+        assert res["n_buckets"] >= 4, res  # the matrices in buckets apart
+        assert res["param_diff"] == 0.0, (rank, case, res)
+        assert res["momentum_diff"] == 0.0, (rank, case, res)
+        assert res["resumed_diff"] == 0.0, (rank, case, res)
+        if case[1] is not None:
+            assert 0 < res["clipped_steps"] < 4, res  # clipped and unclipped steps
+        if case[0] == "two_stage":
+            assert res["speculated"] == 0 and "MuonWithAdamW" in res["speculation_stopped"]
+
+
+def test_three_ranks_train_as_torch_ddp_within_rounding():
+    """3 ranks sum the gradients in another order than torch DDP's ring: within
+    rounding (Newton-Schulz runs in bfloat16, so a last-bit difference in a gradient
+    can move an update by a bfloat16 step)."""
+    cases = [("serial", 1.0), ("two_stage", 1.0)]
+    for rank, per_case in enumerate(run_distributed(
+            3, muon_scenarios.trains_as_torch_ddp_by_case, cases)):
+        serial, two_stage = (per_case[c] for c in cases)
+        assert serial["param_diff"] < 1e-3, (rank, serial)
+        assert serial["param_diff"] == two_stage["param_diff"], rank  # the same sums
+        assert serial["resumed_diff"] == 0.0 and two_stage["resumed_diff"] == 0.0
+
+
+def test_wrong_groups_are_refused_on_every_rank():
+    for rank, out in enumerate(run_distributed(2, muon_scenarios.refusals)):
+        assert out["vector_in_muon_group"].startswith("ValueError: "), out
+        assert "parameter 'up.bias' of shape (40,) is in a use_muon=True group" \
+            in out["vector_in_muon_group"]
+        assert out["no_flag"].startswith("ValueError: ") and "use_muon" in out["no_flag"]
+        assert out["adamw_setting_in_muon_group"].startswith("TypeError: "), out
+        assert "Muon takes no such setting" in out["adamw_setting_in_muon_group"], out
+
+
+def test_bfloat16_model_with_master_weights_trains_as_torch_ddp():
+    """bfloat16 parameters stepped through float32 masters: bit for bit torch DDP over
+    the bfloat16 model with torch's Muon + AdamW over float32 copies."""
+    schedules = ["serial", "two_stage"]
+    for rank, diffs in enumerate(run_distributed(
+            2, muon_scenarios.master_weights_by_schedule, schedules)):
+        assert diffs == {s: 0.0 for s in schedules}, (rank, diffs)
+
+
+def test_each_matrix_is_orthogonalised_by_one_rank_the_work_spread_evenly():
+    """Newton-Schulz's work (min(m, n)^2 * max(m, n) per matrix) spread over the ranks,
+    the biggest first, the same on every rank; under torch DDP each rank does it all."""
+    from fgpsdp_runtime.whole_matrices import owners
+    # GPT-2's block: qkv, proj, fc, fc2, four times.
+    shapes = [torch.Size(s) for s in [(1536, 512), (512, 512), (2048, 512), (512, 2048)] * 4]
+    cost = [min(s) ** 2 * max(s) for s in shapes]
+    for world in (1, 2, 3, 8):
+        owner = owners(shapes, world)
+        assert owner == owners(list(shapes), world)
+        loads = [sum(c for c, o in zip(cost, owner) if o == r) for r in range(world)]
+        assert max(loads) - min(loads) <= max(cost), (world, loads)
+    assert owners([torch.Size((4, 4))] * 3, 2) == [0, 1, 0]

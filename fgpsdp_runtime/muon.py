@@ -11,10 +11,9 @@ torch.optim.Muon's update and its settings, the others torch.optim.AdamW's.
 On a rank's slices ([Note: whole matrices from slices]), the momentum is element-wise
 and stays on the pieces; the matrix that Newton-Schulz needs is put together from
 every rank's pieces, orthogonalised on one rank, and each rank steps its pieces with
-their part of the result. The
-parameters end bit for bit where torch.optim.Muon's step on the whole matrices puts
-them: the same element-wise operations on the same values, and the same
-orthogonalisation of the same matrix.
+their part of the result. The parameters end bit for bit where torch.optim.Muon's
+step on the whole matrices puts them: the same element-wise operations on the same
+values, and the same orthogonalisation of the same matrix.
 """
 from __future__ import annotations
 
@@ -31,13 +30,14 @@ import torch
 # momentum, and one collective sums every rank's pieces of the update into the whole
 # matrix (grad_reads.wholes_from_pieces: bytes, so every value arrives unchanged; one
 # all-reduce for every matrix of the inner step).
-# Each matrix is then orthogonalised by one rank, chosen alike on every rank so that
-# each gets about 1/N of the work (under torch DDP every rank orthogonalises every
+# Each matrix is then orthogonalised by one rank, the inner step's matrices spread
+# over the ranks alike on every rank (under torch DDP every rank orthogonalises every
 # matrix), and a second collective gives every rank each result, bit for bit; each
 # rank steps its pieces with their part. The traffic is two all-reduces per inner
 # step, of the matrices' updates (their gradients' dtype) and of the results
-# (bfloat16), on the wrapper's group, blocking the training thread; speculative steps, which run on the scheduler thread before the norm is
-# known, are off (a collective there would not pair with the other ranks').
+# (bfloat16), on the wrapper's group, blocking the training thread. Speculative
+# steps, which run on the scheduler thread before the norm is known, are off: a
+# collective there would not pair with the other ranks'.
 
 
 @dataclass
@@ -70,8 +70,8 @@ _RESULT_DTYPES: dict[torch.dtype, torch.dtype] = {}
 
 
 def newton_schulz_dtype(dtype: torch.dtype) -> torch.dtype:
-    """What torch's Newton-Schulz returns for an update of ``dtype`` (bfloat16 in
-    torch 2.9 to 2.15): every rank must lay out the results alike before any
+    """What torch's Newton-Schulz returns for an update of ``dtype`` (bfloat16 on
+    torch 2.13 and 2.15): every rank must lay out the results alike before any
     computes one."""
     if dtype not in _RESULT_DTYPES:
         from torch.optim._muon import _zeropower_via_newtonschulz
@@ -126,9 +126,10 @@ class MuonWithAdamW(torch.optim.Optimizer):
                             "use_muon=True (Muon, 2-D parameters) or False (AdamW)")
         filled = []
         for group in groups:
-            if group.get("use_muon") not in (True, False):
+            if not isinstance(group.get("use_muon"), bool):  # (1 == True: not taken)
                 raise ValueError("every MuonWithAdamW param group says use_muon=True "
-                                 "(Muon, 2-D parameters) or use_muon=False (AdamW)")
+                                 "(Muon, 2-D parameters) or use_muon=False (AdamW), got "
+                                 f"{group.get('use_muon')!r}")
             kind = torch.optim.Muon if group["use_muon"] else torch.optim.AdamW
             filled.append(_filled_group(kind, group))
         super().__init__(filled, {})

@@ -144,6 +144,9 @@ def refusals(rank: int, world_size: int) -> dict[str, str]:
                                              if n not in ("up.weight", "up.bias")],
                                   "use_muon": False}],
         "no_flag": [{"params": list(module.parameters())}],
+        "flag_not_a_bool": [{"params": [module.up.weight], "use_muon": 1},
+                            {"params": [p for n, p in module.named_parameters()
+                                        if n != "up.weight"], "use_muon": False}],
         "adamw_setting_in_muon_group": [{"params": [module.up.weight], "use_muon": True,
                                          "betas": (0.9, 0.95)},
                                         {"params": [p for n, p in module.named_parameters()

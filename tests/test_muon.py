@@ -85,6 +85,8 @@ def test_wrong_groups_are_refused_on_every_rank():
         assert "parameter 'up.bias' of shape (40,) is in a use_muon=True group" \
             in out["vector_in_muon_group"]
         assert out["no_flag"].startswith("ValueError: ") and "use_muon" in out["no_flag"]
+        assert out["flag_not_a_bool"].startswith("ValueError: ") and "got 1" in \
+            out["flag_not_a_bool"], out
         assert out["adamw_setting_in_muon_group"].startswith("TypeError: "), out
         assert "Muon takes no such setting" in out["adamw_setting_in_muon_group"], out
 

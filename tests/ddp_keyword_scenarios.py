@@ -95,6 +95,17 @@ def train_many_with_keywords(rank: int, world_size: int,
     return {name: train_with_keywords(rank, world_size, cfg) for name, cfg in cfgs.items()}
 
 
+def _torch_ddp_and_ours(schedule: str) -> tuple[nn.Module, fgp.DistributedDataParallel]:
+    """BatchNormNet (seed 1234) wrapped by torch DDP and by fgpsdp under ``schedule``;
+    under two_stage with tiny buckets and the layout's plan, so that it speculates."""
+    torch.manual_seed(1234)
+    base = BatchNormNet()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    speculate = {"overlap_plan": "layout", "bucket_cap_mb": 0.0001} \
+        if schedule == "two_stage" else {}
+    return ref, fgp.DistributedDataParallel(base, schedule=schedule, **speculate)
+
+
 def _raised(call) -> Any:
     try:
         call()
@@ -109,12 +120,7 @@ def manual_backward_finalization(rank: int, world_size: int, schedule: str) -> d
     synchronized backward; torch DDP runs the same loop where its torch has the
     API, else without it. Also the misuse torch refuses: the call without the flag,
     and inside no_sync()."""
-    torch.manual_seed(1234)
-    base = BatchNormNet()
-    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-    speculate = {"overlap_plan": "layout", "bucket_cap_mb": 0.0001} \
-        if schedule == "two_stage" else {}
-    ours = fgp.DistributedDataParallel(base, schedule=schedule, **speculate)
+    ref, ours = _torch_ddp_and_ours(schedule)
     models = [ours] + ([ref] if hasattr(ref, "finalize_backward") else [])
     out: dict[str, Any] = {"torch_has_it": len(models) == 2,
                            "unrequested": [_raised(m.finalize_backward) for m in models]}
@@ -187,12 +193,7 @@ def buffers_changed_after_wrapping(rank: int, world_size: int, schedule: str) ->
     replaces a BatchNorm statistic with a new tensor (its own value), in both
     wrappers: the forward's broadcast must carry rank 0's of both, as torch DDP's
     (which reads the module's buffers again at every sync) does. 4 AdamW steps."""
-    torch.manual_seed(1234)
-    base = BatchNormNet()
-    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
-    speculate = {"overlap_plan": "layout", "bucket_cap_mb": 0.0001} \
-        if schedule == "two_stage" else {}
-    ours = fgp.DistributedDataParallel(base, schedule=schedule, **speculate)
+    ref, ours = _torch_ddp_and_ours(schedule)
     opt = fgp.ShardedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
     ref_opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
     pairs = ((ours, opt), (ref, ref_opt))

@@ -17,10 +17,13 @@ values, and the same orthogonalisation of the same matrix.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
+
+from .step_wide_state import same_value
 
 # [Note: whole matrices from slices]
 # An inner step runs once per chunk of buckets (step_chunks.py). For each matrix of a
@@ -82,15 +85,30 @@ def newton_schulz_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _filled_group(optimizer_class: type, group: dict[str, Any]) -> dict[str, Any]:
     """``group``'s settings with ``optimizer_class``'s defaults for the ones it leaves
-    out, checked by the class's own constructor (over a stand-in matrix)."""
+    out, checked by the class's own constructor (over a stand-in matrix). An entry
+    the class puts in its groups without taking it as an argument (AdamW's
+    ``decoupled_weight_decay`` on torch 2.13) is taken at its own value: groups read
+    back from ``param_groups`` (``ShardedOptimizer.from_optimizer``) build again."""
     settings = {k: v for k, v in group.items() if k not in ("params", "use_muon")}
     stand_in = torch.zeros(2, 2, requires_grad=True)
+    own = {k: v for k, v in optimizer_class([stand_in]).param_groups[0].items()
+           if k != "params"}
+    arguments = inspect.signature(optimizer_class.__init__).parameters
+    kept = {k for k, v in settings.items()
+            if k not in arguments and k in own and same_value(v, own[k])}
     try:
-        built = optimizer_class([stand_in], **settings)
+        built = optimizer_class([stand_in], **{k: v for k, v in settings.items()
+                                               if k not in kept})
     except TypeError as error:
         raise TypeError(f"a use_muon={optimizer_class is torch.optim.Muon} group: "
                         f"{optimizer_class.__name__} takes no such setting ({error})") from None
     filled = {k: v for k, v in built.param_groups[0].items() if k != "params"}
+    if optimizer_class is torch.optim.Muon:
+        # What Newton-Schulz refuses (ns_steps >= 100, not 3 coefficients), refused
+        # here on every rank: in a step only the rank orthogonalising a matrix runs it.
+        from torch.optim._muon import _zeropower_via_newtonschulz
+        _zeropower_via_newtonschulz(torch.ones(2, 2), filled["ns_coefficients"],
+                                    filled["ns_steps"], filled["eps"])
     return {**group, **filled}
 
 
@@ -155,19 +173,17 @@ class MuonWithAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        adamw_groups = [g for g in self.param_groups if not g["use_muon"]]
-        if adamw_groups:
-            self._adamw.param_groups = adamw_groups
-            self._adamw.state = self.state
-            _step_unhooked(self._adamw)
         # torch.optim._muon._single_tensor_muon per matrix, in phases: every group's
         # momentum, the matrices put together at once, each orthogonalised (on one
-        # rank, shared with the others), each rank's pieces stepped.
+        # rank, shared with the others), each rank's pieces stepped. Nothing is
+        # written before the last collective has returned: a step that raised (on
+        # any rank: the collective says so on every rank) is taken again whole by
+        # the next opt.step(), and the AdamW groups step after it.
         todo = [(group, matrix) for position, group in enumerate(self.param_groups)
                 if group["use_muon"] for matrix in self._matrices(position, group)]
         matrices = [matrix for _, matrix in todo]
-        wholes = self.put_together(
-            matrices, [self._momentum_step(group, matrix) for group, matrix in todo])
+        momenta = [self._momentum_step(group, matrix) for group, matrix in todo]
+        wholes = self.put_together(matrices, [updates for _, updates in momenta])
 
         def orthogonalise(i: int) -> torch.Tensor:
             from torch.optim._muon import _zeropower_via_newtonschulz
@@ -176,8 +192,15 @@ class MuonWithAdamW(torch.optim.Optimizer):
                                                group["ns_steps"], group["eps"])
         results = self.orthogonalised(
             matrices, [newton_schulz_dtype(w.dtype) for w in wholes], orthogonalise)
-        for (group, matrix), update in zip(todo, results):
+        for (group, matrix), (buffers, _), update in zip(todo, momenta, results):
+            for piece, buffer in zip(matrix.pieces, buffers):
+                self.state[piece]["momentum_buffer"] = buffer
             self._orthogonalised_step(group, matrix, update)
+        adamw_groups = [g for g in self.param_groups if not g["use_muon"]]
+        if adamw_groups:
+            self._adamw.param_groups = adamw_groups
+            self._adamw.state = self.state
+            _step_unhooked(self._adamw)
         return loss
 
     def _matrices(self, position: int, group: dict[str, Any]) -> Sequence[MatrixPieces]:
@@ -193,21 +216,21 @@ class MuonWithAdamW(torch.optim.Optimizer):
             found.append(MatrixPieces(p.shape, [p], lambda whole: [whole]))
         return found
 
-    def _momentum_step(self, group: dict[str, Any],
-                       matrix: MatrixPieces) -> list[torch.Tensor]:
-        """The momentum's update on this rank's pieces; the values to orthogonalise."""
+    def _momentum_step(self, group: dict[str, Any], matrix: MatrixPieces
+                       ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """This rank's pieces' momentum buffers after this step (new tensors, kept
+        by step() once nothing can raise), and the values to orthogonalise."""
         momentum = group["momentum"]
-        updates = []
+        buffers, updates = [], []
         for piece in matrix.pieces:
             grad = piece.grad
-            state = self.state[piece]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(grad,
-                                                            memory_format=torch.preserve_format)
-            buf = state["momentum_buffer"]
-            buf.lerp_(grad, 1 - momentum)
+            buf = self.state[piece].get("momentum_buffer") if piece in self.state else None
+            if buf is None:
+                buf = torch.zeros_like(grad, memory_format=torch.preserve_format)
+            buf = buf.lerp(grad, 1 - momentum)  # torch's buf.lerp_, on a copy
+            buffers.append(buf)
             updates.append(grad.lerp(buf, momentum) if group["nesterov"] else buf)
-        return updates
+        return buffers, updates
 
     def _orthogonalised_step(self, group: dict[str, Any], matrix: MatrixPieces,
                              update: torch.Tensor) -> None:

@@ -157,7 +157,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             "argument problem": None if problem is None
             else f"{type(problem).__name__}: {problem}",
             "param_groups (parameter indices per group)": None if groups is None else
-            [[model.param_index(p) for p in g["params"]] for g in groups]},
+            [[model.param_index(p) for p in g["params"]] for g in groups],
+            # MuonWithAdamW: which groups' matrices every rank puts together.
+            "param_groups (use_muon per group)": None if groups is None
+            or not self._steps_whole_matrices else [g.get("use_muon") for g in groups]},
             "cannot build the ShardedOptimizer")
         if problem is not None:
             raise problem

@@ -77,23 +77,43 @@ def orthogonalised(model: "DistributedDataParallel", matrices: Sequence[MatrixPi
     shape) on the rank owners() gives it, then every result on every rank: one
     all-reduce of their bytes, each non-zero on its owner alone. The work is spread
     over this inner step's matrices: the ranks meet at that all-reduce, so a chunk's
-    wall time is its busiest rank's (a chunk of one matrix keeps the others idle)."""
+    wall time is its busiest rank's (a chunk of one matrix keeps the others idle).
+
+    An error in a rank's ``orthogonalise`` is carried by the same all-reduce (a byte
+    per rank) and raised on every rank: that rank's own, the others' naming it; the
+    others would wait for a result otherwise."""
     owner = owners([m.shape for m in matrices], model.world_size)
     places, total = [], 0
     for matrix, dtype in zip(matrices, dtypes):
         nbytes = matrix.shape.numel() * torch.empty((), dtype=dtype).element_size()
         places.append((total, nbytes))
         total += -(-nbytes // 16) * 16  # each region viewable in its dtype
+    if not matrices:
+        return []
     device = model.buckets[0].device if model.buckets else torch.device("cpu")
-    buffer = torch.zeros(total, dtype=torch.uint8, device=device)
+    buffer = torch.zeros(total + model.world_size, dtype=torch.uint8, device=device)
     results = [buffer[start:start + nbytes].view(dtype).view(matrix.shape)
                for (start, nbytes), dtype, matrix in zip(places, dtypes, matrices)]
+    raised: Optional[Exception] = None
     for i, result in enumerate(results):
         if owner[i] == model.rank:
-            result.copy_(orthogonalise(i))
-    if model.world_size > 1 and total:
+            try:
+                result.copy_(orthogonalise(i))
+            except Exception as error:  # noqa: BLE001 - said on every rank, below
+                raised = error
+                buffer[total + model.rank] = 1
+                break
+    if model.world_size > 1:
         all_reduce_held(buffer, dist.ReduceOp.SUM, model.process_group,
                         "Muon's orthogonalised matrices")
+    failed = buffer[total:].nonzero().flatten().tolist()
+    if raised is not None:
+        raise raised
+    if failed:
+        raise RuntimeError(f"fgpsdp: Newton-Schulz raised on rank(s) {failed}, which "
+                           "orthogonalises matrices for this one too (see its error); the "
+                           "step stopped on every rank with these matrices unchanged "
+                           "(opt.step() called again takes it up there)")
     return results
 
 

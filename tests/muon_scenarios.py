@@ -199,3 +199,73 @@ def master_weights_as_torch_ddp(rank: int, world_size: int, schedule: str) -> fl
 
 def master_weights_by_schedule(rank: int, world_size: int, schedules: list[str]) -> dict:
     return {s: master_weights_as_torch_ddp(rank, world_size, s) for s in schedules}
+
+
+def newton_schulz_raises_then_retried(rank: int, world_size: int,
+                                      schedule: str) -> dict[str, Any]:
+    """At the third step Newton-Schulz raises on whichever rank runs it first (an out
+    of memory, say): every rank must raise, none wait; the loop calls opt.step()
+    again and training goes on bit for bit as torch DDP's without the error. Also a
+    conversion of a MuonWithAdamW built over the module's parameters."""
+    import torch.optim._muon as torch_muon
+    torch.manual_seed(0)
+    base = MuonNet()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    ref_muon_groups, ref_adamw_groups = _groups(ref.module, muon_flag=False)
+    ref_opts = [torch.optim.Muon(ref_muon_groups), torch.optim.AdamW(ref_adamw_groups)]
+    model = fgp.DistributedDataParallel(base, schedule=schedule, bucket_cap_mb=0.0005,
+                                        overlap_plan="layout")
+    muon_groups, adamw_groups = _groups(model.module, muon_flag=True)
+    # (A loop's own optimizer over the module, converted: as Lightning Fabric does.)
+    opt = fgp.ShardedOptimizer.from_optimizer(
+        model, fgp.MuonWithAdamW(muon_groups + adamw_groups), max_grad_norm=1.0)
+    real = torch_muon._zeropower_via_newtonschulz
+    out: dict[str, Any] = {"converted": type(opt.optim).__name__}
+    for step in range(5):
+        x, y = _batch(step, rank)
+        nn.functional.mse_loss(model(x), y).backward()
+        if step == 2:
+            def fails(*args, **kwargs):
+                torch_muon._zeropower_via_newtonschulz = real  # once
+                raise MemoryError("out of memory (a stand-in)")
+            torch_muon._zeropower_via_newtonschulz = fails
+            try:
+                opt.step()
+                out["raised"] = None
+            except (MemoryError, RuntimeError) as error:
+                out["raised"] = f"{type(error).__name__}: {error}"
+            torch_muon._zeropower_via_newtonschulz = real
+        opt.step()
+        opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        reference_clip_(list(ref.parameters()), 1.0)
+        for o in ref_opts:
+            o.step()
+            o.zero_grad()
+    model.synchronize()
+    out["param_diff"] = _max_diff(model.module.parameters(), ref.module.parameters())
+    return out
+
+
+def newton_schulz_raises_by_schedule(rank: int, world_size: int,
+                                     schedules: list[str]) -> dict[str, dict]:
+    return {s: newton_schulz_raises_then_retried(rank, world_size, s) for s in schedules}
+
+
+def settings_that_differ(rank: int, world_size: int) -> dict[str, str]:
+    """use_muon differing across ranks, and Newton-Schulz settings it refuses."""
+    out = {}
+    for name, change in {"use_muon_on_one_rank": {"use_muon": rank == 0},
+                         "ns_steps_100": {"ns_steps": 100},
+                         "two_coefficients": {"ns_coefficients": (3.4, -4.7)}}.items():
+        model = fgp.DistributedDataParallel(MuonNet())
+        muon_groups, adamw_groups = _groups(model.module, muon_flag=True)
+        muon_groups[1].update(change)  # the group of the transposed matrix
+        try:
+            fgp.ShardedOptimizer(model, fgp.MuonWithAdamW,
+                                 param_groups=muon_groups + adamw_groups)
+            out[name] = "accepted"
+        except (TypeError, ValueError) as error:
+            out[name] = f"{type(error).__name__}: {error}"
+        del model
+    return out

@@ -113,3 +113,46 @@ def test_each_matrix_is_orthogonalised_by_one_rank_the_work_spread_evenly():
         loads = [sum(c for c, o in zip(cost, owner) if o == r) for r in range(world)]
         assert max(loads) - min(loads) <= max(cost), (world, loads)
     assert owners([torch.Size((4, 4))] * 3, 2) == [0, 1, 0]
+
+
+def test_groups_read_back_from_param_groups_build_again():
+    """``MuonWithAdamW(opt.param_groups)`` (what ShardedOptimizer.from_optimizer does):
+    torch 2.13's AdamW groups hold ``decoupled_weight_decay``, which its constructor
+    does not take; before, that raised TypeError."""
+    module = muon_scenarios.MuonNet()
+    muon_groups, adamw_groups = muon_scenarios._groups(module, muon_flag=True)
+    first = fgp.MuonWithAdamW(muon_groups + adamw_groups)
+    again = fgp.MuonWithAdamW(first.param_groups)
+    assert again.param_groups == first.param_groups
+    with pytest.raises(TypeError, match="AdamW takes no such setting"):
+        fgp.MuonWithAdamW([{**adamw_groups[0], "decoupled_weight_decay": False}])
+
+
+def test_newton_schulz_raising_on_one_rank_raises_on_every_rank_and_the_retry_trains_on():
+    """Each matrix is orthogonalised on one rank: an error there (an out of memory)
+    is raised on every rank, the others naming it (before, they waited in the
+    all-reduce until the timeout), nothing of that step's matrices changed; the loop
+    calls opt.step() again and ends bit for bit where torch DDP does. The optimizer
+    was converted from a MuonWithAdamW over the module (from_optimizer)."""
+    schedules = ["serial", "next_forward"]
+    messages = set()
+    for rank, per_schedule in enumerate(run_distributed(
+            2, muon_scenarios.newton_schulz_raises_by_schedule, schedules)):
+        for schedule, res in per_schedule.items():
+            assert res["converted"] == "MuonWithAdamW"
+            assert res["raised"] is not None, (rank, schedule)
+            messages.add(res["raised"])
+            assert res["param_diff"] == 0.0, (rank, schedule, res)
+    # A rank that ran Newton-Schulz raised its error (under serial both did, each
+    # orthogonalising some of the one chunk's matrices); one that waited for the
+    # other's result raised fgpsdp's, naming that rank.
+    assert {m.split(":")[0] for m in messages} == {"MemoryError", "RuntimeError"}
+    assert any(m.startswith("RuntimeError: fgpsdp: Newton-Schulz raised on rank(s) [")
+               for m in messages), messages
+
+
+def test_settings_that_would_pair_no_collectives_are_refused_at_construction():
+    for rank, out in enumerate(run_distributed(2, muon_scenarios.settings_that_differ)):
+        assert "use_muon per group" in out["use_muon_on_one_rank"], (rank, out)
+        assert "Number of steps must be less than 100" in out["ns_steps_100"], out
+        assert "3 values" in out["two_coefficients"], out

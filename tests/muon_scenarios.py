@@ -64,17 +64,20 @@ def _max_diff(a, b) -> float:
 
 
 def trains_as_torch_ddp(rank: int, world_size: int, schedule: str,
-                        max_norm: Optional[float]) -> dict[str, Any]:
+                        max_norm: Optional[float],
+                        local_size: Optional[int] = None) -> dict[str, Any]:
     """4 steps of fgpsdp's MuonWithAdamW and of torch DDP's Muon + AdamW (float64
-    clip), from the same weights and data; then a checkpoint round trip."""
+    clip), from the same weights and data; then a checkpoint round trip.
+    ``local_size``: ranks per node of a hierarchical topology (None: flat)."""
+    layout = {"bucket_cap_mb": 0.0005, "overlap_plan": "layout",
+              "topology": fgp.Topology(local_size=local_size) if local_size else None}
     torch.manual_seed(0)
     base = MuonNet()
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
     ref_muon_groups, ref_adamw_groups = _groups(ref.module, muon_flag=False)
     ref_opts = [torch.optim.Muon(ref_muon_groups), torch.optim.AdamW(ref_adamw_groups)]
     # Small buckets: each matrix in a bucket of its own, cut between the ranks.
-    model = fgp.DistributedDataParallel(base, schedule=schedule, bucket_cap_mb=0.0005,
-                                        overlap_plan="layout")
+    model = fgp.DistributedDataParallel(base, schedule=schedule, **layout)
     muon_groups, adamw_groups = _groups(model.module, muon_flag=True)
     opt = fgp.ShardedOptimizer(model, fgp.MuonWithAdamW, max_grad_norm=max_norm,
                                param_groups=muon_groups + adamw_groups)
@@ -109,7 +112,7 @@ def trains_as_torch_ddp(rank: int, world_size: int, schedule: str,
               .abs().max()) for i, p in enumerate(muon_params))
     # Resumed from it in a wrapper of a copy of the module: two more steps alike.
     resumed_model = fgp.DistributedDataParallel(copy.deepcopy(model.module), schedule=schedule,
-                                                bucket_cap_mb=0.0005, overlap_plan="layout")
+                                                **layout)
     muon_groups, adamw_groups = _groups(resumed_model.module, muon_flag=True)
     resumed = fgp.ShardedOptimizer(resumed_model, fgp.MuonWithAdamW, max_grad_norm=max_norm,
                                    param_groups=muon_groups + adamw_groups)
@@ -128,7 +131,7 @@ def trains_as_torch_ddp(rank: int, world_size: int, schedule: str,
 
 
 def trains_as_torch_ddp_by_case(rank: int, world_size: int,
-                                cases: list[tuple[str, Optional[float]]]) -> dict:
+                                cases: list[tuple]) -> dict:
     return {case: trains_as_torch_ddp(rank, world_size, *case) for case in cases}
 
 

@@ -79,6 +79,19 @@ def test_three_ranks_train_as_torch_ddp_within_rounding():
         assert serial["resumed_diff"] == 0.0 and two_stage["resumed_diff"] == 0.0
 
 
+def test_two_nodes_of_two_train_as_torch_ddp_within_rounding():
+    """2 nodes x 2 ranks (reduce-scatter in the node, then across), where the slices a
+    matrix is cut into lie on both nodes: within rounding of torch DDP (its ring sums
+    in another order), and the schedules agree bit for bit."""
+    cases = [("serial", 1.0, 2), ("two_stage", 1.0, 2)]
+    for rank, per_case in enumerate(run_distributed(
+            4, muon_scenarios.trains_as_torch_ddp_by_case, cases)):
+        serial, two_stage = (per_case[c] for c in cases)
+        assert serial["param_diff"] < 1e-4, (rank, serial)
+        assert serial["param_diff"] == two_stage["param_diff"], rank
+        assert serial["resumed_diff"] == 0.0 and two_stage["resumed_diff"] == 0.0
+
+
 def test_wrong_groups_are_refused_on_every_rank():
     for rank, out in enumerate(run_distributed(2, muon_scenarios.refusals)):
         assert out["vector_in_muon_group"].startswith("ValueError: "), out

@@ -122,12 +122,12 @@ class DistributedDataParallel(nn.Module):
             raise RuntimeError("fgpsdp: call torch.distributed.init_process_group() first")
         # output_device, dim, check_reduction, gradient_as_bucket_view,
         # static_graph, skip_all_reduce_unused_params, batched_grad_copy and
-        # lazy_bucket_allocation are
-        # accepted for drop-in compatibility and change nothing: outputs stay
-        # where the single-device module puts them, gradients are released into
-        # the send buffer as soon as they are ready, packed by one fused copy per
-        # bucket, and unused parameters are handled without knowing the graph
-        # (a parameter no rank used keeps grad=None, as when DDP skips it).
+        # lazy_bucket_allocation are accepted for drop-in compatibility and change
+        # nothing: outputs stay where the single-device module puts them, gradients
+        # are released into the send buffer as soon as they are ready, packed by one
+        # fused copy per bucket into a buffer that lives until its reduce-scatter
+        # lands, and unused parameters are handled without knowing the graph (a
+        # parameter no rank used keeps grad=None, as when DDP skips it).
         self.schedule = schedule
         self.module = module
         make_current_device(module)

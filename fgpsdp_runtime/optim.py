@@ -1001,6 +1001,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _step_chunk_count(self, buckets: Sequence[int]) -> int:
         """How many inner steps the forward-ordered step takes (see step_chunks.py)."""
+        if self._steps_whole_matrices:
+            # One: MuonWithAdamW spreads Newton-Schulz over the ranks within an inner
+            # step, whose ranks meet at its all-reduce; in chunks of a matrix or two
+            # one rank works while the others wait (GPT-2's CPU workload on 2 ranks:
+            # 0.86 s per step in one, 1.02 s in its 9 chunks, bench/muon_cost.py).
+            return 1
         elements = sum(self.model.buckets[b].layout.shard_numel for b in buckets)
         return step_chunk_count(elements, self._step_chunk_min_elements)
 

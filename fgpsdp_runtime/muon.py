@@ -26,8 +26,9 @@ import torch
 from .step_wide_state import same_value
 
 # [Note: whole matrices from slices]
-# An inner step runs once per chunk of buckets (step_chunks.py). For each matrix of a
-# use_muon group in those buckets that has a gradient (the same list on every rank,
+# The ShardedOptimizer runs this class's step once over every bucket (not in the
+# chunks of step_chunks.py: see _step_chunk_count). For each matrix of a use_muon
+# group in the buckets it runs over that has a gradient (the same list on every rank,
 # taken from the layout, not from this rank's pieces: a rank holding no piece of a
 # matrix still takes part in putting it together), each rank updates its pieces'
 # momentum, and one collective sums every rank's pieces of the update into the whole

@@ -1005,7 +1005,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             # One: MuonWithAdamW spreads Newton-Schulz over the ranks within an inner
             # step, whose ranks meet at its all-reduce; in chunks of a matrix or two
             # one rank works while the others wait (GPT-2's CPU workload on 2 ranks:
-            # 0.86 s per step in one, 1.02 s in its 9 chunks, bench/muon_cost.py).
+            # 0.89-0.95 s per step in one, 1.08-1.20 s in its 9 chunks,
+            # docs/benchmarks/2026-12-07-muon-cost.md).
             return 1
         elements = sum(self.model.buckets[b].layout.shard_numel for b in buckets)
         return step_chunk_count(elements, self._step_chunk_min_elements)

@@ -74,7 +74,7 @@ def test_three_ranks_train_as_torch_ddp_within_rounding():
     for rank, per_case in enumerate(run_distributed(
             3, muon_scenarios.trains_as_torch_ddp_by_case, cases)):
         serial, two_stage = (per_case[c] for c in cases)
-        assert serial["param_diff"] < 1e-3, (rank, serial)
+        assert serial["param_diff"] < 1e-4, (rank, serial)
         assert serial["param_diff"] == two_stage["param_diff"], rank  # the same sums
         assert serial["resumed_diff"] == 0.0 and two_stage["resumed_diff"] == 0.0
 

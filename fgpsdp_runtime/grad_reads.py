@@ -118,14 +118,8 @@ def wholes_from_pieces(model: "DistributedDataParallel",
                        site: str) -> list[torch.Tensor]:
     """whole_from_pieces for several parameters, ``(index, dtype, mine)`` each (the
     same list on every rank), in one all-reduce of their bytes."""
-    # Each parameter's bytes start at a multiple of 16, so that every region can be
-    # viewed in its dtype.
-    places, total = [], 0
-    for index, dtype, _ in requests:
-        _, span = model.reducer.slot[index]
-        nbytes = span.numel * torch.empty((), dtype=dtype).element_size()
-        places.append((total, nbytes))
-        total += -(-nbytes // 16) * 16
+    places, total = byte_regions([(model.reducer.slot[index][1].numel, dtype)
+                                  for index, dtype, _ in requests])
     device = model.buckets[model.reducer.slot[requests[0][0]][0]].device if requests else None
     buffer = torch.zeros(total, dtype=torch.uint8, device=device)
     wholes = []
@@ -141,6 +135,18 @@ def wholes_from_pieces(model: "DistributedDataParallel",
     named = model.named_trainable_parameters()
     return [span_as_param(whole, named[index][1].shape, model.reducer.slot[index][1].strides)
             for (index, _, _), whole in zip(requests, wholes)]
+
+
+def byte_regions(sizes: Sequence[tuple[int, torch.dtype]]) -> tuple[list[tuple[int, int]], int]:
+    """Where each of ``sizes`` (elements, dtype) lies in one byte buffer: (first byte,
+    bytes) each, and the buffer's length. Each starts at a multiple of 16, so that
+    every region can be viewed in its dtype."""
+    places, total = [], 0
+    for numel, dtype in sizes:
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        places.append((total, nbytes))
+        total += -(-nbytes // 16) * 16
+    return places, total
 
 
 def agree_on_the_read(model: "DistributedDataParallel", what: str, kind: int, index: int,

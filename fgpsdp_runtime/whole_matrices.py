@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from .buckets import span_as_param
-from .grad_reads import has_gradient, wholes_from_pieces
+from .grad_reads import byte_regions, has_gradient, wholes_from_pieces
 from .group_collectives import all_reduce_held
 from .muon import MatrixPieces
 
@@ -30,6 +30,7 @@ def matrices_in(model: "DistributedDataParallel", pieces: "SlicePieces",
     """The matrices among trainable parameters ``indices`` (a group's, in its order)
     that lie in ``buckets`` and have a gradient, in that order."""
     wanted = set(buckets)
+    params = model.named_trainable_parameters()  # (a new list at each call)
     found = []
     for index in indices:
         slot = model.reducer.slot.get(index)
@@ -39,7 +40,7 @@ def matrices_in(model: "DistributedDataParallel", pieces: "SlicePieces",
         if bucket not in wanted or not has_gradient(model, globally_used, bucket, index):
             continue
         mine = [(tensor, start) for tensor, _, start, _ in pieces.by_param.get(index, ())]
-        shape = model.named_trainable_parameters()[index][1].shape
+        shape = params[index][1].shape
         found.append(MatrixPieces(
             shape, [tensor for tensor, _ in mine],
             lambda whole, span=span, mine=mine: _parts(whole, span, mine),
@@ -83,11 +84,7 @@ def orthogonalised(model: "DistributedDataParallel", matrices: Sequence[MatrixPi
     per rank) and raised on every rank: that rank's own, the others' naming it; the
     others would wait for a result otherwise."""
     owner = owners([m.shape for m in matrices], model.world_size)
-    places, total = [], 0
-    for matrix, dtype in zip(matrices, dtypes):
-        nbytes = matrix.shape.numel() * torch.empty((), dtype=dtype).element_size()
-        places.append((total, nbytes))
-        total += -(-nbytes // 16) * 16  # each region viewable in its dtype
+    places, total = byte_regions([(m.shape.numel(), d) for m, d in zip(matrices, dtypes)])
     if not matrices:
         return []
     device = model.buckets[0].device if model.buckets else torch.device("cpu")

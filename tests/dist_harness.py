@@ -91,6 +91,10 @@ def _worker(rank: int, world_size: int, fn: Callable, args: tuple,
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                                 timeout=timedelta(seconds=pg_timeout_s))
         del store  # the group holds it
+        # Every rank connected before any runs fn: one whose fn makes no collective
+        # (a local check) destroyed its group and exited while a peer was still in
+        # gloo's connectFullMesh, which then failed ("Connection closed by peer").
+        dist.barrier()
         try:
             result = {"ok": True, "value": fn(rank, world_size, *args)}
         finally:

@@ -18,6 +18,9 @@ from torch import nn
 import fgpsdp_runtime as fgp
 
 ADAMW = dict(lr=1e-4, betas=(0.9, 0.95), weight_decay=0.01)
+# The Muon systems (ddp_muon, fgpsdp_muon): torch.optim.Muon's settings for the blocks'
+# 2-D weights (muon_split), AdamW's above for the rest.
+MUON = dict(lr=0.02, momentum=0.95, weight_decay=0.01)
 MAX_NORM = 1.0  # every system clips at this total norm (set_max_norm changes it for all)
 BUCKET_CAP_MB = 25.0  # the peers' bucket size (torch DDP's default)
 
@@ -56,11 +59,16 @@ class TorchDDP(System):
     synchronize_norm = False  # TorchZeRO reuses train_step without this __init__
 
     def __init__(self, model, loss_fn, compute_only=False, bucket_cap_mb=BUCKET_CAP_MB,
-                 synchronize_norm=False, reduce_dtype=None):
+                 synchronize_norm=False, reduce_dtype=None, muon=False):
         self.model = nn.parallel.DistributedDataParallel(model, bucket_cap_mb=bucket_cap_mb)
         if reduce_dtype is not None:
             self.model.register_comm_hook(None, reduce_in_dtype_hook(reduce_dtype))
-        self.opt = torch.optim.AdamW(self.model.parameters(), **ADAMW)
+        if muon:  # ddp_muon: torch's pair of optimizers, as a torch DDP loop runs Muon
+            matrices, rest = muon_split(self.model.module)
+            self.opt = TwoOptimizers(torch.optim.Muon(matrices, **MUON),
+                                     torch.optim.AdamW(rest, **ADAMW))
+        else:
+            self.opt = torch.optim.AdamW(self.model.parameters(), **ADAMW)
         self.loss_fn = loss_fn
         self.compute_only = compute_only
         # compute_synced: the compute-only step plus the one synchronisation that
@@ -94,6 +102,34 @@ class TorchDDP(System):
 
     def final_params(self):
         return [p.detach() for p in self.model.module.parameters()]
+
+
+def muon_split(model: nn.Module) -> tuple[list, list]:
+    """(Muon's parameters: the blocks' 2-D weights; AdamW's: the rest)."""
+    matrices = [p for n, p in model.named_parameters()
+                if p.ndim == 2 and n.startswith("blocks.")]
+    if not matrices:
+        raise ValueError("the Muon systems need a workload with blocks of 2-D weights "
+                         "(gpt2, bert, vit)")
+    chosen = {id(p) for p in matrices}
+    return matrices, [p for p in model.parameters() if id(p) not in chosen]
+
+
+class TwoOptimizers:
+    """torch's Muon and AdamW stepped together, as one optimizer to train_step."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer):
+        self.optimizers = optimizers
+        self.state = {k: v for o in optimizers for k, v in o.state.items()}
+
+    def step(self):
+        for o in self.optimizers:
+            o.step()
+        self.state = {k: v for o in self.optimizers for k, v in o.state.items()}
+
+    def zero_grad(self, set_to_none=True):
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
 
 
 def reduce_in_dtype_hook(dtype: torch.dtype):
@@ -209,7 +245,7 @@ class FGPSDP(System):
 
     def __init__(self, model, loss_fn, bucket_cap_mb=None, calls_in_flight=None,
                  first_bucket_at_cap=False, shm_barrier=None, training_thread_nice=None,
-                 compiled=None, **ddp_kwargs):
+                 compiled=None, muon=False, **ddp_kwargs):
         # Raised after the first step, once every communication thread exists
         # (threads inherit their creator's nice value): see train_step.
         self.training_thread_nice = training_thread_nice
@@ -227,8 +263,15 @@ class FGPSDP(System):
         self.run_model = self.model
         if compiled == "wrapper":
             self.run_model = torch.compile(self.model, backend=COMPILE_BACKEND)
-        self.opt = fgp.ShardedOptimizer(self.model, torch.optim.AdamW, max_grad_norm=MAX_NORM,
-                                        **ADAMW)
+        if muon:  # fgpsdp_muon: the same pair as ddp_muon's, one inner optimizer
+            matrices, rest = muon_split(self.model.module)
+            self.opt = fgp.ShardedOptimizer(
+                self.model, fgp.MuonWithAdamW, max_grad_norm=MAX_NORM,
+                param_groups=[{"params": matrices, "use_muon": True, **MUON},
+                              {"params": rest, "use_muon": False, **ADAMW}])
+        else:
+            self.opt = fgp.ShardedOptimizer(self.model, torch.optim.AdamW,
+                                            max_grad_norm=MAX_NORM, **ADAMW)
         self.loss_fn = loss_fn
 
     def train_step(self, x, y):
@@ -379,6 +422,8 @@ def build_system(name: str, model: nn.Module, loss_fn: Callable, batch: int) -> 
         kw["reduce_dtype"] = reduce_dtype
     if base == "ddp":
         system = TorchDDP(model, loss_fn, **kw)
+    elif base == "ddp_muon":
+        system = TorchDDP(model, loss_fn, muon=True, **kw)
     elif base == "compute":
         system = TorchDDP(model, loss_fn, compute_only=True, **kw)
     elif base == "compute_synced":
@@ -438,10 +483,13 @@ def fgpsdp_variant(name: str):
     ``fgpsdp_compiled_wrapper`` (``torch.compile`` of the wrapper: its forward
     waits for every all-gather first), ``fgpsdp_compiled_layers`` (each of
     ``compiled_layers(model)`` compiled in place before wrapping: each waits for
-    its own), ``fgpsdp_<schedule>``.
+    its own), ``fgpsdp_muon`` (MuonWithAdamW: Muon on the blocks' 2-D weights, as
+    ``ddp_muon``), ``fgpsdp_<schedule>``.
     """
     if name == "fgpsdp":
         return {}
+    if name == "fgpsdp_muon":
+        return {"muon": True}
     if name == "fgpsdp_one_call_in_flight":
         return {"calls_in_flight": 1}
     if name == "fgpsdp_gloo_barrier":
@@ -470,4 +518,4 @@ def is_system(name: str) -> bool:
     base, _ = split_bucket_suffix(base)
     if reduce_dtype is not None and not _sets_reduce_dtype(base):
         return False
-    return base in SYSTEMS or fgpsdp_variant(base) is not None
+    return base in SYSTEMS or base == "ddp_muon" or fgpsdp_variant(base) is not None

@@ -64,23 +64,27 @@ def post_exchange(group: dist.ProcessGroup, sends: Sequence[torch.Tensor],
                   recvs: Sequence[torch.Tensor]) -> list:
     """For every peer j (group rank) other than this rank: post sending ``sends[j]``
     to j and receiving ``recvs[j]`` from j, all at once; return the works to wait
-    for. Both sides of a pair must pass tensors of the same size."""
+    for. What j sends this rank must be as large as what this rank receives from j
+    (the sizes may differ from peer to peer and from one direction to the other)."""
     me = dist.get_rank(group)
     n = len(sends)
     peers = [(me + k) % n for k in range(1, n)]  # start at the next rank: spreads the load
     pieces = []  # (global rank of the peer, pieces to send, pieces to receive)
     for j in peers:
         numel = max(1, PIECE_BYTES // sends[j].element_size())
-        pieces.append((dist.get_global_rank(group, j), sends[j].split(numel),
-                       recvs[j].split(numel)))
+        # (An empty tensor posts no message: its peer, passing an empty one too, none.)
+        pieces.append((dist.get_global_rank(group, j),
+                       sends[j].split(numel) if sends[j].numel() else (),
+                       recvs[j].split(numel) if recvs[j].numel() else ()))
     # Every receive before any send: see [Note: receives first].
     works = []
     for send_side in (False, True):
-        for i in range(max((len(send) for _, send, _ in pieces), default=0)):
+        for i in range(max((max(len(send), len(recv)) for _, send, recv in pieces), default=0)):
             for peer, send, recv in pieces:
-                if i < len(send):
-                    works.append(dist.isend(send[i], peer, group=group, tag=i) if send_side
-                                 else dist.irecv(recv[i], peer, group=group, tag=i))
+                if send_side and i < len(send):
+                    works.append(dist.isend(send[i], peer, group=group, tag=i))
+                elif not send_side and i < len(recv):
+                    works.append(dist.irecv(recv[i], peer, group=group, tag=i))
     return works
 
 

@@ -9,8 +9,8 @@ the same figures together from the pieces, each with one all-reduce over the
 wrapper's group. The optimizer calls them once every reduce-scatter has landed
 (``ShardedOptimizer.grad_norms`` and ``full_grad``), after agree_on_the_read's
 check that every rank makes the same read. ``full_state`` makes that check too, and
-puts a parameter's per-element optimizer state together with whole_from_pieces, and
-MuonWithAdamW's step its matrices with wholes_from_pieces (whole_matrices.py).
+puts a parameter's per-element optimizer state together with whole_from_pieces.
+(MuonWithAdamW's step brings each matrix to one rank only: whole_matrices.py.)
 """
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ NCCL's reduce_scatter_tensor and all_gather_into_tensor are used as they are.
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -64,6 +64,41 @@ def all_reduce_held(tensor: torch.Tensor, op: dist.ReduceOp,
     """A blocking all-reduce of a small tensor, held past gloo's thread (the note above)."""
     dist.all_reduce(tensor, op=op, group=group)
     hold_past_gloo_worker(site, tensor)
+
+
+def exchange_bytes(group: Optional[dist.ProcessGroup], sends: Sequence[torch.Tensor],
+                   recvs: Sequence[torch.Tensor], site: str,
+                   point_to_point: Optional[bool] = None) -> None:
+    """A blocking all-to-all of byte tensors (uint8) of any sizes: ``sends[j]`` goes to
+    group rank j and lands in j's ``recvs[this rank]``, which must be as large;
+    this rank's own entries are left alone, and an empty pair sends nothing. Held
+    past gloo's thread (the note above).
+
+    On gloo, CPU tensors travel as point-to-point messages in pieces ([Note: why
+    not gloo's own collectives] in gloo_collectives.py); elsewhere (NCCL) as one
+    ``all_to_all_single`` with per-rank sizes. ``point_to_point`` overrides that
+    choice (tests run both on gloo)."""
+    n, me = dist.get_world_size(group), dist.get_rank(group)
+    if n == 1:
+        return
+    device = sends[me].device
+    if point_to_point is None:
+        point_to_point = device.type == "cpu" and backend_of(group, device) == "gloo"
+    if point_to_point:
+        for work in gloo_collectives.post_exchange(group, sends, recvs):
+            work.wait()
+    else:
+        send_sizes = [0 if j == me else t.numel() for j, t in enumerate(sends)]
+        recv_sizes = [0 if j == me else t.numel() for j, t in enumerate(recvs)]
+        outgoing = torch.cat([t for j, t in enumerate(sends) if j != me]) if sum(send_sizes) \
+            else torch.empty(0, dtype=torch.uint8, device=device)
+        incoming = torch.empty(sum(recv_sizes), dtype=torch.uint8, device=device)
+        dist.all_to_all_single(incoming, outgoing, recv_sizes, send_sizes, group=group)
+        for j, part in enumerate(incoming.split(recv_sizes)):
+            if j != me and part.numel():
+                recvs[j].copy_(part)
+        sends, recvs = [outgoing], [incoming]
+    hold_past_gloo_worker(site, *sends, *recvs)
 
 
 # Per link-worker thread: one reusable buffer per purpose. A worker runs one

@@ -29,19 +29,19 @@ from .step_wide_state import same_value
 # The ShardedOptimizer runs this class's step once over every bucket (not in the
 # chunks of step_chunks.py: see _step_chunk_count). For each matrix of a use_muon
 # group in the buckets it runs over that has a gradient (the same list on every rank,
-# taken from the layout, not from this rank's pieces: a rank holding no piece of a
-# matrix still takes part in putting it together), each rank updates its pieces'
-# momentum, and one collective sums every rank's pieces of the update into the whole
-# matrix (grad_reads.wholes_from_pieces: bytes, so every value arrives unchanged; one
-# all-reduce for every matrix of the inner step).
-# Each matrix is then orthogonalised by one rank, the inner step's matrices spread
-# over the ranks alike on every rank (under torch DDP every rank orthogonalises every
-# matrix), and a second collective gives every rank each result, bit for bit; each
-# rank steps its pieces with their part. The traffic is two all-reduces per inner
-# step, of the matrices' updates (their gradients' dtype) and of the results
-# (bfloat16), on the wrapper's group, blocking the training thread. Speculative
-# steps, which run on the scheduler thread before the norm is known, are off: a
-# collective there would not pair with the other ranks'.
+# taken from the layout, not from this rank's pieces: a rank may orthogonalise a
+# matrix it holds no piece of), each rank updates its pieces' momentum. Each matrix
+# is orthogonalised by one rank, its owner, the inner step's matrices spread over the
+# ranks alike on every rank (under torch DDP every rank orthogonalises every matrix).
+# One exchange brings each owner every other rank's pieces of its matrices' updates
+# (as bytes, so every value arrives unchanged), and a second brings every rank its
+# pieces' part of each result, bit for bit; each rank steps its pieces with them.
+# Both are all-to-alls on the wrapper's group, blocking the training thread, each
+# rank sending only what another rank needs: about 1/N of the matrices' updates
+# (their gradients' dtype) and of the results (bfloat16) per rank (see [Note: each
+# matrix to its owner and back] in whole_matrices.py). Speculative steps, which run
+# on the scheduler thread before the norm is known, are off: a collective there
+# would not pair with the other ranks'.
 
 
 @dataclass
@@ -52,22 +52,21 @@ class MatrixPieces:
     # This rank's pieces of it (the optimizer's tensors, with their .grad): the whole
     # parameter when stepped without a wrapper.
     pieces: list[torch.Tensor]
-    # A matrix-shaped tensor -> its values on this rank's pieces, shaped as each.
-    parts: Callable[[torch.Tensor], list[torch.Tensor]]
-    # What the ShardedOptimizer's put_together reads (None for a whole parameter).
+    # What the ShardedOptimizer's exchanges read (None for a whole parameter).
     handle: Any = None
 
 
 def _each_whole(matrices: Sequence[MatrixPieces],
-                values: Sequence[list[torch.Tensor]]) -> list[torch.Tensor]:
+                values: Sequence[list[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
     # Whole parameters (no wrapper): the update computed on the one piece is the matrix.
     return [v[0] for v in values]
 
 
-def _each_here(matrices: Sequence[MatrixPieces], dtypes: Sequence[torch.dtype],
-               orthogonalise: Callable[[int], torch.Tensor]) -> list[torch.Tensor]:
-    # Whole parameters (no wrapper): every matrix is orthogonalised here.
-    return [orthogonalise(i) for i in range(len(matrices))]
+def _each_here(matrices: Sequence[MatrixPieces],
+               orthogonalise: Callable[[int], torch.Tensor]) -> list[list[torch.Tensor]]:
+    # Whole parameters (no wrapper): every matrix is orthogonalised here, and is its
+    # one piece's part.
+    return [[orthogonalise(i)] for i in range(len(matrices))]
 
 
 _RESULT_DTYPES: dict[torch.dtype, torch.dtype] = {}
@@ -157,16 +156,16 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._adamw = torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
         # Set by the ShardedOptimizer running this one over slices: group position ->
         # the matrices of this inner step (None: each parameter is a whole matrix);
-        # and (matrices, the update's values on this rank's pieces of each) -> each
-        # whole update, shaped as its matrix: one collective for them all.
+        # (matrices, the update's values on this rank's pieces of each) -> each whole
+        # update, shaped as its matrix, on the rank that orthogonalises it (None on
+        # the others): one collective for them all;
         self.matrices_of_group: Optional[Callable[[int], Sequence[MatrixPieces]]] = None
         self.put_together: Callable[[Sequence[MatrixPieces], Sequence[list[torch.Tensor]]],
-                                    list[torch.Tensor]] = _each_whole
-        # (matrices, the dtype of each one's result, i -> matrix i orthogonalised) ->
-        # every result: each computed on one rank alone, and shared (one collective).
-        self.orthogonalised: Callable[[Sequence[MatrixPieces], Sequence[torch.dtype],
-                                       Callable[[int], torch.Tensor]],
-                                      list[torch.Tensor]] = _each_here
+                                    list[Optional[torch.Tensor]]] = _each_whole
+        # and (matrices, i -> matrix i orthogonalised) -> this rank's pieces' parts of
+        # each result (each computed on that one rank), per matrix: one collective.
+        self.orthogonalised: Callable[[Sequence[MatrixPieces], Callable[[int], torch.Tensor]],
+                                      list[list[torch.Tensor]]] = _each_here
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -191,12 +190,11 @@ class MuonWithAdamW(torch.optim.Optimizer):
             group = todo[i][0]
             return _zeropower_via_newtonschulz(wholes[i], group["ns_coefficients"],
                                                group["ns_steps"], group["eps"])
-        results = self.orthogonalised(
-            matrices, [newton_schulz_dtype(w.dtype) for w in wholes], orthogonalise)
-        for (group, matrix), (buffers, _), update in zip(todo, momenta, results):
+        parts = self.orthogonalised(matrices, orthogonalise)
+        for (group, matrix), (buffers, _), mine in zip(todo, momenta, parts):
             for piece, buffer in zip(matrix.pieces, buffers):
                 self.state[piece]["momentum_buffer"] = buffer
-            self._orthogonalised_step(group, matrix, update)
+            self._orthogonalised_step(group, matrix, mine)
         adamw_groups = [g for g in self.param_groups if not g["use_muon"]]
         if adamw_groups:
             self._adamw.param_groups = adamw_groups
@@ -214,7 +212,7 @@ class MuonWithAdamW(torch.optim.Optimizer):
             if p.ndim != 2:
                 raise ValueError("Muon only supports 2D parameters whereas we found a "
                                  f"parameter with size: {p.size()}")
-            found.append(MatrixPieces(p.shape, [p], lambda whole: [whole]))
+            found.append(MatrixPieces(p.shape, [p]))
         return found
 
     def _momentum_step(self, group: dict[str, Any], matrix: MatrixPieces
@@ -234,12 +232,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
         return buffers, updates
 
     def _orthogonalised_step(self, group: dict[str, Any], matrix: MatrixPieces,
-                             update: torch.Tensor) -> None:
-        """This rank's pieces stepped with their part of the orthogonalised update."""
+                             parts: Sequence[torch.Tensor]) -> None:
+        """This rank's pieces stepped with their parts of the orthogonalised update."""
         from torch.optim._muon import _adjust_lr
         from torch.optim.optimizer import _to_scalar
         lr = _to_scalar(group["lr"])
         adjusted_lr = _adjust_lr(lr, group["adjust_lr_fn"], matrix.shape)
-        for piece, part in zip(matrix.pieces, matrix.parts(update)):
+        for piece, part in zip(matrix.pieces, parts):
             piece.mul_(1 - lr * group["weight_decay"])
             piece.add_(part, alpha=-adjusted_lr)

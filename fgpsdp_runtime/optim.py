@@ -26,7 +26,6 @@ tried on small tensors first (elementwise_probe.py).
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import operator
 from collections import defaultdict
@@ -58,7 +57,7 @@ from .step_wide_state import StepWideState
 from .uneven_inputs import AnnouncedCall, UnevenInputs
 from .user_warnings import user_code_line, warn_at_user_code
 from .validation import settings_agree_or_raise
-from .whole_matrices import matrices_in, orthogonalised, put_together
+from .whole_matrices import WholeMatrices
 
 
 def _group_size(group: object) -> Any:
@@ -207,9 +206,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._steps_whole_matrices:
             self._indices_by_group = [[model.param_index(p) for p in g["params"]]
                                       for g in groups]
+            self._whole_matrices = WholeMatrices(model, self._slice_pieces)
             self.optim.matrices_of_group = self._matrices_of_group
-            self.optim.put_together = functools.partial(put_together, model)
-            self.optim.orthogonalised = functools.partial(orthogonalised, model)
+            self.optim.put_together = self._whole_matrices.put_together
+            self.optim.orthogonalised = self._whole_matrices.orthogonalised
         # (Every rank alike: the class and the groups agree, and so do the
         # arguments of a loop that builds the same optimizer on every rank.)
         refuse_unsliceable_settings(self.optim)
@@ -315,8 +315,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise RuntimeError("fgpsdp: an inner step that puts matrices together ran "
                                "outside opt.step()'s chunks")
         buckets, globally_used = self._inner_run
-        return matrices_in(self.model, self._slice_pieces, self._indices_by_group[position],
-                           buckets, globally_used)
+        return self._whole_matrices.matrices_in(self._indices_by_group[position], buckets,
+                                                globally_used)
 
     def _placeholder(self, params) -> torch.Tensor:
         candidates = list(params) + [p for _, p in self.model.named_trainable_parameters()]

@@ -1,127 +1,256 @@
 """The matrices an inner step of MuonWithAdamW puts together from every rank's slices.
 
-See [Note: whole matrices from slices] in muon.py. This module finds, for the
-buckets one inner step runs over, the matrices of a use_muon group that have a
-gradient (the same on every rank: from the layout and all-reduced figures), and
-gives each this rank's pieces, the collective that makes the whole matrix of
-their values, the rank that orthogonalises it and the collective that shares the
-results, and the cut of a matrix back into the pieces.
+See [Note: whole matrices from slices] in muon.py. For one wrapper, this module
+finds, for the buckets one inner step runs over, the matrices of a use_muon group
+that have a gradient (the same on every rank: from the layout and all-reduced
+figures), and gives each this rank's pieces; it picks the rank that orthogonalises
+each matrix, brings that rank every other rank's pieces of the matrix, and brings
+every rank its pieces' part of the result (two all-to-all exchanges of bytes).
+
+[Note: each matrix to its owner and back]
+A rank holds one contiguous piece of a matrix or none: a matrix lies in one bucket,
+whose slices are contiguous ranges. Which ranks hold which piece follows from the
+layout alone, so every rank knows what it sends and receives without asking. Up
+to 539eca8 both exchanges were all-reduces of every matrix's bytes, each rank
+filling in its pieces and zeros elsewhere: a ring all-reduce sends about twice the
+buffer per rank, so a step moved about 2 x (4 + 2) bytes per matrix element per
+rank (float32 updates, bfloat16 results) at any world size. Sent to the owner and
+back, a rank sends its pieces of the matrices others own (about 1/N of the
+matrices' updates) and its own matrices' results to their holders: about
+(4 + 2) / N bytes per element. The owner of a matrix is picked for balance first
+(Newton-Schulz's work), then, among ranks as loaded, the one holding most of it:
+what it holds it does not receive.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 
 from .buckets import span_as_param
-from .grad_reads import byte_regions, has_gradient, wholes_from_pieces
-from .group_collectives import all_reduce_held
-from .muon import MatrixPieces
+from .grad_reads import byte_regions, has_gradient
+from .group_collectives import exchange_bytes
+from .muon import MatrixPieces, newton_schulz_dtype
 
 if TYPE_CHECKING:  # imported for annotations only
     from .ddp import DistributedDataParallel
     from .slice_pieces import SlicePieces
 
 
-def matrices_in(model: "DistributedDataParallel", pieces: "SlicePieces",
-                indices: Sequence[int], buckets: Sequence[int],
-                globally_used: Optional[Sequence[bool]]) -> list[MatrixPieces]:
-    """The matrices among trainable parameters ``indices`` (a group's, in its order)
-    that lie in ``buckets`` and have a gradient, in that order."""
-    wanted = set(buckets)
-    params = model.named_trainable_parameters()  # (a new list at each call)
-    found = []
-    for index in indices:
-        slot = model.reducer.slot.get(index)
-        if slot is None:  # an empty parameter: in no bucket, and nothing to step
-            continue
-        bucket, span = slot
-        if bucket not in wanted or not has_gradient(model, globally_used, bucket, index):
-            continue
-        mine = [(tensor, start) for tensor, _, start, _ in pieces.by_param.get(index, ())]
-        shape = params[index][1].shape
-        found.append(MatrixPieces(
-            shape, [tensor for tensor, _ in mine],
-            lambda whole, span=span, mine=mine: _parts(whole, span, mine),
-            handle=(index, [start for _, start in mine])))
-    return found
+class WholeMatrices:
+    """MuonWithAdamW's matrices on one wrapper's slices: their pieces, and the two
+    exchanges that put them together on their owners and share the results."""
+
+    def __init__(self, model: "DistributedDataParallel", pieces: "SlicePieces"):
+        self.model = model
+        self.pieces = pieces
+        self._rank_of_slice = {model.topology.slice_index(r): r
+                               for r in range(model.world_size)}
+        self._holders: dict[int, dict[int, tuple[int, int]]] = {}
+
+    def holders(self, index: int) -> dict[int, tuple[int, int]]:
+        """Group rank -> its piece of trainable parameter ``index`` as (offset in the
+        bucket, elements), for every rank holding one. The same on every rank."""
+        found = self._holders.get(index)
+        if found is None:
+            bucket, span = self.model.reducer.slot[index]
+            size = self.model.buckets[bucket].layout.shard_numel
+            found = {}
+            for s in range(span.bucket_offset // size, (span.bucket_end - 1) // size + 1):
+                lo, hi = max(span.bucket_offset, s * size), min(span.bucket_end, (s + 1) * size)
+                found[self._rank_of_slice[s]] = (lo, hi - lo)
+            self._holders[index] = found
+        return found
+
+    def matrices_in(self, indices: Sequence[int], buckets: Sequence[int],
+                    globally_used: Optional[Sequence[bool]]) -> list[MatrixPieces]:
+        """The matrices among trainable parameters ``indices`` (a group's, in its
+        order) that lie in ``buckets`` and have a gradient, in that order."""
+        model = self.model
+        wanted = set(buckets)
+        params = model.named_trainable_parameters()  # (a new list at each call)
+        found = []
+        for index in indices:
+            slot = model.reducer.slot.get(index)
+            if slot is None:  # an empty parameter: in no bucket, and nothing to step
+                continue
+            if slot[0] not in wanted or not has_gradient(model, globally_used, slot[0], index):
+                continue
+            mine = self.pieces.by_param.get(index, ())
+            held = self.holders(index).get(model.rank)
+            if [(start, end - start) for _, _, start, end in mine] != ([held] if held else []):
+                raise RuntimeError(f"fgpsdp: internal error: this rank's pieces of parameter "
+                                   f"{index} are not where the layout puts them")
+            found.append(MatrixPieces(params[index][1].shape,
+                                      [tensor for tensor, *_ in mine], handle=index))
+        return found
+
+    def owners(self, matrices: Sequence[MatrixPieces]) -> list[int]:
+        return owners([m.shape for m in matrices], self.model.world_size,
+                      [{r: n for r, (_, n) in self.holders(m.handle).items()}
+                       for m in matrices])
+
+    def _values_dtype(self, matrix: MatrixPieces) -> torch.dtype:
+        # The pieces' gradients' (float32 under master weights): every rank knows it,
+        # with or without a piece of the matrix.
+        return self.model.buckets[self.model.reducer.slot[matrix.handle][0]].grad_shard.dtype
+
+    def _flat(self, matrix: MatrixPieces, whole: torch.Tensor) -> torch.Tensor:
+        """``whole`` (matrix-shaped) laid out as the matrix's span in its bucket."""
+        span = self.model.reducer.slot[matrix.handle][1]
+        flat = torch.empty(span.numel, dtype=whole.dtype, device=whole.device)
+        span_as_param(flat, matrix.shape, span.strides).copy_(whole)
+        return flat
+
+    def put_together(self, matrices: Sequence[MatrixPieces],
+                     values: Sequence[list[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
+        """Matrix i whole, from every rank's values on its pieces (``values[i]``: this
+        rank's, in ``matrices[i].pieces``' order), on the rank owners() gives it; None
+        on the others. One exchange for them all."""
+        model, me = self.model, self.model.rank
+        owner = self.owners(matrices)
+        dtypes = [self._values_dtype(m) for m in matrices]
+        outgoing: list[list[torch.Tensor]] = [[] for _ in range(model.world_size)]
+        incoming: list[list[tuple[int, int, int]]] = [[] for _ in range(model.world_size)]
+        for i, (matrix, mine) in enumerate(zip(matrices, values)):
+            if any(v.dtype != dtypes[i] for v in mine):
+                raise RuntimeError("fgpsdp: internal error: a Muon update is not in its "
+                                   "gradient's dtype")
+            held = self.holders(matrix.handle)
+            if owner[i] != me:
+                outgoing[owner[i]].extend(mine)
+            else:
+                for rank, (start, numel) in held.items():
+                    if rank != me:
+                        incoming[rank].append((i, start, numel))
+        sends = [_packed(tensors, self._device()) for tensors in outgoing]
+        received = [_empty_bytes([(n, dtypes[i]) for i, _, n in wanted], self._device())
+                    for wanted in incoming]
+        exchange_bytes(model.process_group, sends, received, "Muon's whole matrices")
+        wholes: list[Optional[torch.Tensor]] = [None] * len(matrices)
+        flats: dict[int, torch.Tensor] = {}
+        for i, matrix in enumerate(matrices):
+            if owner[i] == me:
+                span = model.reducer.slot[matrix.handle][1]
+                flats[i] = torch.empty(span.numel, dtype=dtypes[i], device=self._device())
+                wholes[i] = span_as_param(flats[i], matrix.shape, span.strides)
+                if me in self.holders(matrix.handle):
+                    start, numel = self.holders(matrix.handle)[me]
+                    at = start - span.bucket_offset
+                    flats[i][at:at + numel].copy_(values[i][0])
+        for wanted, buffer in zip(incoming, received):
+            for (i, start, numel), part in zip(wanted, _unpacked(
+                    buffer, [(n, dtypes[i]) for i, _, n in wanted])):
+                at = start - model.reducer.slot[matrices[i].handle][1].bucket_offset
+                flats[i][at:at + numel].copy_(part)
+        return wholes
+
+    def orthogonalised(self, matrices: Sequence[MatrixPieces],
+                       orthogonalise: Callable[[int], torch.Tensor]) -> list[list[torch.Tensor]]:
+        """Matrix i orthogonalised (``orthogonalise(i)``, matrix-shaped) on the rank
+        owners() gives it, and each rank's pieces' part of every result, per matrix
+        in ``matrices[i].pieces``' order: one exchange. The work is spread over this
+        inner step's matrices: the ranks meet at that exchange, so a step's wall
+        time is its busiest rank's.
+
+        An error in a rank's ``orthogonalise`` travels in the same exchange (a byte
+        at the end of what each rank sends every other) and is raised on every rank:
+        that rank's own, the others' naming it; they would wait for a result otherwise."""
+        model, me, n = self.model, self.model.rank, self.model.world_size
+        owner = self.owners(matrices)
+        dtypes = [newton_schulz_dtype(self._values_dtype(m)) for m in matrices]
+        flats: dict[int, torch.Tensor] = {}
+        raised: Optional[Exception] = None
+        for i, matrix in enumerate(matrices):
+            if owner[i] == me:
+                try:
+                    result = orthogonalise(i)
+                except Exception as error:  # noqa: BLE001 - said on every rank, below
+                    raised = error
+                    break
+                flats[i] = self._flat(matrix, result.to(dtypes[i]))
+        outgoing: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
+        incoming: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
+        for i, matrix in enumerate(matrices):
+            for rank, (start, numel) in self.holders(matrix.handle).items():
+                if owner[i] == me and rank != me:
+                    outgoing[rank].append((i, start, numel))
+                elif owner[i] != me and rank == me:
+                    incoming[owner[i]].append((i, start, numel))
+        device = self._device()
+        sends = []
+        for wanted in outgoing:
+            buffer = _empty_bytes([(k, dtypes[i]) for i, _, k in wanted], device, status=True)
+            if raised is None:
+                for (i, start, numel), region in zip(wanted, _unpacked(
+                        buffer, [(k, dtypes[i]) for i, _, k in wanted])):
+                    at = start - model.reducer.slot[matrices[i].handle][1].bucket_offset
+                    region.copy_(flats[i][at:at + numel])
+            buffer[-1] = int(raised is not None)
+            sends.append(buffer)
+        received = [_empty_bytes([(k, dtypes[i]) for i, _, k in wanted], device, status=True)
+                    for wanted in incoming]
+        exchange_bytes(model.process_group, sends, received, "Muon's orthogonalised matrices")
+        if raised is not None:
+            raise raised
+        failed = [rank for rank in range(n) if rank != me and int(received[rank][-1])]
+        if failed:
+            raise RuntimeError(f"fgpsdp: Newton-Schulz raised on rank(s) {failed}, which "
+                               "orthogonalises matrices for this one too (see its error); the "
+                               "step stopped on every rank with these matrices unchanged "
+                               "(opt.step() called again takes it up there)")
+        parts: list[list[torch.Tensor]] = [[] for _ in matrices]
+        for i, matrix in enumerate(matrices):
+            if owner[i] == me and me in self.holders(matrix.handle):
+                start, numel = self.holders(matrix.handle)[me]
+                at = start - model.reducer.slot[matrix.handle][1].bucket_offset
+                parts[i] = [flats[i][at:at + numel]]
+        for rank, wanted in enumerate(incoming):
+            for (i, _, _), part in zip(wanted, _unpacked(
+                    received[rank], [(k, dtypes[i]) for i, _, k in wanted])):
+                parts[i] = [part]
+        return parts
+
+    def _device(self) -> torch.device:
+        return self.model.buckets[0].device if self.model.buckets else torch.device("cpu")
 
 
-def put_together(model: "DistributedDataParallel", matrices: Sequence[MatrixPieces],
-                 values: Sequence[list[torch.Tensor]]) -> list[torch.Tensor]:
-    """Each matrix whole from every rank's values on its pieces (``values[i]`` this
-    rank's, in ``matrices[i].pieces``' order): one all-reduce for them all."""
-    requests = []
-    for matrix, mine in zip(matrices, values):
-        index, starts = matrix.handle
-        # Every rank must sum the same bytes: one without a piece of the matrix takes
-        # the dtype of its gradient slice, which the pieces' updates are in.
-        dtype = mine[0].dtype if mine else \
-            model.buckets[model.reducer.slot[index][0]].grad_shard.dtype
-        requests.append((index, dtype, list(zip(starts, mine))))
-    return wholes_from_pieces(model, requests, "Muon's whole matrices")
+def _empty_bytes(sizes: Sequence[tuple[int, torch.dtype]], device: torch.device,
+                 status: bool = False) -> torch.Tensor:
+    """A byte buffer for ``sizes`` laid out by byte_regions, and a status byte after
+    them where ``status``."""
+    _, total = byte_regions(sizes)
+    return torch.zeros(total + int(status), dtype=torch.uint8, device=device)
 
 
-def _parts(whole: torch.Tensor, span, mine) -> list[torch.Tensor]:
-    """``whole``'s values on this rank's pieces: laid out in the bucket's order first."""
-    flat = torch.empty(span.numel, dtype=whole.dtype, device=whole.device)
-    span_as_param(flat, whole.shape, span.strides).copy_(whole)
-    return [flat[start - span.bucket_offset:start - span.bucket_offset + tensor.numel()]
-            for tensor, start in mine]
+def _unpacked(buffer: torch.Tensor, sizes: Sequence[tuple[int, torch.dtype]]
+              ) -> list[torch.Tensor]:
+    """The regions of ``buffer`` (from _empty_bytes) viewed as 1-D tensors of ``sizes``."""
+    places, _ = byte_regions(sizes)
+    return [buffer[start:start + nbytes].view(dtype)
+            for (start, nbytes), (_, dtype) in zip(places, sizes)]
 
 
-def orthogonalised(model: "DistributedDataParallel", matrices: Sequence[MatrixPieces],
-                   dtypes: Sequence[torch.dtype],
-                   orthogonalise: Callable[[int], torch.Tensor]) -> list[torch.Tensor]:
-    """Matrix i orthogonalised (``orthogonalise(i)``, a ``dtypes[i]`` tensor of its
-    shape) on the rank owners() gives it, then every result on every rank: one
-    all-reduce of their bytes, each non-zero on its owner alone. The work is spread
-    over this inner step's matrices: the ranks meet at that all-reduce, so a chunk's
-    wall time is its busiest rank's (a chunk of one matrix keeps the others idle).
-
-    An error in a rank's ``orthogonalise`` is carried by the same all-reduce (a byte
-    per rank) and raised on every rank: that rank's own, the others' naming it; the
-    others would wait for a result otherwise."""
-    owner = owners([m.shape for m in matrices], model.world_size)
-    places, total = byte_regions([(m.shape.numel(), d) for m, d in zip(matrices, dtypes)])
-    if not matrices:
-        return []
-    device = model.buckets[0].device if model.buckets else torch.device("cpu")
-    buffer = torch.zeros(total + model.world_size, dtype=torch.uint8, device=device)
-    results = [buffer[start:start + nbytes].view(dtype).view(matrix.shape)
-               for (start, nbytes), dtype, matrix in zip(places, dtypes, matrices)]
-    raised: Optional[Exception] = None
-    for i, result in enumerate(results):
-        if owner[i] == model.rank:
-            try:
-                result.copy_(orthogonalise(i))
-            except Exception as error:  # noqa: BLE001 - said on every rank, below
-                raised = error
-                buffer[total + model.rank] = 1
-                break
-    if model.world_size > 1:
-        all_reduce_held(buffer, dist.ReduceOp.SUM, model.process_group,
-                        "Muon's orthogonalised matrices")
-    failed = buffer[total:].nonzero().flatten().tolist()
-    if raised is not None:
-        raise raised
-    if failed:
-        raise RuntimeError(f"fgpsdp: Newton-Schulz raised on rank(s) {failed}, which "
-                           "orthogonalises matrices for this one too (see its error); the "
-                           "step stopped on every rank with these matrices unchanged "
-                           "(opt.step() called again takes it up there)")
-    return results
+def _packed(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """``tensors`` copied into one byte buffer, laid out by byte_regions."""
+    sizes = [(t.numel(), t.dtype) for t in tensors]
+    buffer = _empty_bytes(sizes, device)
+    for region, tensor in zip(_unpacked(buffer, sizes), tensors):
+        region.copy_(tensor.reshape(-1))
+    return buffer
 
 
-def owners(shapes: Sequence[torch.Size], world_size: int) -> list[int]:
+def owners(shapes: Sequence[torch.Size], world_size: int,
+           held: Optional[Sequence[dict[int, int]]] = None) -> list[int]:
     """The rank that orthogonalises each matrix: the biggest first, each to the rank
-    with the least work so far (Newton-Schulz's cost, min(m, n)^2 * max(m, n)), the
-    lowest rank on a tie. The same on every rank."""
+    with the least work so far (Newton-Schulz's cost, min(m, n)^2 * max(m, n)); among
+    those, the one holding most of its elements (``held[i]``: rank -> elements of
+    matrix i), then the lowest rank. The same on every rank."""
     load = [0] * world_size
     owner = [0] * len(shapes)
     for i in sorted(range(len(shapes)), key=lambda i: (-_cost(shapes[i]), i)):
-        rank = min(range(world_size), key=lambda r: (load[r], r))
+        mine = held[i] if held is not None else {}
+        rank = min(range(world_size), key=lambda r: (load[r], -mine.get(r, 0), r))
         owner[i] = rank
         load[rank] += _cost(shapes[i])
     return owner

@@ -273,3 +273,78 @@ def settings_that_differ(rank: int, world_size: int) -> dict[str, str]:
             out[name] = f"{type(error).__name__}: {error}"
         del model
     return out
+
+
+class ManyMatrices(nn.Module):
+    """Small matrices of several shapes in one bucket: most lie in one rank's slice,
+    some across two, so a matrix's owner may hold none of it."""
+
+    def __init__(self):
+        super().__init__()
+        widths = [12, 8, 16, 8, 24, 8, 12]
+        self.layers = nn.ModuleList(nn.Linear(a, b, bias=False)
+                                    for a, b in zip(widths, widths[1:]))
+        self.head = nn.Linear(12, 5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.one_hot(tokens, 12).float().mean(1)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h)
+
+
+def many_matrices_as_torch_ddp(rank: int, world_size: int, schedule: str) -> dict[str, Any]:
+    """4 steps beside torch DDP's Muon + AdamW, and what the exchanges did: how many
+    matrices were orthogonalised by a rank holding none of them, and the bytes each
+    rank sent in each exchange over the 4 steps."""
+    from fgpsdp_runtime import whole_matrices
+
+    torch.manual_seed(0)
+    base = ManyMatrices()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    matrices = lambda m: [layer.weight for layer in m.layers]  # noqa: E731
+    rest = lambda m: [m.head.weight, m.head.bias]  # noqa: E731
+    ref_opts = [torch.optim.Muon(matrices(ref.module), lr=0.02),
+                torch.optim.AdamW(rest(ref.module), lr=3e-3)]
+    model = fgp.DistributedDataParallel(base, schedule=schedule)
+    opt = fgp.ShardedOptimizer(model, fgp.MuonWithAdamW, param_groups=[
+        {"params": matrices(model.module), "use_muon": True, "lr": 0.02},
+        {"params": rest(model.module), "use_muon": False, "lr": 3e-3}])
+    seen = {"owner_holds_none": 0, "held_by_one_rank": 0, "matrices": 0}
+    sent: dict[str, int] = {}
+    exchanges = opt._whole_matrices
+    real_owners, real_exchange = exchanges.owners, whole_matrices.exchange_bytes
+
+    def spied_owners(found):
+        owner = real_owners(found)
+        for matrix, o in zip(found, owner):
+            held = exchanges.holders(matrix.handle)
+            seen["owner_holds_none"] += o not in held
+            seen["held_by_one_rank"] += len(held) == 1
+            seen["matrices"] += 1
+        return owner
+
+    def spied_exchange(group, sends, recvs, site, **kw):
+        sent[site] = sent.get(site, 0) + sum(
+            t.numel() for j, t in enumerate(sends) if j != rank)
+        return real_exchange(group, sends, recvs, site, **kw)
+
+    exchanges.owners = spied_owners
+    whole_matrices.exchange_bytes = spied_exchange
+    try:
+        for step in range(4):
+            g = torch.Generator().manual_seed(1000 * step + rank)
+            x, y = torch.randint(0, 12, (6, 5), generator=g), torch.randn(6, 5, generator=g)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+            nn.functional.mse_loss(ref(x), y).backward()
+            for o in ref_opts:
+                o.step()
+                o.zero_grad()
+    finally:
+        whole_matrices.exchange_bytes = real_exchange
+    model.synchronize()
+    return {"param_diff": _max_diff(model.module.parameters(), ref.module.parameters()),
+            "n_buckets": len(model.buckets), "seen": seen, "sent": sent,
+            "matrix_elements": sum(p.numel() for p in matrices(base))}

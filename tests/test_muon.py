@@ -167,3 +167,19 @@ def test_settings_that_would_pair_no_collectives_are_refused_at_construction():
         assert "use_muon per group" in out["use_muon_on_one_rank"], (rank, out)
         assert "Number of steps must be less than 100" in out["ns_steps_100"], out
         assert "3 values" in out["two_coefficients"], out
+
+
+def test_matrices_travel_to_their_owner_and_back_not_to_every_rank():
+    """Small matrices in one bucket on 3 ranks: most lie in one rank's slice, and some
+    are orthogonalised by a rank holding none of them. Within rounding of torch DDP
+    (3 ranks sum in another order), and each rank sends less than one all-reduce of
+    the matrices' updates alone would (a ring sends about 2 x (n-1)/n of the buffer)."""
+    for rank, out in enumerate(run_distributed(
+            3, muon_scenarios.many_matrices_as_torch_ddp, "serial")):
+        assert out["n_buckets"] == 1, out
+        assert out["param_diff"] < 1e-4, (rank, out)
+        seen = out["seen"]  # (each exchange asks for the owners: twice per step)
+        assert seen["matrices"] == 2 * 4 * 6 and seen["owner_holds_none"] > 0 \
+            and seen["held_by_one_rank"] > 0, (rank, seen)
+        all_reduce_bytes = 4 * 2 * 4 * out["matrix_elements"] * 2 / 3  # 4 steps, float32
+        assert sum(out["sent"].values()) < all_reduce_bytes / 2, (rank, out["sent"])

@@ -21,6 +21,10 @@ import torch
 import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# This checkout's fgpsdp_runtime, not the one the environment installed: a run from a
+# second checkout (an A/B against an older commit) measured the installed one before,
+# while the report named the checkout's commit.
+sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 from systems import build_system, set_max_norm  # noqa: E402
 from workloads import CONFIGS, build_model, describe, loss_fn, make_batch  # noqa: E402

@@ -348,3 +348,33 @@ def many_matrices_as_torch_ddp(rank: int, world_size: int, schedule: str) -> dic
     return {"param_diff": _max_diff(model.module.parameters(), ref.module.parameters()),
             "n_buckets": len(model.buckets), "seen": seen, "sent": sent,
             "matrix_elements": sum(p.numel() for p in matrices(base))}
+
+
+def trains_as_torch_ddp_on_subgroups(rank: int, world_size: int, schedule: str) -> float:
+    """4 ranks in two data-parallel groups of 2, [0, 2] and [1, 3] (as beside tensor
+    parallelism), each from its own weights: each group's 4 steps against torch DDP's
+    Muon + AdamW on the same group. The exchanges address peers by their rank in the
+    job, not in the group."""
+    import torch.distributed as dist
+
+    groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    group = groups[rank % 2]
+    torch.manual_seed(rank % 2)
+    base = MuonNet()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), process_group=group)
+    ref_muon_groups, ref_adamw_groups = _groups(ref.module, muon_flag=False)
+    ref_opts = [torch.optim.Muon(ref_muon_groups), torch.optim.AdamW(ref_adamw_groups)]
+    model = fgp.DistributedDataParallel(base, schedule=schedule, process_group=group,
+                                        bucket_cap_mb=0.0005, overlap_plan="layout")
+    muon_groups, adamw_groups = _groups(model.module, muon_flag=True)
+    opt = fgp.ShardedOptimizer(model, fgp.MuonWithAdamW,
+                               param_groups=muon_groups + adamw_groups)
+    for step in range(4):
+        x, y = _batch(step, rank)
+        for m, opts in ((model, [opt]), (ref, ref_opts)):
+            nn.functional.mse_loss(m(x), y).backward()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+    model.synchronize()
+    return _max_diff(model.module.parameters(), ref.module.parameters())

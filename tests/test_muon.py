@@ -183,3 +183,10 @@ def test_matrices_travel_to_their_owner_and_back_not_to_every_rank():
             and seen["held_by_one_rank"] > 0, (rank, seen)
         all_reduce_bytes = 4 * 2 * 4 * out["matrix_elements"] * 2 / 3  # 4 steps, float32
         assert sum(out["sent"].values()) < all_reduce_bytes / 2, (rank, out["sent"])
+
+
+def test_data_parallel_subgroups_train_as_torch_ddp():
+    """Two groups of 2 in a job of 4 ([0, 2] and [1, 3]): bit for bit torch DDP on
+    each group (the exchanges are point-to-point messages addressed by job rank)."""
+    assert run_distributed(4, muon_scenarios.trains_as_torch_ddp_on_subgroups,
+                           "next_forward") == [0.0] * 4

@@ -107,6 +107,8 @@ class WholeMatrices:
         """Matrix i whole, from every rank's values on its pieces (``values[i]``: this
         rank's, in ``matrices[i].pieces``' order), on the rank owners() gives it; None
         on the others. One exchange for them all."""
+        if not matrices:  # (on every rank alike: an inner step over no Muon matrix)
+            return []
         model, me = self.model, self.model.rank
         owner = self.owners(matrices)
         dtypes = [self._values_dtype(m) for m in matrices]
@@ -156,6 +158,8 @@ class WholeMatrices:
         An error in a rank's ``orthogonalise`` travels in the same exchange (a byte
         at the end of what each rank sends every other) and is raised on every rank:
         that rank's own, the others' naming it; they would wait for a result otherwise."""
+        if not matrices:
+            return []
         model, me, n = self.model, self.model.rank, self.model.world_size
         owner = self.owners(matrices)
         dtypes = [newton_schulz_dtype(self._values_dtype(m)) for m in matrices]

@@ -378,3 +378,44 @@ def trains_as_torch_ddp_on_subgroups(rank: int, world_size: int, schedule: str) 
                 o.zero_grad()
     model.synchronize()
     return _max_diff(model.module.parameters(), ref.module.parameters())
+
+
+def step_events(rank: int, world_size: int, schedule: str) -> dict[str, Any]:
+    """The order of one step's all-gathers and Muon exchanges (the second step's),
+    and which buckets hold a Muon matrix."""
+    from fgpsdp_runtime import whole_matrices
+
+    torch.manual_seed(0)
+    model = fgp.DistributedDataParallel(MuonNet(), schedule=schedule, bucket_cap_mb=0.0005,
+                                        overlap_plan="layout")
+    muon_groups, adamw_groups = _groups(model.module, muon_flag=True)
+    opt = fgp.ShardedOptimizer(model, fgp.MuonWithAdamW,
+                               param_groups=muon_groups + adamw_groups)
+    events: list = []
+    real_queue, real_exchange = model.queue_param_all_gather, whole_matrices.exchange_bytes
+
+    def queue(bucket, *a, **k):
+        events.append(("gather", bucket))
+        return real_queue(bucket, *a, **k)
+
+    def exchange(group, sends, recvs, site, **k):
+        events.append(("exchange", site))
+        return real_exchange(group, sends, recvs, site, **k)
+
+    model.queue_param_all_gather = queue
+    whole_matrices.exchange_bytes = exchange
+    try:
+        for step in range(2):
+            events.clear()
+            x, y = _batch(step, rank)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        model.synchronize()
+    finally:
+        whole_matrices.exchange_bytes = real_exchange
+    muon_buckets = {model.reducer.slot[model.param_index(p)][0]
+                    for g in muon_groups for p in g["params"]}
+    return {"events": list(events), "muon_buckets": sorted(muon_buckets),
+            "n_buckets": len(model.buckets),
+            "forward_order": list(model.forward_bucket_order)}

@@ -47,6 +47,9 @@ class WholeMatrices:
         self._rank_of_slice = {model.topology.slice_index(r): r
                                for r in range(model.world_size)}
         self._holders: dict[int, dict[int, tuple[int, int]]] = {}
+        # Called once the matrices are put together, before any is orthogonalised:
+        # work that may then use the network (the ShardedOptimizer's all-gathers).
+        self.before_orthogonalising: Callable[[], None] = lambda: None
 
     def holders(self, index: int) -> dict[int, tuple[int, int]]:
         """Group rank -> its piece of trainable parameter ``index`` as (offset in the
@@ -160,6 +163,7 @@ class WholeMatrices:
         that rank's own, the others' naming it; they would wait for a result otherwise."""
         if not matrices:
             return []
+        self.before_orthogonalising()
         model, me, n = self.model, self.model.rank, self.model.world_size
         owner = self.owners(matrices)
         dtypes = [newton_schulz_dtype(self._values_dtype(m)) for m in matrices]

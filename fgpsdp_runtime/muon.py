@@ -26,10 +26,8 @@ import torch
 from .step_wide_state import same_value
 
 # [Note: whole matrices from slices]
-# The ShardedOptimizer runs this class's step over every bucket at once, or, where
-# the all-gathers overlap the next forward, first over the buckets without a Muon
-# matrix and then over the rest (not in the chunks of step_chunks.py: see
-# _whole_matrix_chunks). For each matrix of a use_muon
+# The ShardedOptimizer runs this class's step once over every bucket (not in the
+# chunks of step_chunks.py: see _step_chunk_count). For each matrix of a use_muon
 # group in the buckets it runs over that has a gradient (the same list on every rank,
 # taken from the layout, not from this rank's pieces: a rank may orthogonalise a
 # matrix it holds no piece of), each rank updates its pieces' momentum. Each matrix

@@ -207,8 +207,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._indices_by_group = [[model.param_index(p) for p in g["params"]]
                                       for g in groups]
             self._whole_matrices = WholeMatrices(model, self._slice_pieces)
-            self._whole_matrices.before_orthogonalising = \
-                self._send_stepped_before_orthogonalising
             self.optim.matrices_of_group = self._matrices_of_group
             self.optim.put_together = self._whole_matrices.put_together
             self.optim.orthogonalised = self._whole_matrices.orthogonalised
@@ -982,12 +980,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             # a model with many buckets is stepped in at most MAX_STEP_CHUNKS
             # runs of consecutive buckets, and a small one in fewer (see
             # step_chunks.py). The other schedules step once.
-            if not model.gathers_overlap_forward:
-                chunks = [to_step]
-            elif self._steps_whole_matrices:
-                chunks = self._whole_matrix_chunks(to_step)
-            else:
-                chunks = split_evenly(to_step, self._step_chunk_count(to_step))
+            chunks = split_evenly(to_step, self._step_chunk_count(to_step)) \
+                if model.gathers_overlap_forward else [to_step]
             model.begin_param_exchange()
             committed = len(speculated) > len(rolled_back)
             self._unfinished = _UnfinishedStep(chunks, [], self._globally_used, would_commit,
@@ -1005,33 +999,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 model.queue_param_all_gather(b)
         self._finish_step(stepped=finite, would_commit=would_commit)
 
-    def _whole_matrix_chunks(self, to_step: Sequence[int]) -> list[list[int]]:
-        """MuonWithAdamW's forward-ordered step: first the buckets that hold no
-        parameter of a use_muon group, then the rest in one inner step (the same on
-        every rank). The first ones' all-gathers are queued by the second inner step
-        once its matrices are put together (_send_stepped_before_orthogonalising),
-        so that they travel while the matrices are orthogonalised and not beside
-        that exchange, which the step waits for. Not in step_chunks' runs:
-        Newton-Schulz is spread over the ranks within an inner step, whose ranks
-        meet at its exchanges; in chunks of a matrix or two one rank worked while
-        the others waited (GPT-2's CPU workload on 2 ranks: 0.89-0.95 s per step
-        in one, 1.08-1.20 s in its 9 chunks, docs/benchmarks/2026-12-07-muon-cost.md)."""
-        slot = self.model.reducer.slot
-        muon_buckets = {slot[index][0]
-                        for group, indices in zip(self.optim.param_groups, self._indices_by_group)
-                        if group["use_muon"] for index in indices if index in slot}
-        chunks = [[b for b in to_step if b not in muon_buckets],
-                  [b for b in to_step if b in muon_buckets]]
-        return [chunk for chunk in chunks if chunk]
-
-    def _send_stepped_before_orthogonalising(self) -> None:
-        """Queue the all-gathers of the buckets this step has stepped and not sent
-        (called by MuonWithAdamW's inner step between its two exchanges)."""
-        if self._unfinished is not None:
-            self._send_stepped(self._unfinished)
-
     def _step_chunk_count(self, buckets: Sequence[int]) -> int:
         """How many inner steps the forward-ordered step takes (see step_chunks.py)."""
+        if self._steps_whole_matrices:
+            # One: MuonWithAdamW spreads Newton-Schulz over the ranks within an inner
+            # step, whose ranks meet at its all-reduce; in chunks of a matrix or two
+            # one rank works while the others wait (GPT-2's CPU workload on 2 ranks:
+            # 0.89-0.95 s per step in one, 1.08-1.20 s in its 9 chunks,
+            # docs/benchmarks/2026-12-07-muon-cost.md).
+            return 1
         elements = sum(self.model.buckets[b].layout.shard_numel for b in buckets)
         return step_chunk_count(elements, self._step_chunk_min_elements)
 
@@ -1044,10 +1020,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         unfinished, model = self._unfinished, self.model
         try:
             while True:
-                if not (self._steps_whole_matrices and unfinished.chunks):
-                    # (MuonWithAdamW's next inner step sends them itself, once its
-                    # matrices are put together: see _whole_matrix_chunks.)
-                    self._send_stepped(unfinished)
+                self._send_stepped(unfinished)
                 if not unfinished.chunks:
                     break
                 chunk = unfinished.chunks[0]
@@ -1062,7 +1035,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     self._slice_pieces.write_back(chunk)
                     model.mark_params_changed(chunk)  # (one that raised may have written some)
                 unfinished.chunks.pop(0)
-                unfinished.to_send.extend(chunk)
+                unfinished.to_send = list(chunk)
         except BaseException:
             # Taken only on an error, off the step's path: what the loop has not
             # changed since the step began (see _resume_unfinished_step).

@@ -47,9 +47,6 @@ class WholeMatrices:
         self._rank_of_slice = {model.topology.slice_index(r): r
                                for r in range(model.world_size)}
         self._holders: dict[int, dict[int, tuple[int, int]]] = {}
-        # Called once the matrices are put together, before any is orthogonalised:
-        # work that may then use the network (the ShardedOptimizer's all-gathers).
-        self.before_orthogonalising: Callable[[], None] = lambda: None
 
     def holders(self, index: int) -> dict[int, tuple[int, int]]:
         """Group rank -> its piece of trainable parameter ``index`` as (offset in the
@@ -110,8 +107,6 @@ class WholeMatrices:
         """Matrix i whole, from every rank's values on its pieces (``values[i]``: this
         rank's, in ``matrices[i].pieces``' order), on the rank owners() gives it; None
         on the others. One exchange for them all."""
-        if not matrices:  # (on every rank alike: an inner step over no Muon matrix)
-            return []
         model, me = self.model, self.model.rank
         owner = self.owners(matrices)
         dtypes = [self._values_dtype(m) for m in matrices]
@@ -161,9 +156,6 @@ class WholeMatrices:
         An error in a rank's ``orthogonalise`` travels in the same exchange (a byte
         at the end of what each rank sends every other) and is raised on every rank:
         that rank's own, the others' naming it; they would wait for a result otherwise."""
-        if not matrices:
-            return []
-        self.before_orthogonalising()
         model, me, n = self.model, self.model.rank, self.model.world_size
         owner = self.owners(matrices)
         dtypes = [newton_schulz_dtype(self._values_dtype(m)) for m in matrices]

@@ -190,27 +190,3 @@ def test_data_parallel_subgroups_train_as_torch_ddp():
     each group (the exchanges are point-to-point messages addressed by job rank)."""
     assert run_distributed(4, muon_scenarios.trains_as_torch_ddp_on_subgroups,
                            "next_forward") == [0.0] * 4
-
-
-def test_buckets_without_matrices_are_sent_while_the_matrices_are_orthogonalised():
-    """Under the schedules whose all-gathers overlap the next forward, the step runs
-    first over the buckets without a Muon matrix (the embedding, the head, biases and
-    norms here), and their all-gathers are queued, in forward order, once the matrices
-    are put together and before the results' exchange: they travel while Newton-Schulz
-    runs, not beside the exchange the step waits for. Under serial all of them go
-    after the step."""
-    for schedule in ("next_forward", "serial"):
-        for rank, out in enumerate(run_distributed(2, muon_scenarios.step_events, schedule)):
-            events, muon = out["events"], set(out["muon_buckets"])
-            put_together = events.index(("exchange", "Muon's whole matrices"))
-            shared = events.index(("exchange", "Muon's orthogonalised matrices"))
-            gathered = [b for kind, b in events if kind == "gather"]
-            assert sorted(gathered) == list(range(out["n_buckets"])), (schedule, events)
-            assert muon and len(muon) < out["n_buckets"], out
-            assert not any(kind == "gather" for kind, _ in events[:put_together]), events
-            between = [b for kind, b in events[put_together:shared] if kind == "gather"]
-            if schedule == "serial":
-                assert between == [], (rank, events)
-            else:
-                others = [b for b in out["forward_order"] if b not in muon]
-                assert between == others, (rank, events, out)

@@ -23,6 +23,7 @@ what it holds it does not receive.
 """
 from __future__ import annotations
 
+import heapq
 from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import torch
@@ -245,14 +246,24 @@ def owners(shapes: Sequence[torch.Size], world_size: int,
     """The rank that orthogonalises each matrix: the biggest first, each to the rank
     with the least work so far (Newton-Schulz's cost, min(m, n)^2 * max(m, n)); among
     those, the one holding most of its elements (``held[i]``: rank -> elements of
-    matrix i), then the lowest rank. The same on every rank."""
+    matrix i), then the lowest rank. The same on every rank.
+
+    The least loaded rank comes from a heap of (load, rank), entries left behind by a
+    rank's later load skipped as they surface: matrices x log(ranks), not matrices x
+    ranks (a thousand matrices on a thousand ranks, twice a step)."""
     load = [0] * world_size
     owner = [0] * len(shapes)
+    heap = [(0, r) for r in range(world_size)]  # (sorted: already a heap)
     for i in sorted(range(len(shapes)), key=lambda i: (-_cost(shapes[i]), i)):
+        while heap[0][0] != load[heap[0][1]]:
+            heapq.heappop(heap)
+        least = heap[0][0]
         mine = held[i] if held is not None else {}
-        rank = min(range(world_size), key=lambda r: (load[r], -mine.get(r, 0), r))
+        rank = min((r for r in mine if load[r] == least), key=lambda r: (-mine[r], r),
+                   default=heap[0][1])
         owner[i] = rank
         load[rank] += _cost(shapes[i])
+        heapq.heappush(heap, (load[rank], rank))
     return owner
 
 

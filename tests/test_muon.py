@@ -128,6 +128,34 @@ def test_each_matrix_is_orthogonalised_by_one_rank_the_work_spread_evenly():
     assert owners([torch.Size((4, 4))] * 3, 2) == [0, 1, 0]
 
 
+def test_owners_prefer_the_rank_holding_most_among_the_least_loaded():
+    """The heap-based owners() against the rule written out (every rank compared for
+    every matrix), on random shapes and holdings: the same owners."""
+    import random
+
+    from fgpsdp_runtime.whole_matrices import _cost, owners
+
+    def by_the_rule(shapes, world, held):
+        load, owner = [0] * world, [0] * len(shapes)
+        for i in sorted(range(len(shapes)), key=lambda i: (-_cost(shapes[i]), i)):
+            owner[i] = min(range(world), key=lambda r: (load[r], -held[i].get(r, 0), r))
+            load[owner[i]] += _cost(shapes[i])
+        return owner
+
+    rng = random.Random(0)
+    for _ in range(200):
+        world = rng.randint(1, 9)
+        shapes = [torch.Size((rng.choice([2, 4, 8]), rng.choice([2, 4, 8])))
+                  for _ in range(rng.randint(0, 12))]
+        held = [{r: rng.randint(1, 9) for r in rng.sample(range(world), rng.randint(1, world))}
+                for _ in shapes]
+        assert owners(shapes, world, held) == by_the_rule(shapes, world, held)
+    # Two equal matrices on 2 ranks, the second held mostly by rank 0: rank 1 is the
+    # less loaded when it comes, and takes it.
+    assert owners([torch.Size((4, 4))] * 2, 2, [{0: 10, 1: 6}, {0: 12, 1: 4}]) == [0, 1]
+    assert owners([torch.Size((4, 4))] * 2, 2, [{0: 4, 1: 12}, {0: 12, 1: 4}]) == [1, 0]
+
+
 def test_groups_read_back_from_param_groups_build_again():
     """``MuonWithAdamW(opt.param_groups)`` (what ShardedOptimizer.from_optimizer does):
     torch 2.13's AdamW groups hold ``decoupled_weight_decay``, which its constructor

@@ -378,3 +378,44 @@ def trains_as_torch_ddp_on_subgroups(rank: int, world_size: int, schedule: str) 
                 o.zero_grad()
     model.synchronize()
     return _max_diff(model.module.parameters(), ref.module.parameters())
+
+
+def beside_tensor_parallel(rank: int, world_size: int) -> dict[str, Any]:
+    """A 2 x 2 ("dp", "tp") mesh, Megatron-style layers over "tp" (each rank holds half
+    of two matrices), fgpsdp over "dp" with MuonWithAdamW (Muon on the two shards),
+    clipped over both groups; torch DDP beside it with torch's Muon + AdamW, clipped
+    as Megatron clips. Each shard is orthogonalised alone on both sides (not the whole
+    matrix, which Megatron's Muon gathers first)."""
+    from .model_parallel_scenarios import (TensorParallelMLP, _megatron_clip, _param_diff,
+                                           _two_by_two)
+    from .scenarios import loss_fn, make_batch
+
+    mesh, dp_rank, tp_rank, tp_group = _two_by_two()
+    base = TensorParallelMLP(tp_rank, tp_group)
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base), device_mesh=mesh["dp"])
+
+    def groups(m):
+        matrices = [m.column.weight, m.row.weight]
+        rest = [m.column.bias, m.bias, m.norm.weight, m.norm.bias]
+        return [{"params": matrices, "lr": 0.02}, {"params": rest, "lr": 1e-2}]
+    ref_muon, ref_adamw = groups(ref.module)
+    ref_opts = [torch.optim.Muon([ref_muon]), torch.optim.AdamW([ref_adamw])]
+    ours = fgp.DistributedDataParallel(base, device_mesh=mesh["dp"], schedule="next_forward")
+    muon, adamw = groups(ours.module)
+    opt = fgp.ShardedOptimizer(ours, fgp.MuonWithAdamW, max_grad_norm=0.5,
+                               model_parallel_group=tp_group,
+                               param_groups=[{**muon, "use_muon": True},
+                                             {**adamw, "use_muon": False}])
+    totals = []
+    for step in range(4):
+        x, y = make_batch("mlp", step, 0, dp_rank)
+        loss_fn("mlp", ours(x), y).backward()
+        loss_fn("mlp", ref(x), y).backward()
+        totals.append(_megatron_clip(ref.module, tp_group, 0.5))
+        opt.step()
+        opt.zero_grad()
+        for o in ref_opts:
+            o.step()
+            o.zero_grad()
+    ours.synchronize()
+    return {"param_diff": _param_diff(ours, ref), "clipped": sum(t > 0.5 for t in totals)}

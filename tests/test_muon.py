@@ -218,3 +218,12 @@ def test_data_parallel_subgroups_train_as_torch_ddp():
     each group (the exchanges are point-to-point messages addressed by job rank)."""
     assert run_distributed(4, muon_scenarios.trains_as_torch_ddp_on_subgroups,
                            "next_forward") == [0.0] * 4
+
+
+def test_beside_tensor_parallelism_each_shard_trains_as_torch_ddp():
+    """With tensor-parallel layers (a 2 x 2 mesh), each rank's shard of a matrix is
+    orthogonalised alone, as torch's Muon under torch DDP on that rank: bit for bit,
+    clipped over both groups."""
+    for rank, out in enumerate(run_distributed(4, muon_scenarios.beside_tensor_parallel)):
+        assert out["param_diff"] == 0.0, (rank, out)
+        assert out["clipped"] > 0, out

@@ -894,6 +894,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._slice_pieces.check_they_view_their_buckets()
         self.model._param_places.refuse_substitutes()  # (likewise)
         if self._unfinished is not None:  # called again after it raised: no collective
+            if self.steps_with_collectives:
+                # (but its inner step's own: a joined rank takes the step up too)
+                uneven = self._announce(AnnouncedCall.STEP_AGAIN)
+                if uneven is not None:
+                    uneven.share_hyperparameters(self)
             with self.model.timeline.span("compute", "optimizer step"):
                 self._resume_unfinished_step()
             return
@@ -998,6 +1003,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for b in rolled_back:  # peers hold the speculative values: send the restored ones
                 model.queue_param_all_gather(b)
         self._finish_step(stepped=finite, would_commit=would_commit)
+
+    @property
+    def steps_with_collectives(self) -> bool:
+        """The inner optimizer's step has collectives of its own (MuonWithAdamW's
+        exchanges): an error in it is raised on every rank, and calling opt.step()
+        again after it is a collective too."""
+        return self._steps_whole_matrices
 
     def _step_chunk_count(self, buckets: Sequence[int]) -> int:
         """How many inner steps the forward-ordered step takes (see step_chunks.py)."""

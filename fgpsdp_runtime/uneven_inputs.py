@@ -79,6 +79,9 @@ class AnnouncedCall(enum.IntEnum):
     # opt.summon_full_grads(): refused under model.join(), so never announced; its
     # number tells it from the other reads in grad_reads.agree_on_the_read.
     FULL_GRADS = 13
+    # opt.step() called again after it raised part-way, where its inner step has
+    # collectives (MuonWithAdamW's exchanges): a joined rank takes it up again too.
+    STEP_AGAIN = 14
 
 
 _N_CALLS = len(AnnouncedCall)
@@ -289,29 +292,26 @@ class UnevenInputs:
     def _shadow(self, call: AnnouncedCall, args: list[float]) -> None:
         model = self.model
         optimizer = model._optimizer_ref() if model.optimizer_attached else None
+        if optimizer is not None and optimizer._unfinished is not None \
+                and call in (AnnouncedCall.FORWARD, AnnouncedCall.ZERO_GRAD):
+            # A step kept for STEP_AGAIN (_shadow_step) that the active ranks went on
+            # from without calling it again: the rest goes out unstepped, as theirs
+            # did (their forward or zero_grad() dropped it before announcing), the
+            # warning held until every rank has joined. (Their other calls are
+            # refused while a step is unfinished.)
+            self._held_warnings.append(optimizer.drop_unfinished_step(
+                "in the stand-in step of a rank whose loop had ended (model.join())",
+                warn=False))
         if call is AnnouncedCall.FORWARD:
             model._shadow_forward(buffers_first=args[0] > 0.5, synchronised=args[1] > 0.5)
         elif call is AnnouncedCall.REDUCE_ROUND:
             model.reducer.launch_round_of_zeros()
         elif call is AnnouncedCall.STEP:
             _share_hyperparameters(model, optimizer, self.authoritative_rank)
-            try:
-                optimizer.step()
-            except Exception as error:  # (not an interrupt: that ends the join)
-                if optimizer._unfinished is None:
-                    raise
-                # Its inner optimizer raised (this rank's own: out of memory), where
-                # no loop can call the step again: the rest goes out unstepped, the
-                # active ranks' all-gathers are answered, and the warning and the
-                # error are given when every rank has joined.
-                self._held_warnings.append(optimizer.drop_unfinished_step(
-                    "in the stand-in step of a rank whose loop had ended (model.join())",
-                    warn=False))
-                if self._shadowed_step_error is None:
-                    self._shadowed_step_error = error
-            # Every all-gather starts now: an active rank may wait for any of
-            # them (a save, a direct call of model.module) without a forward.
-            model.begin_param_exchange()
+            self._shadow_step(optimizer)
+        elif call is AnnouncedCall.STEP_AGAIN:
+            _share_hyperparameters(model, optimizer, self.authoritative_rank)
+            self._shadow_step(optimizer)
         elif call is AnnouncedCall.CLIP:
             optimizer.clip_grad_norm_(args[0])
         elif call is AnnouncedCall.CLIP_VALUE:
@@ -336,6 +336,32 @@ class UnevenInputs:
         elif call is AnnouncedCall.REFUSED:
             raise NotImplementedError("fgpsdp: the active ranks raised under model.join() "
                                       "(their error says why)")
+
+    def _shadow_step(self, optimizer) -> None:
+        """A joined rank's part in the active ranks' opt.step(), or in their call of it
+        again after it raised part-way (STEP_AGAIN)."""
+        try:
+            optimizer.step()
+        except Exception as error:  # (not an interrupt: that ends the join)
+            if optimizer._unfinished is None:
+                raise
+            if optimizer.steps_with_collectives:
+                # Raised on every rank (MuonWithAdamW says a rank's error to all):
+                # the active ranks may call the step again (STEP_AGAIN), and this
+                # rank must take it up with them. Kept; dropped where they go on.
+                return
+            # Its inner optimizer raised (this rank's own: out of memory), where
+            # no loop can call the step again: the rest goes out unstepped, the
+            # active ranks' all-gathers are answered, and the warning and the
+            # error are given when every rank has joined.
+            self._held_warnings.append(optimizer.drop_unfinished_step(
+                "in the stand-in step of a rank whose loop had ended (model.join())",
+                warn=False))
+            if self._shadowed_step_error is None:
+                self._shadowed_step_error = error
+        # Every all-gather starts now: an active rank may wait for any of
+        # them (a save, a direct call of model.module) without a forward.
+        self.model.begin_param_exchange()
 
     def _finish(self, last_to_join: bool) -> None:
         model = self.model

@@ -419,3 +419,63 @@ def beside_tensor_parallel(rank: int, world_size: int) -> dict[str, Any]:
             o.zero_grad()
     ours.synchronize()
     return {"param_diff": _param_diff(ours, ref), "clipped": sum(t > 0.5 for t in totals)}
+
+
+def newton_schulz_raises_under_join(rank: int, world_size: int, failing_rank: int,
+                                    again: bool) -> dict[str, Any]:
+    """Under model.join(), rank 1 out of data after 2 steps: in the 3rd step Newton-
+    Schulz raises once on ``failing_rank`` (on rank 1, in its stand-in step). Rank 0
+    calls opt.step() again (``again``) or goes on to its next forward. Beside torch DDP
+    under join() with torch's Muon + AdamW (the step taken once, without the error)."""
+    import warnings
+
+    import torch.optim._muon as torch_muon
+
+    torch.manual_seed(0)
+    base = MuonNet()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    ref_muon_groups, ref_adamw_groups = _groups(ref.module, muon_flag=False)
+    ref_opts = [torch.optim.Muon(ref_muon_groups), torch.optim.AdamW(ref_adamw_groups)]
+    model = fgp.DistributedDataParallel(base, schedule="next_forward", bucket_cap_mb=0.0005,
+                                        overlap_plan="layout")
+    muon_groups, adamw_groups = _groups(model.module, muon_flag=True)
+    opt = fgp.ShardedOptimizer(model, fgp.MuonWithAdamW, param_groups=muon_groups + adamw_groups)
+    batches = [_batch(step, rank) for step in range(4 if rank == 0 else 2)]
+    real = torch_muon._zeropower_via_newtonschulz
+
+    def fails_once(*args, **kwargs):
+        torch_muon._zeropower_via_newtonschulz = real
+        raise MemoryError("out of memory")
+
+    out: dict[str, Any] = {"raised": None}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with model.join():
+            for step, (x, y) in enumerate(batches):
+                nn.functional.mse_loss(model(x), y).backward()
+                if rank == failing_rank and step == (2 if rank == 0 else 1):
+                    if rank == 0:
+                        torch_muon._zeropower_via_newtonschulz = fails_once
+                    else:  # armed after this step: its loop ends, the stand-in fails
+                        opt.step()
+                        opt.zero_grad()
+                        torch_muon._zeropower_via_newtonschulz = fails_once
+                        continue
+                try:
+                    opt.step()
+                except (MemoryError, RuntimeError) as error:
+                    out["raised"] = f"{type(error).__name__}: {error}"
+                    if again:
+                        opt.step()
+                opt.zero_grad()
+    torch_muon._zeropower_via_newtonschulz = real
+    out["warnings"] = [str(w.message) for w in caught if "fgpsdp" in str(w.message)]
+    with ref.join():
+        for x, y in batches:
+            nn.functional.mse_loss(ref(x), y).backward()
+            for o in ref_opts:
+                o.step()
+                o.zero_grad()
+    model.synchronize()
+    out["param_diff"] = _max_diff(model.module.parameters(), ref.module.parameters())
+    return out

@@ -57,8 +57,11 @@ class MatrixPieces:
 
 
 def _each_whole(matrices: Sequence[MatrixPieces],
-                values: Sequence[list[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
+                values: Optional[Sequence[list[torch.Tensor]]],
+                raised: Optional[Exception] = None) -> list[Optional[torch.Tensor]]:
     # Whole parameters (no wrapper): the update computed on the one piece is the matrix.
+    if raised is not None:
+        raise raised
     return [v[0] for v in values]
 
 
@@ -156,12 +159,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
         self._adamw = torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
         # Set by the ShardedOptimizer running this one over slices: group position ->
         # the matrices of this inner step (None: each parameter is a whole matrix);
-        # (matrices, the update's values on this rank's pieces of each) -> each whole
-        # update, shaped as its matrix, on the rank that orthogonalises it (None on
-        # the others): one collective for them all;
+        # (matrices, the update's values on this rank's pieces of each, or None and
+        # the error that stopped this rank computing them) -> each whole update,
+        # shaped as its matrix, on the rank that orthogonalises it (None on the
+        # others): one collective for them all, which raises every rank's error;
         self.matrices_of_group: Optional[Callable[[int], Sequence[MatrixPieces]]] = None
-        self.put_together: Callable[[Sequence[MatrixPieces], Sequence[list[torch.Tensor]]],
-                                    list[Optional[torch.Tensor]]] = _each_whole
+        self.put_together: Callable[..., list[Optional[torch.Tensor]]] = _each_whole
         # and (matrices, i -> matrix i orthogonalised) -> this rank's pieces' parts of
         # each result (each computed on that one rank), per matrix: one collective.
         self.orthogonalised: Callable[[Sequence[MatrixPieces], Callable[[int], torch.Tensor]],
@@ -182,8 +185,13 @@ class MuonWithAdamW(torch.optim.Optimizer):
         todo = [(group, matrix) for position, group in enumerate(self.param_groups)
                 if group["use_muon"] for matrix in self._matrices(position, group)]
         matrices = [matrix for _, matrix in todo]
-        momenta = [self._momentum_step(group, matrix) for group, matrix in todo]
-        wholes = self.put_together(matrices, [updates for _, updates in momenta])
+        momenta, raised = [], None
+        try:
+            momenta = [self._momentum_step(group, matrix) for group, matrix in todo]
+        except Exception as error:  # noqa: BLE001 - said to every rank by put_together
+            raised = error
+        wholes = self.put_together(matrices, [updates for _, updates in momenta]
+                                   if raised is None else None, raised)
 
         def orthogonalise(i: int) -> torch.Tensor:
             from torch.optim._muon import _zeropower_via_newtonschulz

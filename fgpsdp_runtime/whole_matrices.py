@@ -19,7 +19,9 @@ back, a rank sends its pieces of the matrices others own (about 1/N of the
 matrices' updates) and its own matrices' results to their holders: about
 (4 + 2) / N bytes per element. The owner of a matrix is picked for balance first
 (Newton-Schulz's work), then, among ranks as loaded, the one holding most of it:
-what it holds it does not receive.
+what it holds it does not receive. What each rank sends every other ends in a status
+byte (so every pair exchanges at least that): a rank that raised before an exchange
+(its momentum, its Newton-Schulz) still takes part in it, and every rank raises.
 """
 from __future__ import annotations
 
@@ -104,41 +106,59 @@ class WholeMatrices:
         return flat
 
     def put_together(self, matrices: Sequence[MatrixPieces],
-                     values: Sequence[list[torch.Tensor]]) -> list[Optional[torch.Tensor]]:
+                     values: Optional[Sequence[list[torch.Tensor]]],
+                     raised: Optional[Exception] = None) -> list[Optional[torch.Tensor]]:
         """Matrix i whole, from every rank's values on its pieces (``values[i]``: this
         rank's, in ``matrices[i].pieces``' order), on the rank owners() gives it; None
-        on the others. One exchange for them all."""
+        on the others. One exchange for them all.
+
+        ``raised``: this rank's error in computing its values (None without one).
+        Every rank's error travels in the exchange, as orthogonalised()'s do, and is
+        raised on every rank."""
         model, me = self.model, self.model.rank
         owner = self.owners(matrices)
         dtypes = [self._values_dtype(m) for m in matrices]
-        outgoing: list[list[torch.Tensor]] = [[] for _ in range(model.world_size)]
+        device = self._device()
+        outgoing: list[list[tuple[int, int]]] = [[] for _ in range(model.world_size)]
         incoming: list[list[tuple[int, int, int]]] = [[] for _ in range(model.world_size)]
-        for i, (matrix, mine) in enumerate(zip(matrices, values)):
-            if any(v.dtype != dtypes[i] for v in mine):
-                raise RuntimeError("fgpsdp: internal error: a Muon update is not in its "
-                                   "gradient's dtype")
+        for i, matrix in enumerate(matrices):
             held = self.holders(matrix.handle)
-            if owner[i] != me:
-                outgoing[owner[i]].extend(mine)
-            else:
+            if owner[i] != me and me in held:
+                outgoing[owner[i]].append((i, held[me][1]))
+            elif owner[i] == me:
                 for rank, (start, numel) in held.items():
                     if rank != me:
                         incoming[rank].append((i, start, numel))
-        sends = [_packed(tensors, self._device()) for tensors in outgoing]
-        received = [_empty_bytes([(n, dtypes[i]) for i, _, n in wanted], self._device())
+        sends = []
+        for wanted in outgoing:
+            buffer = _empty_bytes([(k, dtypes[i]) for i, k in wanted], device, status=True)
+            try:
+                if raised is None:
+                    for (i, _), region in zip(wanted, _unpacked(
+                            buffer, [(k, dtypes[i]) for i, k in wanted])):
+                        region.copy_(_one_piece(values[i], dtypes[i]))
+            except Exception as error:  # noqa: BLE001 - said on every rank, below
+                raised = error
+            sends.append(buffer)
+        for buffer in sends:
+            buffer[-1] = int(raised is not None)
+        received = [_empty_bytes([(k, dtypes[i]) for i, _, k in wanted], device, status=True)
                     for wanted in incoming]
         exchange_bytes(model.process_group, sends, received, "Muon's whole matrices")
+        _raise_if_any_raised(raised, received, me,
+                             "MuonWithAdamW's step raised on rank(s) {} before its matrices "
+                             "were put together")
         wholes: list[Optional[torch.Tensor]] = [None] * len(matrices)
         flats: dict[int, torch.Tensor] = {}
         for i, matrix in enumerate(matrices):
             if owner[i] == me:
                 span = model.reducer.slot[matrix.handle][1]
-                flats[i] = torch.empty(span.numel, dtype=dtypes[i], device=self._device())
+                flats[i] = torch.empty(span.numel, dtype=dtypes[i], device=device)
                 wholes[i] = span_as_param(flats[i], matrix.shape, span.strides)
                 if me in self.holders(matrix.handle):
                     start, numel = self.holders(matrix.handle)[me]
                     at = start - span.bucket_offset
-                    flats[i][at:at + numel].copy_(values[i][0])
+                    flats[i][at:at + numel].copy_(_one_piece(values[i], dtypes[i]))
         for wanted, buffer in zip(incoming, received):
             for (i, start, numel), part in zip(wanted, _unpacked(
                     buffer, [(n, dtypes[i]) for i, _, n in wanted])):
@@ -192,14 +212,9 @@ class WholeMatrices:
         received = [_empty_bytes([(k, dtypes[i]) for i, _, k in wanted], device, status=True)
                     for wanted in incoming]
         exchange_bytes(model.process_group, sends, received, "Muon's orthogonalised matrices")
-        if raised is not None:
-            raise raised
-        failed = [rank for rank in range(n) if rank != me and int(received[rank][-1])]
-        if failed:
-            raise RuntimeError(f"fgpsdp: Newton-Schulz raised on rank(s) {failed}, which "
-                               "orthogonalises matrices for this one too (see its error); the "
-                               "step stopped on every rank with these matrices unchanged "
-                               "(opt.step() called again takes it up there)")
+        _raise_if_any_raised(raised, received, me,
+                             "Newton-Schulz raised on rank(s) {}, which orthogonalises "
+                             "matrices for this one too")
         parts: list[list[torch.Tensor]] = [[] for _ in matrices]
         for i, matrix in enumerate(matrices):
             if owner[i] == me and me in self.holders(matrix.handle):
@@ -216,6 +231,27 @@ class WholeMatrices:
         return self.model.buckets[0].device if self.model.buckets else torch.device("cpu")
 
 
+def _one_piece(values: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """This rank's one piece of a matrix (see [Note: each matrix to its owner and back])."""
+    if len(values) != 1 or values[0].dtype != dtype:
+        raise RuntimeError("fgpsdp: internal error: a Muon update is not one piece in its "
+                           "gradient's dtype")
+    return values[0].reshape(-1)
+
+
+def _raise_if_any_raised(raised: Optional[Exception], received: Sequence[torch.Tensor],
+                         me: int, what: str) -> None:
+    """After an exchange whose buffers end in a status byte: this rank's own error, or
+    one naming the ranks that sent a 1 (``what`` with a {} for them)."""
+    if raised is not None:
+        raise raised
+    failed = [rank for rank, buffer in enumerate(received) if rank != me and int(buffer[-1])]
+    if failed:
+        raise RuntimeError("fgpsdp: " + what.format(failed) + " (see its error); the step "
+                           "stopped on every rank with these matrices unchanged (opt.step() "
+                           "called again takes it up there)")
+
+
 def _empty_bytes(sizes: Sequence[tuple[int, torch.dtype]], device: torch.device,
                  status: bool = False) -> torch.Tensor:
     """A byte buffer for ``sizes`` laid out by byte_regions, and a status byte after
@@ -230,15 +266,6 @@ def _unpacked(buffer: torch.Tensor, sizes: Sequence[tuple[int, torch.dtype]]
     places, _ = byte_regions(sizes)
     return [buffer[start:start + nbytes].view(dtype)
             for (start, nbytes), (_, dtype) in zip(places, sizes)]
-
-
-def _packed(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """``tensors`` copied into one byte buffer, laid out by byte_regions."""
-    sizes = [(t.numel(), t.dtype) for t in tensors]
-    buffer = _empty_bytes(sizes, device)
-    for region, tensor in zip(_unpacked(buffer, sizes), tensors):
-        region.copy_(tensor.reshape(-1))
-    return buffer
 
 
 def owners(shapes: Sequence[torch.Size], world_size: int,

@@ -204,12 +204,13 @@ def master_weights_by_schedule(rank: int, world_size: int, schedules: list[str])
     return {s: master_weights_as_torch_ddp(rank, world_size, s) for s in schedules}
 
 
-def newton_schulz_raises_then_retried(rank: int, world_size: int,
-                                      schedule: str) -> dict[str, Any]:
-    """At the third step Newton-Schulz raises on rank 0 (an out of memory, say):
-    every rank must raise, none wait; the loop calls opt.step() again and training
-    goes on bit for bit as torch DDP's without the error. Also a conversion of a
-    MuonWithAdamW built over the module's parameters."""
+def newton_schulz_raises_then_retried(rank: int, world_size: int, schedule: str,
+                                      in_momentum: bool = False) -> dict[str, Any]:
+    """At the third step Newton-Schulz (or, ``in_momentum``, the momentum's update,
+    before any exchange) raises on rank 0 (an out of memory, say): every rank must
+    raise, none wait; the loop calls opt.step() again and training goes on bit for
+    bit as torch DDP's without the error. Also a conversion of a MuonWithAdamW built
+    over the module's parameters."""
     import torch.optim._muon as torch_muon
     torch.manual_seed(0)
     base = MuonNet()
@@ -227,11 +228,16 @@ def newton_schulz_raises_then_retried(rank: int, world_size: int,
     for step in range(5):
         x, y = _batch(step, rank)
         nn.functional.mse_loss(model(x), y).backward()
-        if step == 2 and rank == 0:
+        if step == 2 and rank == 0 and not in_momentum:
             def fails(*args, **kwargs):
                 torch_muon._zeropower_via_newtonschulz = real  # once
                 raise MemoryError("out of memory (a stand-in)")
             torch_muon._zeropower_via_newtonschulz = fails
+        if step == 2 and rank == 0 and in_momentum:
+            def lerp_fails(*args, **kwargs):
+                del opt.optim._momentum_step  # once: the class's again
+                raise MemoryError("out of memory (a stand-in)")
+            opt.optim._momentum_step = lerp_fails
         if step == 2:
             try:
                 opt.step()
@@ -251,9 +257,10 @@ def newton_schulz_raises_then_retried(rank: int, world_size: int,
     return out
 
 
-def newton_schulz_raises_by_schedule(rank: int, world_size: int,
-                                     schedules: list[str]) -> dict[str, dict]:
-    return {s: newton_schulz_raises_then_retried(rank, world_size, s) for s in schedules}
+def newton_schulz_raises_by_schedule(rank: int, world_size: int, schedules: list[str],
+                                     in_momentum: bool = False) -> dict[str, dict]:
+    return {s: newton_schulz_raises_then_retried(rank, world_size, s, in_momentum)
+            for s in schedules}
 
 
 def settings_that_differ(rank: int, world_size: int) -> dict[str, str]:

@@ -169,6 +169,22 @@ def test_groups_read_back_from_param_groups_build_again():
         fgp.MuonWithAdamW([{**adamw_groups[0], "decoupled_weight_decay": False}])
 
 
+def test_an_error_before_the_exchanges_raises_on_every_rank_and_the_retry_trains_on():
+    """An error on one rank while it computes its pieces' momentum, before the first
+    exchange: it travels in that exchange and is raised on every rank, the others
+    naming it (before, they waited in the exchange until the timeout); called again,
+    the step trains on bit for bit as torch DDP's."""
+    for rank, per_schedule in enumerate(run_distributed(
+            2, muon_scenarios.newton_schulz_raises_by_schedule, ["next_forward"], True)):
+        res = per_schedule["next_forward"]
+        if rank == 0:
+            assert res["raised"].startswith("MemoryError: out of memory"), res
+        else:
+            assert res["raised"].startswith("RuntimeError: fgpsdp: MuonWithAdamW's step "
+                                            "raised on rank(s) [0] before its matrices"), res
+        assert res["param_diff"] == 0.0, (rank, res)
+
+
 def test_newton_schulz_raising_on_one_rank_raises_on_every_rank_and_the_retry_trains_on():
     """Each matrix is orthogonalised on one rank: an error there (an out of memory)
     is raised on every rank, the others naming it (before, they waited in the

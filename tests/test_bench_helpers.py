@@ -44,6 +44,19 @@ def test_system_names(bench_modules):
     assert systems.system_base("fsdp_hybrid_zero2_bucket8_bf16grads") == "fsdp_hybrid_zero2"
     assert systems.is_system("fgpsdp_next_forward_bf16grads")
     assert not systems.is_system("compute_bf16grads")  # nothing is reduced
+    assert systems.fgpsdp_variant("fgpsdp_muon") == {"muon": True}
+    assert systems.is_system("ddp_muon") and systems.is_system("fgpsdp_muon")
+
+
+def test_muon_systems_split_the_blocks_matrices_from_the_rest(bench_modules):
+    systems, _, _ = bench_modules
+    from workloads import CONFIGS, build_model
+    model = build_model(CONFIGS[("gpt2", "cpu")])
+    matrices, rest = systems.muon_split(model)
+    assert len(matrices) == 16 and all(p.ndim == 2 for p in matrices)
+    assert len(matrices) + len(rest) == len(list(model.parameters()))
+    with pytest.raises(ValueError, match="blocks of 2-D weights"):
+        systems.muon_split(torch.nn.Linear(3, 4))
 
 
 def test_thread_cpu_seconds_names_python_threads(bench_modules):

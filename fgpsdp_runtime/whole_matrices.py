@@ -89,6 +89,7 @@ class WholeMatrices:
         return found
 
     def owners(self, matrices: Sequence[MatrixPieces]) -> list[int]:
+        """owners() of these matrices, with what each rank holds of them."""
         return owners([m.shape for m in matrices], self.model.world_size,
                       [{r: n for r, (_, n) in self.holders(m.handle).items()}
                        for m in matrices])

@@ -292,16 +292,12 @@ class UnevenInputs:
     def _shadow(self, call: AnnouncedCall, args: list[float]) -> None:
         model = self.model
         optimizer = model._optimizer_ref() if model.optimizer_attached else None
-        if optimizer is not None and optimizer._unfinished is not None \
-                and call in (AnnouncedCall.FORWARD, AnnouncedCall.ZERO_GRAD):
+        if call in (AnnouncedCall.FORWARD, AnnouncedCall.ZERO_GRAD):
             # A step kept for STEP_AGAIN (_shadow_step) that the active ranks went on
-            # from without calling it again: the rest goes out unstepped, as theirs
-            # did (their forward or zero_grad() dropped it before announcing), the
-            # warning held until every rank has joined. (Their other calls are
-            # refused while a step is unfinished.)
-            self._held_warnings.append(optimizer.drop_unfinished_step(
-                "in the stand-in step of a rank whose loop had ended (model.join())",
-                warn=False))
+            # from without calling it again: their forward or zero_grad() dropped
+            # theirs before announcing. (Their other calls are refused while a step
+            # is unfinished.)
+            self._drop_unfinished_step(optimizer)
         if call is AnnouncedCall.FORWARD:
             model._shadow_forward(buffers_first=args[0] > 0.5, synchronised=args[1] > 0.5)
         elif call is AnnouncedCall.REDUCE_ROUND:
@@ -352,19 +348,30 @@ class UnevenInputs:
                 return
             # Its inner optimizer raised (this rank's own: out of memory), where
             # no loop can call the step again: the rest goes out unstepped, the
-            # active ranks' all-gathers are answered, and the warning and the
-            # error are given when every rank has joined.
-            self._held_warnings.append(optimizer.drop_unfinished_step(
-                "in the stand-in step of a rank whose loop had ended (model.join())",
-                warn=False))
+            # active ranks' all-gathers are answered, and the error is given when
+            # every rank has joined.
+            self._drop_unfinished_step(optimizer)
             if self._shadowed_step_error is None:
                 self._shadowed_step_error = error
         # Every all-gather starts now: an active rank may wait for any of
         # them (a save, a direct call of model.module) without a forward.
         self.model.begin_param_exchange()
 
+    def _drop_unfinished_step(self, optimizer) -> None:
+        """The stand-in step left unfinished (its inner optimizer raised) goes out
+        unstepped, answering the active ranks' all-gathers; its warning is held until
+        every rank has joined."""
+        if optimizer is not None and optimizer._unfinished is not None:
+            self._held_warnings.append(optimizer.drop_unfinished_step(
+                "in the stand-in step of a rank whose loop had ended (model.join())",
+                warn=False))
+
     def _finish(self, last_to_join: bool) -> None:
         model = self.model
+        # A step kept for STEP_AGAIN whose active ranks left their loops without
+        # calling it again (their join's end dropped theirs).
+        self._drop_unfinished_step(model._optimizer_ref() if model.optimizer_attached
+                                   else None)
         model.finish_param_all_gathers()
         # The buffers of the last rank to join, as torch DDP ends a join: a
         # joined rank's are stale. (Its parameters are not: it took part in

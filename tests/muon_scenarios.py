@@ -429,11 +429,12 @@ def beside_tensor_parallel(rank: int, world_size: int) -> dict[str, Any]:
 
 
 def newton_schulz_raises_under_join(rank: int, world_size: int, failing_rank: int,
-                                    again: bool) -> dict[str, Any]:
+                                    then: str) -> dict[str, Any]:
     """Under model.join(), rank 1 out of data after 2 steps: in the 3rd step Newton-
-    Schulz raises once on ``failing_rank`` (on rank 1, in its stand-in step). Rank 0
-    calls opt.step() again (``again``) or goes on to its next forward. Beside torch DDP
-    under join() with torch's Muon + AdamW (the step taken once, without the error)."""
+    Schulz raises once on ``failing_rank`` (on rank 1, in its stand-in step). Then
+    rank 0 calls opt.step() again (``then="again"``), goes on to zero_grad() and its
+    next forward ("on"), or leaves its loop there ("end"). Beside torch DDP under
+    join() with torch's Muon + AdamW (the step taken once, without the error)."""
     import warnings
 
     import torch.optim._muon as torch_muon
@@ -472,8 +473,10 @@ def newton_schulz_raises_under_join(rank: int, world_size: int, failing_rank: in
                     opt.step()
                 except (MemoryError, RuntimeError) as error:
                     out["raised"] = f"{type(error).__name__}: {error}"
-                    if again:
+                    if then == "again":
                         opt.step()
+                    elif then == "end":
+                        break
                 opt.zero_grad()
     torch_muon._zeropower_via_newtonschulz = real
     out["warnings"] = [str(w.message) for w in caught if "fgpsdp" in str(w.message)]

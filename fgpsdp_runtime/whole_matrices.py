@@ -141,14 +141,10 @@ class WholeMatrices:
             except Exception as error:  # noqa: BLE001 - said on every rank, below
                 raised = error
             sends.append(buffer)
-        for buffer in sends:
-            buffer[-1] = int(raised is not None)
-        received = [_empty_bytes([(k, dtypes[i]) for i, _, k in wanted], device, status=True)
-                    for wanted in incoming]
-        exchange_bytes(model.process_group, sends, received, "Muon's whole matrices")
-        _raise_if_any_raised(raised, received, me,
-                             "MuonWithAdamW's step raised on rank(s) {} before its matrices "
-                             "were put together")
+        received = self._exchange(
+            sends, [[(k, dtypes[i]) for i, _, k in wanted] for wanted in incoming], raised,
+            "Muon's whole matrices",
+            "MuonWithAdamW's step raised on rank(s) {} before its matrices were put together")
         wholes: list[Optional[torch.Tensor]] = [None] * len(matrices)
         flats: dict[int, torch.Tensor] = {}
         for i, matrix in enumerate(matrices):
@@ -208,14 +204,11 @@ class WholeMatrices:
                         buffer, [(k, dtypes[i]) for i, _, k in wanted])):
                     at = start - model.reducer.slot[matrices[i].handle][1].bucket_offset
                     region.copy_(flats[i][at:at + numel])
-            buffer[-1] = int(raised is not None)
             sends.append(buffer)
-        received = [_empty_bytes([(k, dtypes[i]) for i, _, k in wanted], device, status=True)
-                    for wanted in incoming]
-        exchange_bytes(model.process_group, sends, received, "Muon's orthogonalised matrices")
-        _raise_if_any_raised(raised, received, me,
-                             "Newton-Schulz raised on rank(s) {}, which orthogonalises "
-                             "matrices for this one too")
+        received = self._exchange(
+            sends, [[(k, dtypes[i]) for i, _, k in wanted] for wanted in incoming], raised,
+            "Muon's orthogonalised matrices",
+            "Newton-Schulz raised on rank(s) {}, which orthogonalises matrices for this one too")
         parts: list[list[torch.Tensor]] = [[] for _ in matrices]
         for i, matrix in enumerate(matrices):
             if owner[i] == me and me in self.holders(matrix.handle):
@@ -228,6 +221,27 @@ class WholeMatrices:
                 parts[i] = [part]
         return parts
 
+    def _exchange(self, sends: list[torch.Tensor],
+                  incoming: Sequence[Sequence[tuple[int, torch.dtype]]],
+                  raised: Optional[Exception], site: str, what: str) -> list[torch.Tensor]:
+        """Send ``sends[j]`` (from _empty_bytes, with a status byte) to each rank j and
+        receive buffers of ``incoming[j]``'s sizes from it; then raise this rank's
+        ``raised``, or an error naming the ranks that raised (``what``, its {} for
+        them), on every rank alike."""
+        for buffer in sends:
+            buffer[-1] = int(raised is not None)
+        received = [_empty_bytes(sizes, self._device(), status=True) for sizes in incoming]
+        exchange_bytes(self.model.process_group, sends, received, site)
+        if raised is not None:
+            raise raised
+        failed = [rank for rank, buffer in enumerate(received)
+                  if rank != self.model.rank and int(buffer[-1])]
+        if failed:
+            raise RuntimeError("fgpsdp: " + what.format(failed) + " (see its error); the "
+                               "step stopped on every rank with these matrices unchanged "
+                               "(opt.step() called again takes it up there)")
+        return received
+
     def _device(self) -> torch.device:
         return self.model.buckets[0].device if self.model.buckets else torch.device("cpu")
 
@@ -238,19 +252,6 @@ def _one_piece(values: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tens
         raise RuntimeError("fgpsdp: internal error: a Muon update is not one piece in its "
                            "gradient's dtype")
     return values[0].reshape(-1)
-
-
-def _raise_if_any_raised(raised: Optional[Exception], received: Sequence[torch.Tensor],
-                         me: int, what: str) -> None:
-    """After an exchange whose buffers end in a status byte: this rank's own error, or
-    one naming the ranks that sent a 1 (``what`` with a {} for them)."""
-    if raised is not None:
-        raise raised
-    failed = [rank for rank, buffer in enumerate(received) if rank != me and int(buffer[-1])]
-    if failed:
-        raise RuntimeError("fgpsdp: " + what.format(failed) + " (see its error); the step "
-                           "stopped on every rank with these matrices unchanged (opt.step() "
-                           "called again takes it up there)")
 
 
 def _empty_bytes(sizes: Sequence[tuple[int, torch.dtype]], device: torch.device,

@@ -234,8 +234,10 @@ class WholeMatrices:
         exchange_bytes(self.model.process_group, sends, received, site)
         if raised is not None:
             raise raised
-        failed = [rank for rank, buffer in enumerate(received)
-                  if rank != self.model.rank and int(buffer[-1])]
+        # (The status bytes read in one copy: on a GPU, one synchronisation, not N.)
+        statuses = torch.stack([buffer[-1] for buffer in received]).tolist()
+        failed = [rank for rank, status in enumerate(statuses)
+                  if rank != self.model.rank and status]
         if failed:
             raise RuntimeError("fgpsdp: " + what.format(failed) + " (see its error); the "
                                "step stopped on every rank with these matrices unchanged "

@@ -109,44 +109,15 @@ def whole_from_pieces(model: "DistributedDataParallel", index: int, dtype: torch
     so the sum is that rank's byte, with no carry. Every value arrives bit for bit,
     -0.0 and a NaN's payload included, which a sum of floats (x + 0.0) would not
     keep for -0.0."""
-    return wholes_from_pieces(model, [(index, dtype, mine)], site)[0]
-
-
-def wholes_from_pieces(model: "DistributedDataParallel",
-                       requests: Sequence[tuple[int, torch.dtype,
-                                                Sequence[tuple[int, torch.Tensor]]]],
-                       site: str) -> list[torch.Tensor]:
-    """whole_from_pieces for several parameters, ``(index, dtype, mine)`` each (the
-    same list on every rank), in one all-reduce of their bytes."""
-    places, total = byte_regions([(model.reducer.slot[index][1].numel, dtype)
-                                  for index, dtype, _ in requests])
-    device = model.buckets[model.reducer.slot[requests[0][0]][0]].device if requests else None
-    buffer = torch.zeros(total, dtype=torch.uint8, device=device)
-    wholes = []
-    for (index, dtype, mine), (start_byte, nbytes) in zip(requests, places):
-        _, span = model.reducer.slot[index]
-        whole = buffer[start_byte:start_byte + nbytes].view(dtype)
-        for start, values in mine:
-            offset = start - span.bucket_offset
-            whole[offset:offset + values.numel()].copy_(values)
-        wholes.append(whole)
-    if model.world_size > 1 and total:
-        all_reduce_held(buffer, dist.ReduceOp.SUM, model.process_group, site)
-    named = model.named_trainable_parameters()
-    return [span_as_param(whole, named[index][1].shape, model.reducer.slot[index][1].strides)
-            for (index, _, _), whole in zip(requests, wholes)]
-
-
-def byte_regions(sizes: Sequence[tuple[int, torch.dtype]]) -> tuple[list[tuple[int, int]], int]:
-    """Where each of ``sizes`` (elements, dtype) lies in one byte buffer: (first byte,
-    bytes) each, and the buffer's length. Each starts at a multiple of 16, so that
-    every region can be viewed in its dtype."""
-    places, total = [], 0
-    for numel, dtype in sizes:
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
-        places.append((total, nbytes))
-        total += -(-nbytes // 16) * 16
-    return places, total
+    bucket, span = model.reducer.slot[index]
+    whole = torch.zeros(span.numel, dtype=dtype, device=model.buckets[bucket].device)
+    for start, values in mine:
+        offset = start - span.bucket_offset
+        whole[offset:offset + values.numel()].copy_(values)
+    if model.world_size > 1:
+        all_reduce_held(whole.view(torch.uint8), dist.ReduceOp.SUM, model.process_group, site)
+    param = model.named_trainable_parameters()[index][1]
+    return span_as_param(whole, param.shape, span.strides)
 
 
 def agree_on_the_read(model: "DistributedDataParallel", what: str, kind: int, index: int,

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence
 import torch
 
 from .buckets import span_as_param
-from .grad_reads import byte_regions, has_gradient
+from .grad_reads import has_gradient
 from .group_collectives import exchange_bytes
 from .muon import MatrixPieces, newton_schulz_dtype
 
@@ -50,6 +50,9 @@ class WholeMatrices:
         self._rank_of_slice = {model.topology.slice_index(r): r
                                for r in range(model.world_size)}
         self._holders: dict[int, dict[int, tuple[int, int]]] = {}
+        # The last owners() asked for, by the matrices' parameter indices: both of a
+        # step's exchanges ask, and a step's matrices are mostly the last step's.
+        self._owners: tuple[tuple, list[int]] = ((), [])
 
     def holders(self, index: int) -> dict[int, tuple[int, int]]:
         """Group rank -> its piece of trainable parameter ``index`` as (offset in the
@@ -89,10 +92,14 @@ class WholeMatrices:
         return found
 
     def owners(self, matrices: Sequence[MatrixPieces]) -> list[int]:
-        """owners() of these matrices, with what each rank holds of them."""
-        return owners([m.shape for m in matrices], self.model.world_size,
-                      [{r: n for r, (_, n) in self.holders(m.handle).items()}
-                       for m in matrices])
+        """owners() of these matrices, with what each rank holds of them (both fixed
+        by the layout, so the last answer holds for the same matrices)."""
+        key = tuple(m.handle for m in matrices)
+        if key != self._owners[0]:
+            self._owners = (key, owners([m.shape for m in matrices], self.model.world_size,
+                                        [{r: n for r, (_, n) in self.holders(m.handle).items()}
+                                         for m in matrices]))
+        return self._owners[1]
 
     def _values_dtype(self, matrix: MatrixPieces) -> torch.dtype:
         # The pieces' gradients' (float32 under master weights): every rank knows it,
@@ -254,6 +261,18 @@ def _one_piece(values: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tens
         raise RuntimeError("fgpsdp: internal error: a Muon update is not one piece in its "
                            "gradient's dtype")
     return values[0].reshape(-1)
+
+
+def byte_regions(sizes: Sequence[tuple[int, torch.dtype]]) -> tuple[list[tuple[int, int]], int]:
+    """Where each of ``sizes`` (elements, dtype) lies in one byte buffer: (first byte,
+    bytes) each, and the buffer's length. Each starts at a multiple of 16, so that
+    every region can be viewed in its dtype."""
+    places, total = [], 0
+    for numel, dtype in sizes:
+        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        places.append((total, nbytes))
+        total += -(-nbytes // 16) * 16
+    return places, total
 
 
 def _empty_bytes(sizes: Sequence[tuple[int, torch.dtype]], device: torch.device,

@@ -102,13 +102,13 @@ def refuse_unsupported(*, mixed_precision: Any, delay_all_reduce_named_params: A
 def bucket_caps_bytes(bucket_cap_mb_list: Optional[Sequence[float]]
                       ) -> Optional[tuple[int, ...]]:
     """torch's ``bucket_cap_mb_list``: the k-th bucket that backward fills closes at
-    its k-th entry, the last entry standing for all later buckets."""
+    its k-th entry, the last entry standing for all later buckets. As in torch, an
+    entry under one byte is 0 bytes: that bucket closes after its first parameter."""
     if not bucket_cap_mb_list:
         return None
-    caps = tuple(int(mb * 1024 * 1024) for mb in bucket_cap_mb_list)
-    if min(caps) <= 0:
-        raise ValueError(f"bucket_cap_mb_list entries must be > 0, got {list(bucket_cap_mb_list)}")
-    return caps
+    if not all(mb >= 0 for mb in bucket_cap_mb_list):  # (NaN too)
+        raise ValueError(f"bucket_cap_mb_list entries must be >= 0, got {list(bucket_cap_mb_list)}")
+    return tuple(int(mb * 1024 * 1024) for mb in bucket_cap_mb_list)
 
 
 def ignored_names(module: torch.nn.Module) -> frozenset[str]:
@@ -175,8 +175,10 @@ def checked_arguments(module: nn.Module, *, schedule: str,
                       "overlap_plan=" + (repr(overlap_plan) if isinstance(overlap_plan, str)
                                          else "an OverlapPlan") + ")", UserWarning,
                       stacklevel=3)
-    if bucket_cap_mb is not None and not bucket_cap_mb > 0 and bucket_caps is None:
-        problems.append(f"bucket_cap_mb must be > 0 (or None: automatic), got {bucket_cap_mb}")
+    # As in torch DDP, a cap under one byte (0 too) puts each parameter in a bucket
+    # of its own.
+    if bucket_cap_mb is not None and not bucket_cap_mb >= 0 and bucket_caps is None:
+        problems.append(f"bucket_cap_mb must be >= 0 (or None: automatic), got {bucket_cap_mb}")
         bucket_cap_mb = None
     if device_ids is not None and len(device_ids) != 1:
         problems.append("device_ids must name exactly one device (single-device modules)")

@@ -245,6 +245,14 @@ class ForwardParamWaiter:
         if landed:
             self._wait_all()
             self._mode = "landed"
+        elif self._recorded is None and not torch.is_grad_enabled():
+            # A forward without autograd (an eval) does not record: the recorder's
+            # function mode on the stack turns off torch's fast paths
+            # (nn.MultiheadAttention's, nn.TransformerEncoderLayer's), whose fused
+            # kernels round apart from the slow path. The next forward that builds
+            # a graph records (training forwards take no fast path).
+            self._wait_all()
+            self._mode = "landed"
         elif self._recorded is None:
             self._wait_all()  # nothing may be pending while we learn who reads what
             self._bucket_storages = self._bucket_storages_now() or frozenset()

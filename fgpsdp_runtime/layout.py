@@ -211,8 +211,8 @@ def plan_buckets(
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if bucket_cap_bytes <= 0:
-        raise ValueError(f"bucket_cap_bytes must be > 0, got {bucket_cap_bytes}")
+    if bucket_cap_bytes < 0:  # (0: each parameter in a bucket of its own, as in torch)
+        raise ValueError(f"bucket_cap_bytes must be >= 0, got {bucket_cap_bytes}")
     first_cap = bucket_cap_bytes if first_bucket_cap_bytes is None else \
         min(bucket_cap_bytes, first_bucket_cap_bytes)
     order = list(range(len(params)))[::-1] if order is None else list(order)

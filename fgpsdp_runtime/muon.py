@@ -86,6 +86,14 @@ def newton_schulz_dtype(dtype: torch.dtype) -> torch.dtype:
     return _RESULT_DTYPES[dtype]
 
 
+def not_a_matrix(name: str, shape: Sequence[int]) -> ValueError:
+    """The error for a parameter of ``shape`` in a use_muon=True group that is not 2-D
+    (torch.optim.Muon's check, with the parameter's name)."""
+    return ValueError(f"parameter {name!r} of shape {tuple(shape)} is in a use_muon=True "
+                      "group: Muon takes 2-D parameters only; put the others (biases, "
+                      "norms, embeddings as you choose) in a use_muon=False group (AdamW)")
+
+
 def _filled_group(optimizer_class: type, group: dict[str, Any]) -> dict[str, Any]:
     """``group``'s settings with ``optimizer_class``'s defaults for the ones it leaves
     out, checked by the class's own constructor (over a stand-in matrix). An entry
@@ -203,12 +211,31 @@ class MuonWithAdamW(torch.optim.Optimizer):
             for piece, buffer in zip(matrix.pieces, buffers):
                 self.state[piece]["momentum_buffer"] = buffer
             self._orthogonalised_step(group, matrix, mine)
+        self._step_adamw_groups()
+        return loss
+
+    @torch.no_grad()
+    def zero_gradient_step(self) -> None:
+        """The state that step() at learning rate 0 on zero gradients makes (torch's
+        ``_init_optim_state``, for a checkpoint template) for the parameters given a
+        ``.grad``, without putting any matrix together: a use_muon piece gets a zero
+        momentum buffer (a zero matrix orthogonalises to zero), the others AdamW's
+        step. On a wrapper's slices the matrices are put together only inside
+        opt.step()'s run over the buckets, every rank at once."""
+        for group in self.param_groups:
+            if group["use_muon"]:
+                for p in group["params"]:
+                    if p.grad is not None and "momentum_buffer" not in self.state[p]:
+                        self.state[p]["momentum_buffer"] = torch.zeros_like(
+                            p.grad, memory_format=torch.preserve_format)
+        self._step_adamw_groups()
+
+    def _step_adamw_groups(self) -> None:
         adamw_groups = [g for g in self.param_groups if not g["use_muon"]]
         if adamw_groups:
             self._adamw.param_groups = adamw_groups
             self._adamw.state = self.state
             _step_unhooked(self._adamw)
-        return loss
 
     def _matrices(self, position: int, group: dict[str, Any]) -> Sequence[MatrixPieces]:
         if self.matrices_of_group is not None:

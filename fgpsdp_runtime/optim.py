@@ -45,6 +45,7 @@ from .optimizer_kinds import refuse_unsliceable, refuse_unsliceable_settings
 from .ignored_params import UnsteppedIgnoredParameters, check_ignored_parameter_replicas
 from .grad_norm_figures import NormFigures, norm_from
 from .model_parallel_norm import GROUP_KEYWORDS, check_model_parallel_group, counted_ranges
+from .muon import not_a_matrix
 from .param_group_args import read_param_groups
 from .profiling import nvtx_range
 from .slice_pieces import SlicePieces
@@ -1785,8 +1786,4 @@ def _refuse_muon_groups_over_non_matrices(model: DistributedDataParallel,
         if group.get("use_muon") is True:
             for p in group["params"]:
                 if p.ndim != 2:
-                    raise ValueError(
-                        f"parameter {names.get(id(p), '?')!r} of shape {tuple(p.shape)} is "
-                        "in a use_muon=True group: Muon takes 2-D parameters only; put "
-                        "the others (biases, norms, embeddings as you choose) in a "
-                        "use_muon=False group (AdamW)")
+                    raise not_a_matrix(names.get(id(p), '?'), p.shape)

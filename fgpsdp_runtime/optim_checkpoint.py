@@ -554,7 +554,10 @@ def create_missing_state(opt: ShardedOptimizer) -> list[Any]:
                     g["lr"] = torch.zeros_like(g["lr"]) if torch.is_tensor(g["lr"]) else 0.0
             for p in pieces:
                 p.grad = torch.zeros_like(p)
-            opt._inner_step_unhooked()
+            # (MuonWithAdamW's step puts matrices together inside opt.step()'s run
+            # over the buckets alone; on zero gradients it needs none.)
+            zero_gradient_step = getattr(optim, "zero_gradient_step", None)
+            (zero_gradient_step or opt._inner_step_unhooked)()
             new_wide = {k: copy_value(v) for k, v in optimizer_wide_entries(optim).items()}
     finally:
         with torch.no_grad():

@@ -288,11 +288,13 @@ class GradientReducer:
 
     def _second_gradient_message(self, index: int) -> str:
         return (f"fgpsdp: parameter '{self.param_names[index]}' received a second gradient "
-                "after its bucket was reduced in this backward: it is used both inside and "
-                "outside a torch.utils.checkpoint(use_reentrant=True) region (shared "
-                "weights), whose nested backward hands over its gradient apart. Not "
-                "supported (torch DDP needs static_graph=True there): use "
-                "use_reentrant=False, which hands over one gradient")
+                "after its bucket was reduced in this backward: it is used in a "
+                "torch.utils.checkpoint(use_reentrant=True) region and again in this "
+                "backward (shared weights, used inside and outside the region, or two "
+                "forwards before one backward), and the region's nested backward hands "
+                "over its gradient apart. Not supported: use use_reentrant=False, which "
+                "hands over one gradient (for shared weights torch DDP needs "
+                "static_graph=True)")
 
     def _pack_bucket(self, b: int) -> None:
         """All held gradients of bucket b into its send buffer: one fused, scaled copy.

@@ -33,7 +33,7 @@ import torch
 from .buckets import span_as_param
 from .grad_reads import has_gradient
 from .group_collectives import exchange_bytes
-from .muon import MatrixPieces, newton_schulz_dtype
+from .muon import MatrixPieces, newton_schulz_dtype, not_a_matrix
 
 if TYPE_CHECKING:  # imported for annotations only
     from .ddp import DistributedDataParallel
@@ -87,6 +87,9 @@ class WholeMatrices:
             if [(start, end - start) for _, _, start, end in mine] != ([held] if held else []):
                 raise RuntimeError(f"fgpsdp: internal error: this rank's pieces of parameter "
                                    f"{index} are not where the layout puts them")
+            name, param = params[index]
+            if param.ndim != 2:  # (a group set to use_muon=True since: on every rank)
+                raise not_a_matrix(name, param.shape)
             found.append(MatrixPieces(params[index][1].shape,
                                       [tensor for tensor, *_ in mine], handle=index))
         return found

@@ -674,3 +674,26 @@ def user_grad_hooks_side_by_side(rank: int, world_size: int, schedule: str,
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
     _train_both(ours, opt, ref, ref_opt, rank, 3)
     return {"diff": _param_diff(ours, ref), "saw_none": len(saw_none)}
+
+
+def gradients_assigned_by_the_loop(rank: int, world_size: int, schedule: str) -> float:
+    """``torch.autograd.grad`` of the loss, its results set on ``p.grad`` by the loop,
+    then ``opt.step()``: the gradients are reduced at the step, as ``no_sync()``'s
+    are. Largest parameter difference to torch DDP's loop with each gradient divided
+    by the ranks and all-reduced by hand (torch DDP alone would step each rank on its
+    own)."""
+    import torch.distributed as dist
+    ours, opt, ref, ref_opt = _plain_side_by_side(rank, schedule)
+    for step in range(3):
+        x, y = _batch(step, rank)
+        for model, optimizer in ((ours, opt), (ref, ref_opt)):
+            params = list(model.module.parameters())
+            for p, g in zip(params, torch.autograd.grad(F.mse_loss(model(x), y), params)):
+                if model is ref:
+                    g = g / world_size
+                    dist.all_reduce(g)
+                p.grad = g
+            optimizer.step()
+            optimizer.zero_grad()
+    ours.synchronize()
+    return _param_diff(ours, ref)

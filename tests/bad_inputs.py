@@ -638,6 +638,26 @@ def shared_weight_across_reentrant_checkpoint(rank, world_size):
     model(torch.randn(4, 13)).sum().backward()
 
 
+class _ReentrantCheckpointed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(13, 13)  # (a reentrant region needs an input with grad)
+        self.inner = nn.Linear(13, 13)
+        self.out = nn.Linear(13, 5)
+
+    def forward(self, x):
+        h = torch.utils.checkpoint.checkpoint(self.inner, self.inp(x), use_reentrant=True)
+        return self.out(torch.tanh(h))
+
+
+def two_forwards_through_a_reentrant_checkpoint(rank, world_size):
+    """Two forwards before one backward (a siamese loss): the first nested backward
+    hands over the checkpointed weights' gradients, the second adds to them."""
+    model = fgp.DistributedDataParallel(_ReentrantCheckpointed(), bucket_cap_mb=0.0001,
+                                        schedule="overlap_backward")
+    (model(torch.randn(4, 13)).sum() + model(torch.randn(4, 13)).sum()).backward()
+
+
 class _FusedViews(nn.Module):
     """q, k, v made as views of one fused tensor (one autograd version counter)."""
 

@@ -489,3 +489,83 @@ def newton_schulz_raises_under_join(rank: int, world_size: int, failing_rank: in
     model.synchronize()
     out["param_diff"] = _max_diff(model.module.parameters(), ref.module.parameters())
     return out
+
+
+class MuonNetWithSpare(MuonNet):
+    """MuonNet with a matrix its forward never uses: it has no optimizer state."""
+
+    def __init__(self):
+        super().__init__()
+        self.spare = nn.Linear(12, 12, bias=False)
+
+
+def _spare_groups(module: MuonNetWithSpare) -> list[dict]:
+    muon, adamw = _groups(module, muon_flag=True)
+    return muon + [{"params": [module.spare.weight], "use_muon": True}] + adamw
+
+
+def template_of_the_state(rank: int, world_size: int) -> dict[str, Any]:
+    """``full_state_dict(init_state=True)`` (the template torch.distributed.checkpoint
+    loads into) before the first step and after two, against torch's
+    ``_init_optim_state`` on MuonWithAdamW over whole tensors; and the training it
+    leaves unchanged."""
+    from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+    from .checkpoint_scenarios import compare_state_dicts
+    torch.manual_seed(0)
+    base = MuonNetWithSpare()
+    whole = copy.deepcopy(base)
+    alone = fgp.MuonWithAdamW(_spare_groups(whole))
+    _init_optim_state(alone)
+    runs = []
+    for make_templates in (False, True):
+        model = fgp.DistributedDataParallel(copy.deepcopy(base), bucket_cap_mb=0.0005,
+                                            find_unused_parameters=True)
+        opt = fgp.ShardedOptimizer(model, fgp.MuonWithAdamW, max_grad_norm=1.0,
+                                   param_groups=_spare_groups(model.module))
+        out: dict[str, Any] = {}
+        if make_templates:
+            template = opt.full_state_dict(init_state=True)
+            out["before_any_step"] = compare_state_dicts(template, alone.state_dict(),
+                                                         strides=False)["bitwise"]
+            out["left_empty"] = opt.full_state_dict()["state"] == {}
+        for step in range(4):
+            if make_templates and step == 2:
+                live = opt.full_state_dict()
+                template = opt.full_state_dict(init_state=True)
+                spare = len(_groups(model.module, True)[0][0]["params"]) + 1  # its number
+                out["spare_had_no_state"] = spare not in live["state"]
+                out["spare_momentum_zero"] = bool(
+                    (template["state"][spare]["momentum_buffer"] == 0).all()) and \
+                    template["state"][spare]["momentum_buffer"].shape == (12, 12)
+                del template["state"][spare]
+                out["others_as_live"] = compare_state_dicts(template, live,
+                                                            strides=False)["bitwise"]
+            x, y = _batch(step, rank)
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        model.synchronize()
+        runs.append((out, [p.detach().clone() for p in model.module.parameters()]))
+    out = runs[1][0]
+    out["training_unchanged"] = all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
+    return out
+
+
+def vector_turned_muon_after_a_step(rank: int, world_size: int) -> str:
+    """A use_muon=False group of 1-D parameters set to use_muon=True after a step:
+    what the next step raises."""
+    model = fgp.DistributedDataParallel(MuonNet())
+    muon, adamw = _groups(model.module, muon_flag=True)
+    opt = fgp.ShardedOptimizer(model, fgp.MuonWithAdamW, param_groups=muon + adamw)
+    for step in range(2):
+        if step == 1:
+            opt.param_groups[-1]["use_muon"] = True  # biases and norms
+        x, y = _batch(step, rank)
+        nn.functional.mse_loss(model(x), y).backward()
+        try:
+            opt.step()
+        except ValueError as error:
+            return f"ValueError: {error}"
+        opt.zero_grad()
+    return "stepped"

@@ -210,6 +210,9 @@ CASES = [
      [r"parameters 'q' and 'k' share memory", r"train apart"]),
     (bad_inputs.shared_weight_across_reentrant_checkpoint, "RuntimeError",
      [r"parameter 'shared\.(weight|bias)' received a second gradient", r"use_reentrant=False"]),
+    (bad_inputs.two_forwards_through_a_reentrant_checkpoint, "RuntimeError",
+     [r"parameter 'inner\.(weight|bias)' received a second gradient",
+      r"two forwards before one backward", r"use_reentrant=False"]),
     (bad_inputs.topologies_differ, "ValueError",
      [r"rank 1: one node of 3 ranks, shared memory on, unlike rank 0's no hierarchy, ranks "
       r"on several nodes"]),

@@ -29,6 +29,10 @@ CONFIGS = {
     # then body.weight alone.
     "bucket_cap_mb_list": {"kw": {"bucket_cap_mb_list": [0.0004, 0.0001]}},
     # Rank-local: a frozen parameter and a BatchNorm statistic, never broadcast.
+    # Caps under one byte: torch DDP takes them (0 bytes: one parameter per bucket).
+    "bucket_cap_mb_zero": {"kw": {"bucket_cap_mb": 0}},
+    "bucket_cap_mb_under_a_byte": {"kw": {"bucket_cap_mb": 1e-7}},
+    "bucket_cap_mb_list_under_a_byte": {"kw": {"bucket_cap_mb_list": [1e-7]}},
     "params_and_buffers_to_ignore": {"kw": {}, "ignore": ["frozen.weight", "bn.running_mean"]},
     "accepted_unneeded": {"kw": {"skip_all_reduce_unused_params": True,
                                  "batched_grad_copy": True, "static_graph": True,
@@ -76,6 +80,22 @@ def test_bucket_cap_mb_list_sets_each_buckets_cap():
     # The largest entry, in whole bytes (419).
     assert results()[0]["bucket_cap_mb_list"]["bucket_cap_mb"] == pytest.approx(0.0004, abs=2**-20)
     assert results()[0]["defaults"]["n_buckets"] == 1
+
+
+def test_a_cap_under_a_byte_puts_each_parameter_in_a_bucket_of_its_own():
+    # Before, every rank raised "bucket_cap_bytes must be > 0, got 0" (0 itself: a
+    # refusal torch DDP does not make).
+    trainable = sum(p.requires_grad for p in ddp_keyword_scenarios.BatchNormNet().parameters())
+    for name in ("bucket_cap_mb_zero", "bucket_cap_mb_under_a_byte",
+                 "bucket_cap_mb_list_under_a_byte"):
+        assert results()[0][name]["n_buckets"] == trainable, name
+
+
+@pytest.mark.parametrize("kw", [{"bucket_cap_mb": -1.0}, {"bucket_cap_mb": float("nan")},
+                                {"bucket_cap_mb_list": [1.0, -1.0]}])
+def test_a_negative_cap_is_refused(kw):
+    with pytest.raises(ValueError, match=r"bucket_cap_mb(_list entries)? must be >= 0"):
+        fgp.DistributedDataParallel(torch.nn.Linear(2, 2), **kw)
 
 
 def test_signature_takes_torch_ddps_parameters_in_its_order():

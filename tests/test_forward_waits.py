@@ -73,3 +73,37 @@ def test_a_skipped_module_read_in_its_place_is_waited_for():
     log = waits_in_a_followed_forward("skip mid", deviations=1)
     assert log == ["wait b2", "run inp", "wait b1", "read mid", "wait all", "run out",
                    "wait all"]
+
+
+@pytest.mark.parametrize("first_forward_builds_a_graph", [False, True])
+def test_an_eval_forward_before_the_first_recording_takes_torchs_fast_path(
+        first_forward_builds_a_graph):
+    # The recording forward runs under a torch function mode, which turns off the
+    # fast paths of nn.MultiheadAttention and nn.TransformerEncoderLayer (their
+    # fused kernels round apart from the slow path): an eval under no_grad (a
+    # Lightning sanity check, an eval before training) is not the recording one, and
+    # gives the module's own output bit for bit; the next forward with autograd
+    # records.
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, dim_feedforward=32, batch_first=True).eval()
+    x = torch.randn(3, 5, 16)
+    with torch.no_grad():
+        alone = layer(x)
+    bucket_of = {id(p): [0] for p in layer.parameters()}
+    waiter = ForwardParamWaiter(layer, bucket_of, lambda b: None, lambda: None, lambda: None)
+    if first_forward_builds_a_graph:
+        waiter.begin_forward()
+        layer(x)
+        waiter.end_forward()
+        assert waiter._recorded is not None
+    with torch.no_grad():  # (as a loop calls the wrapper)
+        waiter.begin_forward()
+        wrapped = layer(x)
+        waiter.end_forward()
+    assert torch.equal(wrapped, alone)
+    if not first_forward_builds_a_graph:
+        assert waiter._recorded is None  # not learnt there
+        waiter.begin_forward()
+        layer(x).sum().backward()
+        waiter.end_forward()
+        assert waiter._recorded

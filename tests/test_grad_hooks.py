@@ -25,3 +25,12 @@ def test_gradient_hooks_run_before_the_reduction_as_under_torch_ddp(results, cas
     for outcome in results[case]:
         assert outcome["saw_none"] == 0
         assert outcome["diff"] == 0.0, outcome
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_gradients_the_loop_sets_are_reduced_at_the_step(schedule):
+    # p.grad = g after torch.autograd.grad: reduced as no_sync()'s (a documented
+    # difference from torch DDP, which would leave the ranks apart).
+    for diff in run_calls(2, [(autograd_scenarios.gradients_assigned_by_the_loop,
+                               schedule)], timeout_s=120).values():
+        assert diff == [0.0, 0.0], diff

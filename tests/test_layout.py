@@ -129,13 +129,19 @@ def test_parameter_straddles_slices():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"bucket_cap_bytes": 0, "world_size": 2}, "bucket_cap_bytes"),
+    ({"bucket_cap_bytes": -1, "world_size": 2}, "bucket_cap_bytes"),
     ({"bucket_cap_bytes": 100, "world_size": 0}, "world_size"),
     ({"bucket_cap_bytes": 100, "world_size": 2, "order": [0, 0]}, "permutation"),
 ])
 def test_bad_arguments(kwargs, message):
     with pytest.raises(ValueError, match=message):
         plan_buckets([fp32(3), fp32(4)], **kwargs)
+
+
+def test_a_cap_of_0_bytes_gives_each_parameter_a_bucket_of_its_own():
+    # As torch DDP's bucket_cap_mb=0 (or under a byte); an empty parameter in none.
+    layouts = plan_buckets([fp32(3), fp32(0), fp32(4)], bucket_cap_bytes=0, world_size=2)
+    assert [[s.param_index for s in layout.spans] for layout in layouts] == [[2], [0]]
 
 
 @settings(max_examples=40, deadline=None)

@@ -269,3 +269,20 @@ def test_newton_schulz_raising_under_join_is_taken_again_by_the_joined_rank_too(
             assert len(out["warnings"]) == 1 and "sent as they were" in out["warnings"][0], \
                 (then, out)
         assert "stand-in step" in gone_on[1]["warnings"][0], gone_on
+
+
+def test_the_checkpoint_template_holds_every_parameters_state_as_torchs():
+    # full_state_dict(init_state=True): before the first step, and after two for a
+    # matrix that never had a gradient; before, every rank raised "an inner step that
+    # puts matrices together ran outside opt.step()'s chunks".
+    for out in run_distributed(2, muon_scenarios.template_of_the_state):
+        assert out == {"before_any_step": True, "left_empty": True,
+                       "spare_had_no_state": True, "spare_momentum_zero": True,
+                       "others_as_live": True, "training_unchanged": True}, out
+
+
+def test_a_group_of_vectors_turned_muon_after_a_step_is_refused_by_name():
+    # Before: "ValueError: not enough values to unpack" from the owners' cost.
+    for out in run_distributed(2, muon_scenarios.vector_turned_muon_after_a_step):
+        assert out.startswith("ValueError: ") and "2-D parameters only" in out \
+            and "'up.bias' of shape (40,)" in out, out

@@ -74,7 +74,8 @@ class ShardedGradScaler(torch.amp.GradScaler):
         inv_scale = self._scale.double().reciprocal().float()
         found_inf = optimizer.unscale_gradients_(inv_scale)
         device = self._scale.device
-        state["found_inf_per_device"] = {
+        # None: no gradient at all; as torch's, step() and update() then raise.
+        state["found_inf_per_device"] = {} if found_inf is None else {
             device: torch.full((), float(found_inf), dtype=torch.float32, device=device)}
         state["stage"] = OptState.UNSCALED
 
@@ -95,6 +96,9 @@ class ShardedGradScaler(torch.amp.GradScaler):
             # No loop code ran since: what unscale_ measured stands for the step.
             optimizer.measured_norm_stands()
         result = None
+        # torch's check, on every rank alike (see unscale_gradients_).
+        assert len(state["found_inf_per_device"]) > 0, \
+            "No inf checks were recorded for this optimizer."
         if sum(v.item() for v in state["found_inf_per_device"].values()):
             # Skipped on every rank (the flag is all-reduced); its step hooks do
             # not run, as under torch.

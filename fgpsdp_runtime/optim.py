@@ -26,6 +26,7 @@ tried on small tensors first (elementwise_probe.py).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import operator
 from collections import defaultdict
@@ -601,9 +602,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     @torch.compiler.disable
     @torch.no_grad()
     @on_itself
-    def clip_grad_value_(self, clip_value: float) -> None:
+    def clip_grad_value_(self, clip_value: float, foreach: Optional[bool] = None) -> None:
         """Clamp the reduced gradient to [-clip_value, clip_value], as
-        torch.nn.utils.clip_grad_value_ would on DDP's gradients. A collective."""
+        torch.nn.utils.clip_grad_value_ would on DDP's gradients. A collective.
+        ``foreach`` is accepted and unneeded."""
         clip_value = float(clip_value)
         self.model.refuse_inside_summoned_grads("opt.clip_grad_value_()")
         self._refuse_while_unfinished("clip_grad_value_()")
@@ -1199,11 +1201,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._slice_pieces.note_master_restored(b)
 
     @on_itself
-    def unscale_gradients_(self, inv_scale: torch.Tensor) -> bool:
+    def unscale_gradients_(self, inv_scale: torch.Tensor) -> Optional[bool]:
         """For ShardedGradScaler.unscale_: multiply every reduced slice by ``inv_scale``.
 
         A collective (every rank calls it, through the scaler). Returns whether
-        any rank's slices hold an inf or NaN, the same on every rank. The norm
+        any rank's slices hold an inf or NaN, the same on every rank; None where no
+        rank's backward fed this step (no parameter has a gradient), where torch's
+        scaler records no inf check. The norm
         measured from then on (clipping, clip_grad_norm_) is the unscaled
         gradient's, as after torch's unscale_.
         """
@@ -1242,7 +1246,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._loss_unscaled = True
         found_inf = not math.isfinite(self._reduce_and_measure())
         self._note_ignored_grads_may_have_changed()
-        return found_inf
+        fed = self._globally_used is None or any(self._globally_used)  # (as _end_step)
+        return found_inf if fed else None
 
     def _announce(self, call: AnnouncedCall, *args: float) -> Optional[UnevenInputs]:
         """Under model.join() (see uneven_inputs.py): announce a call that finishes
@@ -1721,9 +1726,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return self._clipped_norm
 
     def _norm_tensor(self, total: float) -> torch.Tensor:
-        # The gradients' dtype, as torch's clip returns (float32 under master_weights).
-        dtypes = {s.grad_shard.dtype for s in self.model.buckets} or {torch.float32}
-        dtype = dtypes.pop() if len(dtypes) == 1 else torch.float32
+        # The dtype torch's clip returns: its per-dtype norms stacked, so the dtypes
+        # of the gradients there are (those of parameters some rank's backward
+        # reached), promoted (float32 under master_weights, whose slices are
+        # float32); float32 without any gradient (torch's 0.0).
+        slot, buckets = self.model.reducer.slot, self.model.buckets
+        used = self._globally_used or []
+        dtypes = {buckets[slot[i][0]].grad_shard.dtype
+                  for i, reached in enumerate(used) if reached and i in slot}
+        dtype = functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
         return torch.tensor(total, dtype=dtype, device=self._device)
 
 

@@ -132,3 +132,52 @@ def scaled_side_by_side(rank: int, world_size: int, case: dict) -> dict:
 def scaled_many(rank: int, world_size: int, cases: list[dict]) -> list[dict]:
     """Several cases in one set of processes (spawning costs seconds)."""
     return [scaled_side_by_side(rank, world_size, case) for case in cases]
+
+
+class _TwoDtypes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Linear(3, 2).double()
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)).double())
+
+
+def calls_as_torchs(rank: int, world_size: int) -> dict:
+    """Three calls beside torch's: clip_grad_norm_'s total on a float32 + float64
+    model (torch's dtype: the gradients' dtypes promoted), clip_grad_value_ with
+    ``foreach=``, and the scaler's step when no parameter has a gradient (torch's
+    AssertionError)."""
+    out = {}
+    torch.manual_seed(0)
+    base = _TwoDtypes()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+    ours = fgp.DistributedDataParallel(base, bucket_cap_mb=0.0001)
+    opt = fgp.ShardedOptimizer(ours, torch.optim.SGD, lr=0.1)
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(rank))
+    for model in (ours, ref):
+        model(x).sum().backward()
+    total = opt.clip_grad_norm_(1e9)
+    ref_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9)
+    out["norm"] = (total.dtype, ref_total.dtype, abs(float(total) - float(ref_total)))
+    try:
+        opt.clip_grad_value_(1e9, foreach=True)
+        out["clip_value_foreach"] = "ok"
+    except TypeError as error:
+        out["clip_value_foreach"] = f"TypeError: {error}"
+    opt.step()
+    opt.zero_grad()
+    said = []
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    ref_opt.zero_grad()
+    for optimizer, scaler in ((opt, fgp.ShardedGradScaler("cpu")),
+                              (ref_opt, torch.amp.GradScaler("cpu"))):
+        scaler.scale(torch.ones(()))  # no backward: no gradient in this step
+        try:
+            scaler.step(optimizer)
+            said.append("stepped")
+        except AssertionError as error:
+            said.append(f"AssertionError: {error}")
+    out["scaler_without_gradients"] = said
+    return out

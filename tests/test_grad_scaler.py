@@ -11,6 +11,7 @@ rank must still skip those steps and back the scale off alike.
 import math
 
 import pytest
+import torch
 
 from fgpsdp_runtime.ddp_options import SCHEDULES
 
@@ -153,3 +154,16 @@ def test_calls_through_a_wrapper_mixing_in_the_optimizers_class_act_on_the_optim
         written = res["written_on_the_wrapper"]
         assert written == ["_optimizer"], (rank, written)
     _check(THROUGH_A_WRAPPER[index], per_rank, tolerance=0.0)
+
+
+def test_clip_returns_and_scaler_refusals_as_torchs():
+    # Before: the total was float32 on a float32 + float64 model, clip_grad_value_
+    # refused foreach= (a TypeError), and the scaler stepped a step without gradients
+    # and counted it as a good one.
+    for out in run_distributed(2, grad_scaler_scenarios.calls_as_torchs, timeout_s=120):
+        ours, theirs, diff = out["norm"]
+        assert ours == theirs == torch.float64 and diff < 1e-6, out
+        assert out["clip_value_foreach"] == "ok", out
+        said, torch_said = out["scaler_without_gradients"]
+        assert said == torch_said == \
+            "AssertionError: No inf checks were recorded for this optimizer.", out

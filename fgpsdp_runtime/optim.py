@@ -1514,7 +1514,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # warning is not given twice.
         previous = self.__dict__.get("_slice_state")
         self.optim.state = SliceState(lambda key: index(key) is not None, self.optim.state,
-                                      warned=previous is not None and previous.warned)
+                                      warned=previous is not None and previous.warned,
+                                      before_reset=functools.partial(
+                                          refuse_speculative_state, self.model))
         self._slice_state = self.optim.state
         self.__dict__.pop("state", None)  # torch.optim.Optimizer.__init__'s: see state
 
@@ -1547,18 +1549,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 "zero_grad() sends the rest unstepped) first")
 
     def _refuse_speculative_state(self, what: str) -> None:
-        # Not undone here: undoing re-sends the restored slices, a collective, and
-        # a checkpoint is often taken on one rank. Whether stage 1 holds anything
-        # depends on the plan, so a loop can pass the profile window and raise
-        # from step 4 on: the message says both ways out. Settled first, as for a
-        # save of the module: a survivor of a failed peer saves here too.
-        scheduler = self.model.scheduler
-        if scheduler is not None and scheduler.holds_speculative_values_once_settled():
-            raise RuntimeError(
-                f"fgpsdp: opt.{what} between backward and opt.step() would see two_stage's "
-                "speculative updates of the optimizer state; call it after opt.step(), or "
-                "call model.synchronize() first on every rank (it undoes them; the step "
-                "then redoes them)")
+        refuse_speculative_state(self.model, what)
 
     # -- internals -----------------------------------------------------------
 
@@ -1736,6 +1727,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
                   for i, reached in enumerate(used) if reached and i in slot}
         dtype = functools.reduce(torch.promote_types, dtypes) if dtypes else torch.float32
         return torch.tensor(total, dtype=dtype, device=self._device)
+
+
+def refuse_speculative_state(model: DistributedDataParallel, what: str) -> None:
+    """Raise where ``opt.{what}`` would see (or reset) two_stage's speculative
+    updates of the optimizer state: between backward and step."""
+    # Not undone here: undoing re-sends the restored slices, a collective, and
+    # a checkpoint is often taken on one rank. Whether stage 1 holds anything
+    # depends on the plan, so a loop can pass the profile window and raise
+    # from step 4 on: the message says both ways out. Settled first, as for a
+    # save of the module: a survivor of a failed peer saves here too.
+    scheduler = model.scheduler
+    if scheduler is not None and scheduler.holds_speculative_values_once_settled():
+        raise RuntimeError(
+            f"fgpsdp: opt.{what} between backward and opt.step() would see two_stage's "
+            "speculative updates of the optimizer state; call it after opt.step(), or "
+            "call model.synchronize() first on every rank (it undoes them; the step "
+            "then redoes them)")
 
 
 # summon_full_grads' selection in the read's agreement (see _enter_summoned_block).

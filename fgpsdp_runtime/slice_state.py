@@ -8,13 +8,16 @@ resetting a re-initialised layer's state): torch's ``defaultdict`` would
 insert an empty entry for it, and the next ``state_dict()`` would fail on a
 key no param group holds. Such a lookup gets an empty dict that is not kept,
 and one warning; so do ``get``, ``pop`` and ``in`` with a model parameter (None,
-the default, False), and writing or deleting its entry raises.
+the default, False), and writing or deleting its entry raises. A reset by the
+loop (``opt.state.clear()``, ``del opt.state[piece]``) asks ``before_reset`` first:
+between backward and step, two_stage's speculative steps hold state a rollback
+would write back and a commit would keep an update of.
 """
 from __future__ import annotations
 
 import warnings
 from collections import defaultdict
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 
@@ -22,9 +25,11 @@ import torch
 class SliceState(defaultdict):
     """``defaultdict(dict)`` that does not insert entries for the model's parameters."""
 
-    def __init__(self, is_model_param: Callable[[object], bool], *args, warned: bool = False):
+    def __init__(self, is_model_param: Callable[[object], bool], *args, warned: bool = False,
+                 before_reset: Optional[Callable[[str], None]] = None):
         super().__init__(dict, *args)
         self._is_model_param = is_model_param
+        self._before_reset = before_reset  # (what the loop called) -> raises to refuse it
         self.warned = warned  # carried over to the state a load_state_dict() replaces
         # Keys that are not tensors (an optimizer-wide step count, MADGRAD's "k"),
         # for step_wide_state.py without a scan of every piece's entry per step.
@@ -89,7 +94,19 @@ class SliceState(defaultdict):
 
     def __delitem__(self, key) -> None:
         self.refuse_model_params([key])
+        if self._before_reset is not None:
+            self._before_reset("state entry deleted (del opt.state[...])")
         super().__delitem__(key)
+
+    def clear(self) -> None:
+        if self._before_reset is not None:
+            self._before_reset("state.clear()")
+        super().clear()
+
+    def popitem(self):
+        if self._before_reset is not None:
+            self._before_reset("state.popitem()")
+        return super().popitem()
 
     def setdefault(self, key, default=None):  # dict's would bypass __setitem__
         self.refuse_model_params([key])

@@ -92,6 +92,9 @@ CASES = [
     (bad_inputs.optimizer_state_reset_between_backward_and_step, "RuntimeError",
      [r"opt\.state = \.\.\. between backward and opt\.step\(\) would see two_stage's "
       r"speculative updates"]),
+    (bad_inputs.optimizer_state_cleared_between_backward_and_step, "RuntimeError",
+     [r"opt\.state\.clear\(\) between backward and opt\.step\(\) would see two_stage's "
+      r"speculative updates"]),
     (bad_inputs.optimizer_state_dict_between_backward_and_step, "RuntimeError",
      [r"opt\.state_dict\(\) between backward and opt\.step\(\)"]),
     (bad_inputs.cast_after_wrapping, "RuntimeError",

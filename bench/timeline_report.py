@@ -24,7 +24,10 @@ from fgpsdp_runtime.tracing import LANE_ORDER, busy_seconds  # noqa: E402
 # Compute-lane spans that are waits for communication, by what they wait for.
 WAITS = {"wait AG": "forward waits for all-gathers", "wait reduce-scatters":
          "step waits for reduce-scatters", "join scheduler": "step waits for the scheduler",
-         "norm all-reduce": "norm all-reduce"}
+         "norm all-reduce": "norm all-reduce",
+         # MuonWithAdamW's step: its two exchanges, and the orthogonalisation between.
+         "Muon's": "Muon's exchanges", "Newton-Schulz": "Newton-Schulz (compute)"}
+MUON_PARTS = {"Muon's", "Newton-Schulz"}
 
 
 def load_trace(path: str) -> tuple[dict, list[tuple[str, str, float, float]]]:
@@ -81,7 +84,9 @@ def breakdown(spans, steps: int) -> dict[str, float]:
     waits = [(n, e - s) for l, n, s, e in spans if l == "compute" and n not in PHASES
              and any(ps <= s and e <= pe for ps, pe in phases)]
     for prefix, label in WAITS.items():
-        out[label] = sum(d for n, d in waits if n.startswith(prefix)) / steps
+        seconds = sum(d for n, d in waits if n.startswith(prefix)) / steps
+        if seconds or prefix not in MUON_PARTS:  # (Muon's only in a Muon run's report)
+            out[label] = seconds
     lanes = sorted({l for l, *_ in spans} - {"compute"},
                    key=lambda l: LANE_ORDER.index(l) if l in LANE_ORDER else len(LANE_ORDER))
     for lane in lanes:

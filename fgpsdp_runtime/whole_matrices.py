@@ -189,14 +189,15 @@ class WholeMatrices:
         dtypes = [newton_schulz_dtype(self._values_dtype(m)) for m in matrices]
         flats: dict[int, torch.Tensor] = {}
         raised: Optional[Exception] = None
-        for i, matrix in enumerate(matrices):
-            if owner[i] == me:
-                try:
-                    result = orthogonalise(i)
-                except Exception as error:  # noqa: BLE001 - said on every rank, below
-                    raised = error
-                    break
-                flats[i] = self._flat(matrix, result.to(dtypes[i]))
+        with model.timeline.span("compute", "Newton-Schulz"):
+            for i, matrix in enumerate(matrices):
+                if owner[i] == me:
+                    try:
+                        result = orthogonalise(i)
+                    except Exception as error:  # noqa: BLE001 - said on every rank, below
+                        raised = error
+                        break
+                    flats[i] = self._flat(matrix, result.to(dtypes[i]))
         outgoing: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
         incoming: list[list[tuple[int, int, int]]] = [[] for _ in range(n)]
         for i, matrix in enumerate(matrices):
@@ -241,7 +242,8 @@ class WholeMatrices:
         for buffer in sends:
             buffer[-1] = int(raised is not None)
         received = [_empty_bytes(sizes, self._device(), status=True) for sizes in incoming]
-        exchange_bytes(self.model.process_group, sends, received, site)
+        with self.model.timeline.span("compute", site):  # (one per exchange in a trace)
+            exchange_bytes(self.model.process_group, sends, received, site)
         if raised is not None:
             raise raised
         # (The status bytes read in one copy: on a GPU, one synchronisation, not N.)

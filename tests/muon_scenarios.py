@@ -569,3 +569,15 @@ def vector_turned_muon_after_a_step(rank: int, world_size: int) -> str:
             return f"ValueError: {error}"
         opt.zero_grad()
     return "stepped"
+
+
+def spans_of_a_step(rank: int, world_size: int) -> list[str]:
+    """The names of the spans a traced step records on the training thread."""
+    model = fgp.DistributedDataParallel(MuonNet(), bucket_cap_mb=0.0005)
+    muon, adamw = _groups(model.module, muon_flag=True)
+    opt = fgp.ShardedOptimizer(model, fgp.MuonWithAdamW, param_groups=muon + adamw)
+    model.timeline.enable()
+    x, y = _batch(0, rank)
+    nn.functional.mse_loss(model(x), y).backward()
+    opt.step()
+    return [name for lane, name, _, _ in model.timeline.spans() if lane == "compute"]

@@ -248,6 +248,13 @@ def test_breakdown_counts_only_the_waits_inside_a_step(bench_modules):
     assert out["step waits for reduce-scatters"] == pytest.approx(0.4)
     assert out["forward_s"] == pytest.approx(1.0) and out["backward_s"] == pytest.approx(0.9)
     assert out["window_s"] == pytest.approx(3.8)
+    assert "Muon's exchanges" not in out
+    # MuonWithAdamW's parts of the step.
+    out = timeline_report.breakdown(spans + [
+        ("compute", "Muon's whole matrices", 2.4, 2.5), ("compute", "Newton-Schulz", 2.5, 2.8),
+        ("compute", "Muon's orthogonalised matrices", 2.8, 2.85)], steps=1)
+    assert out["Muon's exchanges"] == pytest.approx(0.15)
+    assert out["Newton-Schulz (compute)"] == pytest.approx(0.3)
 
 
 def test_a_trace_counts_its_own_steps(bench_modules):

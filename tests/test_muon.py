@@ -286,3 +286,10 @@ def test_a_group_of_vectors_turned_muon_after_a_step_is_refused_by_name():
     for out in run_distributed(2, muon_scenarios.vector_turned_muon_after_a_step):
         assert out.startswith("ValueError: ") and "2-D parameters only" in out \
             and "'up.bias' of shape (40,)" in out, out
+
+
+def test_a_traced_step_shows_the_exchanges_and_newton_schulz():
+    for names in run_distributed(2, muon_scenarios.spans_of_a_step):
+        for name in ("optimizer step", "Muon's whole matrices", "Newton-Schulz",
+                     "Muon's orthogonalised matrices"):
+            assert names.count(name) == 1, (name, names)

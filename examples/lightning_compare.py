@@ -16,9 +16,11 @@ per-parameter gradient norms logged in ``on_before_optimizer_step`` (with the
 parameters: ``opt.grad_norms()`` against ``p.grad.norm()``), and resumed from
 a checkpoint saved after the first epoch (a resumed run that lost the optimizer's
 state, Adam's moments, would differ from the uninterrupted one); and that a torch
-optimizer returned with a scheduler is refused. ``--check`` exits 1 when a pair with
-fgpsdp differs by more than 1e-6 (the float16 hook's 1e-5, the bfloat16 model clipped
-by norm 1e-2), or the refusal is missing.
+optimizer returned with a scheduler is refused, and so is a clip by norm of a torch
+optimizer over part of the model (Lightning's measures the optimizer's parameters, the
+sharded clip every gradient). ``--check`` exits 1 when a pair with fgpsdp differs by
+more than 1e-6 (the float16 hook's 1e-5, the bfloat16 model clipped by norm 1e-2), or
+a refusal is missing.
 """
 from __future__ import annotations
 
@@ -78,6 +80,11 @@ def main() -> None:
                                   # Up to two bfloat16 places of weights below 1 after
                                   # 16 clipped steps: 3.9e-3 measured.
                                   "fgpsdp against torch DDP: bf16_true_clip_by_norm": 1e-2})
+        # Lightning's clip by norm measures the optimizer's parameters alone.
+        check_refusal("a clip by norm of an optimizer over part of the model",
+                      trainer("fgpsdp", os.path.join(tmp, "no.pt"),
+                              ["--head-only-optimizer", "--epochs", "1"]),
+                      "steps only some of the model's trainable parameters", check)
         # A scheduler returned with a torch optimizer would schedule it alone.
         check_refusal("a torch optimizer returned with an lr scheduler",
                       trainer("fgpsdp", os.path.join(tmp, "no.pt"),

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import weakref
 from typing import Optional
 
 import torch
@@ -68,6 +69,11 @@ import fgpsdp_runtime as fgp
 from toy_regression import regression_dataset, regression_net
 
 CLIP = 0.05  # binds on every step of this model
+
+# ShardedOptimizers converted from a torch optimizer over only some of the model's
+# trainable parameters: Lightning's clip by norm measures the optimizer's parameters,
+# the sharded clip every reduced gradient of the model.
+_PARTIAL: "weakref.WeakSet[fgp.ShardedOptimizer]" = weakref.WeakSet()
 
 
 def register_comm_hook_on_any_device(strategy: DDPStrategy) -> None:
@@ -103,8 +109,8 @@ class FgpsdpStrategy(DDPStrategy):
                              "configure_optimizers, with a param group for each part of "
                              "the model (manual optimization too)")
         try:
-            self.optimizers = [fgp.ShardedOptimizer.from_optimizer(self.model, optimizer)
-                               for optimizer in self.optimizers]
+            converted = [fgp.ShardedOptimizer.from_optimizer(self.model, optimizer)
+                         for optimizer in self.optimizers]
         except ValueError as error:  # (every rank alike: from_optimizer agrees first)
             if "lr scheduler" not in str(error):
                 raise
@@ -112,6 +118,12 @@ class FgpsdpStrategy(DDPStrategy):
                              "configure_optimizers, fgp.ShardedOptimizer(self.trainer."
                              "strategy.model, torch.optim.AdamW, ...), and its schedulers on "
                              "it") from error
+        for optimizer, sharded in zip(self.optimizers, converted):
+            given = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            if not all(id(p) in given for _, p in self.model.named_trainable_parameters()
+                       if p.requires_grad):
+                _PARTIAL.add(sharded)
+        self.optimizers = converted
 
 
 class TorchDDPStrategy(DDPStrategy):
@@ -143,6 +155,12 @@ def clip_sharded_optimizers(plugin) -> None:
         # Every rank: a collective, as Lightning calls it.
         if GradClipAlgorithmType(gradient_clip_algorithm) == GradClipAlgorithmType.VALUE:
             optimizer.clip_grad_value_(clip_val)
+        elif optimizer in _PARTIAL:  # (every rank alike: the groups agree)
+            raise ValueError(
+                "fgpsdp: gradient_clip_val (by norm) clips by the norm of the optimizer's "
+                "parameters, and this optimizer steps only some of the model's trainable "
+                "parameters, while the sharded clip measures them all: freeze the others "
+                "(requires_grad_(False)) before fit")
         else:
             optimizer.clip_grad_norm_(clip_val)
 
@@ -152,10 +170,12 @@ def clip_sharded_optimizers(plugin) -> None:
 
 class Regression(pl.LightningModule):
     def __init__(self, system: str, out: str, torch_optimizer: bool = False,
-                 scheduler: bool = False, log_grad_norms: bool = False):
+                 scheduler: bool = False, log_grad_norms: bool = False,
+                 head_only: bool = False):
         super().__init__()
         self.system, self.out = system, out  # out: where rank 0 saves the parameters
         self.torch_optimizer = torch_optimizer  # fgpsdp: the strategy converts it
+        self.head_only = head_only  # a torch optimizer over the last layer alone
         self.scheduler = scheduler  # a StepLR returned with the optimizer
         self.net = regression_net()
         # Each step's per-parameter gradient norms, saved beside the parameters.
@@ -181,7 +201,8 @@ class Regression(pl.LightningModule):
             optimizer = fgp.ShardedOptimizer(self.trainer.strategy.model, torch.optim.AdamW,
                                              lr=1e-2, weight_decay=0.01)
         else:
-            optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.01)
+            params = self.net[2].parameters() if self.head_only else self.parameters()
+            optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
         if not self.scheduler:
             return optimizer
         return {"optimizer": optimizer,
@@ -241,6 +262,9 @@ def main() -> None:
     parser.add_argument("--scheduler", action="store_true",
                         help="configure_optimizers returns a StepLR too (stepped every 4 "
                         "steps; refused with --torch-optimizer under fgpsdp)")
+    parser.add_argument("--head-only-optimizer", action="store_true",
+                        help="configure_optimizers returns a torch AdamW over the last "
+                        "layer alone (with clipping by norm: refused under fgpsdp)")
     parser.add_argument("--log-grad-norms", action="store_true",
                         help="save each step's per-parameter gradient norms (fgpsdp: "
                         "opt.grad_norms(), torch: p.grad.norm()) beside the parameters")
@@ -249,8 +273,8 @@ def main() -> None:
     # shuffle=False: a resumed run sees the batches the uninterrupted one saw.
     data = DataLoader(regression_dataset(), batch_size=4, shuffle=False)
     pl.seed_everything(0, verbose=False)
-    model = Regression(args.system, args.out, args.torch_optimizer, args.scheduler,
-                       args.log_grad_norms)
+    model = Regression(args.system, args.out, args.torch_optimizer or args.head_only_optimizer,
+                       args.scheduler, args.log_grad_norms, args.head_only_optimizer)
     trainer = make_trainer(args)
     trainer.fit(model, data, ckpt_path=args.resume)
     if args.refit:

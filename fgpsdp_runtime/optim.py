@@ -1207,9 +1207,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         A collective (every rank calls it, through the scaler). Returns whether
         any rank's slices hold an inf or NaN, the same on every rank; None where no
         rank's backward fed this step (no parameter has a gradient), where torch's
-        scaler records no inf check. The norm
-        measured from then on (clipping, clip_grad_norm_) is the unscaled
-        gradient's, as after torch's unscale_.
+        scaler records no inf check. The norm measured from then on (clipping,
+        clip_grad_norm_) is the unscaled gradient's, as after torch's unscale_.
         """
         if any(s.grad_shard.dtype == torch.float16 for s in self.model.buckets):
             raise ValueError("Attempting to unscale FP16 gradients.")  # torch's refusal

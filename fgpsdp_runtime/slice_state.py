@@ -8,10 +8,11 @@ resetting a re-initialised layer's state): torch's ``defaultdict`` would
 insert an empty entry for it, and the next ``state_dict()`` would fail on a
 key no param group holds. Such a lookup gets an empty dict that is not kept,
 and one warning; so do ``get``, ``pop`` and ``in`` with a model parameter (None,
-the default, False), and writing or deleting its entry raises. A reset by the
-loop (``opt.state.clear()``, ``del opt.state[piece]``) asks ``before_reset`` first:
-between backward and step, two_stage's speculative steps hold state a rollback
-would write back and a commit would keep an update of.
+the default, False), and writing or deleting its entry raises. A reset of the
+whole state by the loop (``opt.state.clear()``) asks ``before_reset`` first: between
+backward and step, two_stage's speculative steps hold state a rollback would write
+back and a commit would keep an update of. (Entries are deleted one by one by the
+runtime itself there: step_wide_state.py, speculation.py.)
 """
 from __future__ import annotations
 
@@ -94,8 +95,6 @@ class SliceState(defaultdict):
 
     def __delitem__(self, key) -> None:
         self.refuse_model_params([key])
-        if self._before_reset is not None:
-            self._before_reset("state entry deleted (del opt.state[...])")
         super().__delitem__(key)
 
     def clear(self) -> None:

@@ -90,7 +90,7 @@ class WholeMatrices:
             name, param = params[index]
             if param.ndim != 2:  # (a group set to use_muon=True since: on every rank)
                 raise not_a_matrix(name, param.shape)
-            found.append(MatrixPieces(params[index][1].shape,
+            found.append(MatrixPieces(param.shape,
                                       [tensor for tensor, *_ in mine], handle=index))
         return found
 

@@ -119,6 +119,8 @@ class FgpsdpStrategy(DDPStrategy):
                              "strategy.model, torch.optim.AdamW, ...), and its schedulers on "
                              "it") from error
         for optimizer, sharded in zip(self.optimizers, converted):
+            if isinstance(optimizer, fgp.ShardedOptimizer):
+                continue  # built by configure_optimizers: its groups hold slices
             given = {id(p) for group in optimizer.param_groups for p in group["params"]}
             if not all(id(p) in given for _, p in self.model.named_trainable_parameters()
                        if p.requires_grad):

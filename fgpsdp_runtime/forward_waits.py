@@ -242,15 +242,12 @@ class ForwardParamWaiter:
         self._forward_thread = threading.get_ident()
         self._compiled_depth = 0
         self._hook_compiled_calls()
-        if landed:
-            self._wait_all()
-            self._mode = "landed"
-        elif self._recorded is None and not torch.is_grad_enabled():
-            # A forward without autograd (an eval) does not record: the recorder's
-            # function mode on the stack turns off torch's fast paths
-            # (nn.MultiheadAttention's, nn.TransformerEncoderLayer's), whose fused
-            # kernels round apart from the slow path. The next forward that builds
-            # a graph records (training forwards take no fast path).
+        # A forward without autograd (an eval) does not record either: the
+        # recorder's function mode on the stack turns off torch's fast paths
+        # (nn.MultiheadAttention's, nn.TransformerEncoderLayer's), whose fused
+        # kernels round apart from the slow path. The next forward that builds a
+        # graph records (training forwards take no fast path).
+        if landed or (self._recorded is None and not torch.is_grad_enabled()):
             self._wait_all()
             self._mode = "landed"
         elif self._recorded is None:

@@ -1245,8 +1245,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._loss_unscaled = True
         found_inf = not math.isfinite(self._reduce_and_measure())
         self._note_ignored_grads_may_have_changed()
-        fed = self._globally_used is None or any(self._globally_used)  # (as _end_step)
-        return found_inf if fed else None
+        return found_inf if self._fed_by_a_backward() else None
 
     def _announce(self, call: AnnouncedCall, *args: float) -> Optional[UnevenInputs]:
         """Under model.join() (see uneven_inputs.py): announce a call that finishes
@@ -1307,13 +1306,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 and self.model.reducer.reduce_scatters_launched != self._finished_at):
             self._reset_step_measurements()
 
+    def _fed_by_a_backward(self) -> bool:
+        """Some rank's backward reached a parameter this step (the same on every rank,
+        from the norm's all-reduce; True before it is known)."""
+        return self._globally_used is None or any(self._globally_used)
+
     def _end_step(self, would_commit: bool, stepped: bool = True) -> None:
         # A step that no rank's backward fed (one before the first backward, to build
         # the optimizer's state before a load_state_dict; every gradient None to the
         # inner optimizer, which steps nothing, as torch's): its round of zeros is no
         # gradient stepped, or the next backward would count as adding to it (a
         # warning, and no speculation in that step). The slices hold those zeros only.
-        fed = self._globally_used is None or any(self._globally_used)
+        fed = self._fed_by_a_backward()
         self._reset_step_measurements()
         self._clipped_at = None
         self.model.reducer.end_step(stepped_gradients=fed and stepped)
